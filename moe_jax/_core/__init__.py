@@ -1,0 +1,1 @@
+"""Shared helpers: argument checks, backend selection, hardware queries."""

@@ -1,0 +1,231 @@
+"""Flax NNX modules: ``Router``, ``SharedExperts`` and ``MoE``. Parameters only; the math is in ``moe_jax.ops``.
+
+Auxiliary values are *sown* as ``nnx.Intermediate`` under the name ``"moe_aux"`` (a ``MoEAux``): collect them with
+``y, intermediates = nnx.capture(model, nnx.Intermediate)(x)`` (also inside ``nnx.jit`` / ``nnx.grad``).
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moe_jax.ops.grouped_matmul.api import grouped_matmul
+from moe_jax.ops.moe_ffn.api import MoEAux, moe_ffn
+from moe_jax.ops.routing.api import Routing, balancing_bias_update, route
+
+# Experts are stacked on axis 0; "expert" is the mesh axis expert parallelism shards them over.
+EXPERT_AXIS = "expert"
+
+
+class RouterBias(nnx.Variable):
+    """Aux-loss-free balancing bias [E] f32: changes which experts are selected, never the weights.
+
+    Not an ``nnx.Param``, so an optimizer built with ``wrt=nnx.Param`` never trains it; it moves only through
+    ``update_bias``.
+    """
+
+
+def _param(value: jax.Array, sharding: tuple[str | None, ...]) -> nnx.Param:
+    """A parameter carrying its sharding names; placed eagerly only when the current mesh has those axes."""
+    mesh = jax.sharding.get_abstract_mesh()
+    named = {axis for axis in sharding if axis is not None}
+    eager = not mesh.empty and named <= set(mesh.axis_names)
+    return nnx.Param(value, out_sharding=sharding, eager_sharding=eager)
+
+
+def _fan_in_init(in_axis: int, out_axis: int):
+    return nnx.initializers.variance_scaling(
+        1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis, batch_axis=(0,)
+    )
+
+
+class Router(nnx.Module):
+    """Linear router ``logits = x @ kernel`` (f32) followed by ``moe_jax.route``.
+
+    Args:
+      d_model: D.  num_experts: E.  top_k: k.
+      score, renormalize, num_groups, top_groups, scale: as in ``moe_jax.route``.
+      balance_bias: keep an aux-loss-free ``RouterBias`` [E] (zeros at init).
+      param_dtype: dtype of the kernel [D, E].
+      backend: "auto", "xla" or "pallas".
+      rngs: ``nnx.Rngs`` with a ``params`` stream.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        score: str = "softmax",
+        renormalize: bool = True,
+        num_groups: int = 1,
+        top_groups: int = 1,
+        scale: float = 1.0,
+        balance_bias: bool = False,
+        param_dtype=jnp.float32,
+        backend: str = "auto",
+        rngs: nnx.Rngs,
+    ):
+        init = nnx.initializers.normal(d_model**-0.5)
+        self.kernel = _param(init(rngs.params(), (d_model, num_experts), param_dtype), (None, None))
+        self.bias = RouterBias(jnp.zeros((num_experts,), jnp.float32)) if balance_bias else None
+        self.top_k = top_k
+        self.routing_options = dict(
+            score=score,
+            renormalize=renormalize,
+            num_groups=num_groups,
+            top_groups=top_groups,
+            scale=scale,
+        )
+        self.backend = backend
+
+    @property
+    def bias_value(self) -> jax.Array | None:
+        return None if self.bias is None else self.bias[...]
+
+    def __call__(self, x: jax.Array) -> Routing:
+        """x: [T, D] -> ``Routing`` of T tokens."""
+        logits = jnp.dot(x.astype(jnp.float32), self.kernel[...].astype(jnp.float32))
+        return route(logits, self.top_k, bias=self.bias_value, backend=self.backend, **self.routing_options)
+
+    def update_bias(self, expert_counts: jax.Array, rate: float) -> None:
+        """One aux-loss-free balancing step from [E] per-expert counts (no-op without ``balance_bias``)."""
+        if self.bias is not None:
+            self.bias[...] = balancing_bias_update(self.bias[...], expert_counts, rate)
+
+
+class SharedExperts(nnx.Module):
+    """Always-on gated MLP ``act(x W_gate) * (x W_up) W_down`` added to the routed output (DeepSeek-style).
+
+    Runs as a one-group ``grouped_matmul``, so it shares the routed experts' kernels and epilogue.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, *, activation: str, param_dtype, backend: str, rngs: nnx.Rngs):
+        self.w_gate_up = nnx.Param(_fan_in_init(1, 2)(rngs.params(), (1, d_model, 2 * d_ff), param_dtype))
+        self.w_down = nnx.Param(_fan_in_init(1, 2)(rngs.params(), (1, d_ff, d_model), param_dtype))
+        self.activation = activation
+        self.backend = backend
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: [T, D] in the compute dtype -> [T, D]."""
+        all_rows = jnp.full((1,), x.shape[0], jnp.int32)
+        w_gate_up = self.w_gate_up[...].astype(x.dtype)
+        hidden = grouped_matmul(x, w_gate_up, all_rows, activation=self.activation, backend=self.backend)
+        return grouped_matmul(hidden, self.w_down[...].astype(x.dtype), all_rows, backend=self.backend)
+
+
+class MoE(nnx.Module):
+    """Mixture-of-Experts feed-forward layer (dropless by default) over ``moe_jax.moe_ffn``.
+
+    Args:
+      d_model: D.  d_ff: F, the hidden size of one expert.  num_experts: E.  top_k: k.
+      activation: "swiglu", "geglu" or "gpt_oss".
+      score, renormalize, num_groups, top_groups, scale: routing, as in ``moe_jax.route``.
+      capacity_factor: None (dropless) or the per-expert capacity factor.
+      balance_bias: keep an aux-loss-free router bias (see ``update_bias``).
+      num_shared_experts: width, in units of d_ff, of an always-on shared expert MLP (0: none).
+      dtype: compute dtype (None: the input's).  param_dtype: dtype of the parameters.
+      backend: "auto", "xla" or "pallas".
+      rngs: ``nnx.Rngs`` with a ``params`` stream.
+
+    Parameters: ``router.kernel`` [D, E], ``w_gate_up`` [E, D, 2F] (``[gate | up]`` on the last axis),
+    ``w_down`` [E, F, D]; the expert axis carries the sharding name "expert".
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        activation: str = "swiglu",
+        score: str = "softmax",
+        renormalize: bool = True,
+        num_groups: int = 1,
+        top_groups: int = 1,
+        scale: float = 1.0,
+        capacity_factor: float | None = None,
+        balance_bias: bool = False,
+        num_shared_experts: int = 0,
+        dtype=None,
+        param_dtype=jnp.float32,
+        backend: str = "auto",
+        rngs: nnx.Rngs,
+    ):
+        self.router = Router(
+            d_model,
+            num_experts,
+            top_k,
+            score=score,
+            renormalize=renormalize,
+            num_groups=num_groups,
+            top_groups=top_groups,
+            scale=scale,
+            balance_bias=balance_bias,
+            param_dtype=param_dtype,
+            backend=backend,
+            rngs=rngs,
+        )
+        init = _fan_in_init(1, 2)
+        expert_sharding = (EXPERT_AXIS, None, None)
+        self.w_gate_up = _param(init(rngs.params(), (num_experts, d_model, 2 * d_ff), param_dtype), expert_sharding)
+        self.w_down = _param(init(rngs.params(), (num_experts, d_ff, d_model), param_dtype), expert_sharding)
+        self.shared = (
+            SharedExperts(
+                d_model,
+                num_shared_experts * d_ff,
+                activation=activation,
+                param_dtype=param_dtype,
+                backend=backend,
+                rngs=rngs,
+            )
+            if num_shared_experts
+            else None
+        )
+        self.activation = activation
+        self.capacity_factor = capacity_factor
+        self.dtype = dtype
+        self.backend = backend
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: [..., D] -> [..., D] in the compute dtype; sows a ``MoEAux`` as ``nnx.Intermediate`` "moe_aux"."""
+        dtype = self.dtype or x.dtype
+        tokens = x.reshape(-1, x.shape[-1]).astype(dtype)
+        y, aux = moe_ffn(
+            tokens,
+            self.router.kernel[...],
+            self.w_gate_up[...].astype(dtype),
+            self.w_down[...].astype(dtype),
+            top_k=self.router.top_k,
+            activation=self.activation,
+            bias=self.router.bias_value,
+            capacity_factor=self.capacity_factor,
+            backend=self.backend,
+            **self.router.routing_options,
+        )
+        if self.shared is not None:
+            y = y + self.shared(tokens)
+        self.sow(nnx.Intermediate, "moe_aux", aux)
+        return y.reshape(x.shape)
+
+    def update_bias(self, expert_counts: jax.Array, rate: float) -> None:
+        """One aux-loss-free balancing step of the router bias from [E] counts (e.g. ``MoEAux.expert_counts``)."""
+        self.router.update_bias(expert_counts, rate)
+
+
+def update_balancing_biases(model: nnx.Module, intermediates: nnx.State, rate: float) -> None:
+    """Applies ``MoE.update_bias`` to every MoE in ``model`` from the ``MoEAux`` it sowed into ``intermediates``.
+
+    ``intermediates`` is what ``nnx.capture(model, nnx.Intermediate)`` returned beside the forward pass's output.
+    """
+    flat_aux = dict(nnx.to_flat_state(intermediates))
+    for path, module in nnx.iter_graph(model):
+        if isinstance(module, MoE):
+            sown = flat_aux.get((*path, "moe_aux"))
+            if sown is not None:
+                (aux,) = sown.get_value()
+                module.update_bias(aux.expert_counts, rate)
+
+
+__all__ = ["MoE", "MoEAux", "Router", "RouterBias", "SharedExperts", "update_balancing_biases"]

@@ -1,0 +1,56 @@
+"""Pure-JAX ragged grouped matmul over ``jax.lax.ragged_dot``, with the gated-activation epilogue and row scale.
+
+Glossary: M routed rows, K contraction, N output columns, G groups; with a gated activation N = 2F holds the
+``[gate | up]`` halves and the result has F columns.
+"""
+
+import jax
+import jax.numpy as jnp
+
+ACTIVATIONS = ("swiglu", "geglu", "gpt_oss")
+
+# GPT-OSS clamps the gate from above and the up projection on both sides, and uses a sharpened sigmoid.
+GPT_OSS_LIMIT = 7.0
+GPT_OSS_ALPHA = 1.702
+
+
+def gated_activation(gate: jax.Array, up: jax.Array, activation: str) -> jax.Array:
+    """Elementwise GLU of two equally shaped arrays (computed in their dtype; call it with f32)."""
+    if activation == "swiglu":
+        return jax.nn.silu(gate) * up
+    if activation == "geglu":
+        return jax.nn.gelu(gate, approximate=True) * up
+    if activation == "gpt_oss":
+        gate = jnp.minimum(gate, GPT_OSS_LIMIT)
+        up = jnp.clip(up, -GPT_OSS_LIMIT, GPT_OSS_LIMIT)
+        return (up + 1.0) * gate * jax.nn.sigmoid(GPT_OSS_ALPHA * gate)
+    raise ValueError(f"activation must be one of {ACTIVATIONS} or None, got {activation!r}")
+
+
+def row_mask(group_sizes: jax.Array, num_rows: int) -> jax.Array:
+    """[M] bool: rows below ``sum(group_sizes)``, the ones that belong to a group."""
+    return jnp.arange(num_rows) < jnp.sum(group_sizes)
+
+
+def grouped_matmul(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    activation: str | None = None,
+    row_scale: jax.Array | None = None,
+    preferred_element_type=None,
+    transpose_rhs: bool = False,
+) -> jax.Array:
+    """Reference for ``moe_jax.grouped_matmul``: lhs [M, K], rhs [G, K, N] (or [G, N, K]) -> [M, N] or [M, N/2]."""
+    if transpose_rhs:
+        rhs = jnp.swapaxes(rhs, 1, 2)
+    out = jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32)
+    # ragged_dot leaves rows past the last group unspecified on some backends; the contract says zero.
+    out = jnp.where(row_mask(group_sizes, lhs.shape[0])[:, None], out, 0.0)
+    if activation is not None:
+        gate, up = jnp.split(out, 2, axis=-1)
+        out = gated_activation(gate, up, activation)
+    if row_scale is not None:
+        out = out * row_scale.astype(jnp.float32)[:, None]
+    return out.astype(preferred_element_type or lhs.dtype)

@@ -1,0 +1,133 @@
+"""``moe_jax.moe_ffn``: the whole routed-expert feed-forward layer, composed from the public ops."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax._core import checks
+from moe_jax.ops.grouped_matmul.api import grouped_matmul
+from moe_jax.ops.grouped_matmul.reference import ACTIVATIONS
+from moe_jax.ops.permute.api import combine, permute
+from moe_jax.ops.routing.api import (
+    apply_capacity,
+    check_routing_args,
+    load_balancing_loss,
+    route,
+    z_loss,
+)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MoEAux:
+    """Auxiliary outputs of one MoE layer.
+
+    Attributes:
+      load_balancing_loss: f32 scalar ``E * sum_e f_e * P_e``.
+      z_loss: f32 scalar ``mean_t logsumexp(logits_t)^2``.
+      expert_counts: [E] int32 assignments routed to each expert (before any capacity drop).
+    """
+
+    load_balancing_loss: jax.Array
+    z_loss: jax.Array
+    expert_counts: jax.Array
+
+
+def _check_moe_args(x, router_kernel, w_gate_up, w_down, activation, capacity_factor) -> tuple[int, int, int, int]:
+    num_tokens, d_model = checks.check_rank("x", x, 2, "[T, D]")
+    router_d, num_experts = checks.check_rank("router_kernel", router_kernel, 2, "[D, E]")
+    checks.check_dim("router_kernel", router_d, d_model, "shape[0] (D, from x [T, D])")
+    gate_up_shape = checks.check_rank("w_gate_up", w_gate_up, 3, "[E, D, 2F]")
+    if gate_up_shape[:2] != (num_experts, d_model) or gate_up_shape[2] % 2:
+        raise ValueError(f"w_gate_up must have shape [E, D, 2F] = [{num_experts}, {d_model}, 2F], got {gate_up_shape}")
+    d_ff = gate_up_shape[2] // 2
+    down_shape = checks.check_rank("w_down", w_down, 3, "[E, F, D]")
+    if down_shape != (num_experts, d_ff, d_model):
+        raise ValueError(f"w_down must have shape [E, F, D] = {(num_experts, d_ff, d_model)}, got {down_shape}")
+    for name, array in (
+        ("x", x),
+        ("router_kernel", router_kernel),
+        ("w_gate_up", w_gate_up),
+        ("w_down", w_down),
+    ):
+        checks.check_float(name, array)
+    checks.check_choice("activation", activation, ACTIVATIONS)
+    if capacity_factor is not None and checks.check_static_float("capacity_factor", capacity_factor) <= 0:
+        raise ValueError(f"capacity_factor must be > 0 (or None for dropless), got {capacity_factor}")
+    return num_tokens, d_model, num_experts, d_ff
+
+
+def moe_ffn(
+    x: jax.Array,
+    router_kernel: jax.Array,
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    top_k: int,
+    activation: str = "swiglu",
+    score: str = "softmax",
+    renormalize: bool = True,
+    num_groups: int = 1,
+    top_groups: int = 1,
+    bias: jax.Array | None = None,
+    scale: float = 1.0,
+    capacity_factor: float | None = None,
+    backend: str = "auto",
+) -> tuple[jax.Array, MoEAux]:
+    """Routed-expert FFN: ``y_t = sum_j weight_tj * FFN_{e_tj}(x_t)``, ``FFN_e(x) = (act(x W_gate) * x W_up) W_down``.
+
+    Args:
+      x: [T, D] tokens.
+      router_kernel: [D, E]; ``logits = x @ router_kernel`` in f32.
+      w_gate_up: [E, D, 2F], the ``[gate | up]`` halves along the last axis.
+      w_down: [E, F, D].
+      top_k, score, renormalize, num_groups, top_groups, bias, scale: routing, as in ``moe_jax.route``.
+      activation: "swiglu", "geglu" or "gpt_oss".
+      capacity_factor: None (dropless) or > 0: each expert keeps at most ``ceil(cf * T * k / E)`` rows, dropping
+        its lowest-weight assignments (a dropped assignment contributes zero).
+      backend: "auto", "xla" or "pallas", for every op of the layer.
+
+    Returns:
+      (y [T, D] in x.dtype, MoEAux).
+    """
+    _, _, num_experts, _ = _check_moe_args(x, router_kernel, w_gate_up, w_down, activation, capacity_factor)
+    check_routing_args(
+        num_experts,
+        top_k,
+        score=score,
+        num_groups=num_groups,
+        top_groups=top_groups,
+        bias=bias,
+        scale=scale,
+    )
+    with jax.named_scope("router"):
+        logits = jnp.dot(x.astype(jnp.float32), router_kernel.astype(jnp.float32))
+        routing = route(
+            logits,
+            top_k,
+            score=score,
+            renormalize=renormalize,
+            num_groups=num_groups,
+            top_groups=top_groups,
+            bias=bias,
+            scale=scale,
+            backend=backend,
+        )
+    group_sizes, sort_indices = routing.group_sizes, routing.sort_indices
+    if capacity_factor is not None:
+        group_sizes, sort_indices = apply_capacity(routing, capacity_factor)
+    with jax.named_scope("permute"):
+        rows = permute(x, sort_indices, top_k, backend=backend)
+    with jax.named_scope("experts"):
+        hidden = grouped_matmul(rows, w_gate_up, group_sizes, activation=activation, backend=backend)
+        row_weights = routing.weights.reshape(-1)[sort_indices]
+        out_rows = grouped_matmul(hidden, w_down, group_sizes, row_scale=row_weights, backend=backend)
+    with jax.named_scope("combine"):
+        y = combine(out_rows, sort_indices, top_k, backend=backend)
+    aux = MoEAux(
+        load_balancing_loss=load_balancing_loss(routing),
+        z_loss=z_loss(logits),
+        expert_counts=routing.group_sizes,
+    )
+    return y, aux

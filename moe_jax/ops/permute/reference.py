@@ -1,0 +1,32 @@
+"""Pure-JAX token permutation into expert order and the combine back to token order.
+
+M = T * k routed rows. ``sort_indices[p]`` is the flat assignment ``t * k + j`` at expert-sorted position ``p``.
+"""
+
+import jax
+import jax.numpy as jnp
+
+
+def permute(x: jax.Array, sort_indices: jax.Array, top_k: int) -> jax.Array:
+    """[T, D] tokens -> [M, D] rows in expert order (row p is token ``sort_indices[p] // top_k``)."""
+    return x[sort_indices // top_k]
+
+
+def inverse_permutation(sort_indices: jax.Array) -> jax.Array:
+    """[M] int32: the expert-sorted position of each flat assignment."""
+    positions = jnp.arange(sort_indices.shape[0], dtype=jnp.int32)
+    return jnp.zeros_like(positions).at[sort_indices].set(positions)
+
+
+def combine(y_sorted: jax.Array, sort_indices: jax.Array, top_k: int, weights: jax.Array | None = None) -> jax.Array:
+    """[M, D] expert-sorted outputs -> [T, D] with ``y_t = sum_j w_tj * y_sorted[pos(t, j)]``.
+
+    Without ``weights`` ([T, k]) the k rows of a token are summed as they are (weights already folded in).
+    Accumulates in f32 and returns ``y_sorted.dtype``.
+    """
+    num_rows, d_model = y_sorted.shape
+    per_assignment = y_sorted[inverse_permutation(sort_indices)].astype(jnp.float32)
+    per_assignment = per_assignment.reshape(num_rows // top_k, top_k, d_model)
+    if weights is not None:
+        per_assignment = per_assignment * weights.astype(jnp.float32)[..., None]
+    return per_assignment.sum(1).astype(y_sorted.dtype)

@@ -1,0 +1,130 @@
+"""``moe_jax.route``: router logits -> top-k selection, weights and the expert-sorted permutation."""
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax._core import checks
+from moe_jax._core.backend import resolve_backend
+from moe_jax.ops.routing import reference
+from moe_jax.ops.routing.reference import Routing
+
+SCORES = ("softmax", "sigmoid")
+
+
+def check_routing_args(
+    num_experts: int,
+    top_k,
+    *,
+    score: str,
+    num_groups,
+    top_groups,
+    bias,
+    scale,
+) -> None:
+    """Checks the routing options against ``num_experts`` (shared by ``route`` and ``moe_ffn``)."""
+    checks.check_choice("score", score, SCORES)
+    checks.check_positive_int("num_groups", num_groups, upper=num_experts, upper_name="E")
+    if num_experts % num_groups:
+        raise ValueError(f"num_groups must divide the number of experts E={num_experts}, got {num_groups}")
+    checks.check_positive_int("top_groups", top_groups, upper=num_groups, upper_name="num_groups")
+    eligible = top_groups * (num_experts // num_groups)
+    checks.check_positive_int(
+        "top_k",
+        top_k,
+        upper=eligible,
+        upper_name="E" if eligible == num_experts else "top_groups * E / num_groups",
+    )
+    if bias is not None:
+        checks.check_rank("bias", bias, 1, "[E]")
+        checks.check_dim("bias", bias.shape[0], num_experts, "length (E, the number of experts)")
+        checks.check_float("bias", bias)
+    checks.check_static_float("scale", scale)
+
+
+def route(
+    logits: jax.Array,
+    top_k: int,
+    *,
+    score: str = "softmax",
+    renormalize: bool = True,
+    num_groups: int = 1,
+    top_groups: int = 1,
+    bias: jax.Array | None = None,
+    scale: float = 1.0,
+    backend: str = "auto",
+) -> Routing:
+    """Routes T tokens over E experts.
+
+    Args:
+      logits: [T, E] router logits (any float dtype; scores are computed in f32).
+      top_k: experts per token, in [1, E] (in [1, top_groups * E / num_groups] with group-limited routing).
+      score: "softmax" (over experts) or "sigmoid" (per expert).
+      renormalize: divide the selected scores by their sum.
+      num_groups: split E into this many contiguous groups (DeepSeek-V3 group-limited routing); 1 turns it off.
+      top_groups: only the best ``top_groups`` groups (a group scores the sum of its two best biased scores) are
+        eligible.
+      bias: [E] f32, added to the scores for *selection only* (aux-loss-free balancing); never changes the weights.
+      scale: multiplies the final weights.
+      backend: "auto", "xla" or "pallas".
+
+    Returns:
+      ``Routing`` with weights [T, k] f32, experts [T, k] int32 (descending score, ties to the lower id),
+      group_sizes [E] int32, sort_indices [T*k] int32 (stable expert-sorted permutation) and probs [T, E] f32.
+    """
+    num_tokens, num_experts = checks.check_rank("logits", logits, 2, "[T, E]")
+    checks.check_float("logits", logits)
+    check_routing_args(
+        num_experts,
+        top_k,
+        score=score,
+        num_groups=num_groups,
+        top_groups=top_groups,
+        bias=bias,
+        scale=scale,
+    )
+    del num_tokens
+    resolve_backend(backend, op="route", has_kernel=False)
+    return reference.route(
+        logits,
+        top_k,
+        score=score,
+        renormalize=renormalize,
+        num_groups=num_groups,
+        top_groups=top_groups,
+        bias=bias,
+        scale=scale,
+    )
+
+
+def apply_capacity(routing: Routing, capacity_factor: float) -> tuple[jax.Array, jax.Array]:
+    """Caps every expert at ``ceil(capacity_factor * T * k / E)`` rows, dropping its lowest-weight assignments.
+
+    Returns (group_sizes [E] int32, sort_indices [T*k] int32): kept rows sorted by expert (stable), dropped rows last,
+    past ``sum(group_sizes)`` — exactly what ``grouped_matmul`` and ``combine`` consume.
+    """
+    capacity_factor = checks.check_static_float("capacity_factor", capacity_factor)
+    if capacity_factor <= 0:
+        raise ValueError(f"capacity_factor must be > 0 (or None for dropless), got {capacity_factor}")
+    num_tokens, top_k = routing.experts.shape
+    num_experts = routing.group_sizes.shape[0]
+    capacity = reference.expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
+    return reference.apply_capacity(routing, capacity)
+
+
+def balancing_bias_update(bias: jax.Array, expert_counts: jax.Array, rate: float) -> jax.Array:
+    """Aux-loss-free balancing step: ``bias_e += rate * sign(mean(counts) - counts_e)`` on [E] arrays."""
+    (num_experts,) = checks.check_rank("bias", bias, 1, "[E]")
+    checks.check_rank("expert_counts", expert_counts, 1, "[E]")
+    checks.check_dim("expert_counts", expert_counts.shape[0], num_experts, "length (E, from bias)")
+    return reference.balancing_bias_update(bias, expert_counts, checks.check_static_float("rate", rate))
+
+
+def load_balancing_loss(routing: Routing) -> jax.Array:
+    """f32 scalar ``E * sum_e f_e * P_e`` (f_e: share of the T*k assignments to e; P_e: mean normalised score)."""
+    return reference.load_balancing_loss(routing)
+
+
+def z_loss(logits: jax.Array) -> jax.Array:
+    """f32 scalar ``mean_t logsumexp(logits_t)^2`` of [T, E] router logits."""
+    checks.check_rank("logits", logits, 2, "[T, E]")
+    return reference.z_loss(jnp.asarray(logits))

@@ -1,0 +1,167 @@
+"""Pure-JAX routing: scores, (group-limited) top-k selection, weights, counts and the expert-sorted permutation.
+
+This is the unfused baseline, the CPU path and the oracle for the gating kernel. Glossary: T tokens, E experts,
+k experts per token; an *assignment* is one (token, slot) pair, flat index ``t * k + j``.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """Where every token goes, and with what weight.
+
+    Attributes:
+      weights: [T, k] f32 — the selected (unbiased) scores, renormalised if asked, times ``scale``.
+      experts: [T, k] int32 — selected expert ids, in descending (biased) score order, ties to the lower id.
+      group_sizes: [E] int32 — assignments per expert (``sum == T * k``).
+      sort_indices: [T * k] int32 — the assignments sorted by expert, stably (by token, then slot, within an
+        expert): position ``p`` of the expert-sorted rows holds assignment ``sort_indices[p]``.
+      probs: [T, E] f32 — the unbiased scores normalised to sum 1 per token (softmax probabilities, or sigmoid scores
+        divided by their sum); what the load-balancing loss averages.
+    """
+
+    weights: jax.Array
+    experts: jax.Array
+    group_sizes: jax.Array
+    sort_indices: jax.Array
+    probs: jax.Array
+
+    @property
+    def top_k(self) -> int:
+        return self.experts.shape[1]
+
+    @property
+    def token_indices(self) -> jax.Array:
+        """[T * k] int32: the token of each expert-sorted row."""
+        return self.sort_indices // self.top_k
+
+    @property
+    def sorted_weights(self) -> jax.Array:
+        """[T * k] f32: the routing weight of each expert-sorted row."""
+        return self.weights.reshape(-1)[self.sort_indices]
+
+
+def scores(logits: jax.Array, score: str) -> jax.Array:
+    """[T, E] f32 scores: softmax over experts or elementwise sigmoid."""
+    logits = logits.astype(jnp.float32)
+    if score == "softmax":
+        return jax.nn.softmax(logits, axis=-1)
+    return jax.nn.sigmoid(logits)
+
+
+def _restrict_to_top_groups(selection: jax.Array, num_groups: int, top_groups: int) -> jax.Array:
+    """Sets to -inf every expert outside the ``top_groups`` best of ``num_groups`` contiguous groups.
+
+    A group's score is the sum of its two best selection scores (DeepSeek-V3), or its only score for groups of one.
+    """
+    num_tokens, num_experts = selection.shape
+    grouped = selection.reshape(num_tokens, num_groups, num_experts // num_groups)
+    best_in_group = jax.lax.top_k(grouped, min(2, grouped.shape[-1]))[0]
+    _, chosen_groups = jax.lax.top_k(best_in_group.sum(-1), top_groups)  # [T, top_groups]
+    group_mask = jnp.zeros((num_tokens, num_groups), bool)
+    group_mask = group_mask.at[jnp.arange(num_tokens)[:, None], chosen_groups].set(True)
+    expert_mask = jnp.repeat(group_mask, num_experts // num_groups, axis=1)
+    return jnp.where(expert_mask, selection, -jnp.inf)
+
+
+def select_experts(
+    expert_scores: jax.Array,
+    top_k: int,
+    *,
+    num_groups: int = 1,
+    top_groups: int = 1,
+    bias: jax.Array | None = None,
+) -> jax.Array:
+    """[T, k] int32 expert ids: the best ``top_k`` of ``expert_scores + bias`` within the eligible groups."""
+    selection = expert_scores if bias is None else expert_scores + bias.astype(jnp.float32)
+    if num_groups > 1:
+        selection = _restrict_to_top_groups(selection, num_groups, top_groups)
+    return jax.lax.top_k(selection, top_k)[1].astype(jnp.int32)
+
+
+def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """Returns (group_sizes [E] int32, sort_indices [T * k] int32) for the [T, k] selection ``experts``."""
+    flat = experts.reshape(-1)
+    group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+    sort_indices = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    return group_sizes, sort_indices
+
+
+def route(
+    logits: jax.Array,
+    top_k: int,
+    *,
+    score: str = "softmax",
+    renormalize: bool = True,
+    num_groups: int = 1,
+    top_groups: int = 1,
+    bias: jax.Array | None = None,
+    scale: float = 1.0,
+) -> Routing:
+    """Reference routing of [T, E] logits; see ``moe_jax.route`` for the contract."""
+    expert_scores = scores(logits, score)
+    experts = select_experts(expert_scores, top_k, num_groups=num_groups, top_groups=top_groups, bias=bias)
+    weights = jnp.take_along_axis(expert_scores, experts, axis=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdims=True)
+    weights = weights * scale
+    group_sizes, sort_indices = sort_by_expert(experts, logits.shape[-1])
+    probs = expert_scores if score == "softmax" else expert_scores / expert_scores.sum(-1, keepdims=True)
+    return Routing(weights, experts, group_sizes, sort_indices, probs)
+
+
+def load_balancing_loss(routing: Routing) -> jax.Array:
+    """f32 scalar ``E * sum_e f_e * P_e``: f_e the share of assignments to e, P_e the mean normalised score of e.
+
+    Gradients flow through P only (f counts discrete choices).
+    """
+    num_experts = routing.probs.shape[-1]
+    assignment_share = routing.group_sizes.astype(jnp.float32) / routing.sort_indices.shape[0]
+    mean_prob = routing.probs.mean(0)
+    return num_experts * jnp.sum(jax.lax.stop_gradient(assignment_share) * mean_prob)
+
+
+def z_loss(logits: jax.Array) -> jax.Array:
+    """f32 scalar ``mean_t logsumexp(logits_t)^2`` over [T, E] router logits."""
+    return jnp.mean(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1) ** 2)
+
+
+def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """Rows each expert may take: ``ceil(capacity_factor * T * k / E)``."""
+    return max(1, -(-int(capacity_factor * num_tokens * top_k) // num_experts))
+
+
+def apply_capacity(routing: Routing, capacity: int) -> tuple[jax.Array, jax.Array]:
+    """Drops, per expert, the assignments beyond ``capacity`` with the lowest routing weight (ties: later first).
+
+    Returns (group_sizes [E] int32, sort_indices [T*k] int32) in the layout ``grouped_matmul`` expects: the kept rows
+    sorted by expert as in ``Routing`` (stable by token, then slot), then every dropped assignment after
+    ``sum(group_sizes)``, where the grouped matmul writes zeros.
+    """
+    flat_experts = routing.experts.reshape(-1)
+    flat_weights = routing.weights.reshape(-1)
+    num_assignments = flat_experts.shape[0]
+    num_experts = routing.group_sizes.shape[0]
+    flat_index = jnp.arange(num_assignments, dtype=jnp.int32)
+    # Within each expert: by descending weight, then by assignment index.
+    by_score = jnp.lexsort((flat_index, -flat_weights, flat_experts))
+    group_starts = jnp.cumsum(routing.group_sizes) - routing.group_sizes
+    rank_sorted = jnp.arange(num_assignments) - group_starts[flat_experts[by_score]]
+    rank = jnp.zeros_like(flat_index).at[by_score].set(rank_sorted.astype(jnp.int32))
+    kept_experts = jnp.where(rank < capacity, flat_experts, num_experts)
+    sort_indices = jnp.argsort(kept_experts, stable=True).astype(jnp.int32)
+    return jnp.minimum(routing.group_sizes, capacity), sort_indices
+
+
+def balancing_bias_update(bias: jax.Array, expert_counts: jax.Array, rate: float) -> jax.Array:
+    """Aux-loss-free balancing (DeepSeek-V3): raise the bias of under-loaded experts, lower the over-loaded ones.
+
+    ``bias_e += rate * sign(mean(counts) - counts_e)``; [E] f32 in, [E] f32 out.
+    """
+    counts = expert_counts.astype(jnp.float32)
+    return bias + rate * jnp.sign(jnp.mean(counts) - counts)
