@@ -1,4 +1,4 @@
-"""Test tiers (DESIGN §5): reference on CPU, kernels under the Mosaic GPU interpreter, `gpu`-marked tests on hardware."""
+"""Test tiers (DESIGN §5): reference on CPU, kernels under the Mosaic GPU interpreter, `gpu`-marked tests on a GPU."""
 
 import jax
 import pytest

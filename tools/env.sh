@@ -10,7 +10,7 @@ python_ok() { "$@" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/n
 
 find_python() {
   local candidate version
-  for candidate in python3.13 python3.12 python3; do
+  for candidate in python3.12 python3.13 python3; do
     if command -v "$candidate" >/dev/null && python_ok "$candidate"; then echo "$candidate"; return; fi
   done
   # The CI machines' default python3 is 3.11; a 3.12 interpreter is installed through pyenv.

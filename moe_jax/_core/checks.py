@@ -30,11 +30,16 @@ def check_dim(name: str, actual: int, expected: int, what: str) -> None:
         raise ValueError(f"{name}: {what} must be {expected}, got {actual}")
 
 
-def check_float(name: str, x, allowed: Iterable = (jnp.float32, jnp.bfloat16, jnp.float16)) -> None:
+def check_float(name: str, x, allowed: Iterable = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)) -> None:
     allowed = tuple(jnp.dtype(d) for d in allowed)
     if jnp.dtype(x.dtype) not in allowed:
         names = ", ".join(d.name for d in allowed)
         raise TypeError(f"{name} must have dtype in ({names}), got {jnp.dtype(x.dtype).name}")
+
+
+def accumulation_dtype(dtype) -> jnp.dtype:
+    """f32 for 16- and 32-bit floats; f64 stays f64 (gradient checks run the reference in float64)."""
+    return jnp.promote_types(dtype, jnp.float32)
 
 
 def check_int32(name: str, x) -> None:

@@ -206,7 +206,8 @@ class MoE(nnx.Module):
         )
         if self.shared is not None:
             y = y + self.shared(tokens)
-        self.sow(nnx.Intermediate, "moe_aux", aux)
+        # Outside nnx.capture there is nowhere to put it: sowing is then a no-op.
+        self.sow(nnx.Intermediate, "moe_aux", aux, capture_noop=True)
         return y.reshape(x.shape)
 
     def update_bias(self, expert_counts: jax.Array, rate: float) -> None:

@@ -7,6 +7,8 @@ Glossary: M routed rows, K contraction, N output columns, G groups; with a gated
 import jax
 import jax.numpy as jnp
 
+from moe_jax._core.checks import accumulation_dtype
+
 ACTIVATIONS = ("swiglu", "geglu", "gpt_oss")
 
 # GPT-OSS clamps the gate from above and the up projection on both sides, and uses a sharpened sigmoid.
@@ -45,12 +47,13 @@ def grouped_matmul(
     """Reference for ``moe_jax.grouped_matmul``: lhs [M, K], rhs [G, K, N] (or [G, N, K]) -> [M, N] or [M, N/2]."""
     if transpose_rhs:
         rhs = jnp.swapaxes(rhs, 1, 2)
-    out = jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32)
+    acc_dtype = accumulation_dtype(lhs.dtype)
+    out = jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), preferred_element_type=acc_dtype)
     # ragged_dot leaves rows past the last group unspecified on some backends; the contract says zero.
     out = jnp.where(row_mask(group_sizes, lhs.shape[0])[:, None], out, 0.0)
     if activation is not None:
         gate, up = jnp.split(out, 2, axis=-1)
         out = gated_activation(gate, up, activation)
     if row_scale is not None:
-        out = out * row_scale.astype(jnp.float32)[:, None]
+        out = out * row_scale.astype(acc_dtype)[:, None]
     return out.astype(preferred_element_type or lhs.dtype)

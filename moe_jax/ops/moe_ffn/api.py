@@ -102,7 +102,8 @@ def moe_ffn(
         scale=scale,
     )
     with jax.named_scope("router"):
-        logits = jnp.dot(x.astype(jnp.float32), router_kernel.astype(jnp.float32))
+        router_dtype = checks.accumulation_dtype(x.dtype)
+        logits = jnp.dot(x.astype(router_dtype), router_kernel.astype(router_dtype))
         routing = route(
             logits,
             top_k,

@@ -6,6 +6,8 @@ M = T * k routed rows. ``sort_indices[p]`` is the flat assignment ``t * k + j`` 
 import jax
 import jax.numpy as jnp
 
+from moe_jax._core.checks import accumulation_dtype
+
 
 def permute(x: jax.Array, sort_indices: jax.Array, top_k: int) -> jax.Array:
     """[T, D] tokens -> [M, D] rows in expert order (row p is token ``sort_indices[p] // top_k``)."""
@@ -25,8 +27,9 @@ def combine(y_sorted: jax.Array, sort_indices: jax.Array, top_k: int, weights: j
     Accumulates in f32 and returns ``y_sorted.dtype``.
     """
     num_rows, d_model = y_sorted.shape
-    per_assignment = y_sorted[inverse_permutation(sort_indices)].astype(jnp.float32)
+    acc_dtype = accumulation_dtype(y_sorted.dtype)
+    per_assignment = y_sorted[inverse_permutation(sort_indices)].astype(acc_dtype)
     per_assignment = per_assignment.reshape(num_rows // top_k, top_k, d_model)
     if weights is not None:
-        per_assignment = per_assignment * weights.astype(jnp.float32)[..., None]
+        per_assignment = per_assignment * weights.astype(acc_dtype)[..., None]
     return per_assignment.sum(1).astype(y_sorted.dtype)

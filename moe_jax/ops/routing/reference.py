@@ -9,6 +9,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from moe_jax._core.checks import accumulation_dtype
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +49,8 @@ class Routing:
 
 
 def scores(logits: jax.Array, score: str) -> jax.Array:
-    """[T, E] f32 scores: softmax over experts or elementwise sigmoid."""
-    logits = logits.astype(jnp.float32)
+    """[T, E] f32 scores (f64 for f64 logits): softmax over experts or elementwise sigmoid."""
+    logits = logits.astype(accumulation_dtype(logits.dtype))
     if score == "softmax":
         return jax.nn.softmax(logits, axis=-1)
     return jax.nn.sigmoid(logits)
@@ -78,7 +80,7 @@ def select_experts(
     bias: jax.Array | None = None,
 ) -> jax.Array:
     """[T, k] int32 expert ids: the best ``top_k`` of ``expert_scores + bias`` within the eligible groups."""
-    selection = expert_scores if bias is None else expert_scores + bias.astype(jnp.float32)
+    selection = expert_scores if bias is None else expert_scores + bias.astype(expert_scores.dtype)[None, :]
     if num_groups > 1:
         selection = _restrict_to_top_groups(selection, num_groups, top_groups)
     return jax.lax.top_k(selection, top_k)[1].astype(jnp.int32)
@@ -121,14 +123,14 @@ def load_balancing_loss(routing: Routing) -> jax.Array:
     Gradients flow through P only (f counts discrete choices).
     """
     num_experts = routing.probs.shape[-1]
-    assignment_share = routing.group_sizes.astype(jnp.float32) / routing.sort_indices.shape[0]
+    assignment_share = routing.group_sizes.astype(routing.probs.dtype) / routing.sort_indices.shape[0]
     mean_prob = routing.probs.mean(0)
     return num_experts * jnp.sum(jax.lax.stop_gradient(assignment_share) * mean_prob)
 
 
 def z_loss(logits: jax.Array) -> jax.Array:
     """f32 scalar ``mean_t logsumexp(logits_t)^2`` over [T, E] router logits."""
-    return jnp.mean(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1) ** 2)
+    return jnp.mean(jax.nn.logsumexp(logits.astype(accumulation_dtype(logits.dtype)), axis=-1) ** 2)
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:

@@ -1,0 +1,190 @@
+"""Test helpers: an independent NumPy float64 oracle for every op, ragged routings, and error metrics.
+
+The oracle is written from DESIGN §3 with loops and plain NumPy — deliberately unlike the vectorised JAX reference —
+so that the two can only agree by both being right.
+"""
+
+import math
+
+import numpy as np
+
+# ---------------------------------------------------------------------------------------------------------- metrics
+
+
+def relative_error(actual, expected) -> float:
+    """``||actual - expected|| / ||expected||`` in float64 (0 when both are zero)."""
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
+    denominator = np.linalg.norm(expected)
+    difference = np.linalg.norm(actual - expected)
+    return float(difference / denominator) if denominator else float(difference)
+
+
+# ---------------------------------------------------------------------------------------------------------- routings
+
+
+def random_group_sizes(rng: np.random.Generator, num_groups: int, num_rows: int, kind: str = "uniform") -> np.ndarray:
+    """[G] int32 group sizes summing to at most ``num_rows``.
+
+    kinds: "uniform" (each row picks a group uniformly), "empty" (about half the groups empty), "hot" (one group takes
+    every row), "tail" (uniform over 3/4 of the rows: the rest lie past the sum), "zipf" (Zipf(1.2) over groups).
+    """
+    if kind == "hot":
+        sizes = np.zeros(num_groups, np.int64)
+        sizes[rng.integers(num_groups)] = num_rows
+        return sizes.astype(np.int32)
+    rows = num_rows * 3 // 4 if kind == "tail" else num_rows
+    if kind == "empty":
+        allowed = rng.permutation(num_groups)[: max(1, num_groups // 2)]
+        choice = rng.choice(allowed, size=rows)
+    elif kind == "zipf":
+        weights = 1.0 / np.arange(1, num_groups + 1) ** 1.2
+        choice = rng.choice(num_groups, size=rows, p=weights / weights.sum())
+    elif kind in ("uniform", "tail"):
+        choice = rng.integers(num_groups, size=rows)
+    else:
+        raise ValueError(f"kind must be uniform, empty, hot, tail or zipf, got {kind!r}")
+    return np.bincount(choice, minlength=num_groups).astype(np.int32)
+
+
+# ---------------------------------------------------------------------------------------------------------- routing
+
+
+def scores(logits, score: str) -> np.ndarray:
+    logits = np.asarray(logits, np.float64)
+    if score == "softmax":
+        shifted = np.exp(logits - logits.max(-1, keepdims=True))
+        return shifted / shifted.sum(-1, keepdims=True)
+    return 1.0 / (1.0 + np.exp(-logits))
+
+
+def _best_first(values: np.ndarray, count: int) -> list[int]:
+    """Indices of the ``count`` largest values, larger first, ties to the lower index."""
+    return sorted(range(len(values)), key=lambda i: (-values[i], i))[:count]
+
+
+def route(logits, top_k, *, score="softmax", renormalize=True, num_groups=1, top_groups=1, bias=None, scale=1.0):
+    """Returns dict(weights [T,k], experts [T,k], group_sizes [E], sort_indices [T*k], probs [T,E]) in float64."""
+    expert_scores = scores(logits, score)
+    num_tokens, num_experts = expert_scores.shape
+    group_width = num_experts // num_groups
+    experts = np.zeros((num_tokens, top_k), np.int64)
+    weights = np.zeros((num_tokens, top_k))
+    for t in range(num_tokens):
+        selection = expert_scores[t] + (0.0 if bias is None else np.asarray(bias, np.float64))
+        eligible = list(range(num_experts))
+        if num_groups > 1:
+            group_score = [
+                sum(sorted(selection[g * group_width : (g + 1) * group_width], reverse=True)[:2])
+                for g in range(num_groups)
+            ]
+            groups = _best_first(np.array(group_score), top_groups)
+            eligible = [e for e in eligible if e // group_width in groups]
+        chosen = sorted(eligible, key=lambda e: (-selection[e], e))[:top_k]
+        experts[t] = chosen
+        weights[t] = expert_scores[t, chosen]
+        if renormalize:
+            weights[t] /= weights[t].sum()
+        weights[t] *= scale
+    flat = experts.reshape(-1)
+    sort_indices = np.array(sorted(range(flat.size), key=lambda a: (flat[a], a)))
+    probs = expert_scores / expert_scores.sum(-1, keepdims=True)
+    return dict(
+        weights=weights,
+        experts=experts,
+        group_sizes=np.bincount(flat, minlength=num_experts),
+        sort_indices=sort_indices,
+        probs=probs,
+    )
+
+
+def load_balancing_loss(probs, experts) -> float:
+    num_tokens, num_experts = probs.shape
+    share = np.bincount(np.asarray(experts).reshape(-1), minlength=num_experts) / np.asarray(experts).size
+    return float(num_experts * np.sum(share * probs.mean(0)))
+
+
+def z_loss(logits) -> float:
+    logits = np.asarray(logits, np.float64)
+    peak = logits.max(-1)
+    log_normaliser = peak + np.log(np.exp(logits - peak[:, None]).sum(-1))
+    return float(np.mean(log_normaliser**2))
+
+
+def capacity_keep(experts, weights, capacity: int) -> np.ndarray:
+    """[T, k] bool: per expert, the ``capacity`` assignments of highest weight (ties: lower assignment index)."""
+    flat_experts = np.asarray(experts).reshape(-1)
+    flat_weights = np.asarray(weights, np.float64).reshape(-1)
+    keep = np.zeros(flat_experts.size, bool)
+    for expert in np.unique(flat_experts):
+        members = np.flatnonzero(flat_experts == expert)
+        ranked = sorted(members, key=lambda a: (-flat_weights[a], a))
+        keep[ranked[:capacity]] = True
+    return keep.reshape(np.shape(experts))
+
+
+# ---------------------------------------------------------------------------------------------------------- matmul
+
+
+def gated_activation(gate, up, activation: str) -> np.ndarray:
+    gate = np.asarray(gate, np.float64)
+    up = np.asarray(up, np.float64)
+    if activation == "swiglu":
+        return gate / (1.0 + np.exp(-gate)) * up
+    if activation == "geglu":
+        inner = math.sqrt(2.0 / math.pi) * (gate + 0.044715 * gate**3)
+        return 0.5 * gate * (1.0 + np.tanh(inner)) * up
+    if activation == "gpt_oss":
+        gate = np.minimum(gate, 7.0)
+        up = np.clip(up, -7.0, 7.0)
+        return (up + 1.0) * gate / (1.0 + np.exp(-1.702 * gate))
+    raise ValueError(activation)
+
+
+def grouped_matmul(lhs, rhs, group_sizes, *, activation=None, row_scale=None, transpose_rhs=False) -> np.ndarray:
+    """float64 loop over groups; rows past ``sum(group_sizes)`` are zero."""
+    lhs = np.asarray(lhs, np.float64)
+    rhs = np.asarray(rhs, np.float64)
+    if transpose_rhs:
+        rhs = rhs.transpose(0, 2, 1)
+    out = np.zeros((lhs.shape[0], rhs.shape[2]))
+    start = 0
+    for g, size in enumerate(np.asarray(group_sizes)):
+        out[start : start + size] = lhs[start : start + size] @ rhs[g]
+        start += size
+    if activation is not None:
+        half = out.shape[1] // 2
+        out = gated_activation(out[:, :half], out[:, half:], activation)
+    if row_scale is not None:
+        out = out * np.asarray(row_scale, np.float64)[:, None]
+    return out
+
+
+def moe_ffn(x, router_kernel, w_gate_up, w_down, *, top_k, activation="swiglu", capacity_factor=None, **routing):
+    """Returns (y [T, D], dict(load_balancing_loss, z_loss, expert_counts)), token by token."""
+    x = np.asarray(x, np.float64)
+    logits = x @ np.asarray(router_kernel, np.float64)
+    routed = route(logits, top_k, **routing)
+    num_tokens, num_experts = logits.shape
+    keep = np.ones((num_tokens, top_k), bool)
+    if capacity_factor is not None:
+        capacity = max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
+        keep = capacity_keep(routed["experts"], routed["weights"], capacity)
+    w_gate_up = np.asarray(w_gate_up, np.float64)
+    w_down = np.asarray(w_down, np.float64)
+    half = w_gate_up.shape[2] // 2
+    y = np.zeros_like(x)
+    for t in range(num_tokens):
+        for j in range(top_k):
+            if not keep[t, j]:
+                continue
+            e = routed["experts"][t, j]
+            gate_up = x[t] @ w_gate_up[e]
+            hidden = gated_activation(gate_up[:half], gate_up[half:], activation)
+            y[t] += routed["weights"][t, j] * (hidden @ w_down[e])
+    aux = dict(
+        load_balancing_loss=load_balancing_loss(routed["probs"], routed["experts"]),
+        z_loss=z_loss(logits),
+        expert_counts=routed["group_sizes"],
+    )
+    return y, aux

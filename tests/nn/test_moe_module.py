@@ -1,0 +1,122 @@
+"""Flax NNX modules: init, apply, gradients and an optax step under nnx.jit; aux values; the balancing bias."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import moe_jax
+from moe_jax._core import testing as oracle
+
+
+def _moe(**overrides):
+    options = dict(activation="swiglu", rngs=nnx.Rngs(0)) | overrides
+    return moe_jax.nn.MoE(16, 8, 6, 2, **options)
+
+
+def test_module_applies_moe_ffn_to_its_parameters():
+    model = _moe()
+    x = jax.random.normal(jax.random.key(1), (3, 5, 16))
+    y = model(x)
+    assert y.shape == x.shape
+    expected, _ = oracle.moe_ffn(
+        np.asarray(x).reshape(15, 16),
+        np.asarray(model.router.kernel[...]),
+        np.asarray(model.w_gate_up[...]),
+        np.asarray(model.w_down[...]),
+        top_k=2,
+    )
+    assert oracle.relative_error(np.asarray(y).reshape(15, 16), expected) < 1e-5
+
+
+def test_parameter_shapes_dtypes_and_sharding_names():
+    model = _moe(param_dtype=jnp.bfloat16, num_shared_experts=2)
+    assert model.router.kernel[...].shape == (16, 6)
+    assert model.w_gate_up[...].shape == (6, 16, 16) and model.w_gate_up[...].dtype == jnp.bfloat16
+    assert model.w_down[...].shape == (6, 8, 16)
+    assert model.w_gate_up.get_metadata()["out_sharding"] == ("expert", None, None)
+    assert model.shared.w_gate_up[...].shape == (1, 16, 32)
+    # Fan-in scaled init: entries of a [D, 2F] expert slice have std about 1/sqrt(D).
+    std = float(jnp.std(model.w_gate_up[...].astype(jnp.float32)))
+    assert 0.5 / 4 < std < 1.5 / 4
+
+
+def test_compute_dtype_and_shared_experts():
+    model = _moe(dtype=jnp.bfloat16, num_shared_experts=1)
+    x = jax.random.normal(jax.random.key(2), (4, 16))
+    y = model(x)
+    assert y.dtype == jnp.bfloat16
+    routed_only = _moe(dtype=jnp.bfloat16)
+    assert not np.allclose(np.asarray(y, np.float32), np.asarray(routed_only(x), np.float32))
+
+
+def test_aux_values_are_sown_and_captured():
+    model = _moe()
+    x = jax.random.normal(jax.random.key(3), (10, 16))
+    _, intermediates = nnx.capture(model, nnx.Intermediate)(x)
+    (aux,) = intermediates["moe_aux"].get_value()
+    assert isinstance(aux, moe_jax.MoEAux)
+    assert int(aux.expert_counts.sum()) == 20
+    assert float(aux.load_balancing_loss) > 0 and float(aux.z_loss) > 0
+
+
+def test_optax_step_under_nnx_jit_lowers_the_loss_and_leaves_the_bias_alone():
+    model = _moe(balance_bias=True)
+    optimizer = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(32, 16)), jnp.float32)
+    target = jnp.asarray(rng.normal(size=(32, 16)), jnp.float32)
+
+    def loss_fn(model):
+        y, intermediates = nnx.capture(model, nnx.Intermediate)(x)
+        (aux,) = intermediates["moe_aux"].get_value()
+        return jnp.mean((y - target) ** 2) + 1e-2 * aux.load_balancing_loss, aux
+
+    @nnx.jit
+    def train_step(model, optimizer):
+        (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+        optimizer.update(model, grads)
+        model.update_bias(aux.expert_counts, 1e-3)
+        return loss
+
+    losses = [float(train_step(model, optimizer)) for _ in range(8)]
+    assert losses[-1] < losses[0]
+    # Only the balancing rule moved the bias: 8 steps of +-1e-3 at most.
+    bias = np.asarray(model.router.bias[...])
+    assert np.abs(bias).max() <= 8e-3 + 1e-9 and np.abs(bias).max() > 0
+
+
+def test_gradients_reach_every_parameter():
+    model = _moe(num_shared_experts=1)
+    x = jax.random.normal(jax.random.key(5), (12, 16))
+    grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(model)
+    for path, grad in nnx.to_flat_state(grads):
+        assert float(jnp.abs(grad[...]).sum()) > 0, path
+
+
+def test_update_balancing_biases_reaches_nested_layers():
+    class Stack(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List([_moe(balance_bias=True, rngs=rngs) for _ in range(2)])
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    model = Stack(nnx.Rngs(6))
+    x = jax.random.normal(jax.random.key(7), (20, 16))
+    _, intermediates = nnx.capture(model, nnx.Intermediate)(x)
+    moe_jax.nn.update_balancing_biases(model, intermediates, 0.5)
+    for layer in model.layers:
+        assert np.abs(np.asarray(layer.router.bias[...])).max() == pytest.approx(0.5)
+
+
+def test_router_module_returns_a_routing():
+    router = moe_jax.nn.Router(16, 6, 2, score="sigmoid", rngs=nnx.Rngs(8))
+    x = jax.random.normal(jax.random.key(9), (5, 16))
+    routing = router(x)
+    expected = oracle.route(np.asarray(x) @ np.asarray(router.kernel[...]), 2, score="sigmoid")
+    np.testing.assert_array_equal(routing.experts, expected["experts"])

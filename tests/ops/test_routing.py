@@ -1,0 +1,133 @@
+"""Reference routing against the NumPy float64 oracle (moe_jax._core.testing)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import moe_jax
+from moe_jax._core import testing as oracle
+from moe_jax.ops.routing import reference
+
+WEIGHT_TOL = 1e-5  # f32 scores against float64: a few ulps
+
+
+def _logits(seed: int, num_tokens: int, num_experts: int) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(num_tokens, num_experts)).astype(np.float32) * 2.0
+
+
+def _assert_routing_equal(routing, expected) -> None:
+    np.testing.assert_array_equal(routing.experts, expected["experts"])
+    np.testing.assert_array_equal(routing.group_sizes, expected["group_sizes"])
+    np.testing.assert_array_equal(routing.sort_indices, expected["sort_indices"])
+    np.testing.assert_allclose(routing.weights, expected["weights"], rtol=WEIGHT_TOL, atol=WEIGHT_TOL)
+    np.testing.assert_allclose(routing.probs, expected["probs"], rtol=WEIGHT_TOL, atol=1e-7)
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize(
+    "top_k, num_groups, top_groups, use_bias",
+    [(1, 1, 1, False), (2, 1, 1, True), (4, 4, 2, False), (3, 8, 3, True), (12, 1, 1, False)],
+)
+def test_route_matches_oracle(score, renormalize, top_k, num_groups, top_groups, use_bias):
+    seed = hash((score, renormalize, top_k, num_groups)) % 2**31
+    logits = _logits(seed, 33, 16)
+    bias = np.random.default_rng(seed + 1).normal(size=16).astype(np.float32) * 0.3 if use_bias else None
+    options = dict(score=score, renormalize=renormalize, num_groups=num_groups, top_groups=top_groups, scale=1.5)
+    routing = moe_jax.route(jnp.asarray(logits), top_k, bias=None if bias is None else jnp.asarray(bias), **options)
+    _assert_routing_equal(routing, oracle.route(logits, top_k, bias=bias, **options))
+
+
+def test_k_equals_e_selects_every_expert_in_score_order():
+    logits = _logits(3, 9, 6)
+    routing = moe_jax.route(jnp.asarray(logits), 6)
+    _assert_routing_equal(routing, oracle.route(logits, 6))
+    np.testing.assert_array_equal(routing.group_sizes, np.full(6, 9))
+
+
+def test_ties_go_to_the_lower_expert_index():
+    # Many exact ties: logits drawn from three values, so scores tie exactly in f32 and float64 alike.
+    rng = np.random.default_rng(11)
+    logits = rng.choice(np.array([-1.0, 0.0, 2.0], np.float32), size=(40, 12))
+    for score in ("softmax", "sigmoid"):
+        routing = moe_jax.route(jnp.asarray(logits), 3, score=score, num_groups=4, top_groups=2)
+        _assert_routing_equal(routing, oracle.route(logits, 3, score=score, num_groups=4, top_groups=2))
+    all_equal = moe_jax.route(jnp.zeros((2, 5)), 3)
+    np.testing.assert_array_equal(all_equal.experts, [[0, 1, 2], [0, 1, 2]])
+
+
+def test_group_limit_excludes_the_best_single_expert():
+    # Expert 0 has the best score but its group {0, 1} sums lower than group {2, 3}.
+    logits = jnp.asarray([[5.0, -5.0, 4.0, 4.0]])
+    routing = moe_jax.route(logits, 2, score="sigmoid", num_groups=2, top_groups=1)
+    np.testing.assert_array_equal(routing.experts, [[2, 3]])
+    ungrouped = moe_jax.route(logits, 2, score="sigmoid")
+    np.testing.assert_array_equal(ungrouped.experts, [[0, 2]])
+
+
+def test_bias_changes_selection_but_not_weights():
+    logits = jnp.asarray([[2.0, 1.0, 0.0, -1.0]])
+    bias = jnp.asarray([0.0, 0.0, 0.0, 10.0])
+    plain = moe_jax.route(logits, 2, renormalize=False)
+    biased = moe_jax.route(logits, 2, renormalize=False, bias=bias)
+    np.testing.assert_array_equal(plain.experts, [[0, 1]])
+    np.testing.assert_array_equal(biased.experts, [[3, 0]])
+    probs = jax.nn.softmax(logits[0])
+    np.testing.assert_allclose(biased.weights, [[probs[3], probs[0]]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_aux_losses_match_oracle(score):
+    logits = _logits(5, 50, 8)
+    routing = moe_jax.route(jnp.asarray(logits), 2, score=score)
+    expected = oracle.route(logits, 2, score=score)
+    lb = moe_jax.load_balancing_loss(routing)
+    assert lb.dtype == jnp.float32
+    np.testing.assert_allclose(lb, oracle.load_balancing_loss(expected["probs"], expected["experts"]), rtol=1e-5)
+    np.testing.assert_allclose(moe_jax.z_loss(jnp.asarray(logits)), oracle.z_loss(logits), rtol=1e-5)
+
+
+def test_perfectly_balanced_load_balancing_loss_is_one():
+    # Uniform scores and every expert chosen equally often: E * sum_e (1/E)(1/E) = 1.
+    routing = moe_jax.route(jnp.zeros((8, 4)), 4)
+    np.testing.assert_allclose(moe_jax.load_balancing_loss(routing), 1.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 1.25])
+def test_apply_capacity_matches_oracle(capacity_factor):
+    logits = _logits(7, 40, 8)
+    logits[:, 0] += 3.0  # make expert 0 overflow
+    routing = moe_jax.route(jnp.asarray(logits), 2)
+    group_sizes, sort_indices = moe_jax.apply_capacity(routing, capacity_factor)
+    capacity = reference.expert_capacity(40, 2, 8, capacity_factor)
+    keep = oracle.capacity_keep(np.asarray(routing.experts), np.asarray(routing.weights), capacity).reshape(-1)
+    flat_experts = np.asarray(routing.experts).reshape(-1)
+    kept = [a for a in sorted(range(80), key=lambda a: (flat_experts[a], a)) if keep[a]]
+    dropped = [a for a in range(80) if not keep[a]]
+    np.testing.assert_array_equal(sort_indices, kept + dropped)
+    np.testing.assert_array_equal(group_sizes, np.bincount(flat_experts[keep], minlength=8))
+    assert int(group_sizes.max()) <= capacity
+
+
+def test_balancing_bias_update_moves_toward_the_mean():
+    counts = jnp.asarray([10, 2, 6, 6])
+    bias = moe_jax.ops.routing.api.balancing_bias_update(jnp.zeros(4), counts, 0.1)
+    np.testing.assert_allclose(bias, [-0.1, 0.1, 0.0, 0.0])
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_weight_and_aux_gradients(score):
+    logits = _logits(9, 6, 8).astype(np.float64)
+
+    def objective(logits):
+        routing = reference.route(logits, 3, score=score, num_groups=2, top_groups=2)
+        return (
+            jnp.sum(routing.weights * jnp.arange(1.0, 4.0)[None, :])
+            + reference.load_balancing_loss(routing)
+            + reference.z_loss(logits)
+        )
+
+    with jax.enable_x64(True):
+        check_grads(objective, (jnp.asarray(logits),), order=1, modes=("rev",), atol=1e-6, rtol=1e-6)
