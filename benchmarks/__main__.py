@@ -1,0 +1,139 @@
+"""``python -m benchmarks``: time moe_jax against its baselines, print markdown tables, write JSON.
+
+Examples:
+  python -m benchmarks --tiny                                    # CPU smoke run on the "ci" shapes
+  python -m benchmarks --bench gmm,gmm-bwd --shapes qwen3-30b/gate_up --out bench_out/gmm.json
+  python -m benchmarks --bench all --out bench_out/all.json     # the RESULTS.md table (GPU machine)
+"""
+
+import argparse
+import json
+import os
+import shlex
+import sys
+
+from benchmarks import common, grouped_matmul, layer, tokamax_peer
+from moe_jax.ops import shapes as shape_registry
+
+BENCHES = ("gmm", "gmm-bwd", "skew", "layer")
+TITLES = {
+    "gmm": "Grouped matmul, forward",
+    "gmm-bwd": "Grouped matmul, forward + backward (gradients of lhs and rhs)",
+    "skew": "Grouped matmul, forward, skewed routings",
+    "layer": "moe_ffn layer, forward",
+    "layer-bwd": "moe_ffn layer, forward + backward (gradients of x, router kernel, both expert weights)",
+}
+DEFAULT_SKEW_SHAPE = {"bench": "qwen3-30b/gate_up", "ci": "ci/gate_up"}
+
+
+def _names(text: str | None, registry: dict, default: list) -> list:
+    if text is None:
+        return default
+    unknown = [name for name in text.split(",") if name not in registry]
+    if unknown:
+        raise SystemExit(f"unknown shape(s) {unknown}; known: {', '.join(registry)}")
+    return [registry[name] for name in text.split(",")]
+
+
+def _choices(text: str, allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
+    chosen = tuple(item for item in text.split(",") if item)
+    unknown = [item for item in chosen if item not in allowed]
+    if unknown:
+        raise SystemExit(f"unknown {what} {unknown}; choose from {allowed}")
+    return chosen
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    parser.add_argument("--bench", default="all", help=f"comma-separated from {BENCHES}, or 'all' (default)")
+    parser.add_argument("--shapes", help="grouped-matmul shapes for gmm/gmm-bwd (default: every 'bench' shape)")
+    parser.add_argument("--skew-shapes", help=f"shapes for skew (default: {DEFAULT_SKEW_SHAPE['bench']})")
+    parser.add_argument("--layer-shapes", help="layer shapes (default: every 'bench' layer shape)")
+    parser.add_argument("--routing", default="uniform", choices=shape_registry.ROUTINGS, help="for gmm/gmm-bwd")
+    parser.add_argument("--backends", default="xla,pallas", help="moe_jax backends to time (default: xla,pallas)")
+    parser.add_argument("--baselines", default="dense,ragged_dot,tokamax", help="baselines to time (default: all)")
+    parser.add_argument(
+        "--tokamax-sweep",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time tokamax_peer.SWEEP_CONFIGS in gmm (default: on)",
+    )
+    parser.add_argument("--iters", type=int, help="timed samples per measurement (default 20; 3 with --tiny)")
+    parser.add_argument("--warmup", type=int, help="untimed calls after the first (default 2; 0 with --tiny)")
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        help="cap on one measurement's timed samples, in seconds (default 1; 0.05 with --tiny)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="inputs and group sizes")
+    parser.add_argument("--tiny", action="store_true", help="'ci' shapes and few iterations: a CPU smoke run")
+    parser.add_argument("--out", help="write {meta, records} JSON here")
+    parser.add_argument("--jsonl", help="stream one JSON line per record here while running")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> list[common.Record]:
+    args = parse_args(argv)
+    tag = "ci" if args.tiny else "bench"
+    benches = BENCHES if args.bench == "all" else _choices(args.bench, BENCHES, "bench")
+    options = common.Options(
+        backends=_choices(args.backends, ("xla", "pallas", "auto"), "backend"),
+        baselines=_choices(args.baselines, ("dense", "ragged_dot", "tokamax"), "baseline"),
+        tokamax_sweep=args.tokamax_sweep,
+        iters=args.iters or (3 if args.tiny else 20),
+        warmup=args.warmup if args.warmup is not None else (0 if args.tiny else 2),
+        max_seconds=args.max_seconds or (0.05 if args.tiny else 1.0),
+        min_samples=1 if args.tiny else 3,
+        seed=args.seed,
+    )
+    gmm_shapes = _names(args.shapes, shape_registry.GMM_SHAPES, shape_registry.gmm_shapes(tag))
+    skew_shapes = _names(
+        args.skew_shapes, shape_registry.GMM_SHAPES, [shape_registry.GMM_SHAPES[DEFAULT_SKEW_SHAPE[tag]]]
+    )
+    layer_shapes = _names(args.layer_shapes, shape_registry.LAYER_SHAPES, shape_registry.layer_shapes(tag))
+
+    command = shlex.join(["python", "-m", "benchmarks", *(sys.argv[1:] if argv is None else argv)])
+    meta = common.run_metadata(command, {"tokamax": tokamax_peer.version()})
+    print(
+        f"# moe_jax benchmarks\n\n{meta['date']} | {meta['device_kind']} ({meta['platform']}) | jax {meta['jax']} | "
+        f"jaxlib {meta['jaxlib']} | tokamax {meta['peers']['tokamax']} | git {meta['git_revision']}\n\n"
+        f"command: `{command}`\n\nFLOP model: {common.FLOP_MODEL}\n",
+        flush=True,
+    )
+
+    stream = common.JsonlWriter(args.jsonl)
+    stream.write({"meta": meta})
+
+    def emit(record: common.Record) -> None:
+        stream.write(record.to_json())
+        result = f"{record.tflops:.1f} TF/s" if record.timing else f"{record.status}: {record.note}"
+        print(f"  {record.impl:<48} {result}", file=sys.stderr, flush=True)
+
+    records: list[common.Record] = []
+    for bench in benches:
+        if bench in ("gmm", "gmm-bwd"):
+            records += grouped_matmul.run(bench, gmm_shapes, options, routings=(args.routing,), emit=emit)
+        elif bench == "skew":
+            records += grouped_matmul.run(
+                "skew", skew_shapes, options, routings=shape_registry.ROUTINGS, earlier=records, emit=emit
+            )
+        else:
+            records += layer.run(layer_shapes, options, emit=emit)
+
+    for bench, title in TITLES.items():
+        rows = [r for r in records if r.bench == bench]
+        if rows:
+            print(f"\n### {title}\n\n{common.markdown_table(rows)}")
+    print(
+        "\nspread = (p90 - p10) / median of the samples; vs dense = TF/s over the dense row's TF/s; "
+        "rel err = ||out - ref|| / ||ref|| over outputs and gradients, ref = the first ragged implementation that ran"
+    )
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "records": [r.to_json() for r in records]}, f, indent=1)
+    return records
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""What every benchmark shares: the FLOP model, the timer, result records, run metadata and the markdown table.
+
+Timing method (DESIGN §6): compile and run once, warm up, then take ``iters`` samples; a sample runs the function
+``reps`` times back to back (rotating over the input sets) and blocks on the last result, so that host dispatch overlaps
+device work even for sub-millisecond calls; its time divided by ``reps`` is one per-call time. We report the median of
+the samples and their spread (p10 to p90, relative to the median).
+"""
+
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Input sets are rotated until together they are larger than this (H100/H200 L2: 50/60 MB), so that repeated calls
+# read device memory rather than L2.
+ROTATE_BYTES = 256 * 2**20
+MAX_INPUT_SETS = 8
+
+# --- FLOP model (the multiply-adds of the matmuls; elementwise work is not counted) ---------------------------------
+FLOP_MODEL = (
+    "grouped matmul fwd = 2*M*K*N (M routed rows); fwd+bwd = 3x fwd (dgrad [M,N]x[N,K] + wgrad [K,M]x[M,N]); "
+    "dense baseline = one [M,K]x[K,N] bf16 matmul of the same FLOPs; "
+    "moe_ffn fwd = 2*T*D*E (router) + 2*M*D*2F (gate_up) + 2*M*F*D (down), M = T*k; fwd+bwd = 3x fwd"
+)
+
+
+def gmm_flops(m: int, k: int, n: int, *, backward: bool) -> int:
+    """FLOPs of ``[M, K] x [G, K, N]`` with every row in a group: 2MKN forward, 3x that with both gradients."""
+    forward = 2 * m * k * n
+    return 3 * forward if backward else forward
+
+
+def moe_ffn_flops(t: int, d: int, f: int, e: int, top_k: int, *, backward: bool) -> int:
+    """FLOPs of one MoE layer: router, gate_up and down matmuls (3x with gradients for x and all weights)."""
+    m = t * top_k
+    forward = 2 * t * d * e + 2 * m * d * (2 * f) + 2 * m * f * d
+    return 3 * forward if backward else forward
+
+
+# --- Timer ---------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Per-call seconds over ``samples`` samples of ``reps`` calls each; ``first_call_s`` includes compilation."""
+
+    median_s: float
+    p10_s: float
+    p90_s: float
+    min_s: float
+    samples: int
+    reps: int
+    first_call_s: float
+
+    @property
+    def spread(self) -> float:
+        """(p90 - p10) / median."""
+        return (self.p90_s - self.p10_s) / self.median_s
+
+
+def input_sets_needed(set_bytes: int) -> int:
+    """How many distinct input sets to rotate over so that together they exceed ``ROTATE_BYTES``."""
+    return max(1, min(MAX_INPUT_SETS, math.ceil(ROTATE_BYTES / max(set_bytes, 1))))
+
+
+def time_fn(
+    fn: Callable,
+    arg_sets: Sequence[tuple],
+    *,
+    iters: int,
+    warmup: int,
+    max_seconds: float,
+    min_samples: int = 3,
+    min_sample_seconds: float = 2e-3,
+) -> tuple[Timing, object]:
+    """Times ``fn(*args)`` rotating over ``arg_sets``; returns the timing and the output of the first call.
+
+    ``iters`` samples at most, fewer when they would take longer than ``max_seconds`` (never fewer than
+    ``min_samples``): slow baselines (XLA's dense-masked ragged_dot) then cost seconds, not minutes.
+    """
+    start = time.perf_counter()
+    first_output = jax.block_until_ready(fn(*arg_sets[0]))
+    first_call_s = time.perf_counter() - start
+    call = 0
+    estimate = first_call_s
+    for _ in range(warmup):
+        call += 1
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*arg_sets[call % len(arg_sets)]))
+        estimate = min(estimate, time.perf_counter() - start)
+    reps = max(1, math.ceil(min_sample_seconds / max(estimate, 1e-9)))
+    samples = max(min_samples, min(iters, int(max_seconds / (reps * max(estimate, 1e-9)))))
+    per_call = []
+    for _ in range(samples):
+        start = time.perf_counter()
+        for _ in range(reps):
+            call += 1
+            out = fn(*arg_sets[call % len(arg_sets)])
+        jax.block_until_ready(out)
+        per_call.append((time.perf_counter() - start) / reps)
+    p10, median, p90 = np.percentile(per_call, [10, 50, 90])
+    timing = Timing(float(median), float(p10), float(p90), float(min(per_call)), samples, reps, first_call_s)
+    return timing, first_output
+
+
+@jax.jit
+def _leaf_error(actual, expected):
+    actual, expected = actual.astype(jnp.float32), expected.astype(jnp.float32)
+    return jnp.sqrt(jnp.sum(jnp.square(actual - expected)) / jnp.sum(jnp.square(expected)))
+
+
+def relative_error(actual, expected) -> float:
+    """max over the leaves of ``||actual - expected|| / ||expected||`` in f32 (one fused reduction per leaf)."""
+    return float(max(jax.tree.leaves(jax.tree.map(_leaf_error, actual, expected))))
+
+
+# --- Options and one measurement --------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What the CLI chose: which implementations run and how long each is timed."""
+
+    backends: tuple[str, ...] = ("xla", "pallas")
+    baselines: tuple[str, ...] = ("dense", "ragged_dot", "tokamax")
+    tokamax_sweep: bool = True
+    iters: int = 20
+    warmup: int = 2
+    max_seconds: float = 1.0
+    min_samples: int = 3
+    seed: int = 0
+
+
+# --- Records ---------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Record:
+    """One (bench, shape, routing, implementation) measurement, or why there is none.
+
+    ``status`` is "ok", "n/a" (not available here: no kernel yet, peer not installed, no GPU), "OOM" or "error";
+    ``note`` says why for anything but "ok". ``rel_err`` compares the outputs (and gradients) with ``checked_against``.
+    """
+
+    bench: str
+    shape: str
+    routing: str
+    impl: str
+    flops: int
+    dims: dict
+    status: str = "ok"
+    note: str = ""
+    timing: Timing | None = None
+    rel_err: float | None = None
+    checked_against: str = ""
+    config: dict | None = None
+
+    @property
+    def tflops(self) -> float | None:
+        return self.flops / self.timing.median_s / 1e12 if self.timing else None
+
+    def to_json(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["tflops"] = self.tflops
+        return out
+
+
+def classify_failure(error: BaseException) -> tuple[str, str]:
+    """(status, note) for an exception raised by a candidate: n/a, OOM or error."""
+    text = str(error)
+    first_line = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    if isinstance(error, NotImplementedError):
+        return "n/a", first_line[:160]
+    if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
+        return "OOM", first_line[:160]
+    return "error", f"{type(error).__name__}: {first_line[:160]}"
+
+
+def measure(record: Record, fn: Callable, arg_sets: Sequence[tuple], options: Options, reference=None) -> object:
+    """Times ``fn`` into ``record`` (or records why it could not run); returns its first output, or None.
+
+    With ``reference = (name, output)`` the first output is compared with it (``record.rel_err``).
+    """
+    try:
+        record.timing, output = time_fn(
+            fn,
+            arg_sets,
+            iters=options.iters,
+            warmup=options.warmup,
+            max_seconds=options.max_seconds,
+            min_samples=options.min_samples,
+        )
+    except Exception as error:  # a candidate failing (no kernel, OOM, bad config) must not stop the table
+        record.status, record.note = classify_failure(error)
+        return None
+    if reference is not None:
+        record.checked_against, expected = reference
+        record.rel_err = relative_error(output, expected)
+    return output
+
+
+def git_revision() -> str:
+    """The checkout's commit (+ "-dirty"), or $MOE_JAX_GIT_REVISION where the tree travelled without .git."""
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        rev = subprocess.run(
+            ["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain"], capture_output=True, text=True).stdout
+        return rev + ("-dirty" if dirty.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("MOE_JAX_GIT_REVISION", "unknown")
+
+
+def run_metadata(command: str, peers: dict[str, str]) -> dict:
+    """Device, versions, git revision, date and command of this run."""
+    device = jax.devices()[0]
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device_kind": device.device_kind,
+        "platform": device.platform,
+        "num_devices": jax.device_count(),
+        "jax": jax.__version__,
+        "jaxlib": importlib.metadata.version("jaxlib"),
+        "python": platform.python_version(),
+        "git_revision": git_revision(),
+        "command": command,
+        "peers": peers,
+        "flop_model": FLOP_MODEL,
+    }
+
+
+class JsonlWriter:
+    """Appends one JSON line per record as soon as it exists, so a run cut short still leaves its numbers."""
+
+    def __init__(self, path: str | None):
+        self.path = path
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            open(path, "w").close()
+
+    def write(self, obj: dict) -> None:
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(obj) + "\n")
+
+
+# --- Table ---------------------------------------------------------------------------------------------------------
+TABLE_HEADER = (
+    "| shape | routing | impl | GFLOP | median ms | spread | TF/s | vs dense | rel err |",
+    "|---|---|---|---:|---:|---:|---:|---:|---:|",
+)
+
+
+def _number(value: float) -> str:
+    """One decimal from 1 up, three significant digits below (tiny CPU shapes)."""
+    return f"{value:.1f}" if value >= 1 else f"{value:.3g}"
+
+
+def markdown_table(records: Sequence[Record], note_width: int = 90) -> str:
+    """One row per record; "vs dense" is the TF/s ratio to the dense matmul of the same shape and bench."""
+    dense = {(r.bench, r.shape): r.tflops for r in records if r.impl == "dense" and r.tflops}
+    rows = list(TABLE_HEADER)
+    for r in records:
+        head = f"| {r.shape} | {r.routing} | {r.impl} | {_number(r.flops / 1e9)} |"
+        if r.timing is None:
+            note = f"{r.status}: {r.note}" if r.note else r.status
+            if len(note) > note_width:
+                note = note[: note_width - 3] + "..."
+            rows.append(f"{head} {note} | | | | |")
+            continue
+        ceiling = dense.get((r.bench, r.shape))
+        ratio = f"{r.tflops / ceiling:.2f}" if ceiling else ""
+        err = f"{r.rel_err:.1e}" if r.rel_err is not None else ""
+        rows.append(
+            f"{head} {r.timing.median_s * 1e3:.3f} | {r.timing.spread * 100:.0f}% | {_number(r.tflops)} | {ratio} | "
+            f"{err} |"
+        )
+    return "\n".join(rows)

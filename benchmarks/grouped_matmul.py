@@ -1,0 +1,172 @@
+"""Grouped matmul benches: forward ("gmm"), forward + both gradients ("gmm-bwd"), and skewed routings ("skew").
+
+Side by side at each named shape (``moe_jax.ops.shapes.GMM_SHAPES``):
+
+- "dense": one XLA matmul [M, K] x [K, N] of the same FLOPs, bf16 in and out; XLA on GPU accumulates bf16 dots in
+  f32 (cuBLAS compute type 32F). The practical ceiling: a grouped matmul does the same work with less regularity.
+- "ragged_dot": ``jax.lax.ragged_dot``. On GPU XLA rewrites it into a dense dot over a group-masked [G, M, K] operand
+  (G times the FLOPs and a G-times temporary), so it is slow and may run out of memory: reported, not hidden.
+- "tokamax", "tokamax[<config>]": tokamax's Mosaic GPU ragged dot, its default and the sweep of ``tokamax_peer``.
+- "moe_jax:<backend>": our ``moe_jax.grouped_matmul``; a backend without a kernel yet is reported "n/a".
+
+Each ragged output (and gradient) is compared with the first ragged implementation that ran (normally ragged_dot).
+"""
+
+import dataclasses
+import functools
+import sys
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+import moe_jax
+from benchmarks import common, tokamax_peer
+from moe_jax.ops.shapes import GroupedMatmulShape
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A ragged implementation ``fn(lhs [M, K], rhs [G, K, N], group_sizes [G]) -> [M, N]``."""
+
+    impl: str
+    fn: Callable
+    config: dict | None = None
+
+
+def ragged_candidates(options: common.Options, tokamax_configs: tuple[dict, ...]) -> list[Candidate]:
+    """The ragged implementations to time, baselines first (the first that runs is the correctness reference)."""
+    candidates = []
+    if "ragged_dot" in options.baselines:
+        candidates.append(Candidate("ragged_dot", jax.lax.ragged_dot))
+    if "tokamax" in options.baselines:
+        candidates.append(Candidate("tokamax", tokamax_peer.ragged_dot()))
+        for config in tokamax_configs:
+            label = f"tokamax[{tokamax_peer.config_label(config)}]"
+            candidates.append(Candidate(label, tokamax_peer.ragged_dot(config), config))
+    for backend in options.backends:
+        fn = functools.partial(moe_jax.grouped_matmul, backend=backend)
+        candidates.append(Candidate(f"moe_jax:{backend}", fn))
+    return candidates
+
+
+def _forward_backward(op: Callable) -> Callable:
+    """``(lhs, rhs, *rest, ct) -> (out, d_lhs, d_rhs)``: the op and its vjp for cotangent ``ct``."""
+
+    def run(lhs, rhs, *rest_and_ct):
+        *rest, ct = rest_and_ct
+        out, vjp = jax.vjp(lambda a, b: op(a, b, *rest), lhs, rhs)
+        return (out, *vjp(ct))
+
+    return run
+
+
+@functools.partial(jax.jit, static_argnames=("g", "m", "k", "n", "backward"))
+def _input_set(key, *, g: int, m: int, k: int, n: int, backward: bool) -> dict:
+    keys = jax.random.split(key, 4)
+    scale = k**-0.5
+    inputs = {
+        "lhs": jax.random.normal(keys[0], (m, k), jnp.bfloat16),
+        "rhs": (jax.random.normal(keys[1], (g, k, n), jnp.float32) * scale).astype(jnp.bfloat16),
+        "dense_rhs": (jax.random.normal(keys[2], (k, n), jnp.float32) * scale).astype(jnp.bfloat16),
+    }
+    if backward:
+        inputs["ct"] = jax.random.normal(keys[3], (m, n), jnp.bfloat16)
+    return inputs
+
+
+def make_inputs(shape: GroupedMatmulShape, *, backward: bool, seed: int) -> list[dict]:
+    """Input sets (rotated by the timer): lhs [M, K], rhs [G, K, N], dense_rhs [K, N], and ct [M, N] for backward.
+
+    Values ~ N(0, 1) for lhs and ct, N(0, 1/K) for the weights, so that outputs are O(1) in bf16.
+    """
+    set_bytes = 2 * (shape.m * shape.k + (shape.g + 1) * shape.k * shape.n + backward * shape.m * shape.n)
+    dims = {"g": shape.g, "m": shape.m, "k": shape.k, "n": shape.n, "backward": backward}
+    count = common.input_sets_needed(set_bytes)
+    return [_input_set(jax.random.key(seed * 1000 + index + 1), **dims) for index in range(count)]
+
+
+def bench_shape(
+    bench: str,
+    shape: GroupedMatmulShape,
+    routing: str,
+    options: common.Options,
+    *,
+    backward: bool,
+    tokamax_configs: tuple[dict, ...],
+    with_dense: bool = True,
+    emit: Callable[[common.Record], None],
+) -> list[common.Record]:
+    """Times every candidate at one shape and routing; ``emit`` receives each record as soon as it is done."""
+    group_sizes = shape.group_sizes(routing, seed=options.seed)
+    sets = make_inputs(shape, backward=backward, seed=options.seed)
+    dims = {"g": shape.g, "m": shape.m, "k": shape.k, "n": shape.n, "max_group": int(group_sizes.max())}
+    flops = common.gmm_flops(shape.m, shape.k, shape.n, backward=backward)
+    records = []
+
+    def new_record(impl: str, row_routing: str, config: dict | None = None) -> common.Record:
+        return common.Record(bench, shape.name, row_routing, impl, flops, dims, config=config)
+
+    if with_dense and "dense" in options.baselines:
+        dense = jnp.dot
+        fn = jax.jit(_forward_backward(dense) if backward else dense)
+        arg_sets = [(s["lhs"], s["dense_rhs"], *([s["ct"]] if backward else [])) for s in sets]
+        record = new_record("dense", "-")
+        common.measure(record, fn, arg_sets, options)
+        records.append(record)
+        emit(record)
+
+    reference = None
+    for candidate in ragged_candidates(options, tokamax_configs):
+        fn = jax.jit(_forward_backward(candidate.fn) if backward else candidate.fn)
+        arg_sets = [(s["lhs"], s["rhs"], group_sizes, *([s["ct"]] if backward else [])) for s in sets]
+        record = new_record(candidate.impl, routing, candidate.config)
+        output = common.measure(record, fn, arg_sets, options, reference)
+        if reference is None and output is not None:
+            reference = (candidate.impl, output)
+        records.append(record)
+        emit(record)
+    return records
+
+
+def best_tokamax_config(records: list[common.Record], shape_name: str) -> dict | None:
+    """The fastest swept tokamax config at ``shape_name`` among ``records`` (None if no sweep ran there)."""
+    swept = [r for r in records if r.shape == shape_name and r.config is not None and r.timing is not None]
+    return min(swept, key=lambda r: r.timing.median_s).config if swept else None
+
+
+def run(
+    bench: str,
+    shapes: list[GroupedMatmulShape],
+    options: common.Options,
+    *,
+    routings: tuple[str, ...] = ("uniform",),
+    earlier: list[common.Record] = (),
+    emit: Callable[[common.Record], None],
+) -> list[common.Record]:
+    """Runs "gmm", "gmm-bwd" or "skew" over ``shapes``.
+
+    "skew" times each routing in ``routings`` with tokamax's default and, where an earlier "gmm" run in this process
+    swept it at the same shape, its best config (tuned once on uniform routing, as a user would).
+    """
+    backward = bench == "gmm-bwd"
+    records = []
+    for shape in shapes:
+        print(f"[{bench}] {shape.name}", file=sys.stderr, flush=True)
+        for index, routing in enumerate(routings):
+            if bench == "skew":
+                best = best_tokamax_config(list(earlier), shape.name)
+                configs = (best,) if best is not None else ()
+            else:
+                configs = tokamax_peer.SWEEP_CONFIGS if options.tokamax_sweep and not backward else ()
+            records += bench_shape(
+                bench,
+                shape,
+                routing,
+                options,
+                backward=backward,
+                tokamax_configs=configs,
+                with_dense=index == 0,
+                emit=emit,
+            )
+    return records

@@ -1,0 +1,150 @@
+"""The whole MoE layer (``moe_jax.moe_ffn``), forward ("layer") and forward + backward ("layer-bwd").
+
+Side by side at each named layer shape (``moe_jax.ops.shapes.LAYER_SHAPES``):
+
+- "dense": the layer's matmuls with the routing taken away, the practical ceiling: router [T, D] x [D, E] in f32, then
+  [M, D] x [D, 2F] -> activation -> [M, F] x [F, D] as dense bf16 matmuls (M = T * k rows, already replicated).
+- "moe_jax:<backend>": ``moe_jax.moe_ffn`` (backend "xla" is the reference composition over ``jax.lax.ragged_dot``).
+- "tokamax-gemms": the same composition as ``moe_ffn`` (route, permute, gate_up, activation, down, combine, aux
+  losses) with tokamax's Mosaic GPU ragged dot (default config) in place of the two grouped matmuls. A benchmark-only
+  baseline: moe_jax never imports tokamax.
+
+fwd+bwd differentiates y with respect to x, the router kernel and both expert weights (the aux losses are computed but
+not differentiated). Outputs and gradients are compared with the first moe_ffn-like implementation that ran.
+"""
+
+import functools
+import sys
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+import moe_jax
+from benchmarks import common, tokamax_peer
+from moe_jax.ops.grouped_matmul.reference import gated_activation
+from moe_jax.ops.shapes import LayerShape
+
+
+def moe_ffn_with_gmm(gmm: Callable, x, router_kernel, w_gate_up, w_down, *, top_k: int, activation: str):
+    """``moe_ffn``'s composition (backend "xla" ops) with ``gmm(lhs, rhs, group_sizes) -> bf16`` as the expert GEMM."""
+    logits = jnp.dot(x.astype(jnp.float32), router_kernel.astype(jnp.float32))
+    routing = moe_jax.route(logits, top_k, backend="xla")
+    rows = moe_jax.permute(x, routing.sort_indices, top_k, backend="xla")
+    gate, up = jnp.split(gmm(rows, w_gate_up, routing.group_sizes).astype(jnp.float32), 2, axis=-1)
+    hidden = gated_activation(gate, up, activation).astype(x.dtype)
+    out_rows = gmm(hidden, w_down, routing.group_sizes).astype(jnp.float32) * routing.sorted_weights[:, None]
+    y = moe_jax.combine(out_rows.astype(x.dtype), routing.sort_indices, top_k, backend="xla")
+    aux = (moe_jax.load_balancing_loss(routing), moe_jax.z_loss(logits))
+    return y, aux
+
+
+def dense_ffn(x, router_kernel, rows, w_gate_up, w_down, *, activation: str):
+    """The ceiling: the layer's FLOPs as dense matmuls, rows [M, D] standing for the routed copies of x."""
+    logits = jnp.dot(x.astype(jnp.float32), router_kernel.astype(jnp.float32))
+    gate, up = jnp.split(jnp.dot(rows, w_gate_up).astype(jnp.float32), 2, axis=-1)
+    hidden = gated_activation(gate, up, activation).astype(x.dtype)
+    return jnp.dot(hidden, w_down), logits
+
+
+def _moe_ffn(shape: LayerShape, backend: str) -> Callable:
+    """``moe_jax.moe_ffn`` returning ``(y, (load_balancing_loss, z_loss))`` like ``moe_ffn_with_gmm``."""
+
+    def layer(x, router_kernel, w_gate_up, w_down):
+        y, aux = moe_jax.moe_ffn(
+            x, router_kernel, w_gate_up, w_down, top_k=shape.top_k, activation=shape.activation, backend=backend
+        )
+        return y, (aux.load_balancing_loss, aux.z_loss)
+
+    return layer
+
+
+def _with_vjp(layer: Callable) -> Callable:
+    """``(*params, ct) -> (y, grads...)``: y = layer(*params)[0] and its vjp for cotangent ct."""
+
+    def run(*params_and_ct):
+        *params, ct = params_and_ct
+        y, vjp = jax.vjp(lambda *p: layer(*p)[0], *params)
+        return (y, *vjp(ct))
+
+    return run
+
+
+@functools.partial(jax.jit, static_argnames="shape")
+def _input_set(key, *, shape: LayerShape) -> dict:
+    keys = iter(jax.random.split(key, 9))
+
+    def normal(dims, fan_in):
+        return (jax.random.normal(next(keys), dims, jnp.float32) * fan_in**-0.5).astype(jnp.bfloat16)
+
+    t, d, f, e, m = shape.t, shape.d, shape.f, shape.e, shape.m
+    return {
+        "x": normal((t, d), 1),
+        "router_kernel": normal((d, e), d),
+        "w_gate_up": normal((e, d, 2 * f), d),
+        "w_down": normal((e, f, d), f),
+        "ct": normal((t, d), 1),
+        "rows": normal((m, d), 1),
+        "dense_w_gate_up": normal((d, 2 * f), d),
+        "dense_w_down": normal((f, d), f),
+        "dense_ct": normal((m, d), 1),
+    }
+
+
+def make_inputs(shape: LayerShape, *, seed: int) -> list[dict]:
+    """Input sets: x [T, D] ~ N(0, 1); weights ~ N(0, 1/fan_in), so the router's logits are O(1) and routing spreads.
+
+    The dense ceiling's own operands (rows [M, D], 2-D weights, cotangent [M, D]) travel in the same set.
+    """
+    set_bytes = 2 * (shape.t * shape.d + shape.d * shape.e + 3 * shape.e * shape.d * shape.f + shape.m * shape.d)
+    count = common.input_sets_needed(set_bytes)
+    return [_input_set(jax.random.key(seed * 1000 + index + 1), shape=shape) for index in range(count)]
+
+
+def bench_shape(
+    shape: LayerShape, options: common.Options, *, backward: bool, emit: Callable[[common.Record], None]
+) -> list[common.Record]:
+    bench = "layer-bwd" if backward else "layer"
+    sets = make_inputs(shape, seed=options.seed)
+    dims = {"t": shape.t, "d": shape.d, "f": shape.f, "e": shape.e, "k": shape.top_k}
+    flops = common.moe_ffn_flops(shape.t, shape.d, shape.f, shape.e, shape.top_k, backward=backward)
+    records = []
+
+    def time_it(impl: str, layer: Callable, arg_names: tuple[str, ...], ct_name: str, reference=None):
+        fn = jax.jit(_with_vjp(layer) if backward else layer)
+        arg_names += (ct_name,) if backward else ()
+        arg_sets = [tuple(s[name] for name in arg_names) for s in sets]
+        record = common.Record(bench, shape.name, "router", impl, flops, dims)
+        output = common.measure(record, fn, arg_sets, options, reference)
+        records.append(record)
+        emit(record)
+        return output
+
+    if "dense" in options.baselines:
+        dense = functools.partial(dense_ffn, activation=shape.activation)
+        names = ("x", "router_kernel", "rows", "dense_w_gate_up", "dense_w_down")
+        time_it("dense", dense, names, "dense_ct")
+
+    names = ("x", "router_kernel", "w_gate_up", "w_down")
+    layers = [(f"moe_jax:{backend}", _moe_ffn(shape, backend)) for backend in options.backends]
+    if "tokamax" in options.baselines:
+        gemms = functools.partial(
+            moe_ffn_with_gmm, tokamax_peer.ragged_dot(), top_k=shape.top_k, activation=shape.activation
+        )
+        layers.append(("tokamax-gemms", gemms))
+    reference = None
+    for impl, layer in layers:
+        output = time_it(impl, layer, names, "ct", reference)
+        if reference is None and output is not None:
+            reference = (impl, output)
+    return records
+
+
+def run(shapes: list[LayerShape], options: common.Options, *, emit: Callable[[common.Record], None]):
+    """Runs "layer" and "layer-bwd" over ``shapes``."""
+    records = []
+    for backward in (False, True):
+        for shape in shapes:
+            print(f"[layer{'-bwd' if backward else ''}] {shape.name}", file=sys.stderr, flush=True)
+            records += bench_shape(shape, options, backward=backward, emit=emit)
+    return records

@@ -1,0 +1,158 @@
+"""Named problem shapes shared by tests and benchmarks (DESIGN §6).
+
+Two registries, each entry tagged "ci" (tiny: tests and the CPU benchmark smoke run) or "bench" (the real models):
+
+- ``GMM_SHAPES``: grouped matmuls (G, M, K, N), one gate_up and one down projection per model;
+- ``LAYER_SHAPES``: whole MoE layers (T, D, F, E, k) for ``moe_ffn``.
+
+Routings say how the M rows of a grouped matmul fall into the G groups. The group sizes are drawn on device from a
+seed, so a benchmark never moves them through the host:
+
+- "uniform": each row picks an expert uniformly at random (the DESIGN §6 default);
+- "zipf1.2": a row picks the expert of rank r with probability proportional to ``r ** -1.2`` (ranks shuffled);
+- "half": one expert (chosen by the seed) takes half the rows, the rest pick uniformly among the other G - 1.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+TAGS = ("ci", "bench")
+ROUTINGS = ("uniform", "zipf1.2", "half")
+ZIPF_EXPONENT = 1.2
+
+
+def _check_tag(tag: str) -> None:
+    if tag not in TAGS:
+        raise ValueError(f"tag must be one of {TAGS}, got {tag!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedMatmulShape:
+    """A grouped matmul ``[M, K] x [G, K, N] -> [M, N]`` whose M rows are split into G groups by a routing.
+
+    Attributes:
+      name: "<model>/<projection>", e.g. "qwen3-30b/gate_up".
+      g: groups (local experts).  m: routed rows.  k: contraction.  n: output columns.
+      tag: "ci" or "bench".
+    """
+
+    name: str
+    g: int
+    m: int
+    k: int
+    n: int
+    tag: str
+
+    def __post_init__(self):
+        _check_tag(self.tag)
+        for field in ("g", "m", "k", "n"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{self.name}: {field} must be a positive int, got {value!r}")
+
+    def group_sizes(self, routing: str = "uniform", seed: int = 0) -> jax.Array:
+        """[G] int32 rows per group, summing to M, drawn on device."""
+        return make_group_sizes(jax.random.key(seed), self.g, self.m, routing)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerShape:
+    """An MoE layer: T tokens of width D, E experts of hidden width F, k experts per token (M = T * k rows).
+
+    Attributes:
+      name: the model, e.g. "qwen3-30b-a3b".
+      t, d, f, e, top_k: T, D, F, E, k.
+      activation: the gated activation of the experts ("swiglu", "geglu", "gpt_oss").
+      tag: "ci" or "bench".
+    """
+
+    name: str
+    t: int
+    d: int
+    f: int
+    e: int
+    top_k: int
+    activation: str
+    tag: str
+
+    def __post_init__(self):
+        _check_tag(self.tag)
+        for field in ("t", "d", "f", "e", "top_k"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{self.name}: {field} must be a positive int, got {value!r}")
+        if self.top_k > self.e:
+            raise ValueError(f"{self.name}: top_k must be in [1, E={self.e}], got {self.top_k}")
+
+    @property
+    def m(self) -> int:
+        """Routed rows T * k."""
+        return self.t * self.top_k
+
+
+def make_group_sizes(key: jax.Array, num_groups: int, num_rows: int, routing: str) -> jax.Array:
+    """[num_groups] int32 group sizes summing to ``num_rows``: every row draws its group under ``routing``."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+    return _draw_group_sizes(key, num_groups, num_rows, routing)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _draw_group_sizes(key: jax.Array, num_groups: int, num_rows: int, routing: str) -> jax.Array:
+    pick_key, shuffle_key = jax.random.split(key)
+    if routing == "uniform":
+        groups = jax.random.randint(pick_key, (num_rows,), 0, num_groups)
+    elif routing == "zipf1.2":
+        log_weights = -ZIPF_EXPONENT * jnp.log(jnp.arange(1, num_groups + 1, dtype=jnp.float32))
+        ranks = jax.random.categorical(pick_key, log_weights, shape=(num_rows,))
+        # Which expert is the hot one should not always be expert 0 (a kernel's schedule may favour the first group).
+        groups = jax.random.permutation(shuffle_key, num_groups)[ranks]
+    else:  # "half"
+        hot = jax.random.randint(shuffle_key, (), 0, num_groups)
+        # Cold rows pick among the G - 1 other experts: draw in [0, G - 1) and step over the hot one.
+        cold = jax.random.randint(pick_key, (num_rows,), 0, max(num_groups - 1, 1))
+        cold = jnp.where(cold >= hot, cold + 1, cold) if num_groups > 1 else cold
+        groups = jnp.where(jnp.arange(num_rows) < num_rows // 2, hot, cold)
+    return jnp.zeros((num_groups,), jnp.int32).at[groups].add(1)
+
+
+GMM_SHAPES: dict[str, GroupedMatmulShape] = {
+    shape.name: shape
+    for shape in (
+        # Tiny shapes: K and N multiples of 64 so a kernel's tiles fit; "ci/ragged" has M off every tile multiple.
+        GroupedMatmulShape("ci/gate_up", g=4, m=256, k=128, n=256, tag="ci"),
+        GroupedMatmulShape("ci/down", g=4, m=256, k=128, n=128, tag="ci"),
+        GroupedMatmulShape("ci/ragged", g=5, m=200, k=128, n=64, tag="ci"),
+        GroupedMatmulShape("qwen3-30b/gate_up", g=128, m=32768, k=2048, n=1536, tag="bench"),
+        GroupedMatmulShape("qwen3-30b/down", g=128, m=32768, k=768, n=2048, tag="bench"),
+        GroupedMatmulShape("gpt-oss-120b/gate_up", g=128, m=32768, k=2880, n=5760, tag="bench"),
+        GroupedMatmulShape("gpt-oss-120b/down", g=128, m=32768, k=2880, n=2880, tag="bench"),
+        GroupedMatmulShape("dsv3-ep8/gate_up", g=32, m=32768, k=7168, n=4096, tag="bench"),
+        GroupedMatmulShape("dsv3-ep8/down", g=32, m=32768, k=2048, n=7168, tag="bench"),
+        GroupedMatmulShape("mixtral/gate_up", g=8, m=16384, k=4096, n=28672, tag="bench"),
+        GroupedMatmulShape("mixtral/down", g=8, m=16384, k=14336, n=4096, tag="bench"),
+    )
+}
+
+LAYER_SHAPES: dict[str, LayerShape] = {
+    shape.name: shape
+    for shape in (
+        LayerShape("ci/layer", t=64, d=128, f=64, e=4, top_k=2, activation="swiglu", tag="ci"),
+        LayerShape("qwen3-30b-a3b", t=16384, d=2048, f=768, e=128, top_k=8, activation="swiglu", tag="bench"),
+    )
+}
+
+
+def gmm_shapes(tag: str) -> list[GroupedMatmulShape]:
+    """The grouped-matmul shapes carrying ``tag``, in registry order."""
+    _check_tag(tag)
+    return [shape for shape in GMM_SHAPES.values() if shape.tag == tag]
+
+
+def layer_shapes(tag: str) -> list[LayerShape]:
+    """The layer shapes carrying ``tag``, in registry order."""
+    _check_tag(tag)
+    return [shape for shape in LAYER_SHAPES.values() if shape.tag == tag]

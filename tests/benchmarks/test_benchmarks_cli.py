@@ -1,0 +1,138 @@
+"""The benchmark CLI's CPU smoke run (``--tiny``) and the harness pieces it rests on: FLOP model, timer, failures."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import pytest
+
+from benchmarks import common
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCHES = {"gmm", "gmm-bwd", "skew", "layer", "layer-bwd"}
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One ``python -m benchmarks --tiny`` run over every bench at one ci shape, as a user would type it."""
+    out = tmp_path_factory.mktemp("bench")
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks",
+        "--tiny",
+        "--shapes",
+        "ci/ragged",
+        "--out",
+        str(out / "run.json"),
+        "--jsonl",
+        str(out / "run.jsonl"),
+    ]
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(out / "run.json") as f:
+        data = json.load(f)
+    with open(out / "run.jsonl") as f:
+        lines = [json.loads(line) for line in f]
+    return result.stdout, data, lines
+
+
+def test_prints_a_markdown_table_per_bench(tiny_run):
+    stdout, _, _ = tiny_run
+    for title in ("Grouped matmul, forward", "Grouped matmul, forward + backward", "moe_ffn layer, forward"):
+        assert f"### {title}" in stdout
+    assert "skewed routings" in stdout
+    assert stdout.count(common.TABLE_HEADER[0]) == len(BENCHES)
+    assert "| ci/ragged | uniform | moe_jax:xla |" in stdout
+    assert common.FLOP_MODEL in stdout
+
+
+def test_json_records_every_bench_with_metadata(tiny_run):
+    _, data, lines = tiny_run
+    meta = data["meta"]
+    for key in ("date", "device_kind", "jax", "jaxlib", "git_revision", "command", "flop_model"):
+        assert meta[key], key
+    assert meta["command"].startswith("python -m benchmarks --tiny")
+    assert {r["bench"] for r in data["records"]} == BENCHES
+    # The streamed JSONL holds the same records, after one metadata line.
+    assert lines[0] == {"meta": meta}
+    assert lines[1:] == data["records"]
+
+
+def test_baselines_and_xla_backend_have_positive_numbers(tiny_run):
+    _, data, _ = tiny_run
+    timed = [r for r in data["records"] if r["impl"] in ("dense", "ragged_dot", "moe_jax:xla")]
+    assert {r["bench"] for r in timed} == BENCHES
+    for r in timed:
+        assert r["status"] == "ok", r
+        assert r["flops"] > 0 and r["tflops"] > 0
+        timing = r["timing"]
+        assert 0 < timing["min_s"] <= timing["median_s"] <= timing["p90_s"]
+        assert timing["samples"] >= 1 and timing["reps"] >= 1
+
+
+def test_checks_agree_with_the_reference(tiny_run):
+    _, data, _ = tiny_run
+    checked = [r for r in data["records"] if r["impl"] == "moe_jax:xla" and not r["bench"].startswith("layer")]
+    assert checked
+    for r in checked:
+        assert r["checked_against"] == "ragged_dot"
+        # Same ragged_dot underneath; the gradients go through a different but exact-in-f32 path.
+        assert r["rel_err"] < 1e-2, r
+
+
+def test_missing_peer_and_kernels_are_reported_not_raised(tiny_run):
+    _, data, _ = tiny_run
+    for r in data["records"]:
+        if r["impl"].startswith("tokamax"):
+            assert r["status"] == "n/a" and r["note"], r  # no tokamax / no GPU here
+        elif r["impl"] == "moe_jax:pallas":
+            # Before the kernels exist: n/a. After: under the Mosaic GPU interpreter, a positive number.
+            assert r["status"] == "n/a" or r["tflops"] > 0, r
+        else:
+            assert r["status"] == "ok", r
+
+
+def test_flop_model():
+    assert common.gmm_flops(8, 16, 32, backward=False) == 2 * 8 * 16 * 32
+    assert common.gmm_flops(8, 16, 32, backward=True) == 3 * 2 * 8 * 16 * 32
+    t, d, f, e, k = 16, 32, 8, 4, 2
+    forward = 2 * t * d * e + 2 * t * k * d * 2 * f + 2 * t * k * f * d
+    assert common.moe_ffn_flops(t, d, f, e, k, backward=False) == forward
+    assert common.moe_ffn_flops(t, d, f, e, k, backward=True) == 3 * forward
+
+
+def test_timer_rotates_input_sets_and_returns_the_first_output():
+    used = []
+
+    def fn(x):
+        used.append(int(x[0]))
+        return x * 2
+
+    sets = [(jnp.full((4,), i, jnp.float32),) for i in range(3)]
+    timing, first = common.time_fn(fn, sets, iters=5, warmup=1, max_seconds=10.0, min_sample_seconds=0)
+    assert first.tolist() == [0.0] * 4
+    assert set(used) == {0, 1, 2}
+    assert timing.samples == 5 and timing.reps == 1
+    assert 0 < timing.min_s <= timing.p10_s <= timing.median_s <= timing.p90_s
+
+
+def test_input_sets_rotate_only_below_the_l2_bound():
+    assert common.input_sets_needed(common.ROTATE_BYTES * 4) == 1
+    assert common.input_sets_needed(common.ROTATE_BYTES // 4) == 4
+    assert common.input_sets_needed(1) == common.MAX_INPUT_SETS
+
+
+@pytest.mark.parametrize(
+    "error, status",
+    [
+        (NotImplementedError("grouped_matmul: no Pallas Mosaic GPU kernel exists yet"), "n/a"),
+        (RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 24.00GiB"), "OOM"),
+        (ValueError("Mosaic GPU kernel exceeds available shared memory"), "error"),
+    ],
+)
+def test_failures_are_classified(error, status):
+    assert common.classify_failure(error)[0] == status

@@ -1,0 +1,82 @@
+"""The named-shape registry (moe_jax/ops/shapes.py): DESIGN §6's shapes, and group sizes drawn under each routing."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_jax.ops import shapes
+
+# DESIGN §6, copied by hand: a change to the registry must be a deliberate change to this table too.
+DESIGN_SHAPES = {
+    "qwen3-30b/gate_up": (128, 32768, 2048, 1536),
+    "qwen3-30b/down": (128, 32768, 768, 2048),
+    "gpt-oss-120b/gate_up": (128, 32768, 2880, 5760),
+    "gpt-oss-120b/down": (128, 32768, 2880, 2880),
+    "dsv3-ep8/gate_up": (32, 32768, 7168, 4096),
+    "dsv3-ep8/down": (32, 32768, 2048, 7168),
+    "mixtral/gate_up": (8, 16384, 4096, 28672),
+    "mixtral/down": (8, 16384, 14336, 4096),
+}
+
+
+def test_bench_shapes_are_design_section_6():
+    bench = {s.name: (s.g, s.m, s.k, s.n) for s in shapes.gmm_shapes("bench")}
+    assert bench == DESIGN_SHAPES
+
+
+def test_ci_shapes_are_tiny_and_qwen3_layer_is_registered():
+    for shape in shapes.gmm_shapes("ci"):
+        assert shape.m * shape.k * shape.n <= 2**23, shape  # milliseconds on a CPU, seconds under the interpreter
+    layer = shapes.LAYER_SHAPES["qwen3-30b-a3b"]
+    assert (layer.t, layer.d, layer.f, layer.e, layer.top_k) == (16384, 2048, 768, 128, 8)
+    assert layer.m == 16384 * 8
+    assert all(s.tag == "ci" for s in shapes.layer_shapes("ci"))
+
+
+def test_shapes_are_frozen_and_validated():
+    shape = shapes.GMM_SHAPES["ci/gate_up"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        shape.m = 1
+    with pytest.raises(ValueError, match="tag"):
+        shapes.GroupedMatmulShape("x", g=1, m=1, k=1, n=1, tag="big")
+    with pytest.raises(ValueError, match="k must be a positive int"):
+        shapes.GroupedMatmulShape("x", g=1, m=1, k=0, n=1, tag="ci")
+    with pytest.raises(ValueError, match="top_k"):
+        shapes.LayerShape("x", t=4, d=8, f=8, e=2, top_k=3, activation="swiglu", tag="ci")
+    with pytest.raises(ValueError, match="routing"):
+        shape.group_sizes("skewed")
+
+
+@pytest.mark.parametrize("routing", shapes.ROUTINGS)
+@pytest.mark.parametrize("g, m", [(1, 37), (5, 200), (128, 32768)])
+def test_group_sizes_cover_every_row(routing, g, m):
+    sizes = shapes.make_group_sizes(jax.random.key(3), g, m, routing)
+    assert sizes.shape == (g,) and sizes.dtype == jnp.int32
+    sizes = np.asarray(sizes)
+    assert sizes.sum() == m and (sizes >= 0).all()
+
+
+def test_routings_have_the_stated_skew():
+    shape = shapes.GMM_SHAPES["qwen3-30b/gate_up"]
+    mean = shape.m / shape.g
+    uniform = np.asarray(shape.group_sizes("uniform", seed=1))
+    # Binomial(M, 1/G): std ~ 16 rows around a mean of 256; 128 experts stay well within +-40%.
+    assert np.abs(uniform - mean).max() < 0.4 * mean
+    half = np.asarray(shape.group_sizes("half", seed=1))
+    assert half.max() == shape.m // 2
+    assert np.sort(half)[-2] < 0.05 * shape.m
+    zipf = np.sort(np.asarray(shape.group_sizes("zipf1.2", seed=1)))[::-1]
+    # P(rank 1) = 1 / sum_r r^-1.2 ~ 0.22 for G = 128; rank 2 gets 2^-1.2 ~ 0.44 of that.
+    top_share = 1 / np.sum(np.arange(1, shape.g + 1) ** -1.2)
+    assert abs(zipf[0] / shape.m - top_share) < 0.02
+    assert abs(zipf[1] / zipf[0] - 2**-1.2) < 0.05
+
+
+def test_group_sizes_depend_on_the_seed_only():
+    shape = shapes.GMM_SHAPES["ci/ragged"]
+    for routing in shapes.ROUTINGS:
+        np.testing.assert_array_equal(shape.group_sizes(routing, seed=4), shape.group_sizes(routing, seed=4))
+    assert not np.array_equal(shape.group_sizes("uniform", seed=4), shape.group_sizes("uniform", seed=5))
