@@ -4,7 +4,19 @@ import jax
 
 from moe_jax._core import checks
 from moe_jax._core.backend import resolve_backend
-from moe_jax.ops.permute import reference
+from moe_jax.ops.permute import reference, sm90_vjp
+from moe_jax.ops.permute.config import supports as kernel_supports
+
+
+def _resolve(backend: str, op: str, rows) -> str:
+    """The backend for ``rows`` [., D]: the kernels move rows of a float dtype whose width D is a multiple of 128."""
+    supported = kernel_supports(rows.shape[1], rows.dtype)
+    if backend == "pallas" and not supported:
+        raise NotImplementedError(
+            f"{op}: the Pallas kernel needs rows of float32/bfloat16/float16 with D a multiple of 128, got D="
+            f"{rows.shape[1]} and dtype {rows.dtype}; use backend='xla' (or 'auto', which falls back to it)"
+        )
+    return resolve_backend(backend, op=op, has_kernel=supported)
 
 
 def _check_sort_indices(sort_indices, num_rows: int, what: str) -> None:
@@ -28,7 +40,8 @@ def permute(x: jax.Array, sort_indices: jax.Array, top_k: int, *, backend: str =
     num_tokens, _ = checks.check_rank("x", x, 2, "[T, D]")
     checks.check_positive_int("top_k", top_k)
     _check_sort_indices(sort_indices, num_tokens * top_k, "length (T * top_k)")
-    resolve_backend(backend, op="permute", has_kernel=False)
+    if _resolve(backend, "permute", x) == "pallas":
+        return sm90_vjp.permute(x, sort_indices, top_k)
     return reference.permute(x, sort_indices, top_k)
 
 
@@ -61,5 +74,6 @@ def combine(
         shape = checks.check_rank("weights", weights, 2, "[T, k]")
         if shape != (num_rows // top_k, top_k):
             raise ValueError(f"weights must have shape [T, k] = {(num_rows // top_k, top_k)}, got {shape}")
-    resolve_backend(backend, op="combine", has_kernel=False)
+    if _resolve(backend, "combine", y_sorted) == "pallas":
+        return sm90_vjp.combine(y_sorted, sort_indices, top_k, weights)
     return reference.combine(y_sorted, sort_indices, top_k, weights)

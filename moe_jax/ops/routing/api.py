@@ -5,7 +5,7 @@ import jax.numpy as jnp
 
 from moe_jax._core import checks
 from moe_jax._core.backend import resolve_backend
-from moe_jax.ops.routing import reference
+from moe_jax.ops.routing import reference, sm90_vjp
 from moe_jax.ops.routing.reference import Routing
 
 SCORES = ("softmax", "sigmoid")
@@ -83,8 +83,10 @@ def route(
         scale=scale,
     )
     del num_tokens
-    resolve_backend(backend, op="route", has_kernel=False)
-    return reference.route(
+    # The gating kernel takes any T and E (it pads both) and every option.
+    use_kernel = resolve_backend(backend, op="route", has_kernel=True) == "pallas"
+    route_impl = sm90_vjp.route if use_kernel else reference.route
+    return route_impl(
         logits,
         top_k,
         score=score,

@@ -56,6 +56,11 @@ def scores(logits: jax.Array, score: str) -> jax.Array:
     return jax.nn.sigmoid(logits)
 
 
+def _nan_to_minus_inf(selection: jax.Array) -> jax.Array:
+    """NaN never wins a selection: it ranks with -inf (ties to the lower index), so every expert id stays in range."""
+    return jnp.where(jnp.isnan(selection), -jnp.inf, selection)
+
+
 def _restrict_to_top_groups(selection: jax.Array, num_groups: int, top_groups: int) -> jax.Array:
     """Sets to -inf every expert outside the ``top_groups`` best of ``num_groups`` contiguous groups.
 
@@ -64,7 +69,8 @@ def _restrict_to_top_groups(selection: jax.Array, num_groups: int, top_groups: i
     num_tokens, num_experts = selection.shape
     grouped = selection.reshape(num_tokens, num_groups, num_experts // num_groups)
     best_in_group = jax.lax.top_k(grouped, min(2, grouped.shape[-1]))[0]
-    _, chosen_groups = jax.lax.top_k(best_in_group.sum(-1), top_groups)  # [T, top_groups]
+    group_scores = _nan_to_minus_inf(best_in_group.sum(-1))  # NaN from inf + (-inf) biases
+    _, chosen_groups = jax.lax.top_k(group_scores, top_groups)  # [T, top_groups]
     group_mask = jnp.zeros((num_tokens, num_groups), bool)
     group_mask = group_mask.at[jnp.arange(num_tokens)[:, None], chosen_groups].set(True)
     expert_mask = jnp.repeat(group_mask, num_experts // num_groups, axis=1)
@@ -81,6 +87,7 @@ def select_experts(
 ) -> jax.Array:
     """[T, k] int32 expert ids: the best ``top_k`` of ``expert_scores + bias`` within the eligible groups."""
     selection = expert_scores if bias is None else expert_scores + bias.astype(expert_scores.dtype)[None, :]
+    selection = _nan_to_minus_inf(selection)
     if num_groups > 1:
         selection = _restrict_to_top_groups(selection, num_groups, top_groups)
     return jax.lax.top_k(selection, top_k)[1].astype(jnp.int32)

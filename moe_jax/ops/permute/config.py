@@ -1,0 +1,68 @@
+"""Block shapes of the sm90 row-movement kernels (sm90.py): the frozen Config and its heuristic.
+
+Both kernels move whole rows of width D between token order [T, D] and expert order [M = T * k, D]. One Pallas
+thread (a warpgroup, 128 lanes) holds a row chunk of ``128 * vec_size`` columns in registers, ``vec_size`` contiguous
+elements per lane, so every global access is ``vec_size * itemsize`` bytes wide per lane and one warp's access covers
+whole 128-byte lines.
+"""
+
+import dataclasses
+
+import jax.numpy as jnp
+
+LANES = 128  # one Pallas thread of Mosaic GPU is a warpgroup
+ACCESS_BYTES = 16  # the widest global load / store of one lane
+# Row chunks one CTA keeps in flight (the scatter kernel loads every chunk of its tokens before the first store):
+# 16 chunks of 16 bytes per lane are 64 registers, which leaves room for several CTAs per SM.
+MAX_CHUNKS_IN_FLIGHT = 16
+MAX_TOKENS_PER_BLOCK = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """How one launch walks the rows.
+
+    Attributes:
+      vec_size: elements one lane moves per access (a power of two); a register chunk spans ``128 * vec_size``
+        columns, which must divide D.
+      tokens_per_block: tokens one CTA handles; the grid is ``ceil(T / tokens_per_block)``.
+    """
+
+    vec_size: int
+    tokens_per_block: int
+
+    def __post_init__(self):
+        if self.vec_size < 1 or self.vec_size & (self.vec_size - 1) or self.vec_size > 16:
+            raise ValueError(f"vec_size must be a power of two in [1, 16], got {self.vec_size}")
+        if not 1 <= self.tokens_per_block <= MAX_TOKENS_PER_BLOCK:
+            raise ValueError(f"tokens_per_block must be in [1, {MAX_TOKENS_PER_BLOCK}], got {self.tokens_per_block}")
+
+    @property
+    def chunk(self) -> int:
+        """Columns of one register chunk."""
+        return LANES * self.vec_size
+
+    def num_chunks(self, d_model: int) -> int:
+        if d_model % self.chunk:
+            raise ValueError(f"D={d_model} must be a multiple of the chunk width 128 * vec_size = {self.chunk}")
+        return d_model // self.chunk
+
+
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def supports(d_model: int, dtype) -> bool:
+    """Whether the kernels handle rows of width ``d_model`` (a multiple of the 128 lanes of a warpgroup) and dtype."""
+    return d_model > 0 and d_model % LANES == 0 and jnp.dtype(dtype) in map(jnp.dtype, DTYPES)
+
+
+def heuristic_config(d_model: int, dtype) -> Config:
+    """The widest access that divides D, and as many tokens per CTA as keep MAX_CHUNKS_IN_FLIGHT chunks in flight."""
+    if not supports(d_model, dtype):
+        raise ValueError(f"rows of width D={d_model} and dtype {jnp.dtype(dtype).name} have no kernel config")
+    vec_size = ACCESS_BYTES // jnp.dtype(dtype).itemsize
+    while d_model % (LANES * vec_size):
+        vec_size //= 2
+    num_chunks = d_model // (LANES * vec_size)
+    tokens = max(1, min(MAX_TOKENS_PER_BLOCK, MAX_CHUNKS_IN_FLIGHT // num_chunks))
+    return Config(vec_size=vec_size, tokens_per_block=tokens)

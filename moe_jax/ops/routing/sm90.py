@@ -1,0 +1,221 @@
+"""Mosaic GPU (sm90) gating kernel: router logits -> scores, top-k selection, weights and counting-sort ranks.
+
+One CTA (one warpgroup) gates a block of 64 tokens, reading their [64, E] logits once into registers in the wgmma
+layout (thread i holds two rows and E/4 columns of them; a reduction along E is a few in-register steps and two
+shuffles). It writes, for its block b:
+
+  probs   [64, E] f32  softmax probabilities, or sigmoid scores divided by their row sum
+  experts [64, k]      selected experts, best first, ties to the lower id
+  weights [64, k]      selected (unbiased) scores, renormalised and scaled
+  ranks   [64, k]      for assignment (t, j) with expert e: the tokens before t *in this block* that also chose e
+  counts  [E]          row b of the per-block histogram
+
+The caller finishes the counting sort: an exclusive cumsum of ``counts`` over blocks and experts gives each block's
+first row per expert, and ``position = first[b, e] + rank`` is the stable expert-sorted row of the assignment (within
+an expert, by token; a token picks an expert at most once, so by token then slot).
+
+Selection follows DESIGN §3 step by step: ``s = score + bias``; NaN becomes -inf (so a NaN never wins and an expert
+id is always in range); with groups, each group scores the sum of its two best, the ``top_groups`` best groups stay
+eligible and the rest become -inf; then k rounds of "the largest untaken value, the lowest id among equals". Every
+step compares exact f32 values, so the result is the reference's whenever the f32 scores are.
+
+The in-block ranks are one matmul: with S[t, e] = 1 when token t chose e (bf16, exact) and L the strictly lower
+triangular [64, 64] matrix of ones, (L @ S)[t, e] counts the earlier tokens that chose e, exactly in the f32
+accumulator; wgmma does it in chunks of at most 256 experts. A block's rank of (t, j) is then row t of that product
+read at column e_tj (a masked row sum).
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from moe_jax.ops.routing.config import BLOCK_TOKENS, Config
+
+_LAYOUT = plgpu.Layout.WGMMA
+_ROW = _LAYOUT.reduce(1)  # [64] per-token vectors
+_COL = _LAYOUT.reduce(0)  # [E] per-expert vectors
+
+
+def _rows_to_tile(vector, num_cols: int):
+    """[64] per-token vector -> [64, num_cols], constant along the row."""
+    return plgpu.layout_cast(lax.broadcast_in_dim(vector, (BLOCK_TOKENS, num_cols), (0,)), _LAYOUT)
+
+
+def _cols_to_tile(vector):
+    """[E] per-expert vector -> [64, E], constant down a column."""
+    return plgpu.layout_cast(lax.broadcast_in_dim(vector, (BLOCK_TOKENS, vector.shape[0]), (1,)), _LAYOUT)
+
+
+def _masked(mask, value):
+    return jnp.where(mask, value, -jnp.inf)
+
+
+def _false(shape, layout):
+    return plgpu.layout_cast(jnp.zeros(shape, jnp.bool_), layout)
+
+
+def gating(
+    logits: jax.Array,
+    bias: jax.Array | None,
+    *,
+    num_tokens: int,
+    num_experts: int,
+    top_k: int,
+    score: str,
+    renormalize: bool,
+    num_groups: int,
+    top_groups: int,
+    scale: float,
+    config: Config,
+    interpret=None,
+):
+    """Runs the gating kernel over T (padded to a multiple of 64) tokens.
+
+    Args:
+      logits: [T_pad, E_pad] f32, T_pad a multiple of 64 and E_pad = ``config.padded_experts``; padding is -inf.
+      bias: optional [E_pad] f32 selection bias.
+      num_tokens, num_experts: the real T and E (rows past T are gated but not counted).
+      top_k, score, renormalize, num_groups, top_groups, scale: as in ``moe_jax.route``.
+      config: see ``Config``.
+      interpret: Mosaic GPU interpreter parameters, or None on a GPU.
+
+    Returns:
+      (probs [T_pad, E_pad] f32, experts [T_pad, k] int32, weights [T_pad, k] f32, ranks [T_pad, k] int32,
+      counts [T_pad / 64, E_pad] int32), as the module docstring defines them.
+    """
+    padded_tokens, padded_experts = logits.shape
+    num_blocks = padded_tokens // BLOCK_TOKENS
+    chunk = config.rank_chunk
+    has_bias = bias is not None
+
+    def scores_and_probs(x):
+        if score == "softmax":
+            # jax.nn.softmax's arithmetic, so that the scores are the reference's bit for bit.
+            peak = jnp.max(x, axis=1)
+            unnormalized = jnp.exp(x - _rows_to_tile(peak, padded_experts))
+            scores = unnormalized / _rows_to_tile(jnp.sum(unnormalized, axis=1), padded_experts)
+            return scores, scores
+        scores = jax.nn.sigmoid(x)
+        return scores, scores / _rows_to_tile(jnp.sum(scores, axis=1), padded_experts)
+
+    def restrict_to_top_groups(selection, expert_id):
+        width = num_experts // num_groups
+        members = [(expert_id >= g * width) & (expert_id < (g + 1) * width) for g in range(num_groups)]
+        group_scores = []
+        for member in members:
+            values = _masked(member, selection)
+            best = jnp.max(values, axis=1)
+            if width > 1:
+                at = _rows_to_tile(best, padded_experts)
+                first = jnp.min(jnp.where(member & (values == at), expert_id, padded_experts), axis=1)
+                best = best + jnp.max(_masked(expert_id != _rows_to_tile(first, padded_experts), values), axis=1)
+            group_scores.append(jnp.where(best != best, -jnp.inf, best))
+        chosen = [_false((BLOCK_TOKENS,), _ROW)] * num_groups
+        for _ in range(top_groups):
+            best = _masked(~chosen[0], group_scores[0])
+            for g in range(1, num_groups):
+                best = jnp.maximum(best, _masked(~chosen[g], group_scores[g]))
+            found = _false((BLOCK_TOKENS,), _ROW)
+            for g in range(num_groups):
+                pick = ~chosen[g] & ~found & (group_scores[g] == best)
+                chosen[g] = chosen[g] | pick
+                found = found | pick
+        eligible = _false(expert_id.shape, _LAYOUT)
+        for g in range(num_groups):
+            eligible = eligible | (members[g] & _rows_to_tile(chosen[g], padded_experts))
+        return _masked(eligible, selection)
+
+    def top_k_rounds(selection, scores, expert_id):
+        taken = _false(expert_id.shape, _LAYOUT)
+        experts, weights = [], []
+        for _ in range(top_k):
+            candidates = _masked(~taken, selection)
+            best = _rows_to_tile(jnp.max(candidates, axis=1), padded_experts)
+            expert = jnp.min(jnp.where(~taken & (candidates == best), expert_id, padded_experts), axis=1)
+            hit = expert_id == _rows_to_tile(expert, padded_experts)
+            experts.append(expert)
+            weights.append(jnp.sum(jnp.where(hit, scores, 0.0), axis=1))
+            taken = taken | hit
+        if renormalize:
+            total = weights[0]
+            for w in weights[1:]:
+                total = total + w
+            weights = [w / total for w in weights]
+        return experts, [w * scale for w in weights], taken
+
+    def block_ranks(chosen_smem, lower_smem, experts):
+        """Per slot: the earlier tokens of the block that chose the same expert (module docstring)."""
+        row = plgpu.broadcasted_iota(jnp.int32, (BLOCK_TOKENS, BLOCK_TOKENS), 0, layout=_LAYOUT)
+        col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_TOKENS, BLOCK_TOKENS), 1, layout=_LAYOUT)
+        lower_smem[...] = jnp.where(col < row, 1.0, 0.0).astype(jnp.bfloat16)
+        plgpu.commit_smem()
+        ranks = [None] * top_k
+        for first in range(0, padded_experts, chunk):
+
+            def prefix_counts(acc_ref, first=first):
+                plgpu.wgmma(acc_ref, lower_smem, chosen_smem.at[:, pl.ds(first, chunk)])
+                return acc_ref[...]
+
+            earlier = pl.run_scoped(prefix_counts, plgpu.ACC((BLOCK_TOKENS, chunk), jnp.float32))
+            expert_id = first + plgpu.broadcasted_iota(jnp.int32, (BLOCK_TOKENS, chunk), 1, layout=_LAYOUT)
+            for j, expert in enumerate(experts):
+                rank = jnp.sum(jnp.where(expert_id == _rows_to_tile(expert, chunk), earlier, 0.0), axis=1)
+                ranks[j] = rank if ranks[j] is None else ranks[j] + rank
+        return [r.astype(jnp.int32) for r in ranks]
+
+    def body(logits_gmem, *refs):
+        refs = list(refs)
+        bias_gmem = refs.pop(0) if has_bias else None
+        probs_gmem, experts_gmem, weights_gmem, ranks_gmem, counts_gmem, chosen_smem, lower_smem = refs
+        block = lax.axis_index("block")
+        rows = pl.ds(block * BLOCK_TOKENS, BLOCK_TOKENS)
+        x = plgpu.load(logits_gmem.at[rows], layout=_LAYOUT, optimized=False)
+        expert_id = plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=_LAYOUT)
+        token = block * BLOCK_TOKENS + plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=_LAYOUT)
+
+        scores, probs = scores_and_probs(x)
+        probs_gmem[rows] = probs
+        selection = scores
+        if has_bias:
+            selection = selection + _cols_to_tile(plgpu.load(bias_gmem, layout=_COL, optimized=False))
+        # NaN never wins (it becomes -inf); padding experts are never eligible.
+        selection = _masked((selection == selection) & (expert_id < num_experts), selection)
+        if num_groups > 1:
+            selection = restrict_to_top_groups(selection, expert_id)
+        experts, weights, taken = top_k_rounds(selection, scores, expert_id)
+
+        # Padding tokens (rows past T) choose experts too, but are not counted.
+        chosen = taken & (token < num_tokens)
+        counts_gmem[block] = jnp.sum(jnp.where(chosen, 1.0, 0.0), axis=0).astype(jnp.int32)
+        chosen_smem[...] = jnp.where(chosen, 1.0, 0.0).astype(jnp.bfloat16)
+        ranks = block_ranks(chosen_smem, lower_smem, experts)
+        for j in range(top_k):
+            experts_gmem[rows, j] = experts[j]
+            weights_gmem[rows, j] = weights[j]
+            ranks_gmem[rows, j] = ranks[j]
+
+    def swizzled(swizzle: int):
+        return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+
+    per_token = (padded_tokens, top_k)
+    kernel = plgpu.kernel(
+        body,
+        out_type=(
+            jax.ShapeDtypeStruct((padded_tokens, padded_experts), jnp.float32),
+            jax.ShapeDtypeStruct(per_token, jnp.int32),
+            jax.ShapeDtypeStruct(per_token, jnp.float32),
+            jax.ShapeDtypeStruct(per_token, jnp.int32),
+            jax.ShapeDtypeStruct((num_blocks, padded_experts), jnp.int32),
+        ),
+        scratch_types=[
+            plgpu.SMEM((BLOCK_TOKENS, padded_experts), jnp.bfloat16, transforms=swizzled(config.swizzle)),
+            plgpu.SMEM((BLOCK_TOKENS, BLOCK_TOKENS), jnp.bfloat16, transforms=swizzled(config.swizzle)),
+        ],
+        grid=(num_blocks,),
+        grid_names=("block",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=interpret,
+    )
+    return kernel(logits, *([bias] if has_bias else []))

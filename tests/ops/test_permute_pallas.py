@@ -1,0 +1,155 @@
+"""The sm90 permute / combine kernels under the Mosaic GPU interpreter (races detected, outputs NaN-poisoned).
+
+Permute moves rows without arithmetic: exactly the reference. Combine sums k rows in f32 in its own order: within
+one rounding of the output dtype. Gradients against ``jax.vjp`` of the reference.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+import moe_jax
+from moe_jax._core.testing import relative_error
+from moe_jax.ops.permute import reference, sm90_vjp
+from moe_jax.ops.permute.config import Config, heuristic_config
+
+INTERPRET = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
+# One rounding to the output dtype of an f32 sum (the reference rounds once too, from another summation order).
+TOL = {jnp.float32: 1e-6, jnp.bfloat16: 8e-3}
+
+
+def _routing(seed: int, num_tokens: int, num_experts: int, top_k: int):
+    logits = np.random.default_rng(seed).normal(size=(num_tokens, num_experts)).astype(np.float32)
+    return moe_jax.route(jnp.asarray(logits), top_k, backend="xla")
+
+
+def _rows(seed: int, shape, dtype) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape), dtype)
+
+
+def _interpreted(fn, *args):
+    with plgpu.force_gpu_interpret_mode(INTERPRET):
+        return jax.block_until_ready(fn(*args))
+
+
+# (T, D, E, k, dtype): D picks the register chunk (bf16 1024 -> one 16-byte chunk; 384 -> three 2-byte chunks).
+CASES = [
+    (21, 256, 6, 3, jnp.bfloat16),  # T off the 8-token block
+    (16, 1024, 4, 2, jnp.bfloat16),
+    (9, 384, 5, 4, jnp.bfloat16),
+    (12, 512, 8, 8, jnp.float32),  # k = E
+]
+
+
+@pytest.mark.parametrize("num_tokens, d_model, num_experts, top_k, dtype", CASES)
+def test_permute_matches_reference_exactly(num_tokens, d_model, num_experts, top_k, dtype):
+    routing = _routing(num_tokens, num_tokens, num_experts, top_k)
+    x = _rows(1, (num_tokens, d_model), dtype)
+    rows = _interpreted(lambda x: moe_jax.permute(x, routing.sort_indices, top_k, backend="pallas"), x)
+    assert rows.dtype == dtype
+    np.testing.assert_array_equal(rows, reference.permute(x, routing.sort_indices, top_k))
+
+
+@pytest.mark.parametrize("num_tokens, d_model, num_experts, top_k, dtype", CASES)
+@pytest.mark.parametrize("weighted", [True, False])
+def test_combine_matches_reference(num_tokens, d_model, num_experts, top_k, dtype, weighted):
+    routing = _routing(num_tokens + 1, num_tokens, num_experts, top_k)
+    y_sorted = _rows(2, (num_tokens * top_k, d_model), dtype)
+    weights = routing.weights if weighted else None
+    y = _interpreted(lambda y: moe_jax.combine(y, routing.sort_indices, top_k, weights, backend="pallas"), y_sorted)
+    assert y.dtype == dtype
+    expected = reference.combine(y_sorted, routing.sort_indices, top_k, weights)
+    assert relative_error(y, expected) < TOL[dtype]
+
+
+def test_combine_after_capacity_drops():
+    # Dropped assignments sit past sum(group_sizes); their rows (zeros from the grouped matmul) are still summed.
+    routing = _routing(3, 24, 4, 2)
+    _, sort_indices = moe_jax.apply_capacity(routing, 0.5)
+    y_sorted = _rows(4, (48, 256), jnp.bfloat16)
+    y = _interpreted(lambda y: moe_jax.combine(y, sort_indices, 2, routing.weights, backend="pallas"), y_sorted)
+    assert relative_error(y, reference.combine(y_sorted, sort_indices, 2, routing.weights)) < TOL[jnp.bfloat16]
+    rows = _interpreted(lambda y: moe_jax.permute(y, sort_indices, 2, backend="pallas"), y)
+    np.testing.assert_array_equal(rows, reference.permute(y, sort_indices, 2))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gradients_match_reference(dtype):
+    num_tokens, d_model, top_k = 13, 256, 3
+    routing = _routing(5, num_tokens, 5, top_k)
+    x = _rows(6, (num_tokens, d_model), dtype)
+    y_sorted = _rows(7, (num_tokens * top_k, d_model), dtype)
+    d_rows = _rows(8, (num_tokens * top_k, d_model), dtype)
+    d_y = _rows(9, (num_tokens, d_model), dtype)
+
+    def layer(permute, combine):
+        def apply(x, y_sorted, weights):
+            return permute(x), combine(y_sorted, weights), combine(y_sorted, None)
+
+        return apply
+
+    kernel = layer(
+        lambda x: moe_jax.permute(x, routing.sort_indices, top_k, backend="pallas"),
+        lambda y, w: moe_jax.combine(y, routing.sort_indices, top_k, w, backend="pallas"),
+    )
+    expected = layer(
+        lambda x: reference.permute(x, routing.sort_indices, top_k),
+        lambda y, w: reference.combine(y, routing.sort_indices, top_k, w),
+    )
+    cotangents = (d_rows, d_y, d_y)
+    with plgpu.force_gpu_interpret_mode(INTERPRET):
+        _, kernel_vjp = jax.vjp(kernel, x, y_sorted, routing.weights)
+        got = jax.block_until_ready(kernel_vjp(cotangents))
+    _, expected_vjp = jax.vjp(expected, x, y_sorted, routing.weights)
+    for name, g, e in zip(("dx", "dy_sorted", "dweights"), got, expected_vjp(cotangents), strict=True):
+        assert g.dtype == e.dtype, name
+        # The reference's dx sums k bf16 rows in bf16 (scatter-add), the kernel in f32: two roundings apart.
+        tol = 2 * TOL[dtype] if name == "dx" else TOL[dtype]
+        assert relative_error(g, e) < tol, name
+
+
+def test_unsupported_width_falls_back_or_raises():
+    routing = _routing(10, 8, 4, 2)
+    x = _rows(11, (8, 100), jnp.float32)  # D = 100: not a multiple of 128
+    with pytest.raises(NotImplementedError, match="D a multiple of 128"):
+        moe_jax.permute(x, routing.sort_indices, 2, backend="pallas")
+    np.testing.assert_array_equal(
+        moe_jax.permute(x, routing.sort_indices, 2, backend="auto"), reference.permute(x, routing.sort_indices, 2)
+    )
+
+
+def test_heuristic_config_picks_the_widest_access():
+    assert heuristic_config(2048, jnp.bfloat16) == Config(vec_size=8, tokens_per_block=8)
+    assert heuristic_config(7168, jnp.bfloat16) == Config(vec_size=8, tokens_per_block=2)
+    assert heuristic_config(384, jnp.bfloat16) == Config(vec_size=1, tokens_per_block=5)
+    assert heuristic_config(512, jnp.float32) == Config(vec_size=4, tokens_per_block=8)
+    with pytest.raises(ValueError, match="vec_size"):
+        Config(vec_size=3, tokens_per_block=1)
+
+
+# Shipped layer widths: (T, D, k). Lowering runs the whole Mosaic GPU pipeline up to the custom calls.
+SHIPPED = {"qwen3-30b-a3b": (16384, 2048, 8), "deepseek-v3": (16384, 7168, 8)}
+
+
+@pytest.mark.parametrize("name", list(SHIPPED))
+def test_lowers_for_cuda(name, monkeypatch):
+    monkeypatch.setattr(sm90_vjp, "interpret_params", lambda: None)  # lower the real kernels, not the interpreter
+    num_tokens, d_model, top_k = SHIPPED[name]
+    x = jax.ShapeDtypeStruct((num_tokens, d_model), jnp.bfloat16)
+    y_sorted = jax.ShapeDtypeStruct((num_tokens * top_k, d_model), jnp.bfloat16)
+    sort_indices = jax.ShapeDtypeStruct((num_tokens * top_k,), jnp.int32)
+    weights = jax.ShapeDtypeStruct((num_tokens, top_k), jnp.float32)
+
+    def forward_and_backward(x, y_sorted, weights, sort_indices):
+        def apply(x, y_sorted, weights):
+            rows = moe_jax.permute(x, sort_indices, top_k, backend="pallas")
+            y = moe_jax.combine(y_sorted, sort_indices, top_k, weights, backend="pallas")
+            return jnp.sum(rows.astype(jnp.float32)) + jnp.sum(y.astype(jnp.float32))
+
+        return jax.value_and_grad(apply, argnums=(0, 1, 2))(x, y_sorted, weights)
+
+    lowered = jax.jit(forward_and_backward).trace(x, y_sorted, weights, sort_indices)
+    # permute + combine forward, their two backward kernels.
+    assert lowered.lower(lowering_platforms=("cuda",)).as_text().count("custom_call @mosaic_gpu") == 4

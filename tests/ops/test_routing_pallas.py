@@ -1,0 +1,167 @@
+"""The sm90 gating kernel under the Mosaic GPU interpreter (races detected, scratch NaN-poisoned) against the reference.
+
+Selection, counts and the permutation must be exactly the reference's; weights and probs agree to f32 rounding
+(the kernel sums the k weights and the softmax normaliser in its own order). Shapes are small: each case interprets
+one to three CTAs of 64 tokens.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+import moe_jax
+from moe_jax._core import testing as oracle
+from moe_jax.ops.routing import reference, sm90_vjp
+
+INTERPRET = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
+TOL = 1e-6  # f32 weights / probs: a few ulps of values in [0, scale]
+
+
+def _route(logits, top_k, bias=None, **options):
+    with plgpu.force_gpu_interpret_mode(INTERPRET):
+        kernel = moe_jax.route(
+            jnp.asarray(logits), top_k, bias=None if bias is None else jnp.asarray(bias), backend="pallas", **options
+        )
+        kernel = jax.tree.map(np.asarray, kernel)
+    expected = reference.route(jnp.asarray(logits), top_k, bias=None if bias is None else jnp.asarray(bias), **options)
+    return kernel, expected
+
+
+def _assert_same_routing(kernel, expected) -> None:
+    num_experts = expected.probs.shape[1]
+    assert kernel.experts.dtype == np.int32 and kernel.sort_indices.dtype == np.int32
+    assert kernel.experts.min() >= 0 and kernel.experts.max() < num_experts
+    np.testing.assert_array_equal(kernel.experts, expected.experts)
+    np.testing.assert_array_equal(kernel.group_sizes, expected.group_sizes)
+    np.testing.assert_array_equal(kernel.sort_indices, expected.sort_indices)
+    np.testing.assert_allclose(kernel.weights, expected.weights, rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(kernel.probs, expected.probs, rtol=TOL, atol=1e-8)
+
+
+def _normal(seed: int, shape, std: float = 2.0) -> np.ndarray:
+    return (np.random.default_rng(seed).normal(size=shape) * std).astype(np.float32)
+
+
+@pytest.mark.parametrize(
+    "num_tokens, num_experts, top_k, options",
+    [
+        (100, 16, 3, dict(score="softmax")),  # T off the 64-token block
+        (70, 24, 4, dict(score="sigmoid", num_groups=4, top_groups=2, bias=True)),  # E padded to 32
+        (64, 8, 8, dict(score="softmax", renormalize=False)),  # k = E
+        (130, 20, 2, dict(score="sigmoid", renormalize=False, scale=2.5)),  # three blocks, a ragged one
+        (64, 96, 5, dict(score="sigmoid", num_groups=8, top_groups=3, bias=True, scale=2.5)),  # DeepSeek-like, E = 96
+        (64, 512, 16, dict(score="softmax")),  # the largest E and k: two prefix-sum chunks of 256 experts
+    ],
+)
+def test_random_logits_match_reference(num_tokens, num_experts, top_k, options):
+    seed = num_tokens * 1000 + num_experts
+    options = dict(options)
+    bias = _normal(seed + 1, (num_experts,), 0.3) if options.pop("bias", False) else None
+    kernel, expected = _route(_normal(seed, (num_tokens, num_experts)), top_k, bias=bias, **options)
+    _assert_same_routing(kernel, expected)
+
+
+def test_matches_float64_oracle():
+    logits = _normal(5, (80, 16))
+    kernel, _ = _route(logits, 4, score="sigmoid", num_groups=4, top_groups=2)
+    expected = oracle.route(logits, 4, score="sigmoid", num_groups=4, top_groups=2)
+    np.testing.assert_array_equal(kernel.experts, expected["experts"])
+    np.testing.assert_array_equal(kernel.sort_indices, expected["sort_indices"])
+    np.testing.assert_allclose(kernel.weights, expected["weights"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_ties_go_to_the_lower_expert_index(score):
+    # Logits from three values: scores tie exactly, within groups and across them.
+    logits = np.random.default_rng(11).choice(np.array([-1.0, 0.0, 2.0], np.float32), size=(64, 12))
+    kernel, expected = _route(logits, 3, score=score, num_groups=4, top_groups=2)
+    _assert_same_routing(kernel, expected)
+    kernel, expected = _route(np.zeros((3, 5), np.float32), 3, score=score)
+    np.testing.assert_array_equal(kernel.experts, [[0, 1, 2]] * 3)
+
+
+def _adversarial_logits(seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(64, 32)).astype(np.float32)
+    logits[rng.random(logits.shape) < 0.2] = -np.inf  # scattered -inf
+    logits[3] = -np.inf  # a row of -inf: softmax is NaN, sigmoid is 0
+    logits[5, 7] = np.nan  # one NaN
+    logits[6] = np.nan  # a row of NaN
+    logits[7, 2] = np.inf  # +inf: softmax row is NaN, sigmoid saturates
+    logits[8] *= 1e30  # huge magnitudes
+    logits[9] = 3e38  # equal huge values
+    logits[10, ::2] = -3e38
+    return logits
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_nan_and_infinite_logits_select_in_range_experts(score, grouped):
+    logits = _adversarial_logits(17)
+    bias = _normal(18, (32,), 1.0)
+    bias[4] = np.inf  # a group score of inf + (-inf) = NaN ranks as -inf
+    options = dict(score=score, num_groups=8, top_groups=3, bias=bias) if grouped else dict(score=score)
+    kernel, expected = _route(logits, 5, **options)
+    np.testing.assert_array_equal(kernel.experts, expected.experts)
+    np.testing.assert_array_equal(kernel.group_sizes, expected.group_sizes)
+    np.testing.assert_array_equal(kernel.sort_indices, expected.sort_indices)
+    np.testing.assert_allclose(kernel.weights, expected.weights, rtol=TOL, atol=TOL, equal_nan=True)
+    assert kernel.experts.min() >= 0 and kernel.experts.max() < 32
+    # A NaN row selects the lowest ids, as a row of -inf would (the documented definition).
+    if not grouped:
+        np.testing.assert_array_equal(kernel.experts[6], np.arange(5))
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_gradients_match_reference(score):
+    logits = _normal(23, (70, 16))
+    bias = _normal(24, (16,), 0.3)
+    cotangent = _normal(25, (70, 3), 1.0)
+    options = dict(score=score, num_groups=4, top_groups=2, bias=jnp.asarray(bias), scale=1.5)
+
+    def objective(route_fn, x):
+        routing = route_fn(x)
+        return jnp.sum(routing.weights * cotangent) + moe_jax.load_balancing_loss(routing) + moe_jax.z_loss(x)
+
+    with plgpu.force_gpu_interpret_mode(INTERPRET):
+        kernel = jax.grad(lambda x: objective(lambda y: moe_jax.route(y, 3, backend="pallas", **options), x))(
+            jnp.asarray(logits)
+        )
+    expected = jax.grad(lambda x: objective(lambda y: reference.route(y, 3, **options), x))(jnp.asarray(logits))
+    np.testing.assert_allclose(kernel, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_logits_route_like_their_f32_values():
+    logits = _normal(29, (64, 16)).astype(jnp.bfloat16)
+    kernel, expected = _route(logits, 2)
+    _assert_same_routing(kernel, expected)
+
+
+# Shipped configurations: (T, E, k, options). Lowering runs the whole Mosaic GPU pipeline up to the custom call.
+SHIPPED = {
+    "qwen3-30b-a3b": (16384, 128, 8, dict(score="softmax")),
+    "deepseek-v3": (16384, 256, 8, dict(score="sigmoid", num_groups=8, top_groups=4, bias=True, scale=2.5)),
+    "e512-k16": (4096, 512, 16, dict(score="softmax")),
+    "e60-k4": (1000, 60, 4, dict(score="softmax")),
+}
+
+
+@pytest.mark.parametrize("name", list(SHIPPED))
+def test_lowers_for_cuda(name, monkeypatch):
+    monkeypatch.setattr(sm90_vjp, "interpret_params", lambda: None)  # lower the real kernel, not the interpreter
+    num_tokens, num_experts, top_k, options = SHIPPED[name]
+    options = dict(options)
+    bias = jax.ShapeDtypeStruct((num_experts,), jnp.float32) if options.pop("bias", False) else None
+    logits = jax.ShapeDtypeStruct((num_tokens, num_experts), jnp.float32)
+
+    def forward_and_backward(logits, bias):
+        def objective(x):
+            routing = moe_jax.route(x, top_k, bias=bias, backend="pallas", **options)
+            return jnp.sum(routing.weights) + moe_jax.load_balancing_loss(routing), routing.sort_indices
+
+        return jax.grad(objective, has_aux=True)(logits)
+
+    lowered = jax.jit(forward_and_backward).trace(logits, bias).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("custom_call @mosaic_gpu") == 1
