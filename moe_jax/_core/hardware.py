@@ -1,6 +1,7 @@
 """Hardware queries that also answer on a CPU host (tests run kernels under the Mosaic GPU interpreter)."""
 
 import jax
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 # What a persistent kernel assumes when no GPU is visible: small enough that the interpreter stays quick, more than one
 # so that the tile schedule's round-robin is exercised.
@@ -16,3 +17,20 @@ def num_sms() -> int:
     if device.platform == "gpu":
         return device.core_count
     return CPU_FALLBACK_NUM_SMS
+
+
+def compiles_for_gpu() -> bool:
+    """True when kernels are built for a real GPU: one is present, or an abstract mesh names a GPU device.
+
+    The abstract device is how a CPU host lowers kernels for CUDA (``.lower(lowering_platforms=("cuda",))``) in
+    tests: ``jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=...platform="gpu"...))``.
+    """
+    abstract_device = jax.sharding.get_abstract_mesh().abstract_device
+    if abstract_device is not None:
+        return abstract_device.platform == "gpu"
+    return jax.devices()[0].platform == "gpu"
+
+
+def interpret_params():
+    """None when compiling for a GPU; elsewhere the Mosaic GPU interpreter (``force_gpu_interpret_mode`` wins)."""
+    return None if compiles_for_gpu() else plgpu.InterpretGPUParams()

@@ -1,0 +1,216 @@
+"""Checks, times and tunes the sm90 grouped-matmul kernels (fwd, dgrad, wgrad) at the named shapes, on the GPU.
+
+  python -m benchmarks.tune_grouped_matmul check [--shapes ...] [--routings uniform,half]
+      gradients through moe_jax.grouped_matmul(backend="pallas") against exact f32 products of three groups, both
+      rhs layouts, plus rows past sum(group_sizes) (which must come out exactly zero)
+  python -m benchmarks.tune_grouped_matmul time [--shapes ...] [--kinds fwd,dgrad,wgrad] [--configs table,...]
+      each kernel alone next to one dense XLA matmul of the same FLOPs (the practical ceiling)
+  python -m benchmarks.tune_grouped_matmul tune [--shapes ...] [--kinds ...]
+      sweeps candidate configs and prints the fastest per (kind, shape) as entries for config.TUNED
+
+A config on the command line is "table" (what the op would use: tuned entry or heuristic) or
+"<block_m>x<block_n>x<block_k>s<stages>e<epilogue_n><m|n><grid_width>", e.g. "128x256x64s4e64n8".
+Numbers reported in benchmarks/RESULTS.md come from ``python -m benchmarks``; this script is for tuning.
+"""
+
+import argparse
+import dataclasses
+import functools
+import itertools
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import common
+from benchmarks.grouped_matmul import GroupOracle
+from moe_jax.ops import shapes as shape_registry
+from moe_jax.ops.grouped_matmul import api
+from moe_jax.ops.grouped_matmul.config import Config, get_config
+
+KINDS = ("fwd", "dgrad", "wgrad")
+SPEC = re.compile(r"(\d+)x(\d+)x(\d+)s(\d+)e(\d+)([mn])(\d+)")
+
+
+def parse_config(spec: str) -> Config | None:
+    """ "table" -> None (the op's own choice); otherwise the compact form in the module docstring."""
+    if spec == "table":
+        return None
+    match = SPEC.fullmatch(spec)
+    if not match:
+        raise SystemExit(f"bad config {spec!r}: expected 'table' or e.g. 128x256x64s4e64n8")
+    bm, bn, bk, stages, epi, minor, width = match.groups()
+    return Config(int(bm), int(bn), int(bk), int(stages), 2, int(epi), minor, int(width))
+
+
+def label(config: Config) -> str:
+    c = config
+    return f"{c.block_m}x{c.block_n}x{c.block_k}s{c.num_stages}e{c.epilogue_n}{c.grid_minor}{c.grid_width}"
+
+
+def kernel_fn(kind: str, config: Config | None):
+    """(x, w_or_y, group_sizes) -> kernel output, for rhs [G, K, N]: fwd (lhs, rhs), dgrad (dout, rhs), wgrad
+    (lhs, dout)."""
+    if kind == "fwd":
+        return functools.partial(api.run_rows_kernel, "fwd", w_transposed=False, out_dtype=jnp.bfloat16, config=config)
+    if kind == "dgrad":
+        return functools.partial(api.run_rows_kernel, "dgrad", w_transposed=True, out_dtype=jnp.bfloat16, config=config)
+    return functools.partial(api.run_wgrad_kernel, out_dtype=jnp.bfloat16, config=config)
+
+
+@functools.partial(jax.jit, static_argnames=("g", "m", "k", "n"))
+def _inputs(key, *, g, m, k, n):
+    keys = jax.random.split(key, 3)
+    return {
+        "lhs": jax.random.normal(keys[0], (m, k), jnp.bfloat16),
+        "rhs": (jax.random.normal(keys[1], (g, k, n), jnp.float32) * k**-0.5).astype(jnp.bfloat16),
+        "ct": jax.random.normal(keys[2], (m, n), jnp.bfloat16),
+    }
+
+
+def input_sets(shape, seed: int) -> list[dict]:
+    set_bytes = 2 * (2 * shape.m * (shape.k + shape.n) + shape.g * shape.k * shape.n)
+    dims = dict(g=shape.g, m=shape.m, k=shape.k, n=shape.n)
+    return [_inputs(jax.random.key(seed * 100 + i), **dims) for i in range(common.input_sets_needed(set_bytes))]
+
+
+def kernel_args(kind: str, s: dict, group_sizes) -> tuple:
+    if kind == "fwd":
+        return s["lhs"], s["rhs"], group_sizes
+    if kind == "dgrad":
+        return s["ct"], s["rhs"], group_sizes
+    return s["lhs"], s["ct"], group_sizes
+
+
+def dense_args(kind: str, s: dict, shape) -> tuple:
+    """One dense [a, b] x [b, c] matmul with the kind's FLOPs (2 M K N) from the same buffers."""
+    if kind == "fwd":
+        return s["lhs"], s["rhs"][0]
+    if kind == "dgrad":
+        return s["ct"], s["rhs"][0].T
+    return s["lhs"].T, s["ct"]
+
+
+def timed(fn, arg_sets, iters: int):
+    try:
+        timing, out = common.time_fn(jax.jit(fn), arg_sets, iters=iters, warmup=2, max_seconds=1.0)
+        return timing, out
+    except Exception as error:  # one bad config (shared memory, lowering) must not end the sweep
+        status, note = common.classify_failure(error)
+        print(f"    {status}: {note}", flush=True)
+        return None, None
+
+
+def run_time(shapes, kinds, configs, routing: str, seed: int, iters: int, sweep: bool) -> None:
+    print("| kind | shape | routing | config | ms | TF/s | vs dense | first call s |")
+    print("|---|---|---|---|---:|---:|---:|---:|")
+    for shape in shapes:
+        sets = input_sets(shape, seed)
+        group_sizes = shape.group_sizes(routing, seed=seed)
+        flops = 2 * shape.m * shape.k * shape.n
+        for kind in kinds:
+            dense, _ = timed(jnp.dot, [dense_args(kind, s, shape) for s in sets], iters)
+            dense_tf = flops / dense.median_s / 1e12 if dense else float("nan")
+            print(f"| {kind} | {shape.name} | - | dense | {dense.median_s * 1e3:.3f} | {dense_tf:.1f} | 1.00 | |")
+            candidates = candidate_configs(kind, shape) if sweep else configs
+            results = []
+            for config in candidates:
+                timing, out = timed(kernel_fn(kind, config), [kernel_args(kind, s, group_sizes) for s in sets], iters)
+                del out
+                name = label(config or table_config(kind, shape))
+                if timing is None:
+                    print(f"| {kind} | {shape.name} | {routing} | {name} | failed | | | |", flush=True)
+                    continue
+                tf = flops / timing.median_s / 1e12
+                results.append((timing.median_s, config or table_config(kind, shape)))
+                print(
+                    f"| {kind} | {shape.name} | {routing} | {name} | {timing.median_s * 1e3:.3f} | {tf:.1f} | "
+                    f"{tf / dense_tf:.2f} | {timing.first_call_s:.1f} |",
+                    flush=True,
+                )
+            if sweep and results:
+                best = min(results, key=lambda r: r[0])[1]
+                print(f"TUNED[({kind!r}, {shape.g}, {shape.m}, {shape.k}, {shape.n})] = {best!r}", flush=True)
+
+
+def table_config(kind: str, shape) -> Config:
+    return get_config(kind, m=shape.m, k=shape.k, n=shape.n, g=shape.g)
+
+
+def candidate_configs(kind: str, shape) -> list[Config]:
+    """A small sweep around the table's choice: tile width, stages, epilogue chunk and grid order."""
+    base = table_config(kind, shape)
+    out_cols = shape.k if kind == "dgrad" else shape.n
+    orders = [("n", max(1, -(-out_cols // 256))), ("m", 8), ("m", 16)] if kind != "wgrad" else [("n", 8)]
+    candidates = {base}
+    for block_n, stages, epi, (minor, width) in itertools.product((128, 256), (3, 4), (64, 128), orders):
+        config = dataclasses.replace(
+            base, block_n=block_n, num_stages=stages, epilogue_n=epi, grid_minor=minor, grid_width=width
+        )
+        if config.fits():
+            candidates.add(config)
+    return sorted(candidates, key=label)
+
+
+def run_check(shapes, routings, seed: int) -> bool:
+    """Gradients through the public op, both layouts, against the f32 oracle; rows past the sum must be zero."""
+    ok = True
+    for shape, routing, transpose in itertools.product(shapes, routings, (False, True)):
+        s = input_sets(shape, seed)[0]
+        group_sizes = shape.group_sizes(routing, seed=seed)
+        # Route only 7/8 of the rows, so the kernels must write zeros past the sum (and the oracle sees the rest).
+        group_sizes = (group_sizes * 7) // 8
+        rhs = jnp.swapaxes(s["rhs"], 1, 2) if transpose else s["rhs"]
+
+        @jax.jit
+        def run(lhs, rhs, ct, group_sizes, transpose=transpose):
+            op = functools.partial(api.grouped_matmul, transpose_rhs=transpose, backend="pallas")
+            out, vjp = jax.vjp(lambda a, b: op(a, b, group_sizes), lhs, rhs)
+            d_lhs, d_rhs = vjp(ct)
+            return out, d_lhs, jnp.swapaxes(d_rhs, 1, 2) if transpose else d_rhs
+
+        out, d_lhs, d_rhs = run(s["lhs"], rhs, s["ct"], group_sizes)
+        oracle = GroupOracle(s, group_sizes, backward=True)
+        errors = oracle.errors((out, d_lhs, d_rhs))
+        past = int(jnp.sum(group_sizes))
+        tail = float(jnp.max(jnp.abs(out[past:]).astype(jnp.float32))) + float(
+            jnp.max(jnp.abs(d_lhs[past:]).astype(jnp.float32))
+        )
+        good = max(errors) < 1e-2 and tail == 0.0
+        ok &= good
+        print(
+            f"check {shape.name} {routing} transpose_rhs={transpose}: rel err out/dlhs/drhs "
+            f"{' '.join(f'{e:.1e}' for e in errors)}, |rows past sum| {tail} -> {'ok' if good else 'FAIL'}",
+            flush=True,
+        )
+    return ok
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.tune_grouped_matmul", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("mode", choices=("check", "time", "tune"))
+    parser.add_argument("--shapes", help="comma-separated GMM shape names (default: every 'bench' shape)")
+    parser.add_argument("--kinds", default="fwd,dgrad,wgrad")
+    parser.add_argument("--configs", default="table", help="comma-separated configs for 'time'")
+    parser.add_argument("--routing", default="uniform", choices=shape_registry.ROUTINGS)
+    parser.add_argument("--routings", default="uniform,half", help="for 'check'")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.shapes:
+        shapes = [shape_registry.GMM_SHAPES[name] for name in args.shapes.split(",")]
+    else:
+        shapes = shape_registry.gmm_shapes("bench")
+    print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}, mode {args.mode}", flush=True)
+    if args.mode == "check":
+        sys.exit(0 if run_check(shapes, args.routings.split(","), args.seed) else 1)
+    kinds = [kind for kind in args.kinds.split(",") if kind]
+    configs = [parse_config(spec) for spec in args.configs.split(",")]
+    run_time(shapes, kinds, configs, args.routing, args.seed, args.iters, sweep=args.mode == "tune")
+
+
+if __name__ == "__main__":
+    main()

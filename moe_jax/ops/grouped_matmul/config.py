@@ -1,0 +1,121 @@
+"""Tile configurations of the sm90 grouped-matmul kernels: the frozen Config, a tuned table, a heuristic.
+
+Three kernels share one Config type (sm90.py, sm90_wgrad.py):
+  "fwd"    out[M, N]   = lhs[M, K] · rhs[g][K, N]          rows ragged, contraction K
+  "dgrad"  dlhs[M, K]  = dout[M, N] · rhs[g][K, N]^T       the fwd kernel with rhs read the other way round
+  "wgrad"  drhs[g]     = lhs_g^T · dout_g   -> [G, K, N]   contraction over the ragged rows
+For fwd/dgrad, (block_m, block_n) tile the output [M, cols] and block_k the contraction; for wgrad, (block_m, block_n)
+tile one group's [K, N] output and block_k walks its rows.
+"""
+
+import dataclasses
+import math
+from typing import Literal
+
+KINDS = ("fwd", "dgrad", "wgrad")
+WGMMA_M = 64  # rows of one wgmma instruction: a compute warpgroup owns a multiple of this
+SMEM_BYTES = 227 * 1024  # dynamic shared memory one H100/H200 block can have
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Tile shape and pipeline of one kernel launch.
+
+    Attributes:
+      block_m: output rows of a CTA tile, split evenly over the compute warpgroups (each owns a multiple of 64 rows).
+      block_n: output columns of a CTA tile (one wgmma N: a multiple of 64, at most 256).
+      block_k: contraction step of the pipeline (a multiple of 32).
+      num_stages: shared-memory buffers of the TMA -> wgmma pipeline.
+      num_compute_wgs: consumer warpgroups; one more producer warpgroup issues every TMA load.
+      epilogue_n: columns written back per TMA store (the epilogue buffer is double-buffered per warpgroup).
+      grid_minor: which output-tile axis varies fastest over the persistent grid ("m" or "n").
+      grid_width: tiles along the minor axis before the major one advances (a band that stays in L2).
+    """
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    num_stages: int = 4
+    num_compute_wgs: int = 2
+    epilogue_n: int = 64
+    grid_minor: Literal["m", "n"] = "n"
+    grid_width: int = 8
+
+    def __post_init__(self):
+        if self.num_compute_wgs not in (1, 2):
+            raise ValueError(f"num_compute_wgs must be 1 or 2, got {self.num_compute_wgs}")
+        if self.block_m % (WGMMA_M * self.num_compute_wgs) or self.wg_block_m > 2 * WGMMA_M:
+            raise ValueError(
+                f"block_m must be 64 or 128 rows per compute warpgroup ({self.num_compute_wgs}), got {self.block_m}"
+            )
+        if self.block_n % 64 or not 64 <= self.block_n <= 256:
+            raise ValueError(f"block_n must be a multiple of 64 in [64, 256], got {self.block_n}")
+        if self.block_k % 32 or not 32 <= self.block_k <= 128:
+            raise ValueError(f"block_k must be a multiple of 32 in [32, 128], got {self.block_k}")
+        if self.num_stages < 2:
+            raise ValueError(f"num_stages must be at least 2 (load one buffer while computing on another), got {self}")
+        if self.epilogue_n % 16 or self.block_n % self.epilogue_n:
+            raise ValueError(f"epilogue_n must be a multiple of 16 dividing block_n={self.block_n}, got {self}")
+        if self.grid_minor not in ("m", "n"):
+            raise ValueError(f"grid_minor must be 'm' or 'n', got {self.grid_minor!r}")
+        if self.grid_width < 1:
+            raise ValueError(f"grid_width must be >= 1, got {self.grid_width}")
+
+    @property
+    def wg_block_m(self) -> int:
+        """Rows of the tile owned by one compute warpgroup."""
+        return self.block_m // self.num_compute_wgs
+
+    def smem_bytes(self, in_itemsize: int, out_itemsize: int) -> int:
+        """Shared memory of one CTA: the pipeline's stages plus the epilogue's double buffer."""
+        stage = (self.block_m + self.block_n) * self.block_k * in_itemsize
+        epilogue = self.num_compute_wgs * 2 * self.wg_block_m * self.epilogue_n * out_itemsize
+        return self.num_stages * stage + epilogue
+
+    def fits(self, in_itemsize: int = 2, out_itemsize: int = 2) -> bool:
+        # Leave room for the barriers and the compiler's own scratch.
+        return self.smem_bytes(in_itemsize, out_itemsize) <= SMEM_BYTES - 2048
+
+
+# Tuned on the device by `python -m benchmarks.tune_grouped_matmul tune` (see docs/kernels/grouped_matmul.md).
+# Key: (kind, G, M, K, N) of the *op* (K, N as in rhs [G, K, N]); the value is the fastest config measured.
+TUNED: dict[tuple[str, int, int, int, int], Config] = {}
+
+
+def heuristic_config(kind: str, *, m: int, k: int, n: int, g: int, out_itemsize: int = 2) -> Config:
+    """A good config for shapes not in the table.
+
+    Args:
+      kind: "fwd", "dgrad" or "wgrad".
+      m, k, n, g: the op's rows, contraction, columns and groups (rhs is [G, K, N]).
+      out_itemsize: bytes per output element (the epilogue buffer grows with it).
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    out_cols = k if kind == "dgrad" else n
+    if kind == "wgrad":
+        # Output tiles are [K, N] blocks of one group; the contraction (rows of a group) is short when G is large.
+        rows_per_group = max(m // max(g, 1), 1)
+        stages = 4 if rows_per_group >= 256 else 3
+        return _fit(Config(block_m=128, block_n=256 if n >= 256 else 128, block_k=64, num_stages=stages), out_itemsize)
+    block_n = 256 if out_cols >= 1024 else 128
+    # Wide outputs: walk a band of row tiles over all column tiles so rhs stays in L2; narrow ones: all columns of
+    # a row band are in flight at once and lhs stays in L2.
+    n_tiles = math.ceil(out_cols / block_n)
+    order = dict(grid_minor="n", grid_width=n_tiles) if n_tiles <= 16 else dict(grid_minor="m", grid_width=16)
+    return _fit(Config(block_m=128, block_n=block_n, block_k=64, num_stages=4, **order), out_itemsize)
+
+
+def _fit(config: Config, out_itemsize: int) -> Config:
+    """Drops pipeline stages until the config fits in shared memory."""
+    while not config.fits(2, out_itemsize) and config.num_stages > 2:
+        config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+    return config
+
+
+def get_config(kind: str, *, m: int, k: int, n: int, g: int, out_itemsize: int = 2) -> Config:
+    """The tuned config for (kind, G, M, K, N) if there is one, else the heuristic's."""
+    tuned = TUNED.get((kind, g, m, k, n))
+    if tuned is not None and tuned.fits(2, out_itemsize):
+        return tuned
+    return heuristic_config(kind, m=m, k=k, n=n, g=g, out_itemsize=out_itemsize)

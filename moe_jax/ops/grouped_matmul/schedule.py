@@ -1,0 +1,83 @@
+"""Device-side work schedules of the sm90 kernels, computed in XLA from ``group_sizes`` (no host sync).
+
+Row tiles (fwd / dgrad). Every group gets its own tiles, starting at the group's first row rounded down to a
+multiple of 8 (Mosaic GPU's TMA into 8-row-tiled shared memory needs 8-aligned row offsets), so no tile computes for
+two groups and an empty group gets none. The rows past ``sum(group_sizes)`` form one last segment whose tiles only
+write zeros. With block_m = 8 and group sizes [13, 0, 4], M = 24:
+
+    rows     0 ........ 7 8 ........ 15 16 ....... 23
+    group    0 0 0 0 0 0 0 0 0 0 0 0 0 2 2 2 2 . . . . . . .     (. = past the sum: written as zeros)
+    tiles    [ t0: g0, rows 0-7    ][ t1: g0, 8-12 ]
+                                     [ t2: g2, box 8-15, stores 13-15 ][ t3: g2, 16 ]
+                                                                       [ t4: zeros, box 16-23, stores 17-23 ]
+
+A tile is (group, first row of its box, first row it stores - box start, rows it stores); its TMA box is always
+block_m rows, rows it does not store are loaded (harmless) but never written. Compared with tiles aligned to
+multiples of block_m (jax's ragged_dot_mgpu), a group costs ceil((size + start % 8) / block_m) tiles instead of up to
+one more; inside the kernel a compute warpgroup with no stored rows in its share of a tile skips its MMAs
+(see sm90.py), so a group wastes under block_m / 2 + 8 rows of MMA work.
+"""
+
+import jax
+import jax.numpy as jnp
+
+TILE_GROUP, TILE_ROW, TILE_SKIP, TILE_ROWS = range(4)  # rows of the [4, T] row-tile table
+ROW_ALIGN = 8  # tile boxes start at multiples of this many rows
+ZERO_TILE = -1  # TILE_GROUP of a tile past sum(group_sizes): no MMA, store zeros
+
+
+def max_row_tiles(num_rows: int, num_groups: int, block_m: int) -> int:
+    """Static bound on the row tiles of any routing: each of the G groups and the zero segment rounds up once."""
+    return (num_rows + (num_groups + 1) * (block_m - 1 + ROW_ALIGN - 1)) // block_m
+
+
+def row_tiles(group_sizes: jax.Array, num_rows: int, block_m: int) -> tuple[jax.Array, jax.Array]:
+    """The fwd/dgrad row-tile table.
+
+    Args:
+      group_sizes: [G] int32; negative sizes count as 0 and rows beyond ``num_rows`` are dropped.
+      num_rows: M.
+      block_m: rows per tile.
+
+    Returns:
+      tiles: [4, T] int32 with T = max_row_tiles(M, G, block_m): per tile (group or ZERO_TILE, first row of the box,
+        first stored row - first row of the box, rows stored); entries at or past ``num_tiles`` are padding.
+      num_tiles: [1] int32, the tiles in use.
+    """
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    ends = jnp.minimum(jnp.cumsum(sizes), num_rows)
+    # The zero segment [sum, M) is one more "group", so that one table drives both kinds of tile.
+    seg_ends = jnp.concatenate([ends, jnp.full((1,), num_rows, jnp.int32)])
+    seg_starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), seg_ends[:-1]])
+    seg_ids = jnp.concatenate([jnp.arange(sizes.shape[0], dtype=jnp.int32), jnp.full((1,), ZERO_TILE, jnp.int32)])
+    seg_boxes = seg_starts // ROW_ALIGN * ROW_ALIGN
+    seg_tiles = jnp.where(seg_ends > seg_starts, (seg_ends - seg_boxes + block_m - 1) // block_m, 0)
+    seg_first_tile = jnp.cumsum(seg_tiles) - seg_tiles
+    num_tiles = jnp.sum(seg_tiles)
+
+    capacity = max_row_tiles(num_rows, sizes.shape[0], block_m)
+    t = jnp.arange(capacity, dtype=jnp.int32)
+    # The segment of tile t: the last one whose first tile is <= t (empty segments share their successor's start).
+    seg = jnp.searchsorted(seg_first_tile + seg_tiles, t, side="right", method="compare_all")
+    seg = jnp.minimum(seg, seg_ids.shape[0] - 1).astype(jnp.int32)
+    box = seg_boxes[seg] + (t - seg_first_tile[seg]) * block_m
+    skip = jnp.clip(seg_starts[seg] - box, 0, block_m)
+    rows = jnp.clip(seg_ends[seg] - box, 0, block_m) - skip
+    tiles = jnp.stack([seg_ids[seg], box, skip, jnp.maximum(rows, 0)]).astype(jnp.int32)
+    return tiles, num_tiles.reshape(1).astype(jnp.int32)
+
+
+GROUP_ID, GROUP_START, GROUP_SIZE = range(3)  # rows of the [3, G] wgrad group table
+
+
+def wgrad_groups(group_sizes: jax.Array, num_rows: int) -> jax.Array:
+    """The wgrad kernel's group table: [3, G] int32 (group, first row, rows), largest group first.
+
+    Each group's output tiles cost time in proportion to its rows; handing out the longest first (round-robin over
+    the SMs) keeps a hot expert from finishing last. Rows past ``num_rows`` are dropped.
+    """
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    ends = jnp.minimum(jnp.cumsum(sizes), num_rows)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    order = jnp.argsort(-(ends - starts), stable=True).astype(jnp.int32)
+    return jnp.stack([order, starts[order], (ends - starts)[order]]).astype(jnp.int32)

@@ -1,0 +1,138 @@
+"""The warp-specialised TMA -> wgmma pipeline shared by the sm90 grouped-matmul kernels (sm90.py, sm90_wgrad.py).
+
+One CTA per SM runs ``num_compute_wgs`` consumer warpgroups and one producer warpgroup over a persistent list of
+output tiles. Both sides count pipeline steps globally over the CTA's tiles (the loop carry), so buffer
+``step % stages`` and the barrier phases line up across tile boundaries:
+
+    producer: for each step: [wait consumed[slot] once the slot was used]  TMA x, w -> slot  (arrive produced[slot])
+    consumer: for each step: wait produced[slot]  wgmma (async)  wait until <= 1 wgmma in flight
+                             release the previous step's slot (arrive consumed[slot - 1])
+              end of tile:   wait for the last wgmma, release its slot, epilogue
+
+The producer therefore runs up to ``stages`` steps ahead, into the next tile while the consumers are in their
+epilogue. Every consumer arrives on every step (also one that skips its MMA), so the barrier phases each thread
+tracks stay in step.
+"""
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+PRODUCER_REGISTERS = 40  # the producer warpgroup only computes addresses
+
+
+def swizzled(minor: int, dtype, tile_rows: int = 8) -> tuple:
+    """Tiling + swizzle transforms for a shared-memory tile whose last axis has ``minor`` elements."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = plgpu.find_swizzle(minor * itemsize * 8)
+    return plgpu.TilingTransform((tile_rows, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def compute_registers(num_compute_wgs: int) -> int:
+    """Registers per thread left to each consumer once the producer shrank to PRODUCER_REGISTERS (64k per SM)."""
+    return min(256, (512 - PRODUCER_REGISTERS) // num_compute_wgs) // 8 * 8
+
+
+def produce(first_step, num_steps, stages: int, consumed, load) -> None:
+    """Producer side of one tile: ``load(k, slot)`` issues the TMA copies of step k into buffer ``slot``."""
+
+    @pl.loop(0, num_steps)
+    def _step(k):
+        step = first_step + k
+        slot = lax.rem(step, stages)
+
+        # The buffer was filled `stages` steps ago (maybe for an earlier tile): wait until it is released.
+        @pl.when(step >= stages)
+        def _():
+            plgpu.barrier_wait(consumed.at[slot])
+
+        load(k, slot)
+
+
+def drain(total_steps, stages: int, consumed) -> None:
+    """Producer, after its last tile: observe the release of the last buffers, so every barrier ends settled."""
+
+    @pl.loop(jnp.maximum(total_steps - stages, 0), total_steps)
+    def _step(step):
+        plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
+
+
+def consume(first_step, num_steps, stages: int, produced, consumed, issue) -> None:
+    """Consumer side of one tile: ``issue(k, slot)`` issues the (async) wgmma of step k on buffer ``slot``."""
+
+    @pl.loop(0, num_steps)
+    def _step(k):
+        step = first_step + k
+        slot = lax.rem(step, stages)
+        plgpu.barrier_wait(produced.at[slot])
+        issue(k, slot)
+        # One wgmma group stays in flight; the one before it is done reading its buffer.
+        plgpu.wgmma_wait(1)
+
+        @pl.when(k > 0)
+        def _():
+            plgpu.barrier_arrive(consumed.at[lax.rem(step - 1, stages)])
+
+    @pl.when(num_steps > 0)
+    def _last():
+        plgpu.wgmma_wait(0)
+        plgpu.barrier_arrive(consumed.at[lax.rem(first_step + num_steps - 1, stages)])
+
+
+def store_rows(src_smem, index, dst_gmem, row0, start, rows, col) -> None:
+    """TMA-stores rows [start, start + rows) of ``src_smem.at[*index]`` [R, C] to ``dst_gmem`` rows row0 + start...
+
+    TMA boxes have static shapes, so a partial tile goes out as one box per set bit of ``rows`` (32, 16, ... rows),
+    each starting where the previous one ended (hence the 1-row tiling of the buffer). The copies join the caller's
+    bulk-async group.
+    """
+    *_, full, cols = src_smem.shape
+
+    @pl.when(rows == full)
+    def _full():
+        plgpu.copy_smem_to_gmem(
+            src_smem.at[*index], dst_gmem.at[pl.ds(row0, full), pl.ds(col, cols)], commit_group=False
+        )
+
+    @pl.when((rows > 0) & (rows < full))
+    def _partial():
+        offset = start
+        size = full // 2
+        while size:
+
+            @pl.when(rows & size != 0)
+            def _box(offset=offset, size=size):
+                plgpu.copy_smem_to_gmem(
+                    src_smem.at[*index, pl.ds(offset, size)],
+                    dst_gmem.at[pl.ds(row0 + offset, size), pl.ds(col, cols)],
+                    commit_group=False,
+                )
+
+            offset = offset + (rows & size)
+            size //= 2
+
+
+def epilogue_smem(num_compute_wgs: int, rows: int, epilogue_n: int, dtype):
+    """Each consumer's double buffer for the epilogue: [wgs, 2, rows, epilogue_n], 1-row tiled (see store_rows)."""
+    return plgpu.SMEM((num_compute_wgs, 2, rows, epilogue_n), dtype, transforms=swizzled(epilogue_n, dtype, 1))
+
+
+def store_tile(out, out_smem, wg, dst_gmem, row0, start, rows, col0, num_cols: int) -> None:
+    """Epilogue of one consumer: rows [start, start + rows) of ``out`` [R, C] (registers) to dst_gmem[row0.., col0..].
+
+    Goes out in epilogue_n-column chunks through this warpgroup's double buffer; chunks past ``num_cols`` are
+    skipped, the TMA clips the last partial one.
+    """
+    epi_n = out_smem.shape[-1]
+    for c in range(out.shape[1] // epi_n):
+        # Chunk c reuses the buffer of chunk c - 2; chunk 0 first waits for the previous tile's stores.
+        if c == 0:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        elif c >= 2:
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+        out_smem[wg, c % 2] = out[:, c * epi_n : (c + 1) * epi_n]
+        plgpu.commit_smem()
+        col = col0 + c * epi_n
+        store_rows(out_smem, (wg, c % 2), dst_gmem, row0, start, jnp.where(col < num_cols, rows, 0), col)
+        plgpu.commit_smem_to_gmem_group()

@@ -1,0 +1,152 @@
+"""Mosaic GPU (sm90) ragged-contraction grouped matmul (wgrad): out[g] = x[rows of g]^T · y[rows of g] -> [G, P, Q].
+
+For ``grouped_matmul``'s weight gradient (x, y) = (lhs, dout) gives d rhs [G, K, N], and (dout, lhs) gives it in the
+K-major layout [G, N, K]. Neither operand is copied or transposed in memory: the x tile is loaded [block_k rows,
+block_m] and wgmma reads it transposed (bf16/f16 wgmma takes a transposed A from shared memory).
+
+Work: every group owns ceil(P / block_m) * ceil(Q / block_n) output tiles, handed out round-robin over the SMs,
+largest group first (schedule.wgrad_groups). A tile's pipeline walks the group's rows in block_k chunks from the
+group start rounded down to 8 (the TMA row alignment); the first and last chunk also hold rows of the neighbouring
+groups, so before their MMA the consumers zero those rows of both operands in shared memory (``where``, not a
+multiply, so that NaN or Inf in a neighbour cannot leak in). An empty group does no MMA and writes zeros.
+
+The pipeline (producer warpgroup + consumers splitting the tile's P rows) is sm90_pipeline's.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from moe_jax.ops.grouped_matmul import sm90_pipeline as pipe
+from moe_jax.ops.grouped_matmul.config import Config
+from moe_jax.ops.grouped_matmul.schedule import GROUP_ID, GROUP_SIZE, GROUP_START, ROW_ALIGN
+
+
+def mask_rows(ref, first_row, start, end) -> None:
+    """Zeroes the rows of the shared-memory tile ``ref`` [R, C] whose row first_row + i lies outside [start, end)."""
+    tile = ref[...]
+    row = first_row + plgpu.broadcasted_iota(jnp.int32, tile.shape, 0, layout=plgpu.Layout.WGMMA)
+    ref[...] = jnp.where((row >= start) & (row < end), tile, jnp.zeros_like(tile))
+
+
+def grouped_matmul_wgrad(
+    x: jax.Array,
+    y: jax.Array,
+    groups: jax.Array,
+    *,
+    out_dtype,
+    config: Config,
+    num_sms: int,
+    interpret=None,
+) -> jax.Array:
+    """out[g] = x[rows of g]^T · y[rows of g] for every group g.
+
+    Args:
+      x: [M, P] and y: [M, Q], same dtype (bf16 or f16); M a multiple of 8, P and Q multiples of 64.
+      groups: schedule.wgrad_groups(group_sizes, M).
+      out_dtype: output dtype (accumulation is f32).
+      config: tile shapes (block_m over P, block_n over Q, block_k over rows); num_sms: persistent CTAs;
+        interpret: Mosaic GPU interpreter params or None.
+
+    Returns:
+      [G, P, Q], zeros for empty groups.
+    """
+    m, p = x.shape
+    q = y.shape[1]
+    num_groups = groups.shape[1]
+    cfg = config
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    wg_m, num_wgs, stages = cfg.wg_block_m, cfg.num_compute_wgs, cfg.num_stages
+    wg_n = bn // num_wgs  # columns of y each consumer zeroes in a masked chunk
+    p_tiles, q_tiles = pl.cdiv(p, bm), pl.cdiv(q, bn)
+    tiles_per_group = p_tiles * q_tiles
+
+    def body(groups_gmem, x_gmem, y_gmem, out_gmem, x_smem, y_smem, out_smem, produced, consumed, masked):
+        wg = lax.axis_index("wg")
+        work = (num_groups * tiles_per_group,)
+
+        def tile_of(lin):
+            """Linear work index -> (group, first row, rows, first chunk row, chunks, p tile, q tile)."""
+            gi, t = lax.div(lin, tiles_per_group), lax.rem(lin, tiles_per_group)
+            group = groups_gmem[GROUP_ID, gi]
+            start, size = groups_gmem[GROUP_START, gi], groups_gmem[GROUP_SIZE, gi]
+            box = lax.div(start, ROW_ALIGN) * ROW_ALIGN
+            steps = jnp.where(size > 0, pl.cdiv(start + size - box, bk), 0).astype(jnp.int32)
+            return group, start, size, box, steps, lax.div(t, q_tiles), lax.rem(t, q_tiles)
+
+        @pl.when(wg == num_wgs)
+        def _producer():
+            plgpu.set_max_registers(pipe.PRODUCER_REGISTERS, action="decrease")
+
+            def load_tile(info, carry):
+                _, _, _, box, steps, pi, qi = tile_of(info.index[0])
+
+                def load(k, slot):
+                    rows = pl.ds(pl.multiple_of(box + k * bk, ROW_ALIGN), bk)
+                    plgpu.copy_gmem_to_smem(x_gmem.at[rows, pl.ds(pi * bm, bm)], x_smem.at[slot], produced.at[slot])
+                    plgpu.copy_gmem_to_smem(y_gmem.at[rows, pl.ds(qi * bn, bn)], y_smem.at[slot], produced.at[slot])
+
+                pipe.produce(carry, steps, stages, consumed, load)
+                return carry + steps
+
+            total_steps = plgpu.nd_loop(work, collective_axes="sm", init_carry=jnp.int32(0))(load_tile)
+            pipe.drain(total_steps, stages, consumed)
+
+        @pl.when(wg < num_wgs)
+        def _consumer():
+            plgpu.set_max_registers(pipe.compute_registers(num_wgs), action="increase")
+            wg_cols = pl.ds(pl.multiple_of(wg * wg_m, wg_m), wg_m)
+
+            @plgpu.nd_loop(work, collective_axes="sm", init_carry=jnp.int32(0))
+            def _tile(info, carry):
+                group, start, size, box, steps, pi, qi = tile_of(info.index[0])
+
+                def mma(acc):
+                    def issue(k, slot):
+                        first_row = box + k * bk
+
+                        # The group's first and last chunks hold rows of other groups: zero them in both operands.
+                        # Each consumer zeroes its own x columns and a share of y's, then all meet at `masked`.
+                        @pl.when((first_row < start) | (first_row + bk > start + size))
+                        def _mask():
+                            mask_rows(x_smem.at[slot, :, wg_cols], first_row, start, start + size)
+                            y_cols = pl.ds(pl.multiple_of(wg * wg_n, wg_n), wg_n)
+                            mask_rows(y_smem.at[slot, :, y_cols], first_row, start, start + size)
+                            plgpu.commit_smem()
+                            plgpu.barrier_arrive(masked.at[0])
+                            plgpu.barrier_wait(masked.at[0])
+
+                        plgpu.wgmma(acc, x_smem.at[slot, :, wg_cols].transpose((1, 0)), y_smem.at[slot])
+
+                    pipe.consume(carry, steps, stages, produced, consumed, issue)
+                    return acc[...]
+
+                out = pl.run_scoped(mma, plgpu.ACC((wg_m, bn), jnp.float32)).astype(out_dtype)
+                pipe.store_tile(out, out_smem, wg, out_gmem.at[group], pi * bm + wg * wg_m, 0, wg_m, qi * bn, q)
+                return carry + steps
+
+            plgpu.wait_smem_to_gmem(0)
+
+    in_dtype = x.dtype
+    scratch = [
+        plgpu.SMEM((stages, bk, bm), in_dtype, transforms=pipe.swizzled(bm, in_dtype)),
+        plgpu.SMEM((stages, bk, bn), in_dtype, transforms=pipe.swizzled(bn, in_dtype)),
+        pipe.epilogue_smem(num_wgs, wg_m, cfg.epilogue_n, out_dtype),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # produced: the two TMA loads of a step landed
+        plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages),  # consumed: every consumer released the buffer
+        plgpu.Barrier(num_arrivals=num_wgs, num_barriers=1),  # masked: every consumer zeroed its share
+    ]
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((num_groups, p, q), out_dtype),
+        scratch_types=scratch,
+        grid=(num_sms,),
+        grid_names=("sm",),
+        num_threads=num_wgs + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(),
+        interpret=interpret,
+    )
+    return kernel(groups, x, y)
