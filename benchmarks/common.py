@@ -13,6 +13,7 @@ import json
 import math
 import os
 import platform
+import re
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -117,9 +118,9 @@ def _leaf_error(actual, expected):
     return jnp.sqrt(jnp.sum(jnp.square(actual - expected)) / jnp.sum(jnp.square(expected)))
 
 
-def relative_error(actual, expected) -> float:
-    """max over the leaves of ``||actual - expected|| / ||expected||`` in f32 (one fused reduction per leaf)."""
-    return float(max(jax.tree.leaves(jax.tree.map(_leaf_error, actual, expected))))
+def relative_errors(actual, expected) -> list[float]:
+    """``||actual - expected|| / ||expected||`` in f32 for each leaf of two equally structured pytrees."""
+    return [float(e) for e in jax.tree.leaves(jax.tree.map(_leaf_error, actual, expected))]
 
 
 # --- Options and one measurement --------------------------------------------------------------------------------
@@ -135,6 +136,7 @@ class Options:
     max_seconds: float = 1.0
     min_samples: int = 3
     seed: int = 0
+    deadline: float | None = None  # time.perf_counter() after which measurements are skipped (--time-limit)
 
 
 # --- Records ---------------------------------------------------------------------------------------------------------
@@ -142,8 +144,10 @@ class Options:
 class Record:
     """One (bench, shape, routing, implementation) measurement, or why there is none.
 
-    ``status`` is "ok", "n/a" (not available here: no kernel yet, peer not installed, no GPU), "OOM" or "error";
-    ``note`` says why for anything but "ok". ``rel_err`` compares the outputs (and gradients) with ``checked_against``.
+    ``status`` is "ok", "n/a" (not available here: no kernel yet, peer not installed, no GPU), "OOM", "error" or
+    "skipped" (past the run's time limit);
+    ``note`` says why for anything but "ok". ``rel_err_leaves`` compares each output (and gradient) with
+    ``checked_against``; ``rel_err`` is their max.
     """
 
     bench: str
@@ -156,12 +160,16 @@ class Record:
     note: str = ""
     timing: Timing | None = None
     rel_err: float | None = None
+    rel_err_leaves: list[float] | None = None
     checked_against: str = ""
     config: dict | None = None
 
     @property
     def tflops(self) -> float | None:
         return self.flops / self.timing.median_s / 1e12 if self.timing else None
+
+    def set_check(self, leaf_errors: list[float], against: str) -> None:
+        self.rel_err_leaves, self.rel_err, self.checked_against = leaf_errors, max(leaf_errors), against
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
@@ -176,15 +184,17 @@ def classify_failure(error: BaseException) -> tuple[str, str]:
     if isinstance(error, NotImplementedError):
         return "n/a", first_line[:160]
     if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
-        return "OOM", first_line[:160]
+        # XLA's first line is often a wrapper ("Failed to get configs ..."); the allocation that failed says more.
+        allocation = re.search(r"[Oo]ut of memory while trying to allocate [\d.]+ ?[KMGT]?i?B", text)
+        return "OOM", allocation.group(0) if allocation else first_line[:160]
     return "error", f"{type(error).__name__}: {first_line[:160]}"
 
 
-def measure(record: Record, fn: Callable, arg_sets: Sequence[tuple], options: Options, reference=None) -> object:
-    """Times ``fn`` into ``record`` (or records why it could not run); returns its first output, or None.
-
-    With ``reference = (name, output)`` the first output is compared with it (``record.rel_err``).
-    """
+def measure(record: Record, fn: Callable, arg_sets: Sequence[tuple], options: Options) -> object:
+    """Times ``fn`` into ``record`` (or records why it could not run); returns its first output, or None."""
+    if options.deadline is not None and time.perf_counter() > options.deadline:
+        record.status, record.note = "skipped", "past --time-limit"
+        return None
     try:
         record.timing, output = time_fn(
             fn,
@@ -197,9 +207,6 @@ def measure(record: Record, fn: Callable, arg_sets: Sequence[tuple], options: Op
     except Exception as error:  # a candidate failing (no kernel, OOM, bad config) must not stop the table
         record.status, record.note = classify_failure(error)
         return None
-    if reference is not None:
-        record.checked_against, expected = reference
-        record.rel_err = relative_error(output, expected)
     return output
 
 

@@ -19,8 +19,11 @@ import jax
 
 try:
     import tokamax
+    from absl import logging as absl_logging
     from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu as _mosaic
 
+    # tokamax warns once per call shape that its autotuning cache has no entry; the table says which config ran.
+    absl_logging.set_verbosity(absl_logging.ERROR)
     _IMPORT_ERROR = ""
 except ImportError as error:  # the peer is optional
     tokamax = None
