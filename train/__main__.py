@@ -1,0 +1,3 @@
+from train.main import main
+
+main()

@@ -1,0 +1,190 @@
+"""Frozen configurations of the toy MoE language model; ``get_config(name)`` returns a named one.
+
+"tiny" trains on 2 CPU cores in a few minutes; "gpu" is a few hundred million parameters (about a tenth of them
+active per token) sized for one H100/H200. Tests shrink them with ``dataclasses.replace``.
+"""
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from moe_jax.ops.grouped_matmul.reference import ACTIVATIONS
+from moe_jax.ops.routing.api import SCORES
+
+DTYPES = ("float32", "bfloat16")
+
+
+def _check_positive(config, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value <= 0:
+            raise ValueError(f"{type(config).__name__}.{name} must be > 0, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only transformer over bytes: RMSNorm, causal attention with RoPE, MoE feed-forward layers.
+
+    Attributes:
+      vocab_size: V, 256 for bytes.
+      d_model: D.  num_layers: L.  num_heads: H (head size D / H).
+      num_experts: E.  top_k: k.  d_ff: F, one expert's hidden size.
+      activation, score, capacity_factor, num_shared_experts, balance_bias: as in ``moe_jax.nn.MoE``.
+      rope_base: RoPE wavelength base.
+      dtype: compute dtype.  param_dtype: parameter (and optimizer state) dtype.
+    """
+
+    d_model: int
+    num_layers: int
+    num_heads: int
+    num_experts: int
+    top_k: int
+    d_ff: int
+    vocab_size: int = 256
+    activation: str = "swiglu"
+    score: str = "softmax"
+    capacity_factor: float | None = None
+    num_shared_experts: int = 0
+    balance_bias: bool = False
+    rope_base: float = 10_000.0
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+
+    def __post_init__(self):
+        _check_positive(self, "d_model", "num_layers", "num_heads", "num_experts", "top_k", "d_ff", "vocab_size")
+        if self.d_model % self.num_heads or (self.d_model // self.num_heads) % 2:
+            raise ValueError(
+                f"ModelConfig.num_heads must divide d_model={self.d_model} into even head sizes (RoPE rotates pairs), "
+                f"got {self.num_heads}"
+            )
+        if self.top_k > self.num_experts:
+            raise ValueError(f"ModelConfig.top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"ModelConfig.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.score not in SCORES:
+            raise ValueError(f"ModelConfig.score must be one of {SCORES}, got {self.score!r}")
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"ModelConfig.{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    @property
+    def compute_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    @property
+    def params_dtype(self):
+        return jnp.dtype(self.param_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """One training run: model, data, optimizer schedule, losses, logging and checkpoint cadence.
+
+    Attributes:
+      model: the ``ModelConfig``.
+      seq_len: S, tokens (bytes) per training window.  batch_size: B, windows per step (global, all devices).
+      steps: optimizer steps; the learning-rate schedule spans exactly these.
+      peak_lr, warmup_steps, end_lr_ratio: linear warm-up to ``peak_lr``, then cosine decay to
+        ``end_lr_ratio * peak_lr`` at ``steps``.
+      weight_decay, b1, b2: AdamW (decay applies to matrices only).  grad_clip: global-norm clipping threshold.
+      load_balancing_coef, z_loss_coef: weights of the summed per-layer aux losses in the training loss.
+      bias_update_rate: aux-loss-free balancing step size per optimizer step (needs ``model.balance_bias``; 0: off).
+      validation_percent: share of stdlib files held out for validation (split by file).
+      eval_every, eval_batches: validation cadence (steps) and size (batches of ``batch_size`` windows).
+      log_every: steps between metric fetches (the only host syncs of the loop); one JSONL record each.
+      ckpt_every: steps between checkpoints (when a checkpoint directory is given).
+      seed: parameter initialisation and the training data stream.
+      expert_parallelism: size of the mesh's "expert" axis (1 today; the rest of the devices form the "data" axis).
+    """
+
+    model: ModelConfig
+    seq_len: int
+    batch_size: int
+    steps: int
+    peak_lr: float
+    warmup_steps: int
+    end_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 1.0
+    load_balancing_coef: float = 1e-2
+    z_loss_coef: float = 1e-3
+    bias_update_rate: float = 0.0
+    validation_percent: int = 10
+    eval_every: int = 100
+    eval_batches: int = 8
+    log_every: int = 10
+    ckpt_every: int = 100
+    seed: int = 0
+    expert_parallelism: int = 1
+
+    def __post_init__(self):
+        _check_positive(
+            self, "seq_len", "batch_size", "steps", "peak_lr", "eval_every", "eval_batches", "log_every", "ckpt_every"
+        )
+        _check_positive(self, "expert_parallelism")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(f"TrainConfig.warmup_steps must be in [0, steps={self.steps}), got {self.warmup_steps}")
+        if not 0 < self.validation_percent < 100:
+            raise ValueError(f"TrainConfig.validation_percent must be in (0, 100), got {self.validation_percent}")
+        if self.bias_update_rate < 0:
+            raise ValueError(f"TrainConfig.bias_update_rate must be >= 0, got {self.bias_update_rate}")
+        if self.bias_update_rate and not self.model.balance_bias:
+            raise ValueError("TrainConfig.bias_update_rate > 0 needs model.balance_bias=True (the router bias to move)")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+
+TINY = TrainConfig(
+    model=ModelConfig(d_model=128, num_layers=3, num_heads=4, num_experts=8, top_k=2, d_ff=128, balance_bias=True),
+    seq_len=128,
+    batch_size=16,
+    steps=400,
+    peak_lr=3e-3,
+    warmup_steps=40,
+    bias_update_rate=1e-3,
+    eval_every=200,
+    log_every=20,
+    ckpt_every=200,
+)
+
+GPU = TrainConfig(
+    model=ModelConfig(
+        d_model=1024,
+        num_layers=8,
+        num_heads=16,
+        num_experts=8,
+        top_k=2,
+        d_ff=2048,
+        balance_bias=True,
+        dtype="bfloat16",
+    ),
+    seq_len=1024,
+    batch_size=32,
+    steps=2000,
+    peak_lr=6e-4,
+    warmup_steps=100,
+    bias_update_rate=1e-3,
+    eval_every=500,
+    eval_batches=4,
+    log_every=20,
+    ckpt_every=500,
+)
+
+CONFIGS = {"tiny": TINY, "gpu": GPU}
+
+
+def get_config(name: str) -> TrainConfig:
+    if name not in CONFIGS:
+        raise ValueError(f"config must be one of {tuple(CONFIGS)}, got {name!r}")
+    return CONFIGS[name]
+
+
+__all__ = ["CONFIGS", "ModelConfig", "TrainConfig", "get_config"]

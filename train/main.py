@@ -1,0 +1,52 @@
+"""Command line of the toy MoE language model: ``python -m train --config tiny`` (see train/README.md)."""
+
+import argparse
+import dataclasses
+import os
+
+from moe_jax._core.backend import BACKENDS
+from train.configs import CONFIGS, get_config
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m train", description=__doc__)
+    parser.add_argument("--config", choices=tuple(CONFIGS), default="tiny", help="named TrainConfig (train/configs.py)")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto", help="moe_jax backend of the MoE layers")
+    parser.add_argument("--steps", type=int, help="optimizer steps (default: the config's); the schedule spans them")
+    parser.add_argument("--ckpt-dir", help="orbax checkpoint directory (default: no checkpoints)")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
+    parser.add_argument("--stop-after", type=int, help="end this run after that many steps (checkpointed there)")
+    parser.add_argument("--metrics", help="JSONL metrics file (default: runs/<config>/metrics.jsonl)")
+    parser.add_argument(
+        "--distributed",
+        action="store_true",
+        default=os.environ.get("MOE_JAX_DISTRIBUTED") == "1",
+        help="call jax.distributed.initialize() first (multi-process runs; also MOE_JAX_DISTRIBUTED=1)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    # Imported here so that jax.distributed.initialize() runs before anything touches a device.
+    import jax
+
+    if args.distributed:
+        jax.distributed.initialize()
+    from train.train import train
+
+    config = get_config(args.config)
+    if args.steps is not None:
+        # Short runs keep a tenth of their steps for warm-up at most, so that the cosine part never vanishes.
+        warmup = min(config.warmup_steps, args.steps // 10)
+        config = dataclasses.replace(config, steps=args.steps, warmup_steps=warmup)
+    train(
+        config,
+        backend=args.backend,
+        ckpt_dir=args.ckpt_dir,
+        resume=args.resume,
+        stop_after=args.stop_after,
+        metrics_path=args.metrics or f"runs/{args.config}/metrics.jsonl",
+        progress_bar=not args.no_progress,
+    )

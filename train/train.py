@@ -1,0 +1,280 @@
+"""The training loop: one ``nnx.jit`` step (forward, backward, AdamW, aux-loss-free bias update) with no host sync
+inside; metrics stay on the device and are fetched every ``log_every`` steps, evaluation and checkpoints happen
+between steps.
+
+The mesh is (data, expert). The expert axis (``TrainConfig.expert_parallelism``, 1 today) carries the stacked expert
+weights (``moe_jax.nn.moe.EXPERT_AXIS``); the batch is split over both axes; everything else is replicated.
+"""
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from tqdm import tqdm
+
+from moe_jax.nn import update_balancing_biases
+from moe_jax.nn.moe import EXPERT_AXIS
+from train import data
+from train.checkpoint import Checkpointer, Progress
+from train.configs import TrainConfig
+from train.metrics import JsonlWriter, MetricsBuffer, peak_flops, training_flops_per_token
+from train.model import Transformer, layer_aux, parameter_counts
+
+DATA_AXIS = "data"
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What one call of ``train`` saw: per-step training losses and validation losses keyed by steps done."""
+
+    step_losses: dict[int, float]
+    validation_losses: dict[int, float]
+    unigram_entropy: float
+    final_validation_loss: float | None
+
+
+def make_mesh(expert_parallelism: int) -> jax.sharding.Mesh:
+    """(data, expert) mesh over every device of every process; the expert axis has ``expert_parallelism`` devices."""
+    num_devices = jax.device_count()
+    if num_devices % expert_parallelism:
+        raise ValueError(f"expert_parallelism={expert_parallelism} must divide the device count {num_devices}")
+    shape = (num_devices // expert_parallelism, expert_parallelism)
+    return jax.make_mesh(shape, (DATA_AXIS, EXPERT_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
+    """[B, S] batches: rows over every device (expert parallelism also splits the tokens), sequence unsplit."""
+    return NamedSharding(mesh, P((DATA_AXIS, EXPERT_AXIS), None))
+
+
+def learning_rate(config: TrainConfig) -> optax.Schedule:
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=config.peak_lr,
+        warmup_steps=config.warmup_steps,
+        decay_steps=config.steps,
+        end_value=config.peak_lr * config.end_lr_ratio,
+    )
+
+
+def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW with warm-up and cosine decay; no weight decay on vectors (norm scales)."""
+    return optax.chain(
+        optax.clip_by_global_norm(config.grad_clip),
+        optax.adamw(
+            learning_rate(config),
+            b1=config.b1,
+            b2=config.b2,
+            weight_decay=config.weight_decay,
+            mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
+        ),
+    )
+
+
+def loss_fn(model: Transformer, inputs: jax.Array, targets: jax.Array, config: TrainConfig):
+    """Mean next-byte cross-entropy plus the weighted aux losses summed over layers; aux outputs for metrics."""
+    logits, intermediates = nnx.capture(model, nnx.Intermediate)(inputs)
+    cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    aux = layer_aux(intermediates)
+    balance = sum(a.load_balancing_loss for a in aux)
+    z = sum(a.z_loss for a in aux)
+    loss = cross_entropy + config.load_balancing_coef * balance + config.z_loss_coef * z
+    counts = jnp.stack([a.expert_counts for a in aux])  # [L, E]
+    return loss, (cross_entropy, balance, z, counts, intermediates)
+
+
+def make_train_step(config: TrainConfig):
+    """``step(model, optimizer, inputs, targets) -> metrics`` (device arrays); updates model and optimizer in place."""
+
+    @nnx.jit(donate_argnums=(0, 1))
+    def train_step(model, optimizer, inputs, targets):
+        grad_fn = nnx.value_and_grad(loss_fn, has_aux=True)
+        (loss, (cross_entropy, balance, z, counts, intermediates)), grads = grad_fn(model, inputs, targets, config)
+        optimizer.update(model, grads)
+        if config.bias_update_rate:
+            update_balancing_biases(model, intermediates, config.bias_update_rate)
+        return {
+            "loss": loss,
+            "cross_entropy": cross_entropy,
+            "load_balancing_loss": balance,
+            "z_loss": z,
+            "grad_norm": optax.tree.norm(grads),
+            "expert_counts": counts,
+        }
+
+    return train_step
+
+
+@nnx.jit
+def eval_step(model: Transformer, inputs: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-byte cross-entropy (nats) of one batch."""
+    logits, _ = nnx.capture(model, nnx.Intermediate)(inputs)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def _to_device(batch: data.Batch, sharding: NamedSharding, global_batch: int) -> tuple[jax.Array, jax.Array]:
+    shape = (global_batch, batch.inputs.shape[1])
+    return tuple(jax.make_array_from_process_local_data(sharding, x, shape) for x in (batch.inputs, batch.targets))
+
+
+def _load_data(config: TrainConfig) -> tuple[data.WindowSampler, data.WindowSampler, float]:
+    """Training and validation samplers (this process's rows) and the validation bytes' unigram entropy."""
+    train_data = data.WindowSampler(
+        data.load_corpus("train", config.validation_percent),
+        config.seq_len,
+        config.batch_size,
+        seed=config.seed,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+    )
+    validation_corpus = data.load_corpus("validation", config.validation_percent)
+    validation_data = dataclasses.replace(train_data, corpus=validation_corpus, seed=data.VALIDATION_STREAM)
+    return train_data, validation_data, data.unigram_entropy(validation_corpus)
+
+
+def _resume(config: TrainConfig, checkpointer: Checkpointer, model, optimizer, stop: int) -> Progress:
+    """Loads the latest checkpoint into model and optimizer after checking that it belongs to this run."""
+    progress = checkpointer.progress()
+    if progress.model_config != dataclasses.asdict(config.model) or progress.data_seed != config.seed:
+        raise ValueError(
+            f"the checkpoint in {checkpointer.manager.directory} was written by another model config or seed"
+        )
+    if progress.step >= stop:
+        raise ValueError(f"the checkpoint is at step {progress.step}: nothing left to do before step {stop}")
+    checkpointer.restore(model, optimizer, progress.step)
+    return progress
+
+
+def _setup_record(config: TrainConfig, backend: str, mesh, step: int) -> dict:
+    return {
+        "kind": "setup",
+        "step": step,
+        "config": dataclasses.asdict(config),
+        "backend": backend,
+        "devices": jax.device_count(),
+        "device_kind": jax.devices()[0].device_kind,
+        "mesh": dict(mesh.shape),
+        "parameters": parameter_counts(config.model),
+        "training_flops_per_token": training_flops_per_token(config.model, config.seq_len),
+        "peak_flops": peak_flops(jax.devices()[0], config.model.dtype),
+    }
+
+
+def train(
+    config: TrainConfig,
+    *,
+    backend: str = "auto",
+    ckpt_dir: str | None = None,
+    resume: bool = False,
+    stop_after: int | None = None,
+    metrics_path: str | None = None,
+    progress_bar: bool = True,
+) -> RunResult:
+    """Trains ``config`` for ``config.steps`` steps (or until ``stop_after`` steps are done, checkpointing there).
+
+    Args:
+      backend: the MoE layers' backend ("auto", "xla" or "pallas"), passed through to ``moe_jax``.
+      ckpt_dir: orbax checkpoint directory (None: no checkpoints).  resume: continue from its latest checkpoint.
+      stop_after: end this run once that many steps are done (the schedule still spans ``config.steps``); a later
+        run with ``resume`` continues exactly where it stopped.
+      metrics_path: JSONL file (appended to when resuming).  progress_bar: show a tqdm bar.
+    """
+    stop = config.steps if stop_after is None else stop_after
+    if not 0 < stop <= config.steps:
+        raise ValueError(f"stop_after must be in [1, steps={config.steps}], got {stop_after}")
+    if resume and ckpt_dir is None:
+        raise ValueError("resume=True needs ckpt_dir, the directory of the checkpoints to resume from")
+    main_process = jax.process_index() == 0
+    say = tqdm.write if main_process else (lambda _: None)
+    train_data, validation_data, unigram = _load_data(config)
+    mesh = make_mesh(config.expert_parallelism)
+    if config.batch_size % mesh.size:
+        raise ValueError(f"batch_size={config.batch_size} must be a multiple of the device count {mesh.size}")
+    sharding = batch_sharding(mesh)
+
+    with jax.set_mesh(mesh):
+        model = Transformer(config.model, backend=backend, rngs=nnx.Rngs(config.seed))
+        optimizer = nnx.Optimizer(model, make_optimizer(config), wrt=nnx.Param)
+        checkpointer = Checkpointer(ckpt_dir) if ckpt_dir else None
+        start = data_position = 0
+        if resume:
+            progress = _resume(config, checkpointer, model, optimizer, stop)
+            start, data_position = progress.step, progress.data_position
+        elif checkpointer is not None and checkpointer.latest_step() is not None:
+            raise ValueError(f"{ckpt_dir} already holds checkpoints: pass --resume, or choose another --ckpt-dir")
+        train_step = make_train_step(config)
+        validation_batches = [
+            _to_device(validation_data.batch(i), sharding, config.batch_size) for i in range(config.eval_batches)
+        ]
+
+        writer = JsonlWriter(metrics_path, append=resume)
+        setup = _setup_record(config, backend, mesh, start)
+        writer.write(setup)
+        counts = setup["parameters"]
+        say(
+            f"{counts['total'] / 1e6:.2f}M parameters ({counts['active'] / 1e6:.2f}M active per token), "
+            f"{jax.device_count()} x {setup['device_kind']}, mesh {setup['mesh']}, backend {backend!r}"
+        )
+        buffer = MetricsBuffer(
+            writer,
+            tokens_per_step=config.tokens_per_step,
+            flops_per_token=setup["training_flops_per_token"],
+            peak=setup["peak_flops"],
+        )
+        schedule = learning_rate(config)
+        result = RunResult({}, {}, unigram, None)
+        bar = tqdm(total=stop, initial=start, disable=not (progress_bar and main_process), unit="step")
+        for done in range(start + 1, stop + 1):
+            inputs, targets = _to_device(train_data.batch(data_position), sharding, config.batch_size)
+            data_position += 1
+            metrics = train_step(model, optimizer, inputs, targets)
+            first = done == start + 1
+            buffer.add(done, metrics, timed=not first)
+            if first:
+                # The one sync of the first step keeps compilation out of the throughput figures.
+                jax.block_until_ready(metrics)
+                seconds = time.perf_counter() - buffer.start
+                writer.write({"kind": "compile", "step": done, "seconds": seconds})
+                say(f"first step (compilation included) took {seconds:.1f} s")
+                buffer.restart_clock()
+            bar.update()
+            evaluate_now = done % config.eval_every == 0 or done == config.steps
+            save_now = checkpointer is not None and (done % config.ckpt_every == 0 or done == stop)
+            if done % config.log_every == 0 or done == stop or evaluate_now or save_now:
+                record, losses = buffer.flush(learning_rate=float(schedule(done - 1)))
+                result.step_losses.update(losses)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s'] or 0:.0f}")
+            if evaluate_now:
+                batch_losses = [eval_step(model, *batch) for batch in validation_batches]
+                result.validation_losses[done] = float(np.mean(jax.device_get(batch_losses)))
+                writer.write({"kind": "eval", "step": done, "validation_loss": result.validation_losses[done]})
+                say(f"step {done}: validation loss {result.validation_losses[done]:.4f}")
+            if save_now:
+                checkpointer.save(
+                    model, optimizer, Progress(done, data_position, config.seed, dataclasses.asdict(config.model))
+                )
+            if evaluate_now or save_now:
+                buffer.restart_clock()
+        bar.close()
+        if checkpointer is not None:
+            checkpointer.close()
+
+    if stop < config.steps:
+        say(f"stopped after step {stop} of {config.steps}; continue with --resume")
+        return result
+    final = result.final_validation_loss = result.validation_losses[config.steps]
+    margin = unigram - final
+    writer.write(
+        {"kind": "final", "step": stop, "validation_loss": final, "unigram_entropy": unigram, "margin": margin}
+    )
+    say(
+        f"final validation loss {final:.4f} nats/byte ({final / np.log(2):.3f} bits/byte); unigram entropy of the "
+        f"validation bytes {unigram:.4f} nats/byte; margin {margin:.4f} nats/byte ({margin / unigram:.0%} below)"
+    )
+    return result
