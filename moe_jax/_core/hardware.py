@@ -11,7 +11,8 @@ CPU_FALLBACK_NUM_SMS = 4
 def num_sms() -> int:
     """Streaming multiprocessors of the default device (an abstract mesh's device wins, as in jax's own kernels)."""
     abstract_device = jax.sharding.get_abstract_mesh().abstract_device
-    if abstract_device is not None:
+    # A mesh of CPU devices has an abstract device without a core count: fall through to the CPU fallback.
+    if abstract_device is not None and abstract_device.num_cores is not None:
         return abstract_device.num_cores
     device = jax.devices()[0]
     if device.platform == "gpu":
