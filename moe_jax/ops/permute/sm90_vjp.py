@@ -10,15 +10,10 @@ routing inside one jit. The backward of one op is the other kernel:
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from moe_jax._core.hardware import interpret_params
 from moe_jax.ops.permute import sm90
 from moe_jax.ops.permute.config import heuristic_config
-
-
-def interpret_params():
-    """None on a GPU; elsewhere the Mosaic GPU interpreter (an active ``force_gpu_interpret_mode`` takes precedence)."""
-    return None if jax.default_backend() == "gpu" else plgpu.InterpretGPUParams()
 
 
 def token_positions(sort_indices: jax.Array, top_k: int) -> jax.Array:

@@ -15,16 +15,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from moe_jax._core.hardware import interpret_params
 from moe_jax.ops.routing import reference, sm90
 from moe_jax.ops.routing.config import BLOCK_TOKENS, heuristic_config
 from moe_jax.ops.routing.reference import Routing
-
-
-def interpret_params():
-    """None on a GPU; elsewhere the Mosaic GPU interpreter (an active ``force_gpu_interpret_mode`` takes precedence)."""
-    return None if jax.default_backend() == "gpu" else plgpu.InterpretGPUParams()
 
 
 @dataclasses.dataclass(frozen=True)
