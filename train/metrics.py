@@ -111,6 +111,9 @@ class MetricsBuffer:
         record = {"kind": "train", "step": self.pending[-1][0], **summarise(fetched), **extra}
         record["tokens_per_s"] = tokens_per_s
         record["mfu"] = tokens_per_s * self.flops_per_token / self.peak if tokens_per_s and self.peak else None
+        # The allocator's high-water mark on GPUs (CPUs keep no statistics).
+        stats = jax.local_devices()[0].memory_stats() or {}
+        record["peak_memory_bytes"] = stats.get("peak_bytes_in_use")
         self.writer.write(record)
         losses = {step: float(m["loss"]) for (step, _), m in zip(self.pending, fetched, strict=True)}
         self.pending.clear()
