@@ -70,6 +70,12 @@ def route(
     Returns:
       ``Routing`` with weights [T, k] f32, experts [T, k] int32 (descending score, ties to the lower id),
       group_sizes [E] int32, sort_indices [T*k] int32 (stable expert-sorted permutation) and probs [T, E] f32.
+
+    Non-finite logits have a defined result on every backend: a NaN selection score (``score + bias``, or a group's
+    score from ``inf + (-inf)``) ranks as -inf, so it never beats a number and ties with -inf go to the lower id;
+    expert ids are always in [0, E). Scores follow ``jax.nn``: a softmax row holding NaN or +inf, or only -inf, is
+    all NaN (so that token takes experts 0..k-1 with NaN weights); a sigmoid score is per expert (NaN stays NaN and
+    is never chosen over a number). Weights of a selected NaN score are NaN.
     """
     num_tokens, num_experts = checks.check_rank("logits", logits, 2, "[T, E]")
     checks.check_float("logits", logits)
