@@ -9,7 +9,7 @@
       sweeps candidate configs and prints the fastest per (kind, shape) as entries for config.TUNED
 
 A config on the command line is "table" (what the op would use: tuned entry or heuristic) or
-"<block_m>x<block_n>x<block_k>s<stages>e<epilogue_n><m|n><grid_width>", e.g. "128x256x64s4e64n8".
+"<block_m>x<block_n>x<block_k>s<stages>e<epilogue_n><m|n><grid_width>[p<prefetch>]", e.g. "128x256x64s4e64n8p4".
 Numbers reported in benchmarks/RESULTS.md come from ``python -m benchmarks``; this script is for tuning.
 """
 
@@ -30,7 +30,7 @@ from moe_jax.ops.grouped_matmul import api
 from moe_jax.ops.grouped_matmul.config import Config, get_config
 
 KINDS = ("fwd", "dgrad", "wgrad")
-SPEC = re.compile(r"(\d+)x(\d+)x(\d+)s(\d+)e(\d+)([mn])(\d+)")
+SPEC = re.compile(r"(\d+)x(\d+)x(\d+)s(\d+)e(\d+)([mn])(\d+)(?:p(\d+))?")
 
 
 def parse_config(spec: str) -> Config | None:
@@ -40,13 +40,14 @@ def parse_config(spec: str) -> Config | None:
     match = SPEC.fullmatch(spec)
     if not match:
         raise SystemExit(f"bad config {spec!r}: expected 'table' or e.g. 128x256x64s4e64n8")
-    bm, bn, bk, stages, epi, minor, width = match.groups()
-    return Config(int(bm), int(bn), int(bk), int(stages), 2, int(epi), minor, int(width))
+    bm, bn, bk, stages, epi, minor, width, prefetch = match.groups()
+    return Config(int(bm), int(bn), int(bk), int(stages), 2, int(epi), minor, int(width), int(prefetch or 0))
 
 
 def label(config: Config) -> str:
     c = config
-    return f"{c.block_m}x{c.block_n}x{c.block_k}s{c.num_stages}e{c.epilogue_n}{c.grid_minor}{c.grid_width}"
+    text = f"{c.block_m}x{c.block_n}x{c.block_k}s{c.num_stages}e{c.epilogue_n}{c.grid_minor}{c.grid_width}"
+    return text + (f"p{c.prefetch}" if c.prefetch else "")
 
 
 def kernel_fn(kind: str, config: Config | None):
@@ -102,12 +103,20 @@ def timed(fn, arg_sets, iters: int):
         return None, None
 
 
+def group_sizes_for(shape, routing: str, seed: int) -> jax.Array:
+    """The named routings, plus "even": M / G rows per group (no ragged tile anywhere; a diagnostic)."""
+    if routing == "even":
+        sizes = jnp.full((shape.g,), shape.m // shape.g, jnp.int32)
+        return sizes.at[-1].add(shape.m - int(jnp.sum(sizes)))
+    return shape.group_sizes(routing, seed=seed)
+
+
 def run_time(shapes, kinds, configs, routing: str, seed: int, iters: int, sweep: bool) -> None:
     print("| kind | shape | routing | config | ms | TF/s | vs dense | first call s |")
     print("|---|---|---|---|---:|---:|---:|---:|")
     for shape in shapes:
         sets = input_sets(shape, seed)
-        group_sizes = shape.group_sizes(routing, seed=seed)
+        group_sizes = group_sizes_for(shape, routing, seed)
         flops = 2 * shape.m * shape.k * shape.n
         for kind in kinds:
             dense, _ = timed(jnp.dot, [dense_args(kind, s, shape) for s in sets], iters)
@@ -195,7 +204,8 @@ def main(argv=None) -> None:
     parser.add_argument("--shapes", help="comma-separated GMM shape names (default: every 'bench' shape)")
     parser.add_argument("--kinds", default="fwd,dgrad,wgrad")
     parser.add_argument("--configs", default="table", help="comma-separated configs for 'time'")
-    parser.add_argument("--routing", default="uniform", choices=shape_registry.ROUTINGS)
+    parser.add_argument("--routing", default="uniform", choices=(*shape_registry.ROUTINGS, "even"))
+    parser.add_argument("--groups", type=int, help="override G of every shape (a diagnostic: G=1 is a dense matmul)")
     parser.add_argument("--routings", default="uniform,half", help="for 'check'")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
@@ -204,6 +214,8 @@ def main(argv=None) -> None:
         shapes = [shape_registry.GMM_SHAPES[name] for name in args.shapes.split(",")]
     else:
         shapes = shape_registry.gmm_shapes("bench")
+    if args.groups:
+        shapes = [dataclasses.replace(shape, g=args.groups, name=f"{shape.name}@G{args.groups}") for shape in shapes]
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}, mode {args.mode}", flush=True)
     if args.mode == "check":
         sys.exit(0 if run_check(shapes, args.routings.split(","), args.seed) else 1)

@@ -24,12 +24,14 @@ class Config:
     Attributes:
       block_m: output rows of a CTA tile, split evenly over the compute warpgroups (each owns a multiple of 64 rows).
       block_n: output columns of a CTA tile (one wgmma N: a multiple of 64, at most 256).
-      block_k: contraction step of the pipeline (a multiple of 32).
+      block_k: contraction step of the pipeline (64 or 128).
       num_stages: shared-memory buffers of the TMA -> wgmma pipeline.
       num_compute_wgs: consumer warpgroups; one more producer warpgroup issues every TMA load.
       epilogue_n: columns written back per TMA store (the epilogue buffer is double-buffered per warpgroup).
       grid_minor: which output-tile axis varies fastest over the persistent grid ("m" or "n").
       grid_width: tiles along the minor axis before the major one advances (a band that stays in L2).
+      prefetch: the producer also asks L2 for the operands this many steps ahead of its TMA loads (0: off), so
+        that weights streamed from HBM are in L2 by the time their shared-memory buffer frees up.
     """
 
     block_m: int = 128
@@ -40,6 +42,7 @@ class Config:
     epilogue_n: int = 64
     grid_minor: Literal["m", "n"] = "n"
     grid_width: int = 8
+    prefetch: int = 0
 
     def __post_init__(self):
         if self.num_compute_wgs not in (1, 2):
@@ -50,8 +53,8 @@ class Config:
             )
         if self.block_n % 64 or not 64 <= self.block_n <= 256:
             raise ValueError(f"block_n must be a multiple of 64 in [64, 256], got {self.block_n}")
-        if self.block_k % 32 or not 32 <= self.block_k <= 128:
-            raise ValueError(f"block_k must be a multiple of 32 in [32, 128], got {self.block_k}")
+        if self.block_k not in (64, 128):
+            raise ValueError(f"block_k must be 64 or 128 (one or two 128-byte swizzle widths), got {self.block_k}")
         if self.num_stages < 2:
             raise ValueError(f"num_stages must be at least 2 (load one buffer while computing on another), got {self}")
         if self.epilogue_n % 16 or self.block_n % self.epilogue_n:
@@ -60,6 +63,8 @@ class Config:
             raise ValueError(f"grid_minor must be 'm' or 'n', got {self.grid_minor!r}")
         if self.grid_width < 1:
             raise ValueError(f"grid_width must be >= 1, got {self.grid_width}")
+        if not 0 <= self.prefetch <= 16:
+            raise ValueError(f"prefetch must be in [0, 16] steps, got {self.prefetch}")
 
     @property
     def wg_block_m(self) -> int:

@@ -84,11 +84,16 @@ def grouped_matmul_rows(
                 group = tiles_gmem[TILE_GROUP, mi]
                 row0 = pl.multiple_of(tiles_gmem[TILE_ROW, mi], ROW_ALIGN)
 
-                def load(k, slot):
+                def blocks(k):
                     ks, ns = pl.ds(k * bk, bk), pl.ds(ni * bn, bn)
-                    plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(row0, bm), ks], x_smem.at[slot], produced.at[slot])
                     w_block = w_gmem.at[group, ns, ks] if w_transposed else w_gmem.at[group, ks, ns]
+                    return x_gmem.at[pl.ds(row0, bm), ks], w_block
+
+                def load(k, slot):
+                    x_block, w_block = blocks(k)
+                    plgpu.copy_gmem_to_smem(x_block, x_smem.at[slot], produced.at[slot])
                     plgpu.copy_gmem_to_smem(w_block, w_smem.at[slot], produced.at[slot])
+                    pipe.prefetch(blocks, k, steps, cfg.prefetch)
 
                 steps = tile_steps(group)
                 pipe.produce(carry, steps, stages, consumed, load)

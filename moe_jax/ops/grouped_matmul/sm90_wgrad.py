@@ -83,10 +83,15 @@ def grouped_matmul_wgrad(
             def load_tile(info, carry):
                 _, _, _, box, steps, pi, qi = tile_of(info.index[0])
 
-                def load(k, slot):
+                def blocks(k):
                     rows = pl.ds(pl.multiple_of(box + k * bk, ROW_ALIGN), bk)
-                    plgpu.copy_gmem_to_smem(x_gmem.at[rows, pl.ds(pi * bm, bm)], x_smem.at[slot], produced.at[slot])
-                    plgpu.copy_gmem_to_smem(y_gmem.at[rows, pl.ds(qi * bn, bn)], y_smem.at[slot], produced.at[slot])
+                    return x_gmem.at[rows, pl.ds(pi * bm, bm)], y_gmem.at[rows, pl.ds(qi * bn, bn)]
+
+                def load(k, slot):
+                    x_block, y_block = blocks(k)
+                    plgpu.copy_gmem_to_smem(x_block, x_smem.at[slot], produced.at[slot])
+                    plgpu.copy_gmem_to_smem(y_block, y_smem.at[slot], produced.at[slot])
+                    pipe.prefetch(blocks, k, steps, cfg.prefetch)
 
                 pipe.produce(carry, steps, stages, consumed, load)
                 return carry + steps

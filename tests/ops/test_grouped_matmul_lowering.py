@@ -1,0 +1,72 @@
+"""Every shipped grouped-matmul kernel config lowers for CUDA from a CPU host (a cheap check of layouts and shared
+memory), and the lowered program really contains the Mosaic GPU kernels: fwd, dgrad and wgrad.
+
+The abstract GPU device makes ``hardware.interpret_params()`` return None (compile, don't interpret) and gives the
+persistent grid an H100/H200's 132 SMs. Lowering stops before the CUDA compiler, so it needs no GPU.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src.mesh import AbstractDevice
+from jax.sharding import AbstractMesh
+
+import moe_jax
+from moe_jax.ops import shapes
+from moe_jax.ops.grouped_matmul import config
+
+MOSAIC_CALL = "mosaic_gpu_v2"
+H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+
+
+def _lowered_fwd_bwd(g, m, k, n, *, transpose_rhs=False, out_dtype=jnp.bfloat16, activation=None) -> str:
+    lhs = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    rhs = jax.ShapeDtypeStruct((g, n, k) if transpose_rhs else (g, k, n), jnp.bfloat16)
+    group_sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
+
+    def loss(lhs, rhs, group_sizes):
+        out = moe_jax.grouped_matmul(
+            lhs,
+            rhs,
+            group_sizes,
+            activation=activation,
+            preferred_element_type=out_dtype,
+            transpose_rhs=transpose_rhs,
+            backend="pallas",
+        )
+        return jnp.sum(out.astype(jnp.float32))
+
+    step = jax.value_and_grad(loss, argnums=(0, 1))
+    with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=H200)):
+        return jax.jit(step).trace(lhs, rhs, group_sizes).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _shipped_problems():
+    """(G, M, K, N) of every named bench shape plus every tuned-table entry."""
+    problems = {(s.g, s.m, s.k, s.n) for s in shapes.GMM_SHAPES.values() if s.tag == "bench"}
+    problems |= {key[1:] for key in config.TUNED}
+    return sorted(problems)
+
+
+@pytest.mark.parametrize("g, m, k, n", _shipped_problems())
+def test_shipped_configs_lower_to_three_mosaic_kernels(g, m, k, n):
+    text = _lowered_fwd_bwd(g, m, k, n)
+    assert text.count(MOSAIC_CALL) == 3, "expected the fwd, dgrad and wgrad Mosaic GPU kernels"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(transpose_rhs=True), dict(out_dtype=jnp.float32), dict(activation="swiglu", transpose_rhs=True)],
+)
+def test_layouts_and_dtypes_lower(options):
+    # M off 8 takes the row-padding path; a K-major rhs flips both the fwd and the dgrad B operand.
+    text = _lowered_fwd_bwd(16, 4100, 512, 384, **options)
+    assert text.count(MOSAIC_CALL) == 3
+
+
+@pytest.mark.parametrize("g, m, k, n", [(4, 1024, 256, 128), (64, 8192, 1024, 7168), (1, 64, 64, 64)])
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_heuristic_configs_lower(g, m, k, n, out_dtype):
+    """Shapes off the table (small, wide, tiny) get heuristic configs that lower within shared memory."""
+    assert all((kind, g, m, k, n) not in config.TUNED for kind in config.KINDS)
+    assert _lowered_fwd_bwd(g, m, k, n, out_dtype=out_dtype).count(MOSAIC_CALL) == 3

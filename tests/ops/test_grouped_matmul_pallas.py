@@ -1,0 +1,181 @@
+"""The sm90 grouped-matmul kernels (fwd, dgrad, wgrad) under the Mosaic GPU interpreter against the reference.
+
+The interpreter detects races and poisons uninitialised memory with NaN, so a row the kernels forget to write, a
+buffer read before its TMA landed or a neighbour's row leaking into a masked wgrad chunk shows up as NaN or a large
+error. Shapes are small (a few 128x128 tiles on 4 simulated SMs) but cross every ragged edge: empty groups, sizes
+off multiples of 8, a group covering a whole tile and one covering two warpgroups partly, rows past the sum, M off
+the tile and off 8 (the padding path), G = 1, one hot expert, both rhs layouts, bf16 and f32 outputs.
+
+Tolerances (relative-norm error against the f32 reference on the same bf16 inputs): BF16_OUT_TOL for results
+rounded to bf16 (~2^-9 relative rounding), F32_OUT_TOL for f32 results (only the reference's summation order
+differs); gradients round the cotangent to bf16 (GRAD_TOL).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+import moe_jax
+from moe_jax._core import testing as oracle
+from moe_jax.ops.grouped_matmul import api, config, reference, schedule
+
+INTERPRET = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
+BF16_OUT_TOL = 5e-3
+F32_OUT_TOL = 1e-5
+GRAD_TOL = 1e-2
+
+# (M, K, N, group sizes): each row is one ragged situation on 128-row tiles split over two 64-row warpgroups.
+CASES = {
+    "ragged": (296, 128, 192, [100, 0, 37, 3, 61, 64, 2]),  # empty, tiny, sizes off 8; rows 267.. past the sum
+    "hot expert": (256, 64, 128, [0, 256, 0]),  # one group takes every row: two full tiles
+    "tail tiles": (300, 64, 128, [129, 65, 70]),  # M off 8 (padded) and off the tile; a 1-row and 65-row tail
+    "single group": (136, 128, 64, [130]),  # G = 1 with 6 rows past the sum
+}
+
+
+def _inputs(seed, m, k, n, sizes, transpose_rhs):
+    rng = np.random.default_rng(seed)
+    lhs = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+    rhs_shape = (len(sizes), n, k) if transpose_rhs else (len(sizes), k, n)
+    rhs = jnp.asarray(rng.normal(size=rhs_shape) / np.sqrt(k), jnp.bfloat16)
+    return lhs, rhs, jnp.asarray(sizes, jnp.int32)
+
+
+@pytest.fixture
+def interpret():
+    """Runs the test's kernels under the checking interpreter and fails it on any detected race."""
+    with plgpu.force_gpu_interpret_mode(INTERPRET):
+        yield
+    assert not get_races().races_found, "the interpreter detected a data race"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("transpose_rhs, out_dtype", [(False, jnp.bfloat16), (True, jnp.float32)])
+@pytest.mark.usefixtures("interpret")
+def test_forward_matches_reference(case, transpose_rhs, out_dtype):
+    m, k, n, sizes = CASES[case]
+    lhs, rhs, group_sizes = _inputs(len(case), m, k, n, sizes, transpose_rhs)
+    out = moe_jax.grouped_matmul(
+        lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, preferred_element_type=out_dtype, backend="pallas"
+    )
+    expected = reference.grouped_matmul(
+        lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, preferred_element_type=jnp.float32
+    )
+    assert out.shape == (m, n) and out.dtype == out_dtype
+    tol = F32_OUT_TOL if out_dtype == jnp.float32 else BF16_OUT_TOL
+    assert oracle.relative_error(out, expected) < tol
+    np.testing.assert_array_equal(np.asarray(out, np.float32)[sum(sizes) :], 0.0)
+
+
+@pytest.mark.parametrize("case, transpose_rhs", [("ragged", False), ("tail tiles", True)])
+@pytest.mark.usefixtures("interpret")
+def test_gradients_match_reference(case, transpose_rhs):
+    m, k, n, sizes = CASES[case]
+    lhs, rhs, group_sizes = _inputs(7, m, k, n, sizes, transpose_rhs)
+    cotangent = jnp.asarray(np.random.default_rng(8).normal(size=(m, n)), jnp.bfloat16)
+
+    def vjp(fn):
+        out, pullback = jax.vjp(lambda a, b: fn(a, b, group_sizes, transpose_rhs=transpose_rhs), lhs, rhs)
+        return (out, *pullback(cotangent))
+
+    kernel = vjp(lambda *a, **kw: moe_jax.grouped_matmul(*a, backend="pallas", **kw))
+    expected = vjp(reference.grouped_matmul)
+    for name, actual, exact in zip(("out", "d_lhs", "d_rhs"), kernel, expected, strict=True):
+        assert actual.shape == exact.shape and actual.dtype == exact.dtype, name
+        assert oracle.relative_error(actual, exact) < GRAD_TOL, name
+    # Rows past the sum get no gradient; every d_rhs entry of an empty group is exactly zero.
+    np.testing.assert_array_equal(np.asarray(kernel[1], np.float32)[sum(sizes) :], 0.0)
+    for g in np.flatnonzero(np.asarray(sizes) == 0):
+        np.testing.assert_array_equal(np.asarray(kernel[2][g], np.float32), 0.0)
+
+
+@pytest.mark.usefixtures("interpret")
+def test_jax_grad_through_gated_activation_and_row_scale():
+    m, k, n, sizes = 160, 64, 128, [3, 77, 0, 40]
+    lhs, rhs, group_sizes = _inputs(11, m, k, n, sizes, False)
+    row_scale = jnp.asarray(np.random.default_rng(12).uniform(size=m), jnp.float32)
+
+    def loss(backend):
+        def fn(a, b, scale):
+            out = moe_jax.grouped_matmul(a, b, group_sizes, activation="swiglu", row_scale=scale, backend=backend)
+            return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
+
+        return jax.grad(fn, argnums=(0, 1, 2))(lhs, rhs, row_scale)
+
+    for actual, exact in zip(loss("pallas"), loss("xla"), strict=True):
+        assert oracle.relative_error(actual, exact) < GRAD_TOL
+
+
+@pytest.mark.usefixtures("interpret")
+def test_wgrad_masks_neighbouring_rows():
+    """Rows outside a group never reach its weight gradient, not even as 0 * NaN."""
+    m, p, q, sizes = 200, 128, 128, [50, 0, 3, 100]
+    rng = np.random.default_rng(13)
+    x = rng.normal(size=(m, p)).astype(np.float32)
+    y = rng.normal(size=(m, q)).astype(np.float32)
+    x[sum(sizes) :] = np.nan
+    y[sum(sizes) :] = np.inf
+    out = api.run_wgrad_kernel(
+        jnp.asarray(x, jnp.bfloat16), jnp.asarray(y, jnp.bfloat16), jnp.asarray(sizes, jnp.int32), out_dtype=jnp.float32
+    )
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    xb, yb = (np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64) for a in (x, y))
+    expected = np.stack([xb[s:e].T @ yb[s:e] for s, e in zip(offsets[:-1], offsets[1:], strict=True)])
+    assert not np.isnan(np.asarray(out)).any()
+    assert oracle.relative_error(out, expected) < F32_OUT_TOL
+
+
+# ------------------------------------------------------------------------------------------------ schedule, configs
+
+
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_row_tiles_cover_every_row_once(block_m):
+    rng = np.random.default_rng(14)
+    for num_groups, num_rows in [(7, 500), (1, 64), (16, 1000)]:
+        sizes = oracle.random_group_sizes(rng, num_groups, num_rows * 3 // 4, "uniform")
+        tiles, count = schedule.row_tiles(jnp.asarray(sizes), num_rows, block_m)
+        tiles = np.asarray(tiles)[:, : int(count[0])]
+        owner = np.full(num_rows, -2)
+        for group, box, skip, rows in tiles.T:
+            assert box % schedule.ROW_ALIGN == 0 and rows > 0 and skip + rows <= block_m
+            assert (owner[box + skip : box + skip + rows] == -2).all(), "a row stored twice"
+            owner[box + skip : box + skip + rows] = group
+        expected = np.concatenate([np.repeat(np.arange(num_groups), sizes), np.full(num_rows - sizes.sum(), -1)])
+        np.testing.assert_array_equal(owner, expected)
+        assert count[0] <= schedule.max_row_tiles(num_rows, num_groups, block_m)
+
+
+def test_wgrad_groups_are_largest_first():
+    table = np.asarray(schedule.wgrad_groups(jnp.asarray([5, 0, 9, 9, 2]), 20))
+    np.testing.assert_array_equal(table[schedule.GROUP_ID], [2, 3, 0, 1, 4])
+    np.testing.assert_array_equal(table[schedule.GROUP_START], [5, 14, 0, 5, 20])
+    np.testing.assert_array_equal(table[schedule.GROUP_SIZE], [9, 6, 5, 0, 0])  # group 3 clipped at M = 20
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [dict(block_m=96), dict(block_n=320), dict(block_k=48), dict(num_stages=1), dict(epilogue_n=100)],
+)
+def test_config_rejects_bad_fields(fields):
+    with pytest.raises(ValueError, match=next(iter(fields))):
+        config.Config(**fields)
+
+
+@pytest.mark.parametrize("kind", config.KINDS)
+def test_heuristic_configs_fit_in_shared_memory(kind):
+    for m, k, n, g in [(32768, 2048, 1536, 128), (16384, 14336, 4096, 8), (256, 64, 64, 1)]:
+        for out_itemsize in (2, 4):
+            assert config.heuristic_config(kind, m=m, k=k, n=n, g=g, out_itemsize=out_itemsize).fits(2, out_itemsize)
+
+
+@pytest.mark.parametrize(
+    "lhs_dtype, k, n, match",
+    [(jnp.float32, 64, 64, "bfloat16 or float16"), (jnp.bfloat16, 96, 64, "K must be"), (jnp.bfloat16, 64, 40, "N")],
+)
+def test_pallas_rejects_what_the_kernel_cannot_do(lhs_dtype, k, n, match):
+    lhs, rhs = jnp.ones((16, k), lhs_dtype), jnp.ones((2, k, n), lhs_dtype)
+    with pytest.raises(NotImplementedError, match=match):
+        moe_jax.grouped_matmul(lhs, rhs, jnp.array([8, 8], jnp.int32), backend="pallas")
