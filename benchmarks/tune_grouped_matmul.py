@@ -9,7 +9,7 @@
       sweeps candidate configs and prints the fastest per (kind, shape) as entries for config.TUNED
 
 A config on the command line is "table" (what the op would use: tuned entry or heuristic) or
-"<block_m>x<block_n>x<block_k>s<stages>e<epilogue_n><m|n><grid_width>[p<prefetch>]", e.g. "128x256x64s4e64n8p4".
+"<block_m>x<block_n>x<block_k>s<stages>e<epilogue_n><m|n><grid_width>", e.g. "128x256x64s4e64n8".
 Numbers reported in benchmarks/RESULTS.md come from ``python -m benchmarks``; this script is for tuning.
 """
 
@@ -30,7 +30,7 @@ from moe_jax.ops.grouped_matmul import api
 from moe_jax.ops.grouped_matmul.config import Config, get_config
 
 KINDS = ("fwd", "dgrad", "wgrad")
-SPEC = re.compile(r"(\d+)x(\d+)x(\d+)s(\d+)e(\d+)([mn])(\d+)(?:p(\d+))?")
+SPEC = re.compile(r"(\d+)x(\d+)x(\d+)s(\d+)e(\d+)([mn])(\d+)")
 
 
 def parse_config(spec: str) -> Config | None:
@@ -40,14 +40,13 @@ def parse_config(spec: str) -> Config | None:
     match = SPEC.fullmatch(spec)
     if not match:
         raise SystemExit(f"bad config {spec!r}: expected 'table' or e.g. 128x256x64s4e64n8")
-    bm, bn, bk, stages, epi, minor, width, prefetch = match.groups()
-    return Config(int(bm), int(bn), int(bk), int(stages), 2, int(epi), minor, int(width), int(prefetch or 0))
+    bm, bn, bk, stages, epi, minor, width = match.groups()
+    return Config(int(bm), int(bn), int(bk), int(stages), 2, int(epi), minor, int(width))
 
 
 def label(config: Config) -> str:
     c = config
-    text = f"{c.block_m}x{c.block_n}x{c.block_k}s{c.num_stages}e{c.epilogue_n}{c.grid_minor}{c.grid_width}"
-    return text + (f"p{c.prefetch}" if c.prefetch else "")
+    return f"{c.block_m}x{c.block_n}x{c.block_k}s{c.num_stages}e{c.epilogue_n}{c.grid_minor}{c.grid_width}"
 
 
 def kernel_fn(kind: str, config: Config | None):

@@ -30,8 +30,6 @@ class Config:
       epilogue_n: columns written back per TMA store (the epilogue buffer is double-buffered per warpgroup).
       grid_minor: which output-tile axis varies fastest over the persistent grid ("m" or "n").
       grid_width: tiles along the minor axis before the major one advances (a band that stays in L2).
-      prefetch: the producer also asks L2 for the operands this many steps ahead of its TMA loads (0: off), so
-        that weights streamed from HBM are in L2 by the time their shared-memory buffer frees up.
     """
 
     block_m: int = 128
@@ -42,7 +40,6 @@ class Config:
     epilogue_n: int = 64
     grid_minor: Literal["m", "n"] = "n"
     grid_width: int = 8
-    prefetch: int = 0
 
     def __post_init__(self):
         if self.num_compute_wgs not in (1, 2):
@@ -63,8 +60,6 @@ class Config:
             raise ValueError(f"grid_minor must be 'm' or 'n', got {self.grid_minor!r}")
         if self.grid_width < 1:
             raise ValueError(f"grid_width must be >= 1, got {self.grid_width}")
-        if not 0 <= self.prefetch <= 16:
-            raise ValueError(f"prefetch must be in [0, 16] steps, got {self.prefetch}")
 
     @property
     def wg_block_m(self) -> int:

@@ -93,7 +93,6 @@ def grouped_matmul_rows(
                     x_block, w_block = blocks(k)
                     plgpu.copy_gmem_to_smem(x_block, x_smem.at[slot], produced.at[slot])
                     plgpu.copy_gmem_to_smem(w_block, w_smem.at[slot], produced.at[slot])
-                    pipe.prefetch(blocks, k, steps, cfg.prefetch)
 
                 steps = tile_steps(group)
                 pipe.produce(carry, steps, stages, consumed, load)

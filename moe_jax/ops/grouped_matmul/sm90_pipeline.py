@@ -50,17 +50,6 @@ def produce(first_step, num_steps, stages: int, consumed, load) -> None:
         load(k, slot)
 
 
-def prefetch(blocks, k, num_steps, distance: int) -> None:
-    """Asks L2 for the GMEM blocks of step k + distance of this tile (``blocks(step)`` gives them), if it exists."""
-    if not distance:
-        return
-
-    @pl.when(k + distance < num_steps)
-    def _():
-        for block in blocks(k + distance):
-            plgpu.async_prefetch(block)
-
-
 def drain(total_steps, stages: int, consumed) -> None:
     """Producer, after its last tile: observe the release of the last buffers, so every barrier ends settled."""
 

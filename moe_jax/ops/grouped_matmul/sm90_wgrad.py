@@ -91,7 +91,6 @@ def grouped_matmul_wgrad(
                     x_block, y_block = blocks(k)
                     plgpu.copy_gmem_to_smem(x_block, x_smem.at[slot], produced.at[slot])
                     plgpu.copy_gmem_to_smem(y_block, y_smem.at[slot], produced.at[slot])
-                    pipe.prefetch(blocks, k, steps, cfg.prefetch)
 
                 pipe.produce(carry, steps, stages, consumed, load)
                 return carry + steps

@@ -1,0 +1,101 @@
+"""The sm90 grouped-matmul kernels on the device: fwd, dgrad and wgrad through ``jax.vjp`` of
+``moe_jax.grouped_matmul(backend="pallas")``.
+
+Run on the GPU machine: ``PYTHONPATH=. python3 -m pytest -m gpu tests/gpu/test_grouped_matmul_gpu.py``.
+
+- Named shapes at full size, uniform and skewed routings: XLA's ragged_dot is too slow and too large there (it
+  multiplies by every group), so the oracle is the exact f32 product of three groups (first non-empty, largest,
+  last non-empty) plus every row past the sum, which must be exactly zero.
+- A seeded random sweep of smaller shapes and routings against the XLA reference (``jax.lax.ragged_dot``) on the
+  same device, both rhs layouts, bf16 and f32 outputs.
+Tolerance: relative-norm error ``TOL`` against f32 results (bf16 inputs, f32 accumulation, bf16 rounding of outputs
+and of the cotangent).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import moe_jax
+from moe_jax._core.testing import random_group_sizes, relative_error
+from moe_jax.ops import shapes
+from moe_jax.ops.grouped_matmul import reference
+
+pytestmark = pytest.mark.gpu
+TOL = 1e-2
+
+
+def _inputs(key, g, m, k, n, transpose_rhs=False):
+    keys = jax.random.split(key, 3)
+    lhs = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+    rhs_shape = (g, n, k) if transpose_rhs else (g, k, n)
+    rhs = (jax.random.normal(keys[1], rhs_shape, jnp.float32) * k**-0.5).astype(jnp.bfloat16)
+    return lhs, rhs, jax.random.normal(keys[2], (m, n), jnp.bfloat16)
+
+
+@functools.partial(jax.jit, static_argnames=("fn", "transpose_rhs", "out_dtype"))
+def _fwd_bwd(lhs, rhs, group_sizes, cotangent, *, fn, transpose_rhs=False, out_dtype=None):
+    def op(a, b):
+        return fn(a, b, group_sizes, transpose_rhs=transpose_rhs, preferred_element_type=out_dtype)
+
+    out, pullback = jax.vjp(op, lhs, rhs)
+    return (out, *pullback(cotangent.astype(out.dtype)))
+
+
+pallas = functools.partial(moe_jax.grouped_matmul, backend="pallas")
+
+
+NAMED = [(s.name, "uniform") for s in shapes.gmm_shapes("bench")]
+NAMED += [("qwen3-30b/gate_up", "half"), ("qwen3-30b/down", "zipf1.2"), ("mixtral/down", "half")]
+
+
+@pytest.mark.parametrize("name, routing", NAMED)
+def test_named_shape_against_exact_groups(name, routing):
+    shape = shapes.GMM_SHAPES[name]
+    lhs, rhs, cotangent = _inputs(jax.random.key(1), shape.g, shape.m, shape.k, shape.n)
+    # Route 15/16 of the rows so that the kernels also write the zero rows past the sum.
+    group_sizes = shape.group_sizes(routing, seed=2) * 15 // 16
+    out, d_lhs, d_rhs = _fwd_bwd(lhs, rhs, group_sizes, cotangent, fn=pallas)
+
+    sizes = np.asarray(group_sizes)
+    ends = np.cumsum(sizes)
+    nonempty = np.flatnonzero(sizes)
+    dot = functools.partial(jnp.dot, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    for g in sorted({int(nonempty[0]), int(np.argmax(sizes)), int(nonempty[-1])}):
+        rows = slice(int(ends[g] - sizes[g]), int(ends[g]))
+        x, w, ct = lhs[rows].astype(jnp.float32), rhs[g].astype(jnp.float32), cotangent[rows].astype(jnp.float32)
+        assert relative_error(out[rows], dot(x, w)) < TOL, f"out, group {g}"
+        assert relative_error(d_lhs[rows], dot(ct, w.T)) < TOL, f"d_lhs, group {g}"
+        assert relative_error(d_rhs[g], dot(x.T, ct)) < TOL, f"d_rhs, group {g}"
+    past = int(ends[-1])
+    assert float(jnp.max(jnp.abs(out[past:]))) == 0.0 and float(jnp.max(jnp.abs(d_lhs[past:]))) == 0.0
+
+
+def _sweep_cases(count: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    for index in range(count):
+        g = int(rng.choice([1, 3, 8, 16]))
+        m = int(rng.integers(64, 3000))  # mostly off 8 and off the 128-row tile
+        k, n = (64 * int(rng.integers(1, 16)) for _ in range(2))
+        kind = str(rng.choice(["uniform", "empty", "hot", "tail", "zipf"]))
+        sizes = random_group_sizes(rng, g, m, kind)
+        yield pytest.param(
+            g, m, k, n, sizes, bool(rng.integers(2)), [None, jnp.float32][index % 2], id=f"{index}-{kind}"
+        )
+
+
+@pytest.mark.parametrize("g, m, k, n, sizes, transpose_rhs, out_dtype", list(_sweep_cases(12)))
+def test_random_shapes_against_reference(g, m, k, n, sizes, transpose_rhs, out_dtype):
+    lhs, rhs, cotangent = _inputs(jax.random.key(m), g, m, k, n, transpose_rhs)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    options = dict(transpose_rhs=transpose_rhs, out_dtype=out_dtype)
+    kernel = _fwd_bwd(lhs, rhs, group_sizes, cotangent, fn=pallas, **options)
+    expected = _fwd_bwd(lhs, rhs, group_sizes, cotangent, fn=reference.grouped_matmul, **options)
+    for what, actual, exact in zip(("out", "d_lhs", "d_rhs"), kernel, expected, strict=True):
+        assert actual.shape == exact.shape and actual.dtype == exact.dtype, what
+        assert relative_error(actual, exact) < TOL, what
+    past = int(np.sum(sizes))
+    assert float(jnp.max(jnp.abs(kernel[0][past:]), initial=0.0)) == 0.0
