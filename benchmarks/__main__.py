@@ -76,11 +76,50 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="'ci' shapes and few iterations: a CPU smoke run")
     parser.add_argument("--out", help="write {meta, records} JSON here")
     parser.add_argument("--jsonl", help="stream one JSON line per record here while running")
+    parser.add_argument(
+        "--render",
+        metavar="JSONL",
+        help="time nothing: print the tables of a run streamed with --jsonl (one cut short before it printed)",
+    )
     return parser.parse_args(argv)
+
+
+def print_header(meta: dict) -> None:
+    print(
+        f"# moe_jax benchmarks\n\n{meta['date']} | {meta['device_kind']} ({meta['platform']}) | jax {meta['jax']} | "
+        f"jaxlib {meta['jaxlib']} | tokamax {meta['peers']['tokamax']} | git {meta['git_revision']}\n\n"
+        f"command: `{meta['command']}`\n\nFLOP model: {meta['flop_model']}\n",
+        flush=True,
+    )
+
+
+def print_tables(records: list[common.Record]) -> None:
+    for bench, title in TITLES.items():
+        rows = [r for r in records if r.bench == bench]
+        if rows:
+            print(f"\n### {title}\n\n{common.markdown_table(rows)}")
+    print(
+        "\nspread = (p90 - p10) / median of the samples; vs dense = TF/s over the dense row's TF/s; "
+        "rel err = max over outputs and gradients of ||out - ref|| / ||ref||; ref = exact f32 products of three groups "
+        "(grouped matmul), the first layer implementation that ran (layer)"
+    )
+
+
+def render(path: str) -> list[common.Record]:
+    """Prints the header and tables of a --jsonl stream, exactly as the run would have printed them at its end."""
+    with open(path) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    meta, records = lines[0]["meta"], [common.Record.from_json(line) for line in lines[1:]]
+    print_header(meta)
+    print(f"(rendered from {os.path.basename(path)}: {len(records)} records)")
+    print_tables(records)
+    return records
 
 
 def main(argv: list[str] | None = None) -> list[common.Record]:
     args = parse_args(argv)
+    if args.render:
+        return render(args.render)
     tag = "ci" if args.tiny else "bench"
     benches = BENCHES if args.bench == "all" else _choices(args.bench, BENCHES, "bench")
     options = common.Options(
@@ -102,12 +141,7 @@ def main(argv: list[str] | None = None) -> list[common.Record]:
 
     command = shlex.join(["python", "-m", "benchmarks", *(sys.argv[1:] if argv is None else argv)])
     meta = common.run_metadata(command, {"tokamax": tokamax_peer.version()})
-    print(
-        f"# moe_jax benchmarks\n\n{meta['date']} | {meta['device_kind']} ({meta['platform']}) | jax {meta['jax']} | "
-        f"jaxlib {meta['jaxlib']} | tokamax {meta['peers']['tokamax']} | git {meta['git_revision']}\n\n"
-        f"command: `{command}`\n\nFLOP model: {common.FLOP_MODEL}\n",
-        flush=True,
-    )
+    print_header(meta)
 
     stream = common.JsonlWriter(args.jsonl)
     stream.write({"meta": meta})
@@ -128,15 +162,7 @@ def main(argv: list[str] | None = None) -> list[common.Record]:
         else:
             records += layer.run(layer_shapes, options, emit=emit)
 
-    for bench, title in TITLES.items():
-        rows = [r for r in records if r.bench == bench]
-        if rows:
-            print(f"\n### {title}\n\n{common.markdown_table(rows)}")
-    print(
-        "\nspread = (p90 - p10) / median of the samples; vs dense = TF/s over the dense row's TF/s; "
-        "rel err = max over outputs and gradients of ||out - ref|| / ||ref||; ref = exact f32 products of three groups "
-        "(grouped matmul), the first layer implementation that ran (layer)"
-    )
+    print_tables(records)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

@@ -176,6 +176,12 @@ class Record:
         out["tflops"] = self.tflops
         return out
 
+    @classmethod
+    def from_json(cls, data: dict) -> "Record":
+        fields = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data}  # older runs lack some
+        fields["timing"] = Timing(**data["timing"]) if data["timing"] else None
+        return cls(**fields)
+
 
 def classify_failure(error: BaseException) -> tuple[str, str]:
     """(status, note) for an exception raised by a candidate: n/a, OOM or error."""
@@ -190,10 +196,20 @@ def classify_failure(error: BaseException) -> tuple[str, str]:
     return "error", f"{type(error).__name__}: {first_line[:160]}"
 
 
+def past_deadline(options: Options) -> bool:
+    """True once the run's --time-limit is spent: benches then skip even building their inputs."""
+    return options.deadline is not None and time.perf_counter() > options.deadline
+
+
+def skip(record: Record) -> Record:
+    record.status, record.note = "skipped", "past --time-limit"
+    return record
+
+
 def measure(record: Record, fn: Callable, arg_sets: Sequence[tuple], options: Options) -> object:
     """Times ``fn`` into ``record`` (or records why it could not run); returns its first output, or None."""
-    if options.deadline is not None and time.perf_counter() > options.deadline:
-        record.status, record.note = "skipped", "past --time-limit"
+    if past_deadline(options):
+        skip(record)
         return None
     try:
         record.timing, output = time_fn(

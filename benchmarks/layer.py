@@ -107,16 +107,21 @@ def bench_shape(
     shape: LayerShape, options: common.Options, *, backward: bool, emit: Callable[[common.Record], None]
 ) -> list[common.Record]:
     bench = "layer-bwd" if backward else "layer"
-    sets = make_inputs(shape, seed=options.seed)
+    # Built on first use, so that a run past its --time-limit does not spend minutes on inputs it will not time.
+    inputs = functools.cache(lambda: make_inputs(shape, seed=options.seed))
     dims = {"t": shape.t, "d": shape.d, "f": shape.f, "e": shape.e, "k": shape.top_k}
     flops = common.moe_ffn_flops(shape.t, shape.d, shape.f, shape.e, shape.top_k, backward=backward)
     records = []
 
     def time_it(impl: str, layer: Callable, arg_names: tuple[str, ...], ct_name: str, reference=None):
+        record = common.Record(bench, shape.name, "router", impl, flops, dims)
+        if common.past_deadline(options):
+            records.append(common.skip(record))
+            emit(record)
+            return None
         fn = jax.jit(_with_vjp(layer) if backward else layer)
         arg_names += (ct_name,) if backward else ()
-        arg_sets = [tuple(s[name] for name in arg_names) for s in sets]
-        record = common.Record(bench, shape.name, "router", impl, flops, dims)
+        arg_sets = [tuple(s[name] for name in arg_names) for s in inputs()]
         output = common.measure(record, fn, arg_sets, options)
         if output is not None and reference is not None:
             record.set_check(common.relative_errors(output, reference[1]), reference[0])

@@ -154,3 +154,41 @@ def test_measurements_past_the_time_limit_are_skipped():
     options = common.Options(deadline=0.0)  # perf_counter() is already past 0
     assert common.measure(record, never_called, [()], options) is None
     assert record.status == "skipped" and record.timing is None
+
+
+def test_render_reprints_a_streamed_run(tmp_path, capsys):
+    from benchmarks.__main__ import main
+
+    meta = {
+        "date": "2026-01-01T00:00:00+00:00",
+        "device_kind": "cpu",
+        "platform": "cpu",
+        "jax": "0",
+        "jaxlib": "0",
+        "git_revision": "abc",
+        "command": "python -m benchmarks",
+        "peers": {"tokamax": "absent"},
+        "flop_model": common.FLOP_MODEL,
+    }
+    timing = common.Timing(2e-3, 1e-3, 3e-3, 1e-3, samples=5, reps=1, first_call_s=0.5)
+    records = [
+        common.Record("gmm", "ci/ragged", "-", "dense", flops=4 * 10**9, dims={}, timing=timing),
+        common.Record(
+            "gmm",
+            "ci/ragged",
+            "uniform",
+            "moe_jax:pallas",
+            flops=4 * 10**9,
+            dims={},
+            status="OOM",
+            note="Out of memory while trying to allocate 1GiB",
+        ),
+    ]
+    stream = common.JsonlWriter(str(tmp_path / "run.jsonl"))
+    stream.write({"meta": meta})
+    for record in records:
+        stream.write(record.to_json())
+    assert main(["--render", str(tmp_path / "run.jsonl")]) == records
+    stdout = capsys.readouterr().out
+    assert "| ci/ragged | - | dense | 4.0 | 2.000 | 100% | 2.0 | 1.00 |  |" in stdout
+    assert "| moe_jax:pallas | 4.0 | OOM: Out of memory while trying to allocate 1GiB |" in stdout
