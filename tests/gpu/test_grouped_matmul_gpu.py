@@ -48,8 +48,15 @@ def _fwd_bwd(lhs, rhs, group_sizes, cotangent, *, fn, transpose_rhs=False, out_d
 pallas = functools.partial(moe_jax.grouped_matmul, backend="pallas")
 
 
-NAMED = [(s.name, "uniform") for s in shapes.gmm_shapes("bench")]
-NAMED += [("qwen3-30b/gate_up", "half"), ("qwen3-30b/down", "zipf1.2"), ("mixtral/down", "half")]
+# One projection per model (each full-size case takes ~30-60 s to build, compile and check), plus skewed routings.
+NAMED = [
+    ("qwen3-30b/gate_up", "uniform"),
+    ("qwen3-30b/gate_up", "half"),
+    ("qwen3-30b/down", "zipf1.2"),
+    ("gpt-oss-120b/down", "uniform"),
+    ("dsv3-ep8/gate_up", "uniform"),
+    ("mixtral/down", "half"),
+]
 
 
 @pytest.mark.parametrize("name, routing", NAMED)
@@ -87,7 +94,7 @@ def _sweep_cases(count: int, seed: int = 0):
         )
 
 
-@pytest.mark.parametrize("g, m, k, n, sizes, transpose_rhs, out_dtype", list(_sweep_cases(12)))
+@pytest.mark.parametrize("g, m, k, n, sizes, transpose_rhs, out_dtype", list(_sweep_cases(8)))
 def test_random_shapes_against_reference(g, m, k, n, sizes, transpose_rhs, out_dtype):
     lhs, rhs, cotangent = _inputs(jax.random.key(m), g, m, k, n, transpose_rhs)
     group_sizes = jnp.asarray(sizes, jnp.int32)
