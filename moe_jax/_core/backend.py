@@ -28,4 +28,10 @@ def resolve_backend(backend: str, *, op: str, has_kernel: bool) -> str:
         raise NotImplementedError(
             f"{op}: no Pallas Mosaic GPU kernel exists yet; use backend='xla' (or 'auto', which falls back to it)"
         )
+    device = jax.devices()[0]
+    if backend == "pallas" and device.platform == "gpu" and not has_sm90_gpu():
+        # Elsewhere (CPU) the kernels run under the Mosaic GPU interpreter; a real non-Hopper GPU cannot run them.
+        raise NotImplementedError(
+            f"{op}: the Mosaic GPU kernels need an sm90 GPU (H100/H200), found {device.device_kind}; use backend='xla'"
+        )
     return backend

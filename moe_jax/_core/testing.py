@@ -4,9 +4,39 @@ The oracle is written from DESIGN §3 with loops and plain NumPy — deliberatel
 so that the two can only agree by both being right.
 """
 
+import contextlib
 import math
+from unittest import mock
 
 import numpy as np
+from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # the interpreter's race state has no public API
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+# The checking interpreter: races detected, uninitialised memory (shared and output buffers) poisoned with NaN.
+CHECKING_INTERPRETER = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
+
+
+@contextlib.contextmanager
+def checked_interpreter():
+    """Runs every Mosaic GPU kernel inside under the checking interpreter; raises if any of them raced.
+
+    The interpreter keeps the race state of the last kernel only, so each kernel's state is recorded as it is made.
+    """
+    states = []
+    state_type = gpu_callbacks.GPURaceDetectionState
+
+    def recording_state(*args, **kwargs):
+        states.append(state_type(*args, **kwargs))
+        return states[-1]
+
+    with (
+        mock.patch.object(gpu_callbacks, "GPURaceDetectionState", recording_state),
+        plgpu.force_gpu_interpret_mode(CHECKING_INTERPRETER),
+    ):
+        yield
+    raced = sum(state.races_found for state in states)
+    assert not raced, f"the interpreter detected a data race in {raced} of {len(states)} kernel runs"
+
 
 # ---------------------------------------------------------------------------------------------------------- metrics
 
@@ -64,12 +94,13 @@ def _best_first(values: np.ndarray, count: int) -> list[int]:
 
 
 def route(logits, top_k, *, score="softmax", renormalize=True, num_groups=1, top_groups=1, bias=None, scale=1.0):
-    """Returns dict(weights [T,k], experts [T,k], group_sizes [E], sort_indices [T*k], probs [T,E]) in float64."""
+    """Returns dict(weights, experts, selected_scores [T,k], group_sizes [E], sort_indices [T*k], probs [T,E])."""
     expert_scores = scores(logits, score)
     num_tokens, num_experts = expert_scores.shape
     group_width = num_experts // num_groups
     experts = np.zeros((num_tokens, top_k), np.int64)
     weights = np.zeros((num_tokens, top_k))
+    selected_scores = np.zeros((num_tokens, top_k))
     for t in range(num_tokens):
         selection = expert_scores[t] + (0.0 if bias is None else np.asarray(bias, np.float64))
         eligible = list(range(num_experts))
@@ -82,7 +113,7 @@ def route(logits, top_k, *, score="softmax", renormalize=True, num_groups=1, top
             eligible = [e for e in eligible if e // group_width in groups]
         chosen = sorted(eligible, key=lambda e: (-selection[e], e))[:top_k]
         experts[t] = chosen
-        weights[t] = expert_scores[t, chosen]
+        selected_scores[t] = weights[t] = expert_scores[t, chosen]
         if renormalize:
             weights[t] /= weights[t].sum()
         weights[t] *= scale
@@ -92,6 +123,7 @@ def route(logits, top_k, *, score="softmax", renormalize=True, num_groups=1, top
     return dict(
         weights=weights,
         experts=experts,
+        selected_scores=selected_scores,
         group_sizes=np.bincount(flat, minlength=num_experts),
         sort_indices=sort_indices,
         probs=probs,
@@ -111,14 +143,18 @@ def z_loss(logits) -> float:
     return float(np.mean(log_normaliser**2))
 
 
-def capacity_keep(experts, weights, capacity: int) -> np.ndarray:
-    """[T, k] bool: per expert, the ``capacity`` assignments of highest weight (ties: lower assignment index)."""
+def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
+
+
+def capacity_keep(experts, selected_scores, capacity: int) -> np.ndarray:
+    """[T, k] bool: per expert, the ``capacity`` assignments of highest score (ties: lower assignment index)."""
     flat_experts = np.asarray(experts).reshape(-1)
-    flat_weights = np.asarray(weights, np.float64).reshape(-1)
+    flat_scores = np.asarray(selected_scores, np.float64).reshape(-1)
     keep = np.zeros(flat_experts.size, bool)
     for expert in np.unique(flat_experts):
         members = np.flatnonzero(flat_experts == expert)
-        ranked = sorted(members, key=lambda a: (-flat_weights[a], a))
+        ranked = sorted(members, key=lambda a: (-flat_scores[a], a))
         keep[ranked[:capacity]] = True
     return keep.reshape(np.shape(experts))
 
@@ -168,8 +204,8 @@ def moe_ffn(x, router_kernel, w_gate_up, w_down, *, top_k, activation="swiglu", 
     num_tokens, num_experts = logits.shape
     keep = np.ones((num_tokens, top_k), bool)
     if capacity_factor is not None:
-        capacity = max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
-        keep = capacity_keep(routed["experts"], routed["weights"], capacity)
+        capacity = expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
+        keep = capacity_keep(routed["experts"], routed["selected_scores"], capacity)
     w_gate_up = np.asarray(w_gate_up, np.float64)
     w_down = np.asarray(w_down, np.float64)
     half = w_gate_up.shape[2] // 2

@@ -29,8 +29,9 @@ def _layer(seed, num_tokens=24, d_model=16, d_ff=8, num_experts=6, dtype=np.floa
         dict(top_k=3, activation="gpt_oss", score="sigmoid", num_groups=3, top_groups=2),
         dict(top_k=2, activation="swiglu", capacity_factor=0.75),
         dict(top_k=6, activation="swiglu", capacity_factor=1.0),
+        dict(top_k=1, activation="swiglu", score="sigmoid", capacity_factor=1.3),
     ],
-    ids=["swiglu", "geglu-sigmoid", "gpt_oss-grouped", "capacity-0.75", "k=E-capacity-1"],
+    ids=["swiglu", "geglu-sigmoid", "gpt_oss-grouped", "capacity-0.75", "k=E-capacity-1", "capacity-fractional"],
 )
 def test_matches_token_by_token_oracle(options):
     x, router_kernel, w_gate_up, w_down = _layer(0)

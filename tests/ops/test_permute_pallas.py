@@ -8,14 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import moe_jax
-from moe_jax._core.testing import relative_error
+from moe_jax._core.testing import checked_interpreter, relative_error
 from moe_jax.ops.permute import reference
 from moe_jax.ops.permute.config import Config, heuristic_config
 
-INTERPRET = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
 # One rounding to the output dtype of an f32 sum (the reference rounds once too, from another summation order).
 TOL = {jnp.float32: 1e-6, jnp.bfloat16: 8e-3}
 
@@ -30,7 +28,7 @@ def _rows(seed: int, shape, dtype) -> jax.Array:
 
 
 def _interpreted(fn, *args):
-    with plgpu.force_gpu_interpret_mode(INTERPRET):
+    with checked_interpreter():
         return jax.block_until_ready(fn(*args))
 
 
@@ -99,7 +97,7 @@ def test_gradients_match_reference(dtype):
         lambda y, w: reference.combine(y, routing.sort_indices, top_k, w),
     )
     cotangents = (d_rows, d_y, d_y)
-    with plgpu.force_gpu_interpret_mode(INTERPRET):
+    with checked_interpreter():
         _, kernel_vjp = jax.vjp(kernel, x, y_sorted, routing.weights)
         got = jax.block_until_ready(kernel_vjp(cotangents))
     _, expected_vjp = jax.vjp(expected, x, y_sorted, routing.weights)

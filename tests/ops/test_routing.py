@@ -1,5 +1,7 @@
 """Reference routing against the NumPy float64 oracle (moe_jax._core.testing)."""
 
+import zlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +25,7 @@ def _assert_routing_equal(routing, expected) -> None:
     np.testing.assert_array_equal(routing.sort_indices, expected["sort_indices"])
     np.testing.assert_allclose(routing.weights, expected["weights"], rtol=WEIGHT_TOL, atol=WEIGHT_TOL)
     np.testing.assert_allclose(routing.probs, expected["probs"], rtol=WEIGHT_TOL, atol=1e-7)
+    np.testing.assert_allclose(routing.selected_scores, expected["selected_scores"], rtol=WEIGHT_TOL, atol=1e-7)
 
 
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
@@ -32,7 +35,7 @@ def _assert_routing_equal(routing, expected) -> None:
     [(1, 1, 1, False), (2, 1, 1, True), (4, 4, 2, False), (3, 8, 3, True), (12, 1, 1, False)],
 )
 def test_route_matches_oracle(score, renormalize, top_k, num_groups, top_groups, use_bias):
-    seed = hash((score, renormalize, top_k, num_groups)) % 2**31
+    seed = zlib.crc32(repr((score, renormalize, top_k, num_groups)).encode())
     logits = _logits(seed, 33, 16)
     bias = np.random.default_rng(seed + 1).normal(size=16).astype(np.float32) * 0.3 if use_bias else None
     options = dict(score=score, renormalize=renormalize, num_groups=num_groups, top_groups=top_groups, scale=1.5)
@@ -95,20 +98,38 @@ def test_perfectly_balanced_load_balancing_loss_is_one():
     np.testing.assert_allclose(moe_jax.load_balancing_loss(routing), 1.0, rtol=1e-6)
 
 
-@pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 1.25])
-def test_apply_capacity_matches_oracle(capacity_factor):
-    logits = _logits(7, 40, 8)
+@pytest.mark.parametrize(
+    "num_tokens, top_k, score, capacity_factor",
+    [(40, 2, "softmax", 0.5), (40, 2, "sigmoid", 1.0), (40, 2, "softmax", 1.25), (10, 1, "sigmoid", 1.25)],
+)
+def test_apply_capacity_matches_oracle(num_tokens, top_k, score, capacity_factor):
+    logits = _logits(7, num_tokens, 8)
     logits[:, 0] += 3.0  # make expert 0 overflow
-    routing = moe_jax.route(jnp.asarray(logits), 2)
+    routing = moe_jax.route(jnp.asarray(logits), top_k, score=score)
     group_sizes, sort_indices = moe_jax.apply_capacity(routing, capacity_factor)
-    capacity = reference.expert_capacity(40, 2, 8, capacity_factor)
-    keep = oracle.capacity_keep(np.asarray(routing.experts), np.asarray(routing.weights), capacity).reshape(-1)
-    flat_experts = np.asarray(routing.experts).reshape(-1)
-    kept = [a for a in sorted(range(80), key=lambda a: (flat_experts[a], a)) if keep[a]]
-    dropped = [a for a in range(80) if not keep[a]]
+    capacity = oracle.expert_capacity(num_tokens, top_k, 8, capacity_factor)
+    expected = oracle.route(logits, top_k, score=score)
+    keep = oracle.capacity_keep(expected["experts"], expected["selected_scores"], capacity).reshape(-1)
+    flat_experts = expected["experts"].reshape(-1)
+    num_assignments = flat_experts.size
+    kept = [a for a in sorted(range(num_assignments), key=lambda a: (flat_experts[a], a)) if keep[a]]
+    dropped = [a for a in range(num_assignments) if not keep[a]]
     np.testing.assert_array_equal(sort_indices, kept + dropped)
     np.testing.assert_array_equal(group_sizes, np.bincount(flat_experts[keep], minlength=8))
-    assert int(group_sizes.max()) <= capacity
+    assert int(group_sizes.max()) == capacity, "no expert reached the capacity: the test exercises nothing"
+
+
+def test_capacity_drops_by_score_not_by_renormalised_weight():
+    # Token 0 gives expert 0 a low score but, renormalised over weak alternatives, the larger weight;
+    # token 1 gives it a high score and the smaller weight. With room for one row, the higher score stays.
+    logits = jnp.asarray([[-2.0, -6.0, -6.0], [2.0, 3.0, -6.0]])
+    routing = moe_jax.route(logits, 2, score="sigmoid")
+    assert routing.weights[0, 0] > routing.weights[1, 1]
+    assert routing.selected_scores[0, 0] < routing.selected_scores[1, 1]
+    group_sizes, sort_indices = reference.apply_capacity(routing, 1)
+    np.testing.assert_array_equal(group_sizes, [1, 1, 0])
+    # Kept: expert 0 <- token 1's slot 1 (assignment 3), expert 1 <- token 1's slot 0 (assignment 2).
+    np.testing.assert_array_equal(sort_indices[:2], [3, 2])
 
 
 def test_balancing_bias_update_moves_toward_the_mean():

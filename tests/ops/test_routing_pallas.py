@@ -9,18 +9,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import moe_jax
 from moe_jax._core import testing as oracle
+from moe_jax._core.testing import checked_interpreter
 from moe_jax.ops.routing import reference
 
-INTERPRET = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
 TOL = 1e-6  # f32 weights / probs: a few ulps of values in [0, scale]
 
 
 def _route(logits, top_k, bias=None, **options):
-    with plgpu.force_gpu_interpret_mode(INTERPRET):
+    with checked_interpreter():
         kernel = moe_jax.route(
             jnp.asarray(logits), top_k, bias=None if bias is None else jnp.asarray(bias), backend="pallas", **options
         )
@@ -38,6 +37,7 @@ def _assert_same_routing(kernel, expected) -> None:
     np.testing.assert_array_equal(kernel.sort_indices, expected.sort_indices)
     np.testing.assert_allclose(kernel.weights, expected.weights, rtol=TOL, atol=TOL)
     np.testing.assert_allclose(kernel.probs, expected.probs, rtol=TOL, atol=1e-8)
+    np.testing.assert_allclose(kernel.selected_scores, expected.selected_scores, rtol=TOL, atol=1e-8)
 
 
 def _normal(seed: int, shape, std: float = 2.0) -> np.ndarray:
@@ -125,7 +125,7 @@ def test_gradients_match_reference(score):
         routing = route_fn(x)
         return jnp.sum(routing.weights * cotangent) + moe_jax.load_balancing_loss(routing) + moe_jax.z_loss(x)
 
-    with plgpu.force_gpu_interpret_mode(INTERPRET):
+    with checked_interpreter():
         kernel = jax.grad(lambda x: objective(lambda y: moe_jax.route(y, 3, backend="pallas", **options), x))(
             jnp.asarray(logits)
         )

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 
 from moe_jax._core import checks
 from moe_jax._core.backend import resolve_backend
+from moe_jax.ops.routing import config as routing_config
 from moe_jax.ops.routing import reference, sm90_vjp
 from moe_jax.ops.routing.reference import Routing
 
@@ -69,7 +70,8 @@ def route(
 
     Returns:
       ``Routing`` with weights [T, k] f32, experts [T, k] int32 (descending score, ties to the lower id),
-      group_sizes [E] int32, sort_indices [T*k] int32 (stable expert-sorted permutation) and probs [T, E] f32.
+      group_sizes [E] int32, sort_indices [T*k] int32 (stable expert-sorted permutation), probs [T, E] f32 and
+      selected_scores [T, k] f32 (the selected unbiased scores, by which a capacity limit drops).
 
     Non-finite logits have a defined result on every backend: a NaN selection score (``score + bias``, or a group's
     score from ``inf + (-inf)``) ranks as -inf, so it never beats a number and ties with -inf go to the lower id;
@@ -77,7 +79,7 @@ def route(
     all NaN (so that token takes experts 0..k-1 with NaN weights); a sigmoid score is per expert (NaN stays NaN and
     is never chosen over a number). Weights of a selected NaN score are NaN.
     """
-    num_tokens, num_experts = checks.check_rank("logits", logits, 2, "[T, E]")
+    _, num_experts = checks.check_rank("logits", logits, 2, "[T, E]")
     checks.check_float("logits", logits)
     check_routing_args(
         num_experts,
@@ -88,9 +90,9 @@ def route(
         bias=bias,
         scale=scale,
     )
-    del num_tokens
-    # The gating kernel takes any T and E (it pads both) and every option.
-    use_kernel = resolve_backend(backend, op="route", has_kernel=True) == "pallas"
+    # The gating kernel takes any T and every option; it pads E, up to MAX_EXPERTS.
+    has_kernel = routing_config.supports(num_experts)
+    use_kernel = resolve_backend(backend, op=f"route (E={num_experts})", has_kernel=has_kernel) == "pallas"
     route_impl = sm90_vjp.route if use_kernel else reference.route
     return route_impl(
         logits,
@@ -105,7 +107,7 @@ def route(
 
 
 def apply_capacity(routing: Routing, capacity_factor: float) -> tuple[jax.Array, jax.Array]:
-    """Caps every expert at ``ceil(capacity_factor * T * k / E)`` rows, dropping its lowest-weight assignments.
+    """Caps every expert at ``ceil(capacity_factor * T * k / E)`` rows, dropping its lowest-score assignments.
 
     Returns (group_sizes [E] int32, sort_indices [T*k] int32): kept rows sorted by expert (stable), dropped rows last,
     past ``sum(group_sizes)`` — exactly what ``grouped_matmul`` and ``combine`` consume.

@@ -40,6 +40,15 @@ class Config:
         return next(s for s in (128, 64, 32) if row_bytes % s == 0)
 
 
+# The largest E tested on the device: the gating kernel keeps [64, E] f32 tiles in registers, so a much wider E
+# would spill; "auto" routes such layers through the XLA reference instead.
+MAX_EXPERTS = 512
+
+
+def supports(num_experts: int) -> bool:
+    return num_experts <= MAX_EXPERTS
+
+
 def heuristic_config(num_experts: int) -> Config:
     """E padded to 16, and the widest wgmma N (at most 256, a multiple of 16) that divides it."""
     if num_experts < 1:

@@ -5,6 +5,7 @@ k experts per token; an *assignment* is one (token, slot) pair, flat index ``t *
 """
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,8 @@ class Routing:
         expert): position ``p`` of the expert-sorted rows holds assignment ``sort_indices[p]``.
       probs: [T, E] f32 — the unbiased scores normalised to sum 1 per token (softmax probabilities, or sigmoid scores
         divided by their sum); what the load-balancing loss averages.
+      selected_scores: [T, k] f32 — the unbiased scores of the selected experts, before renormalisation and scale:
+        the routing score by which a capacity limit drops assignments (comparable across tokens, unlike weights).
     """
 
     weights: jax.Array
@@ -32,15 +35,11 @@ class Routing:
     group_sizes: jax.Array
     sort_indices: jax.Array
     probs: jax.Array
+    selected_scores: jax.Array
 
     @property
     def top_k(self) -> int:
         return self.experts.shape[1]
-
-    @property
-    def token_indices(self) -> jax.Array:
-        """[T * k] int32: the token of each expert-sorted row."""
-        return self.sort_indices // self.top_k
 
     @property
     def sorted_weights(self) -> jax.Array:
@@ -115,13 +114,14 @@ def route(
     """Reference routing of [T, E] logits; see ``moe_jax.route`` for the contract."""
     expert_scores = scores(logits, score)
     experts = select_experts(expert_scores, top_k, num_groups=num_groups, top_groups=top_groups, bias=bias)
-    weights = jnp.take_along_axis(expert_scores, experts, axis=-1)
+    selected_scores = jnp.take_along_axis(expert_scores, experts, axis=-1)
+    weights = selected_scores
     if renormalize:
         weights = weights / weights.sum(-1, keepdims=True)
     weights = weights * scale
     group_sizes, sort_indices = sort_by_expert(experts, logits.shape[-1])
     probs = expert_scores if score == "softmax" else expert_scores / expert_scores.sum(-1, keepdims=True)
-    return Routing(weights, experts, group_sizes, sort_indices, probs)
+    return Routing(weights, experts, group_sizes, sort_indices, probs, jax.lax.stop_gradient(selected_scores))
 
 
 def load_balancing_loss(routing: Routing) -> jax.Array:
@@ -141,24 +141,25 @@ def z_loss(logits: jax.Array) -> jax.Array:
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
-    """Rows each expert may take: ``ceil(capacity_factor * T * k / E)``."""
-    return max(1, -(-int(capacity_factor * num_tokens * top_k) // num_experts))
+    """Rows each expert may take: ``ceil(capacity_factor * T * k / E)`` (at least 1)."""
+    return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
 
 
 def apply_capacity(routing: Routing, capacity: int) -> tuple[jax.Array, jax.Array]:
-    """Drops, per expert, the assignments beyond ``capacity`` with the lowest routing weight (ties: later first).
+    """Drops, per expert, the assignments beyond ``capacity`` with the lowest routing score (``selected_scores``;
+    ties: the later assignment is dropped).
 
     Returns (group_sizes [E] int32, sort_indices [T*k] int32) in the layout ``grouped_matmul`` expects: the kept rows
     sorted by expert as in ``Routing`` (stable by token, then slot), then every dropped assignment after
     ``sum(group_sizes)``, where the grouped matmul writes zeros.
     """
     flat_experts = routing.experts.reshape(-1)
-    flat_weights = routing.weights.reshape(-1)
+    flat_scores = routing.selected_scores.reshape(-1)
     num_assignments = flat_experts.shape[0]
     num_experts = routing.group_sizes.shape[0]
     flat_index = jnp.arange(num_assignments, dtype=jnp.int32)
-    # Within each expert: by descending weight, then by assignment index.
-    by_score = jnp.lexsort((flat_index, -flat_weights, flat_experts))
+    # Within each expert: by descending score, then by assignment index.
+    by_score = jnp.lexsort((flat_index, -flat_scores, flat_experts))
     group_starts = jnp.cumsum(routing.group_sizes) - routing.group_sizes
     rank_sorted = jnp.arange(num_assignments) - group_starts[flat_experts[by_score]]
     rank = jnp.zeros_like(flat_index).at[by_score].set(rank_sorted.astype(jnp.int32))

@@ -117,4 +117,9 @@ def route(
     options = _Options(top_k, score, renormalize, num_groups, top_groups, float(scale))
     weights, probs, experts, ranks, counts = _gate(logits, bias, options)
     group_sizes, sort_indices = _sort_by_expert(experts, ranks, counts)
-    return Routing(weights, experts, group_sizes, sort_indices, probs)
+    # Capacity drops by the unbiased selected score (a [T, k] gather; no gradient: the choice is discrete).
+    if score == "softmax":
+        selected_scores = jnp.take_along_axis(probs, experts, axis=-1)
+    else:
+        selected_scores = jax.nn.sigmoid(jnp.take_along_axis(logits.astype(jnp.float32), experts, axis=-1))
+    return Routing(weights, experts, group_sizes, sort_indices, probs, jax.lax.stop_gradient(selected_scores))
