@@ -15,12 +15,13 @@ from flax import nnx
 
 @dataclasses.dataclass(frozen=True)
 class Progress:
-    """Where a run stands: ``step`` optimizer steps done; the data stream's next batch index and its seed."""
+    """Where a run stands: ``step`` optimizer steps done; the data stream's next batch index and its seed; and the
+    run's configuration as far as it shapes the trajectory (``trajectory_config``), which a resume must match."""
 
     step: int
     data_position: int
     data_seed: int
-    model_config: dict
+    run_config: dict
 
 
 class Checkpointer:

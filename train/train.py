@@ -138,12 +138,24 @@ def _load_data(config: TrainConfig) -> tuple[data.WindowSampler, data.WindowSamp
     return train_data, validation_data, data.unigram_entropy(validation_corpus)
 
 
+# Cadences that do not change the parameters' trajectory: a resumed run may change them.
+_CADENCE_FIELDS = ("log_every", "eval_every", "eval_batches", "ckpt_every")
+
+
+def trajectory_config(config: TrainConfig) -> dict:
+    """The configuration a resumed run must share with the run that wrote the checkpoint (JSON-serialisable)."""
+    fields = dataclasses.asdict(config)
+    return {name: value for name, value in fields.items() if name not in _CADENCE_FIELDS}
+
+
 def _resume(config: TrainConfig, checkpointer: Checkpointer, model, optimizer, stop: int) -> Progress:
     """Loads the latest checkpoint into model and optimizer after checking that it belongs to this run."""
     progress = checkpointer.progress()
-    if progress.model_config != dataclasses.asdict(config.model) or progress.data_seed != config.seed:
+    expected = trajectory_config(config)
+    differing = sorted(name for name in expected if progress.run_config.get(name) != expected[name])
+    if differing:
         raise ValueError(
-            f"the checkpoint in {checkpointer.manager.directory} was written by another model config or seed"
+            f"the checkpoint in {checkpointer.manager.directory} was written by a run with other {', '.join(differing)}"
         )
     if progress.step >= stop:
         raise ValueError(f"the checkpoint is at step {progress.step}: nothing left to do before step {stop}")
@@ -257,7 +269,7 @@ def train(
                 say(f"step {done}: validation loss {result.validation_losses[done]:.4f}")
             if save_now:
                 checkpointer.save(
-                    model, optimizer, Progress(done, data_position, config.seed, dataclasses.asdict(config.model))
+                    model, optimizer, Progress(done, data_position, config.seed, trajectory_config(config))
                 )
             if evaluate_now or save_now:
                 buffer.restart_clock()

@@ -75,9 +75,12 @@ def test_checkpoint_directory_is_not_overwritten_without_resume(tmp_path):
         train(config, backend="xla", ckpt_dir=str(tmp_path), progress_bar=False)
     with pytest.raises(ValueError, match="nothing left"):
         train(config, backend="xla", ckpt_dir=str(tmp_path), resume=True, progress_bar=False)
-    other_model = dataclasses.replace(config, model=dataclasses.replace(config.model, d_ff=64), steps=8)
-    with pytest.raises(ValueError, match="another model config"):
+    other_model = dataclasses.replace(config, model=dataclasses.replace(config.model, d_ff=64))
+    with pytest.raises(ValueError, match="by a run with other model$"):
         train(other_model, backend="xla", ckpt_dir=str(tmp_path), resume=True, progress_bar=False)
+    other_schedule = dataclasses.replace(config, peak_lr=2 * config.peak_lr, steps=8)
+    with pytest.raises(ValueError, match="by a run with other peak_lr, steps$"):
+        train(other_schedule, backend="xla", ckpt_dir=str(tmp_path), resume=True, progress_bar=False)
 
 
 def test_configs_validate_their_fields():
