@@ -112,6 +112,12 @@ def time_fn(
     return timing, first_output
 
 
+def selection_bias(num_experts: int, seed: int) -> jax.Array:
+    """[E] f32 ~ N(0, 0.1^2): the selection bias of a router that has one (DeepSeek-V3), the same for every
+    implementation in a run; it moves the experts whose scores lie within ~0.1 of the k-th best."""
+    return jax.random.normal(jax.random.key(seed + 7919), (num_experts,), jnp.float32) * 0.1
+
+
 @jax.jit
 def _leaf_error(actual, expected):
     actual, expected = actual.astype(jnp.float32), expected.astype(jnp.float32)

@@ -1,6 +1,7 @@
 """The whole MoE layer (``moe_jax.moe_ffn``), forward ("layer") and forward + backward ("layer-bwd").
 
-Side by side at each named layer shape (``moe_jax.ops.shapes.LAYER_SHAPES``):
+Side by side at each named layer shape (``moe_jax.ops.shapes.LAYER_SHAPES``), routed by the shape's router options
+(with a random selection bias ``common.selection_bias`` where the router has one):
 
 - "dense": the layer's matmuls with the routing taken away, the practical ceiling: router [T, D] x [D, E] in f32, then
   [M, D] x [D, 2F] -> activation -> [M, F] x [F, D] as dense bf16 matmuls (M = T * k rows, already replicated).
@@ -28,10 +29,12 @@ from moe_jax.ops.grouped_matmul.reference import gated_activation
 from moe_jax.ops.shapes import LayerShape
 
 
-def moe_ffn_with_gmm(gmm: Callable, x, router_kernel, w_gate_up, w_down, *, top_k: int, activation: str):
+def moe_ffn_with_gmm(
+    gmm: Callable, x, router_kernel, w_gate_up, w_down, *, top_k: int, activation: str, bias, route_options: dict
+):
     """``moe_ffn``'s composition (backend "xla" ops) with ``gmm(lhs, rhs, group_sizes) -> bf16`` as the expert GEMM."""
     logits = jnp.dot(x.astype(jnp.float32), router_kernel.astype(jnp.float32))
-    routing = moe_jax.route(logits, top_k, backend="xla")
+    routing = moe_jax.route(logits, top_k, bias=bias, backend="xla", **route_options)
     rows = moe_jax.permute(x, routing.sort_indices, top_k, backend="xla")
     gate, up = jnp.split(gmm(rows, w_gate_up, routing.group_sizes).astype(jnp.float32), 2, axis=-1)
     hidden = gated_activation(gate, up, activation).astype(x.dtype)
@@ -49,12 +52,20 @@ def dense_ffn(x, router_kernel, rows, w_gate_up, w_down, *, activation: str):
     return jnp.dot(hidden, w_down), logits
 
 
-def _moe_ffn(shape: LayerShape, backend: str) -> Callable:
+def _moe_ffn(shape: LayerShape, backend: str, bias) -> Callable:
     """``moe_jax.moe_ffn`` returning ``(y, (load_balancing_loss, z_loss))`` like ``moe_ffn_with_gmm``."""
 
     def layer(x, router_kernel, w_gate_up, w_down):
         y, aux = moe_jax.moe_ffn(
-            x, router_kernel, w_gate_up, w_down, top_k=shape.top_k, activation=shape.activation, backend=backend
+            x,
+            router_kernel,
+            w_gate_up,
+            w_down,
+            top_k=shape.top_k,
+            activation=shape.activation,
+            bias=bias,
+            backend=backend,
+            **shape.route_options(),
         )
         return y, (aux.load_balancing_loss, aux.z_loss)
 
@@ -109,7 +120,8 @@ def bench_shape(
     bench = "layer-bwd" if backward else "layer"
     # Built on first use, so that a run past its --time-limit does not spend minutes on inputs it will not time.
     inputs = functools.cache(lambda: make_inputs(shape, seed=options.seed))
-    dims = {"t": shape.t, "d": shape.d, "f": shape.f, "e": shape.e, "k": shape.top_k}
+    dims = {"t": shape.t, "d": shape.d, "f": shape.f, "e": shape.e, "k": shape.top_k, **shape.route_options()}
+    dims["selection_bias"] = shape.selection_bias
     flops = common.moe_ffn_flops(shape.t, shape.d, shape.f, shape.e, shape.top_k, backward=backward)
     records = []
 
@@ -135,10 +147,16 @@ def bench_shape(
         time_it("dense", dense, names, "dense_ct")
 
     names = ("x", "router_kernel", "w_gate_up", "w_down")
-    layers = [(f"moe_jax:{backend}", _moe_ffn(shape, backend)) for backend in options.backends]
+    bias = common.selection_bias(shape.e, options.seed) if shape.selection_bias else None
+    layers = [(f"moe_jax:{backend}", _moe_ffn(shape, backend, bias)) for backend in options.backends]
     if "tokamax" in options.baselines:
         gemms = functools.partial(
-            moe_ffn_with_gmm, tokamax_peer.ragged_dot(), top_k=shape.top_k, activation=shape.activation
+            moe_ffn_with_gmm,
+            tokamax_peer.ragged_dot(),
+            top_k=shape.top_k,
+            activation=shape.activation,
+            bias=bias,
+            route_options=shape.route_options(),
         )
         layers.append(("tokamax-gemms", gemms))
     reference = None

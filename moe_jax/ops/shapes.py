@@ -3,7 +3,8 @@
 Two registries, each entry tagged "ci" (tiny: tests and the CPU benchmark smoke run) or "bench" (the real models):
 
 - ``GMM_SHAPES``: grouped matmuls (G, M, K, N), one gate_up and one down projection per model;
-- ``LAYER_SHAPES``: whole MoE layers (T, D, F, E, k) for ``moe_ffn``.
+- ``LAYER_SHAPES``: whole MoE layers (T, D, F, E, k) with their routers' options, for ``moe_ffn`` and for the
+  routing glue (``route``, ``permute``, ``combine``).
 
 Routings say how the M rows of a grouped matmul fall into the G groups. The group sizes are drawn on device from a
 seed, so a benchmark never moves them through the host:
@@ -18,6 +19,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from moe_jax._core.checks import check_positive_int
+from moe_jax.ops.routing.api import check_routing_args
 
 TAGS = ("ci", "bench")
 ROUTINGS = ("uniform", "zipf1.2", "half")
@@ -49,9 +53,7 @@ class GroupedMatmulShape:
     def __post_init__(self):
         _check_tag(self.tag)
         for field in ("g", "m", "k", "n"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{self.name}: {field} must be a positive int, got {value!r}")
+            check_positive_int(f"{self.name}: {field}", getattr(self, field))
 
     def group_sizes(self, routing: str = "uniform", seed: int = 0) -> jax.Array:
         """[G] int32 rows per group, summing to M, drawn on device."""
@@ -67,6 +69,9 @@ class LayerShape:
       t, d, f, e, top_k: T, D, F, E, k.
       activation: the gated activation of the experts ("swiglu", "geglu", "gpt_oss").
       tag: "ci" or "bench".
+      score, renormalize, num_groups, top_groups, scale: the router's options, as in ``moe_jax.route``.
+      selection_bias: whether the router adds a bias [E] to the scores for selection (DeepSeek-V3's aux-loss-free
+        balancing); its values are the user's (benchmarks and tests draw them at random).
     """
 
     name: str
@@ -77,20 +82,41 @@ class LayerShape:
     top_k: int
     activation: str
     tag: str
+    score: str = "softmax"
+    renormalize: bool = True
+    num_groups: int = 1
+    top_groups: int = 1
+    scale: float = 1.0
+    selection_bias: bool = False
 
     def __post_init__(self):
         _check_tag(self.tag)
-        for field in ("t", "d", "f", "e", "top_k"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{self.name}: {field} must be a positive int, got {value!r}")
-        if self.top_k > self.e:
-            raise ValueError(f"{self.name}: top_k must be in [1, E={self.e}], got {self.top_k}")
+        for field in ("t", "d", "f", "e"):
+            check_positive_int(f"{self.name}: {field}", getattr(self, field))
+        check_routing_args(
+            self.e,
+            self.top_k,
+            score=self.score,
+            num_groups=self.num_groups,
+            top_groups=self.top_groups,
+            bias=None,
+            scale=self.scale,
+        )
 
     @property
     def m(self) -> int:
         """Routed rows T * k."""
         return self.t * self.top_k
+
+    def route_options(self) -> dict:
+        """The keyword arguments of ``moe_jax.route`` (and ``moe_ffn``) for this router, all but ``bias``."""
+        return dict(
+            score=self.score,
+            renormalize=self.renormalize,
+            num_groups=self.num_groups,
+            top_groups=self.top_groups,
+            scale=self.scale,
+        )
 
 
 def make_group_sizes(key: jax.Array, num_groups: int, num_rows: int, routing: str) -> jax.Array:
@@ -141,7 +167,40 @@ LAYER_SHAPES: dict[str, LayerShape] = {
     shape.name: shape
     for shape in (
         LayerShape("ci/layer", t=64, d=128, f=64, e=4, top_k=2, activation="swiglu", tag="ci"),
+        # DeepSeek-V3's router at a tiny size: sigmoid, group-limited (2 of 4 groups eligible), bias, scale.
+        LayerShape(
+            "ci/grouped",
+            t=64,
+            d=128,
+            f=64,
+            e=8,
+            top_k=2,
+            activation="swiglu",
+            tag="ci",
+            score="sigmoid",
+            num_groups=4,
+            top_groups=2,
+            scale=2.5,
+            selection_bias=True,
+        ),
         LayerShape("qwen3-30b-a3b", t=16384, d=2048, f=768, e=128, top_k=8, activation="swiglu", tag="bench"),
+        # DeepSeek-V3's MoE layer (256 routed experts of width 2048; its shared expert is not part of this layer):
+        # sigmoid scores, 8 groups of which the best 4 are eligible, an aux-loss-free selection bias, weights x 2.5.
+        LayerShape(
+            "deepseek-v3",
+            t=16384,
+            d=7168,
+            f=2048,
+            e=256,
+            top_k=8,
+            activation="swiglu",
+            tag="bench",
+            score="sigmoid",
+            num_groups=8,
+            top_groups=4,
+            scale=2.5,
+            selection_bias=True,
+        ),
     )
 }
 

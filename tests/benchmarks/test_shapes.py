@@ -27,12 +27,24 @@ def test_bench_shapes_are_design_section_6():
     assert bench == DESIGN_SHAPES
 
 
-def test_ci_shapes_are_tiny_and_qwen3_layer_is_registered():
+def test_ci_shapes_are_tiny():
     for shape in shapes.gmm_shapes("ci"):
         assert shape.m * shape.k * shape.n <= 2**23, shape  # milliseconds on a CPU, seconds under the interpreter
-    layer = shapes.LAYER_SHAPES["qwen3-30b-a3b"]
-    assert (layer.t, layer.d, layer.f, layer.e, layer.top_k) == (16384, 2048, 768, 128, 8)
-    assert layer.m == 16384 * 8
+    for shape in shapes.layer_shapes("ci"):
+        assert shape.t <= 64 and shape.d <= 128 and shape.e <= 16, shape  # one 64-token block of the routing kernel
+
+
+def test_model_layers_are_registered_with_their_routers():
+    qwen3 = shapes.LAYER_SHAPES["qwen3-30b-a3b"]
+    assert (qwen3.t, qwen3.d, qwen3.f, qwen3.e, qwen3.top_k) == (16384, 2048, 768, 128, 8)
+    assert qwen3.m == 16384 * 8
+    assert qwen3.route_options() == dict(score="softmax", renormalize=True, num_groups=1, top_groups=1, scale=1.0)
+    assert not qwen3.selection_bias
+    deepseek = shapes.LAYER_SHAPES["deepseek-v3"]
+    assert (deepseek.t, deepseek.d, deepseek.f, deepseek.e, deepseek.top_k) == (16384, 7168, 2048, 256, 8)
+    assert deepseek.route_options() == dict(score="sigmoid", renormalize=True, num_groups=8, top_groups=4, scale=2.5)
+    assert deepseek.selection_bias
+    assert {s.name for s in shapes.layer_shapes("bench")} == {"qwen3-30b-a3b", "deepseek-v3"}
     assert all(s.tag == "ci" for s in shapes.layer_shapes("ci"))
 
 
@@ -42,10 +54,20 @@ def test_shapes_are_frozen_and_validated():
         shape.m = 1
     with pytest.raises(ValueError, match="tag"):
         shapes.GroupedMatmulShape("x", g=1, m=1, k=1, n=1, tag="big")
-    with pytest.raises(ValueError, match="k must be a positive int"):
+    with pytest.raises(ValueError, match="x: k must be in >= 1, got 0"):
         shapes.GroupedMatmulShape("x", g=1, m=1, k=0, n=1, tag="ci")
+    with pytest.raises(TypeError, match="x: n must be a Python int"):
+        shapes.GroupedMatmulShape("x", g=1, m=1, k=1, n=1.0, tag="ci")
+    with pytest.raises(ValueError, match="x: d must be in >= 1"):
+        shapes.LayerShape("x", t=4, d=0, f=8, e=2, top_k=1, activation="swiglu", tag="ci")
     with pytest.raises(ValueError, match="top_k"):
         shapes.LayerShape("x", t=4, d=8, f=8, e=2, top_k=3, activation="swiglu", tag="ci")
+    with pytest.raises(ValueError, match="num_groups must divide"):
+        shapes.LayerShape("x", t=4, d=8, f=8, e=6, top_k=1, activation="swiglu", tag="ci", num_groups=4)
+    with pytest.raises(ValueError, match="top_k"):  # 1 group of 2 experts eligible
+        shapes.LayerShape("x", t=4, d=8, f=8, e=8, top_k=3, activation="swiglu", tag="ci", num_groups=4)
+    with pytest.raises(ValueError, match="score"):
+        shapes.LayerShape("x", t=4, d=8, f=8, e=2, top_k=1, activation="swiglu", tag="ci", score="relu")
     with pytest.raises(ValueError, match="routing"):
         shape.group_sizes("skewed")
 
