@@ -12,14 +12,17 @@ import pytest
 
 import moe_jax
 from moe_jax._core.testing import relative_error
+from moe_jax.ops import shapes
 from moe_jax.ops.routing import reference as routing_reference
 
 pytestmark = pytest.mark.gpu
 
-# (T, E, k, options): the two benchmark layers' routers at a smaller T, and the extremes of E and k.
+# (T, E, k, options): the benchmark layers' routers at a smaller T, and the extremes of E and k.
 ROUTERS = {
-    "qwen3": (4096, 128, 8, dict(score="softmax")),
-    "deepseek-v3": (4096, 256, 8, dict(score="sigmoid", num_groups=8, top_groups=4, bias=True, scale=2.5)),
+    **{
+        s.name: (4096, s.e, s.top_k, dict(s.route_options(), bias=s.selection_bias))
+        for s in shapes.layer_shapes("bench")
+    },
     "e512-k16": (2048, 512, 16, dict(score="softmax")),
     "e60": (1000, 60, 4, dict(score="sigmoid", renormalize=False)),
 }
@@ -67,9 +70,10 @@ def test_route_adversarial_logits(score):
         assert kernel.experts.min() >= 0 and kernel.experts.max() < 128
 
 
-@pytest.mark.parametrize("d_model", [2048, 7168])
-def test_permute_combine_and_gradients(d_model):
-    num_tokens, top_k = 1024, 8
+@pytest.mark.parametrize("name", [s.name for s in shapes.layer_shapes("bench")])
+def test_permute_combine_and_gradients(name):
+    # The benchmark layers' widths and k at fewer tokens.
+    num_tokens, d_model, top_k = 1024, shapes.LAYER_SHAPES[name].d, shapes.LAYER_SHAPES[name].top_k
     routing = jax.jit(lambda x: moe_jax.route(x, top_k, backend="xla"))(
         jax.random.normal(jax.random.key(3), (num_tokens, 128), jnp.float32)
     )

@@ -11,6 +11,7 @@ import pytest
 
 import moe_jax
 from moe_jax._core.testing import checked_interpreter, relative_error
+from moe_jax.ops import shapes
 from moe_jax.ops.permute import reference
 from moe_jax.ops.permute.config import Config, heuristic_config
 
@@ -134,8 +135,9 @@ def _cuda_lowering(fn, *args) -> str:
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-# Shipped layer widths: (T, D, k). Lowering runs the whole Mosaic GPU pipeline up to the custom calls.
-SHIPPED = {"qwen3-30b-a3b": (16384, 2048, 8), "deepseek-v3": (16384, 7168, 8)}
+# Shipped layer widths: (T, D, k) of the benchmark layers. Lowering runs the whole Mosaic GPU pipeline up to the
+# custom calls.
+SHIPPED = {s.name: (s.t, s.d, s.top_k) for s in shapes.layer_shapes("bench")}
 
 
 @pytest.mark.parametrize("name", list(SHIPPED))

@@ -13,6 +13,7 @@ import pytest
 import moe_jax
 from moe_jax._core import testing as oracle
 from moe_jax._core.testing import checked_interpreter
+from moe_jax.ops import shapes
 from moe_jax.ops.routing import reference
 
 TOL = 1e-6  # f32 weights / probs: a few ulps of values in [0, scale]
@@ -146,10 +147,13 @@ def _cuda_lowering(fn, *args) -> str:
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-# Shipped configurations: (T, E, k, options). Lowering runs the whole Mosaic GPU pipeline up to the custom call.
+# Shipped configurations: (T, E, k, options) of the benchmark layers' routers, and the extremes of E and k. Lowering
+# runs the whole Mosaic GPU pipeline up to the custom call.
 SHIPPED = {
-    "qwen3-30b-a3b": (16384, 128, 8, dict(score="softmax")),
-    "deepseek-v3": (16384, 256, 8, dict(score="sigmoid", num_groups=8, top_groups=4, bias=True, scale=2.5)),
+    **{
+        s.name: (s.t, s.e, s.top_k, dict(s.route_options(), bias=s.selection_bias))
+        for s in shapes.layer_shapes("bench")
+    },
     "e512-k16": (4096, 512, 16, dict(score="softmax")),
     "e60-k4": (1000, 60, 4, dict(score="softmax")),
 }
