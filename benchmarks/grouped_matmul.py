@@ -9,8 +9,9 @@ Side by side at each named shape (``moe_jax.ops.shapes.GMM_SHAPES``):
 - "tokamax", "tokamax[<config>]": tokamax's Mosaic GPU ragged dot, its default and the sweep of ``tokamax_peer``.
 - "moe_jax:<backend>": our ``moe_jax.grouped_matmul``; a backend without a kernel yet is reported "n/a".
 
-Every ragged implementation's output (and gradients) is checked against ``GroupOracle``: exact f32 products of a few
-groups computed from their slices, independent of every implementation timed (ragged_dot may run out of memory).
+Every ragged implementation's output (and gradients) is checked against ``moe_jax._core.testing.GroupOracle``: exact
+f32 products of a few groups computed from their slices, independent of every implementation timed (ragged_dot may run
+out of memory).
 """
 
 import dataclasses
@@ -20,10 +21,10 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import moe_jax
 from benchmarks import common, tokamax_peer
+from moe_jax._core.testing import GroupOracle
 from moe_jax.ops.shapes import GroupedMatmulShape
 
 
@@ -56,49 +57,6 @@ def ragged_candidates(
         fn = functools.partial(moe_jax.grouped_matmul, backend=backend)
         candidates.append(Candidate(f"moe_jax:{backend}", fn))
     return candidates
-
-
-class GroupOracle:
-    """Exact f32 results for three groups (first non-empty, largest, last non-empty) of one input set.
-
-    out_g = lhs_g @ rhs[g]; with gradients for cotangent ct: d_lhs_g = ct_g @ rhs[g]^T, d_rhs[g] = lhs_g^T @ ct_g,
-    where x_g are the rows of group g. ``errors(output)`` gives ``||actual - exact|| / ||exact||`` per leaf over them.
-    """
-
-    def __init__(self, inputs: dict, group_sizes: jax.Array, *, backward: bool):
-        sizes = np.asarray(group_sizes)
-        ends = np.cumsum(sizes)
-        nonempty = np.flatnonzero(sizes)
-        self.groups = sorted({int(nonempty[0]), int(np.argmax(sizes)), int(nonempty[-1])})
-        self.rows = {g: slice(int(ends[g] - sizes[g]), int(ends[g])) for g in self.groups}
-        self.backward = backward
-        dot = functools.partial(jnp.dot, precision=jax.lax.Precision.HIGHEST)
-        self.expected = {}
-        for g, rows in self.rows.items():
-            lhs, rhs = inputs["lhs"][rows].astype(jnp.float32), inputs["rhs"][g].astype(jnp.float32)
-            leaves = [dot(lhs, rhs)]
-            if backward:
-                ct = inputs["ct"][rows].astype(jnp.float32)
-                leaves += [dot(ct, rhs.T), dot(lhs.T, ct)]
-            self.expected[g] = leaves
-
-    def errors(self, output) -> list[float]:
-        """Relative errors of (out,) or (out, d_lhs, d_rhs) over the oracle's groups."""
-        leaves = output if self.backward else (output,)
-        errors = []
-        for leaf, array in enumerate(leaves):
-            diff = total = 0.0
-            for g, rows in self.rows.items():
-                # d_rhs is [G, K, N], indexed by group; out and d_lhs are [M, .], sliced by the group's rows.
-                actual = (array[g] if leaf == 2 else array[rows]).astype(jnp.float32)
-                expected = self.expected[g][leaf]
-                diff += float(jnp.sum(jnp.square(actual - expected)))
-                total += float(jnp.sum(jnp.square(expected)))
-            errors.append((diff / total) ** 0.5)
-        return errors
-
-    def describe(self) -> str:
-        return f"f32 oracle, groups {self.groups}"
 
 
 def _forward_backward(op: Callable) -> Callable:
@@ -178,7 +136,7 @@ def bench_shape(
         records.append(record)
         emit(record)
 
-    oracle = GroupOracle(sets[0], group_sizes, backward=backward)
+    oracle = GroupOracle(sets[0]["lhs"], sets[0]["rhs"], group_sizes, sets[0]["ct"] if backward else None)
     for candidate in candidates:
         fn = jax.jit(_forward_backward(candidate.fn) if backward else candidate.fn)
         arg_sets = [(s["lhs"], s["rhs"], group_sizes, *([s["ct"]] if backward else [])) for s in sets]

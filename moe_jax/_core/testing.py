@@ -5,9 +5,12 @@ so that the two can only agree by both being right.
 """
 
 import contextlib
+import functools
 import math
 from unittest import mock
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # the interpreter's race state has no public API
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -224,3 +227,70 @@ def moe_ffn(x, router_kernel, w_gate_up, w_down, *, top_k, activation="swiglu", 
         expert_counts=routed["group_sizes"],
     )
     return y, aux
+
+
+# ------------------------------------------------------------------------------------------- grouped matmul, at scale
+
+
+class GroupOracle:
+    """Exact f32 grouped-matmul results for three groups (first non-empty, largest, last non-empty) of one input.
+
+    For shapes where a full oracle is too slow or too large (XLA's ragged_dot multiplies by every group): with x_g the
+    rows of group g, out_g = lhs_g @ rhs[g]; with a cotangent ct also d_lhs_g = ct_g @ rhs[g]^T and
+    d_rhs[g] = lhs_g^T @ ct_g. Computed with jax.numpy at HIGHEST precision on the default device, from the slices
+    alone, so independent of every implementation it checks.
+
+    Args:
+      lhs: [M, K]; rhs: [G, K, N]; group_sizes: [G] int, summing to at most M; ct: [M, N] or None (forward only).
+    """
+
+    def __init__(self, lhs, rhs, group_sizes, ct=None):
+        sizes = np.asarray(group_sizes)
+        nonempty = np.flatnonzero(sizes)
+        if not nonempty.size:
+            raise ValueError("group_sizes must have a non-empty group, got all zeros")
+        ends = np.cumsum(sizes)
+        self.groups = sorted({int(nonempty[0]), int(np.argmax(sizes)), int(nonempty[-1])})
+        self.rows = {g: slice(int(ends[g] - sizes[g]), int(ends[g])) for g in self.groups}
+        self.routed_rows = int(ends[-1])  # rows at or past this index must come out zero
+        self.backward = ct is not None
+        dot = functools.partial(jnp.dot, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        self.expected = {}
+        for g, rows in self.rows.items():
+            x, w = lhs[rows].astype(jnp.float32), rhs[g].astype(jnp.float32)
+            self.expected[g] = [dot(x, w)]
+            if self.backward:
+                dy = ct[rows].astype(jnp.float32)
+                self.expected[g] += [dot(dy, w.T), dot(x.T, dy)]
+
+    def _squared_norms(self, output) -> list[dict[int, tuple[float, float]]]:
+        """Per leaf of (out,) or (out, d_lhs, d_rhs): {group: (||actual - exact||^2, ||exact||^2)}."""
+        leaves = output if self.backward else (output,)
+        norms = []
+        for leaf, array in enumerate(leaves):
+            norms.append({})
+            for g, rows in self.rows.items():
+                # d_rhs is [G, K, N], indexed by group; out and d_lhs are [M, .], sliced by the group's rows.
+                actual = (array[g] if leaf == 2 else array[rows]).astype(jnp.float32)
+                expected = self.expected[g][leaf]
+                diff = float(jnp.sum(jnp.square(actual - expected)))
+                norms[-1][g] = (diff, float(jnp.sum(jnp.square(expected))))
+        return norms
+
+    def errors(self, output) -> list[float]:
+        """Per leaf of ``output`` ((out,) or (out, d_lhs, d_rhs)): ``||actual - exact|| / ||exact||`` over the groups
+        together."""
+        errors = []
+        for leaf in self._squared_norms(output):
+            diff, total = (sum(values) for values in zip(*leaf.values(), strict=True))
+            errors.append(math.sqrt(diff / total))
+        return errors
+
+    def group_errors(self, output) -> list[dict[int, float]]:
+        """Per leaf of ``output``: {group: ``||actual - exact|| / ||exact||``} for each of the oracle's groups."""
+        return [
+            {g: math.sqrt(diff / total) for g, (diff, total) in leaf.items()} for leaf in self._squared_norms(output)
+        ]
+
+    def describe(self) -> str:
+        return f"f32 oracle, groups {self.groups}"
