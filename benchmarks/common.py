@@ -184,8 +184,9 @@ class Record:
 
     @classmethod
     def from_json(cls, data: dict) -> "Record":
-        fields = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data}  # older runs lack some
-        fields["timing"] = Timing(**data["timing"]) if data["timing"] else None
+        # Records of older runs lack the fields added since (and ``timing`` where nothing was timed): defaults.
+        fields = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data}
+        fields["timing"] = Timing(**data["timing"]) if data.get("timing") else None
         return cls(**fields)
 
 

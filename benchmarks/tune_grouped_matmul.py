@@ -27,9 +27,8 @@ from benchmarks import common
 from moe_jax._core.testing import GroupOracle
 from moe_jax.ops import shapes as shape_registry
 from moe_jax.ops.grouped_matmul import api
-from moe_jax.ops.grouped_matmul.config import Config, get_config
+from moe_jax.ops.grouped_matmul.config import KINDS, Config, get_config
 
-KINDS = ("fwd", "dgrad", "wgrad")
 SPEC = re.compile(r"(\d+)x(\d+)x(\d+)s(\d+)e(\d+)([mn])(\d+)")
 
 
@@ -56,7 +55,10 @@ def kernel_fn(kind: str, config: Config | None):
         return functools.partial(api.run_rows_kernel, "fwd", w_transposed=False, out_dtype=jnp.bfloat16, config=config)
     if kind == "dgrad":
         return functools.partial(api.run_rows_kernel, "dgrad", w_transposed=True, out_dtype=jnp.bfloat16, config=config)
-    return functools.partial(api.run_wgrad_kernel, out_dtype=jnp.bfloat16, config=config)
+    if kind == "wgrad":
+        return functools.partial(api.run_wgrad_kernel, out_dtype=jnp.bfloat16, config=config)
+    # glu_dgrad's epilogue also needs the forward's packed gate/up rows: not driven here yet.
+    raise NotImplementedError(f"this script times the fwd, dgrad and wgrad kernels, not {kind!r}")
 
 
 @functools.partial(jax.jit, static_argnames=("g", "m", "k", "n"))
@@ -119,8 +121,10 @@ def run_time(shapes, kinds, configs, routing: str, seed: int, iters: int, sweep:
         flops = 2 * shape.m * shape.k * shape.n
         for kind in kinds:
             dense, _ = timed(jnp.dot, [dense_args(kind, s, shape) for s in sets], iters)
-            dense_tf = flops / dense.median_s / 1e12 if dense else float("nan")
-            print(f"| {kind} | {shape.name} | - | dense | {dense.median_s * 1e3:.3f} | {dense_tf:.1f} | 1.00 | |")
+            # Without the ceiling (it failed: printed above) the kernels are still timed, their "vs dense" left empty.
+            dense_tf = flops / dense.median_s / 1e12 if dense else None
+            numbers = f"{dense.median_s * 1e3:.3f} | {dense_tf:.1f} | 1.00" if dense else "failed | |"
+            print(f"| {kind} | {shape.name} | - | dense | {numbers} | |")
             candidates = candidate_configs(kind, shape) if sweep else configs
             results = []
             for config in candidates:
@@ -132,9 +136,10 @@ def run_time(shapes, kinds, configs, routing: str, seed: int, iters: int, sweep:
                     continue
                 tf = flops / timing.median_s / 1e12
                 results.append((timing.median_s, config or table_config(kind, shape)))
+                vs_dense = f"{tf / dense_tf:.2f}" if dense_tf else ""
                 print(
                     f"| {kind} | {shape.name} | {routing} | {name} | {timing.median_s * 1e3:.3f} | {tf:.1f} | "
-                    f"{tf / dense_tf:.2f} | {timing.first_call_s:.1f} |",
+                    f"{vs_dense} | {timing.first_call_s:.1f} |",
                     flush=True,
                 )
             if sweep and results:
@@ -201,7 +206,7 @@ def main(argv=None) -> None:
     )
     parser.add_argument("mode", choices=("check", "time", "tune"))
     parser.add_argument("--shapes", help="comma-separated GMM shape names (default: every 'bench' shape)")
-    parser.add_argument("--kinds", default="fwd,dgrad,wgrad")
+    parser.add_argument("--kinds", default="fwd,dgrad,wgrad", help=f"comma-separated from {KINDS}")
     parser.add_argument("--configs", default="table", help="comma-separated configs for 'time'")
     parser.add_argument("--routing", default="uniform", choices=(*shape_registry.ROUTINGS, "even"))
     parser.add_argument("--groups", type=int, help="override G of every shape (a diagnostic: G=1 is a dense matmul)")
@@ -219,6 +224,14 @@ def main(argv=None) -> None:
     if args.mode == "check":
         sys.exit(0 if run_check(shapes, args.routings.split(","), args.seed) else 1)
     kinds = [kind for kind in args.kinds.split(",") if kind]
+    unknown = [kind for kind in kinds if kind not in KINDS]
+    if unknown:
+        raise SystemExit(f"unknown kind(s) {unknown}; the kernels' kinds are {KINDS}")
+    for kind in kinds:
+        try:
+            kernel_fn(kind, None)
+        except NotImplementedError as error:
+            raise SystemExit(str(error)) from None
     configs = [parse_config(spec) for spec in args.configs.split(",")]
     run_time(shapes, kinds, configs, args.routing, args.seed, args.iters, sweep=args.mode == "tune")
 

@@ -156,6 +156,14 @@ def test_measurements_past_the_time_limit_are_skipped():
     assert record.status == "skipped" and record.timing is None
 
 
+def test_records_of_older_runs_load_with_defaults():
+    record = common.Record("gmm", "ci/ragged", "uniform", "dense", flops=8, dims={"m": 2})
+    data = record.to_json()
+    for missing in ("timing", "rel_err_leaves", "checked_against", "config"):
+        del data[missing]
+    assert common.Record.from_json(data) == record
+
+
 def test_render_reprints_a_streamed_run(tmp_path, capsys):
     from benchmarks.__main__ import main
 
