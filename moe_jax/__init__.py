@@ -1,25 +1,32 @@
 """moe_jax: fused Mixture-of-Experts layers for JAX on NVIDIA Hopper.
 
-The public surface (re-exports only): ``route``, ``grouped_matmul``, ``permute``, ``combine``, ``moe_ffn`` and the
-Flax NNX modules in ``moe_jax.nn``.
+The public surface (re-exports only): ``route``, ``grouped_matmul`` (with ``pack_gate_up`` / ``unpack_gate_up`` /
+``PackedGateUp`` for the GLU weight layout), ``glu_mlp``, ``permute``, ``combine``, ``moe_ffn`` and the Flax NNX modules
+in ``moe_jax.nn``.
 """
 
 from moe_jax import nn
+from moe_jax.ops.glu_mlp.api import glu_mlp
 from moe_jax.ops.grouped_matmul.api import grouped_matmul
+from moe_jax.ops.grouped_matmul.packing import PackedGateUp, pack_gate_up, unpack_gate_up
 from moe_jax.ops.moe_ffn.api import MoEAux, moe_ffn
 from moe_jax.ops.permute.api import combine, permute
 from moe_jax.ops.routing.api import Routing, apply_capacity, load_balancing_loss, route, z_loss
 
 __all__ = [
     "MoEAux",
+    "PackedGateUp",
     "Routing",
     "apply_capacity",
     "combine",
+    "glu_mlp",
     "grouped_matmul",
     "load_balancing_loss",
     "moe_ffn",
     "nn",
+    "pack_gate_up",
     "permute",
     "route",
+    "unpack_gate_up",
     "z_loss",
 ]

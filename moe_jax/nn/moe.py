@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moe_jax.ops.grouped_matmul.api import grouped_matmul
+from moe_jax.ops.glu_mlp.api import glu_mlp
+from moe_jax.ops.grouped_matmul.packing import PackedGateUp, gate_up_block, pack_gate_up
 from moe_jax.ops.moe_ffn.api import MoEAux, moe_ffn
 from moe_jax.ops.routing.api import Routing, balancing_bias_update, route
 
@@ -36,6 +37,21 @@ def _fan_in_init(in_axis: int, out_axis: int):
     return nnx.initializers.variance_scaling(
         1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis, batch_axis=(0,)
     )
+
+
+def _packed_gate_up_init(key, shape: tuple[int, int, int], dtype) -> jax.Array:
+    """A fan-in scaled [G, D, 2F] ``[gate | up]`` init, stored in the packed layout (``pack_gate_up``).
+
+    Packing permutes columns only, so the stored array has the same shape and distribution; it happens once, here,
+    and never in a step.
+    """
+    return pack_gate_up(_fan_in_init(1, 2)(key, shape, dtype)).array
+
+
+def _gate_up(param: nnx.Param, dtype) -> PackedGateUp:
+    """A packed gate/up parameter [G, D, 2F] as the ops take it (no copy beyond the dtype cast)."""
+    value = param[...].astype(dtype)
+    return PackedGateUp(value, gate_up_block(value.shape[2] // 2))
 
 
 class Router(nnx.Module):
@@ -97,11 +113,12 @@ class Router(nnx.Module):
 class SharedExperts(nnx.Module):
     """Always-on gated MLP ``act(x W_gate) * (x W_up) W_down`` added to the routed output (DeepSeek-style).
 
-    Runs as a one-group ``grouped_matmul``, so it shares the routed experts' kernels and epilogue.
+    Runs as a one-group ``glu_mlp``, so it shares the routed experts' kernels, epilogues and fused backward.
+    ``w_gate_up`` [1, D, 2F] is stored packed, as ``MoE.w_gate_up`` is.
     """
 
     def __init__(self, d_model: int, d_ff: int, *, activation: str, param_dtype, backend: str, rngs: nnx.Rngs):
-        self.w_gate_up = nnx.Param(_fan_in_init(1, 2)(rngs.params(), (1, d_model, 2 * d_ff), param_dtype))
+        self.w_gate_up = nnx.Param(_packed_gate_up_init(rngs.params(), (1, d_model, 2 * d_ff), param_dtype))
         self.w_down = nnx.Param(_fan_in_init(1, 2)(rngs.params(), (1, d_ff, d_model), param_dtype))
         self.activation = activation
         self.backend = backend
@@ -109,9 +126,8 @@ class SharedExperts(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [T, D] in the compute dtype -> [T, D]."""
         all_rows = jnp.full((1,), x.shape[0], jnp.int32)
-        w_gate_up = self.w_gate_up[...].astype(x.dtype)
-        hidden = grouped_matmul(x, w_gate_up, all_rows, activation=self.activation, backend=self.backend)
-        return grouped_matmul(hidden, self.w_down[...].astype(x.dtype), all_rows, backend=self.backend)
+        w_gate_up, w_down = _gate_up(self.w_gate_up, x.dtype), self.w_down[...].astype(x.dtype)
+        return glu_mlp(x, w_gate_up, w_down, all_rows, activation=self.activation, backend=self.backend)
 
 
 class MoE(nnx.Module):
@@ -128,8 +144,10 @@ class MoE(nnx.Module):
       backend: "auto", "xla" or "pallas".
       rngs: ``nnx.Rngs`` with a ``params`` stream.
 
-    Parameters: ``router.kernel`` [D, E], ``w_gate_up`` [E, D, 2F] (``[gate | up]`` on the last axis),
-    ``w_down`` [E, F, D]; the expert axis carries the sharding name "expert".
+    Parameters: ``router.kernel`` [D, E], ``w_gate_up`` [E, D, 2F], ``w_down`` [E, F, D]; the expert axis carries the
+    sharding name "expert". ``w_gate_up`` is stored in the packed layout the kernels read (``moe_jax.pack_gate_up``:
+    blocks of 64 gate columns, each followed by the matching 64 up columns), so no step repacks it;
+    ``unpack_gate_up(PackedGateUp(w, gate_up_block(F)))`` gives the ``[gate | up]`` view (e.g. to export weights).
     """
 
     def __init__(
@@ -167,10 +185,12 @@ class MoE(nnx.Module):
             backend=backend,
             rngs=rngs,
         )
-        init = _fan_in_init(1, 2)
         expert_sharding = (EXPERT_AXIS, None, None)
-        self.w_gate_up = _param(init(rngs.params(), (num_experts, d_model, 2 * d_ff), param_dtype), expert_sharding)
-        self.w_down = _param(init(rngs.params(), (num_experts, d_ff, d_model), param_dtype), expert_sharding)
+        gate_up = _packed_gate_up_init(rngs.params(), (num_experts, d_model, 2 * d_ff), param_dtype)
+        self.w_gate_up = _param(gate_up, expert_sharding)
+        self.w_down = _param(
+            _fan_in_init(1, 2)(rngs.params(), (num_experts, d_ff, d_model), param_dtype), expert_sharding
+        )
         self.shared = (
             SharedExperts(
                 d_model,
@@ -195,7 +215,7 @@ class MoE(nnx.Module):
         y, aux = moe_ffn(
             tokens,
             self.router.kernel[...],
-            self.w_gate_up[...].astype(dtype),
+            _gate_up(self.w_gate_up, dtype),
             self.w_down[...].astype(dtype),
             top_k=self.router.top_k,
             activation=self.activation,

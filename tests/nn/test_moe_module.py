@@ -9,6 +9,7 @@ from flax import nnx
 
 import moe_jax
 from moe_jax._core import testing as oracle
+from moe_jax.ops.grouped_matmul.packing import gate_up_block
 
 
 def _moe(**overrides):
@@ -16,19 +17,34 @@ def _moe(**overrides):
     return moe_jax.nn.MoE(16, 8, 6, 2, **options)
 
 
-def test_module_applies_moe_ffn_to_its_parameters():
-    model = _moe()
+def _gate_up_halves(w_gate_up) -> np.ndarray:
+    """The module's packed [E, D, 2F] gate/up parameter as [gate | up] (what the oracle reads)."""
+    packed = moe_jax.PackedGateUp(w_gate_up, gate_up_block(w_gate_up.shape[2] // 2))
+    return np.asarray(moe_jax.unpack_gate_up(packed))
+
+
+@pytest.mark.parametrize("d_ff", [8, 64])  # F = 64: gate and up columns interleaved in blocks of 64; F = 8: not
+def test_module_applies_moe_ffn_to_its_parameters(d_ff):
+    model = moe_jax.nn.MoE(16, d_ff, 6, 2, activation="swiglu", rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (3, 5, 16))
     y = model(x)
     assert y.shape == x.shape
     expected, _ = oracle.moe_ffn(
         np.asarray(x).reshape(15, 16),
         np.asarray(model.router.kernel[...]),
-        np.asarray(model.w_gate_up[...]),
+        _gate_up_halves(model.w_gate_up[...]),
         np.asarray(model.w_down[...]),
         top_k=2,
     )
     assert oracle.relative_error(np.asarray(y).reshape(15, 16), expected) < 1e-5
+
+
+def test_gate_up_weights_are_stored_packed():
+    model = moe_jax.nn.MoE(16, 128, 4, 2, num_shared_experts=1, rngs=nnx.Rngs(0))
+    for stored in (model.w_gate_up[...], model.shared.w_gate_up[...]):
+        halves = _gate_up_halves(stored)
+        np.testing.assert_array_equal(moe_jax.pack_gate_up(jnp.asarray(halves)).array, stored)
+        assert not np.array_equal(halves, np.asarray(stored)), "F = 128: packing moves columns"
 
 
 def test_parameter_shapes_dtypes_and_sharding_names():

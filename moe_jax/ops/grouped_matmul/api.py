@@ -1,7 +1,10 @@
 """``moe_jax.grouped_matmul``: a drop-in for ``jax.lax.ragged_dot`` with a gated-activation epilogue.
 
-backend="pallas" runs the sm90 Mosaic GPU kernels (forward, dgrad, wgrad) behind a ``custom_vjp``; the GLU and the
-row scale are applied by XLA after the GEMM (computed in f32) until the kernel epilogue fuses them.
+backend="pallas" runs the sm90 Mosaic GPU kernels (forward, dgrad, wgrad) behind a ``custom_vjp``. The GLU and the
+row scale run in the forward kernel's epilogue on the f32 accumulator (the GLU on packed gate/up weights, packing.py);
+this op's backward differentiates that epilogue in XLA from the pre-activation the forward kept, then runs the dgrad
+and wgrad kernels. The fused GLU backward lives in ``moe_jax.ops.glu_mlp``, where the down projection's dgrad gives it
+an epilogue to run in. The kernel runners below (``run_rows_kernel``, ``run_wgrad_kernel``, ``gemm_grads``) serve both.
 """
 
 import functools
@@ -13,6 +16,8 @@ from moe_jax._core import checks, hardware
 from moe_jax._core.backend import resolve_backend
 from moe_jax.ops.grouped_matmul import reference, schedule, sm90, sm90_wgrad
 from moe_jax.ops.grouped_matmul.config import get_config
+from moe_jax.ops.grouped_matmul.glu import glu, kept_pre_activation
+from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, PackedGateUp, pack_gate_up, split_gate_up
 from moe_jax.ops.grouped_matmul.reference import ACTIVATIONS
 
 OUTPUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -23,13 +28,18 @@ KERNEL_DIM_MULTIPLE = 64
 KERNEL_ROW_MULTIPLE = 8
 
 
-def kernel_unsupported(lhs, contraction: int, num_cols: int) -> str | None:
+def kernel_unsupported(lhs, contraction: int, num_cols: int, activation: str | None = None) -> str | None:
     """Why the Pallas kernels cannot run this call (None when they can)."""
     if jnp.dtype(lhs.dtype) not in map(jnp.dtype, KERNEL_DTYPES):
         return f"lhs and rhs must be bfloat16 or float16 for backend='pallas', got {jnp.dtype(lhs.dtype).name}"
     for name, size in (("K", contraction), ("N", num_cols)):
         if size <= 0 or size % KERNEL_DIM_MULTIPLE:
             return f"{name} must be a positive multiple of {KERNEL_DIM_MULTIPLE} for backend='pallas', got {size}"
+    if activation is not None and (num_cols // 2) % PACK_BLOCK:
+        # The GLU epilogue pairs gate and up columns in blocks of PACK_BLOCK (packing.py).
+        return (
+            f"with an activation F = N/2 must be a multiple of {PACK_BLOCK} for backend='pallas', got {num_cols // 2}"
+        )
     return None
 
 
@@ -41,6 +51,11 @@ def check_grouped_matmul_args(
     With ``backend="pallas"`` the kernels' constraints are checked too (NotImplementedError naming the dimension).
     """
     num_rows, contraction = checks.check_rank("lhs", lhs, 2, "[M, K]")
+    if isinstance(rhs, PackedGateUp):
+        if activation is None:
+            raise ValueError("rhs is a PackedGateUp ([gate | up] weights, packed): pass its activation=")
+        if rhs.transposed != transpose_rhs:
+            raise ValueError(f"rhs is a PackedGateUp with transposed={rhs.transposed}: transpose_rhs must match")
     rhs_layout = "[G, N, K]" if transpose_rhs else "[G, K, N]"
     num_groups, *rhs_dims = checks.check_rank("rhs", rhs, 3, rhs_layout)
     rhs_contraction, num_cols = reversed(rhs_dims) if transpose_rhs else rhs_dims
@@ -69,14 +84,14 @@ def check_grouped_matmul_args(
         raise TypeError(
             f"preferred_element_type must be one of float32, bfloat16, float16 or None, got {preferred_element_type}"
         )
-    if backend == "pallas" and (reason := kernel_unsupported(lhs, contraction, num_cols)):
+    if backend == "pallas" and (reason := kernel_unsupported(lhs, contraction, num_cols, activation)):
         raise NotImplementedError(f"grouped_matmul: {reason}; use backend='xla' (or 'auto', which falls back to it)")
     return num_rows, contraction, num_cols, num_groups
 
 
 def grouped_matmul(
     lhs: jax.Array,
-    rhs: jax.Array,
+    rhs: jax.Array | PackedGateUp,
     group_sizes: jax.Array,
     *,
     activation: str | None = None,
@@ -89,15 +104,21 @@ def grouped_matmul(
 
     Args:
       lhs: [M, K] rows sorted by group.
-      rhs: [G, K, N] weights, or [G, N, K] (K-major) with ``transpose_rhs=True``; same dtype as lhs.
+      rhs: [G, K, N] weights, or [G, N, K] (K-major) with ``transpose_rhs=True``; same dtype as lhs. With an
+        activation it may also be a ``PackedGateUp`` (``pack_gate_up(rhs)``): the same [gate | up] weights with their
+        columns interleaved so that one kernel tile holds matching gate and up columns. The type says the layout,
+        so there is no ambiguity; a plain array is always read as [gate | up] and, on the Pallas path, packed on
+        every call (one weight copy): store weights packed.
       group_sizes: [G] int32 rows per group; rows at or past ``sum(group_sizes)`` give zeros.
       activation: None, or "swiglu" / "geglu" / "gpt_oss": N holds ``[gate | up]`` (F = N/2 each) and the result is
         ``act(gate) * up`` of shape [M, F] (see DESIGN §3 for gpt_oss's clamp).
       row_scale: optional [M] float multiplying each output row (routing weights folded into the down projection).
       preferred_element_type: output dtype (default: lhs.dtype); accumulation is always f32.
       transpose_rhs: rhs is laid out [G, N, K].
-      backend: "auto", "xla" or "pallas". "pallas" (the default on an H100/H200 under "auto") needs bf16/f16 inputs
-        and K, N multiples of 64; "auto" falls back to "xla" where those do not hold.
+      backend: "auto", "xla" or "pallas". "pallas" (the default on an H100/H200 under "auto") needs bf16/f16 inputs,
+        K, N multiples of 64 and, with an activation, F a multiple of 64; "auto" falls back to "xla" where those do
+        not hold. With an activation or a row scale the kernel applies them in its epilogue (f32) and writes only
+        the result; under differentiation it also keeps the pre-activation [M, N] for the backward.
 
     Returns:
       [M, N], or [M, N/2] with an activation.
@@ -114,55 +135,72 @@ def grouped_matmul(
     )
     contraction = lhs.shape[1]
     num_cols = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    supported = kernel_unsupported(lhs, contraction, num_cols) is None
+    supported = kernel_unsupported(lhs, contraction, num_cols, activation) is None
+    group_sizes = group_sizes.astype(jnp.int32)
     if resolve_backend(backend, op="grouped_matmul", has_kernel=supported) == "xla":
         return reference.grouped_matmul(
             lhs,
             rhs,
-            group_sizes.astype(jnp.int32),
+            group_sizes,
             activation=activation,
             row_scale=row_scale,
             preferred_element_type=preferred_element_type,
             transpose_rhs=transpose_rhs,
         )
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
-    epilogue = activation is not None or row_scale is not None
-    # The XLA epilogue (until the kernel fuses it) works on the f32 GEMM result, as the reference does.
-    out = _pallas_grouped_matmul(
-        lhs, rhs, group_sizes.astype(jnp.int32), jnp.float32 if epilogue else out_dtype, transpose_rhs
-    )
-    if activation is not None:
-        gate, up = jnp.split(out, 2, axis=-1)
-        out = reference.gated_activation(gate, up, activation)
-    if row_scale is not None:
-        out = out * row_scale.astype(jnp.float32)[:, None]
-    return out.astype(out_dtype)
+    if activation is None and row_scale is None:
+        return _pallas_grouped_matmul(lhs, rhs, group_sizes, out_dtype, transpose_rhs)
+    if activation is not None and not isinstance(rhs, PackedGateUp):
+        rhs = pack_gate_up(rhs, transposed=transpose_rhs)
+    weights = rhs.array if isinstance(rhs, PackedGateUp) else rhs
+    scale = None if row_scale is None else row_scale.astype(jnp.float32)
+    return _pallas_epilogue_matmul(lhs, weights, group_sizes, scale, activation, out_dtype, transpose_rhs)
 
 
 # ------------------------------------------------------------------------------------------- Pallas path + custom_vjp
 
 
-def _padded_rows(x: jax.Array) -> jax.Array:
+def _padded_rows(x: jax.Array | None) -> jax.Array | None:
     """x with its rows padded to a multiple of KERNEL_ROW_MULTIPLE (a copy only when M is not one already)."""
+    if x is None:
+        return None
     extra = -x.shape[0] % KERNEL_ROW_MULTIPLE
-    return jnp.pad(x, ((0, extra), (0, 0))) if extra else x
+    return jnp.pad(x, [(0, extra)] + [(0, 0)] * (x.ndim - 1)) if extra else x
 
 
-def run_rows_kernel(kind, x, w, group_sizes, *, w_transposed, out_dtype, config=None):
-    """fwd / dgrad kernel: out[M, C] = x[M, R] · w[g] per group (w [G, R, C], or [G, C, R] when ``w_transposed``).
+def run_rows_kernel(
+    kind,
+    x,
+    w,
+    group_sizes,
+    *,
+    w_transposed,
+    out_dtype,
+    config=None,
+    epilogue=sm90.PLAIN,
+    row_scale=None,
+    gate_up=None,
+):
+    """fwd / dgrad / glu_dgrad kernel: x[M, R] · w[g] per group (w [G, R, C], or [G, C, R] when ``w_transposed``).
 
     ``config=None`` takes config.get_config's choice for the op's (G, M, K, N); the tuning script passes its own.
+    ``epilogue``, ``row_scale`` [M] f32 and ``gate_up`` [M, 2C] are sm90.grouped_matmul_rows's.
+
+    Returns:
+      sm90.grouped_matmul_rows's outputs, rows past M dropped; for the GLU backward (d_gate_up [M, 2C],
+      h_scaled [M, C], d_row_scale [M] f32 or None), the row-scale gradient summed from the kernel's partial sums.
     """
     m = x.shape[0]
     num_groups, *w_dims = w.shape
     r, c = reversed(w_dims) if w_transposed else w_dims
     # The table is keyed by the op's K, N (rhs [G, K, N]): dgrad's contraction R is the op's N.
-    k, n = (c, r) if kind == "dgrad" else (r, c)
+    k, n = (c, r) if kind in ("dgrad", "glu_dgrad") else (r, c)
     if config is None:
-        config = get_config(kind, m=m, k=k, n=n, g=num_groups, out_itemsize=jnp.dtype(out_dtype).itemsize)
+        itemsize = jnp.dtype(out_dtype).itemsize
+        config = get_config(kind, m=m, k=k, n=n, g=num_groups, out_itemsize=itemsize, row_scale=epilogue.row_scale)
     x = _padded_rows(x)
     tiles, num_tiles = schedule.row_tiles(group_sizes, x.shape[0], config.block_m)
-    out = sm90.grouped_matmul_rows(
+    outs = sm90.grouped_matmul_rows(
         x,
         w,
         tiles,
@@ -172,8 +210,19 @@ def run_rows_kernel(kind, x, w, group_sizes, *, w_transposed, out_dtype, config=
         config=config,
         num_sms=hardware.num_sms(),
         interpret=hardware.interpret_params(),
+        epilogue=epilogue,
+        row_scale=_padded_rows(row_scale),
+        gate_up=_padded_rows(gate_up),
     )
-    return out[:m]
+    if not isinstance(outs, tuple):
+        return outs[:m]
+    if not epilogue.backward:
+        return tuple(out[:m] for out in outs)
+    d_gate_up, hidden_scaled, *partials = outs
+    d_row_scale = None
+    if partials:
+        d_row_scale = schedule.gather_row_partials(partials[0], tiles, num_tiles, x.shape[0])[:m]
+    return d_gate_up[:m], hidden_scaled[:m], d_row_scale
 
 
 def run_wgrad_kernel(x, y, group_sizes, *, out_dtype, config=None, transposed=False):
@@ -206,15 +255,92 @@ def _pallas_fwd(lhs, rhs, group_sizes, out_dtype, transpose_rhs):
     return _pallas_grouped_matmul(lhs, rhs, group_sizes, out_dtype, transpose_rhs), (lhs, rhs, group_sizes)
 
 
-def _pallas_bwd(out_dtype, transpose_rhs, residuals, d_out):
-    """d lhs = d_out · rhs[g]^T (the rows kernel reading rhs the other way round); d rhs = lhs_g^T · d_out_g."""
-    lhs, rhs, group_sizes = residuals
+def gemm_grads(lhs, rhs, group_sizes, d_out, *, transpose_rhs: bool) -> tuple[jax.Array, jax.Array]:
+    """(d lhs, d rhs) of lhs · rhs[g]: d lhs = d_out · rhs[g]^T (the rows kernel reading rhs the other way round);
+    d rhs = lhs_g^T · d_out_g (the wgrad kernel)."""
     d_out = d_out.astype(lhs.dtype)  # wgmma multiplies equal dtypes; accumulation stays f32
     d_lhs = run_rows_kernel("dgrad", d_out, rhs, group_sizes, w_transposed=not transpose_rhs, out_dtype=lhs.dtype)
     # [G, N, K] weights get their gradient in the same layout: d_out_g^T · lhs_g.
     x, y = (d_out, lhs) if transpose_rhs else (lhs, d_out)
     d_rhs = run_wgrad_kernel(x, y, group_sizes, out_dtype=rhs.dtype, transposed=transpose_rhs)
-    return d_lhs, d_rhs, None
+    return d_lhs, d_rhs
+
+
+def _pallas_bwd(out_dtype, transpose_rhs, residuals, d_out):
+    lhs, rhs, group_sizes = residuals
+    return *gemm_grads(lhs, rhs, group_sizes, d_out, transpose_rhs=transpose_rhs), None
 
 
 _pallas_grouped_matmul.defvjp(_pallas_fwd, _pallas_bwd)
+
+
+# ------------------------------------------------------------------- Pallas path with the GLU / row scale fused
+
+
+def forward_epilogue(activation: str | None, row_scale: bool, *, keep_dtype=None) -> sm90.Epilogue:
+    """The forward kernel's epilogue: GLU over packed gate/up columns and/or a row scale.
+
+    ``keep_dtype``: also store the pre-activation, in this dtype (the output's), rounded as the GLU backward needs it
+    (``glu.kept_pre_activation``).
+    """
+    if activation is None:
+        return sm90.Epilogue(row_scale=row_scale, keep_acc=keep_dtype is not None, pack=PACK_BLOCK)
+    rounding = None
+    if keep_dtype is not None:
+        rounding = functools.partial(kept_pre_activation, activation=activation, dtype=keep_dtype)
+    return sm90.Epilogue(
+        activation=functools.partial(glu, activation=activation),
+        row_scale=row_scale,
+        keep_acc=keep_dtype is not None,
+        keep_rounding=rounding,
+        pack=PACK_BLOCK,
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _pallas_epilogue_matmul(lhs, rhs, group_sizes, row_scale, activation, out_dtype, transpose_rhs):
+    """lhs [M, K] · rhs[g] with the epilogue fused: [M, N/2] with an activation (rhs packed), else [M, N]."""
+    epilogue = forward_epilogue(activation, row_scale is not None)
+    return run_rows_kernel(
+        "fwd",
+        lhs,
+        rhs,
+        group_sizes,
+        w_transposed=transpose_rhs,
+        out_dtype=out_dtype,
+        epilogue=epilogue,
+        row_scale=row_scale,
+    )
+
+
+def _epilogue_fwd(lhs, rhs, group_sizes, row_scale, activation, out_dtype, transpose_rhs):
+    epilogue = forward_epilogue(activation, row_scale is not None, keep_dtype=out_dtype)
+    out, pre = run_rows_kernel(
+        "fwd",
+        lhs,
+        rhs,
+        group_sizes,
+        w_transposed=transpose_rhs,
+        out_dtype=out_dtype,
+        epilogue=epilogue,
+        row_scale=row_scale,
+    )
+    return out, (lhs, rhs, group_sizes, row_scale, pre)
+
+
+def _epilogue_bwd(activation, out_dtype, transpose_rhs, residuals, d_out):
+    """The epilogue's VJP in XLA on the kept pre-activation [M, N], then the dgrad and wgrad kernels."""
+    lhs, rhs, group_sizes, row_scale, pre = residuals
+
+    def epilogue(acc, scale):
+        if activation is not None:
+            acc = reference.gated_activation(*split_gate_up(acc, PACK_BLOCK), activation)
+        return acc if scale is None else acc * scale[:, None]
+
+    _, pullback = jax.vjp(epilogue, pre.astype(jnp.float32), row_scale)
+    d_pre, d_row_scale = pullback(d_out.astype(jnp.float32))
+    d_lhs, d_rhs = gemm_grads(lhs, rhs, group_sizes, d_pre, transpose_rhs=transpose_rhs)
+    return d_lhs, d_rhs, None, d_row_scale
+
+
+_pallas_epilogue_matmul.defvjp(_epilogue_fwd, _epilogue_bwd)

@@ -1,9 +1,11 @@
 """Tile configurations of the sm90 grouped-matmul kernels: the frozen Config, a tuned table, a heuristic.
 
 Three kernels share one Config type (sm90.py, sm90_wgrad.py):
-  "fwd"    out[M, N]   = lhs[M, K] · rhs[g][K, N]          rows ragged, contraction K
-  "dgrad"  dlhs[M, K]  = dout[M, N] · rhs[g][K, N]^T       the fwd kernel with rhs read the other way round
-  "wgrad"  drhs[g]     = lhs_g^T · dout_g   -> [G, K, N]   contraction over the ragged rows
+  "fwd"        out[M, N]   = lhs[M, K] · rhs[g][K, N]          rows ragged, contraction K (any sm90.Epilogue)
+  "dgrad"      dlhs[M, K]  = dout[M, N] · rhs[g][K, N]^T       the fwd kernel with rhs read the other way round
+  "glu_dgrad"  the dgrad of a GLU MLP's down projection, rhs [G, F, D]: dout [M, D] · rhs[g]^T with the GLU backward
+               in its epilogue (sm90.Epilogue.activation_grad); its output columns are F
+  "wgrad"      drhs[g]     = lhs_g^T · dout_g   -> [G, K, N]   contraction over the ragged rows
 For fwd/dgrad, (block_m, block_n) tile the output [M, cols] and block_k the contraction; for wgrad, (block_m, block_n)
 tile one group's [K, N] output and block_k walks its rows.
 """
@@ -12,7 +14,7 @@ import dataclasses
 import math
 from typing import Literal
 
-KINDS = ("fwd", "dgrad", "wgrad")
+KINDS = ("fwd", "dgrad", "glu_dgrad", "wgrad")
 WGMMA_M = 64  # rows of one wgmma instruction: a compute warpgroup owns a multiple of this
 SMEM_BYTES = 227 * 1024  # dynamic shared memory one H100/H200 block can have
 
@@ -66,15 +68,26 @@ class Config:
         """Rows of the tile owned by one compute warpgroup."""
         return self.block_m // self.num_compute_wgs
 
-    def smem_bytes(self, in_itemsize: int, out_itemsize: int) -> int:
-        """Shared memory of one CTA: the pipeline's stages plus the epilogue's double buffer."""
+    def smem_bytes(self, in_itemsize: int, out_itemsize: int, *, operand_cols: int = 0, row_vectors: int = 0) -> int:
+        """Shared memory of one CTA: the pipeline's stages, the epilogue's double buffer and its operands.
+
+        Args:
+          in_itemsize, out_itemsize: bytes per input / output element.
+          operand_cols: columns of the [wg_block_m, operand_cols] input-dtype tile each consumer's epilogue loads
+            (the GLU backward's packed gate/up rows: 2 * block_n).
+          row_vectors: [wg_block_m] f32 vectors per consumer (row_scale in, partial sums out).
+        """
         stage = (self.block_m + self.block_n) * self.block_k * in_itemsize
         epilogue = self.num_compute_wgs * 2 * self.wg_block_m * self.epilogue_n * out_itemsize
-        return self.num_stages * stage + epilogue
+        operands = self.num_compute_wgs * self.wg_block_m * (operand_cols * in_itemsize + row_vectors * 4)
+        # A swizzled operand tile starts at a 1024-byte boundary: up to that much padding before it.
+        alignment = 1024 if operand_cols else 0
+        return self.num_stages * stage + epilogue + operands + alignment
 
-    def fits(self, in_itemsize: int = 2, out_itemsize: int = 2) -> bool:
+    def fits(self, in_itemsize: int = 2, out_itemsize: int = 2, **epilogue) -> bool:
+        """Whether the CTA's shared memory fits (``epilogue``: smem_bytes's operand_cols / row_vectors)."""
         # Leave room for the barriers and the compiler's own scratch.
-        return self.smem_bytes(in_itemsize, out_itemsize) <= SMEM_BYTES - 2048
+        return self.smem_bytes(in_itemsize, out_itemsize, **epilogue) <= SMEM_BYTES - 2048
 
 
 # Tuned on the device by `python -m benchmarks.tune_grouped_matmul tune` (see docs/kernels/grouped_matmul.md).
@@ -82,40 +95,56 @@ class Config:
 TUNED: dict[tuple[str, int, int, int, int], Config] = {}
 
 
-def heuristic_config(kind: str, *, m: int, k: int, n: int, g: int, out_itemsize: int = 2) -> Config:
+def epilogue_smem(kind: str, config: Config, row_scale: bool) -> dict:
+    """smem_bytes's epilogue operands of a kernel kind (``row_scale``: the epilogue scales rows)."""
+    if kind == "glu_dgrad":
+        return dict(operand_cols=2 * config.block_n, row_vectors=2 * row_scale)
+    return dict(row_vectors=int(row_scale))
+
+
+def heuristic_config(
+    kind: str, *, m: int, k: int, n: int, g: int, out_itemsize: int = 2, row_scale: bool = False
+) -> Config:
     """A good config for shapes not in the table.
 
     Args:
-      kind: "fwd", "dgrad" or "wgrad".
+      kind: "fwd", "dgrad", "glu_dgrad" or "wgrad".
       m, k, n, g: the op's rows, contraction, columns and groups (rhs is [G, K, N]).
       out_itemsize: bytes per output element (the epilogue buffer grows with it).
+      row_scale: the epilogue scales rows (a row_scale vector per consumer; two for glu_dgrad).
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    out_cols = k if kind == "dgrad" else n
+    out_cols = k if kind in ("dgrad", "glu_dgrad") else n
     if kind == "wgrad":
         # Output tiles are [K, N] blocks of one group; the contraction (rows of a group) is short when G is large.
         rows_per_group = max(m // max(g, 1), 1)
         stages = 4 if rows_per_group >= 256 else 3
-        return _fit(Config(block_m=128, block_n=256 if n >= 256 else 128, block_k=64, num_stages=stages), out_itemsize)
+        config = Config(block_m=128, block_n=256 if n >= 256 else 128, block_k=64, num_stages=stages)
+        return _fit(config, out_itemsize, kind, row_scale)
     block_n = 256 if out_cols >= 1024 else 128
+    if kind == "glu_dgrad":
+        # The epilogue loads each consumer's [64, 2 * block_n] packed gate/up rows (one TMA box: 2 * block_n <= 256)
+        # and writes three outputs; 128-wide tiles leave room for 3 pipeline stages.
+        block_n = 128
     # Wide outputs: walk a band of row tiles over all column tiles so rhs stays in L2; narrow ones: all columns of
     # a row band are in flight at once and lhs stays in L2.
     n_tiles = math.ceil(out_cols / block_n)
     order = dict(grid_minor="n", grid_width=n_tiles) if n_tiles <= 16 else dict(grid_minor="m", grid_width=16)
-    return _fit(Config(block_m=128, block_n=block_n, block_k=64, num_stages=4, **order), out_itemsize)
+    config = Config(block_m=128, block_n=block_n, block_k=64, num_stages=4, **order)
+    return _fit(config, out_itemsize, kind, row_scale)
 
 
-def _fit(config: Config, out_itemsize: int) -> Config:
+def _fit(config: Config, out_itemsize: int, kind: str, row_scale: bool) -> Config:
     """Drops pipeline stages until the config fits in shared memory."""
-    while not config.fits(2, out_itemsize) and config.num_stages > 2:
+    while not config.fits(2, out_itemsize, **epilogue_smem(kind, config, row_scale)) and config.num_stages > 2:
         config = dataclasses.replace(config, num_stages=config.num_stages - 1)
     return config
 
 
-def get_config(kind: str, *, m: int, k: int, n: int, g: int, out_itemsize: int = 2) -> Config:
-    """The tuned config for (kind, G, M, K, N) if there is one, else the heuristic's."""
+def get_config(kind: str, *, m: int, k: int, n: int, g: int, out_itemsize: int = 2, row_scale: bool = False) -> Config:
+    """The tuned config for (kind, G, M, K, N) if there is one (and it fits), else the heuristic's."""
     tuned = TUNED.get((kind, g, m, k, n))
-    if tuned is not None and tuned.fits(2, out_itemsize):
+    if tuned is not None and tuned.fits(2, out_itemsize, **epilogue_smem(kind, tuned, row_scale)):
         return tuned
-    return heuristic_config(kind, m=m, k=k, n=n, g=g, out_itemsize=out_itemsize)
+    return heuristic_config(kind, m=m, k=k, n=n, g=g, out_itemsize=out_itemsize, row_scale=row_scale)

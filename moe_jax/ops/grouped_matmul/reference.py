@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax._core.checks import accumulation_dtype
+from moe_jax.ops.grouped_matmul.packing import PackedGateUp, split_gate_up
 
 ACTIVATIONS = ("swiglu", "geglu", "gpt_oss")
 
@@ -36,7 +37,7 @@ def row_mask(group_sizes: jax.Array, num_rows: int) -> jax.Array:
 
 def grouped_matmul(
     lhs: jax.Array,
-    rhs: jax.Array,
+    rhs: jax.Array | PackedGateUp,
     group_sizes: jax.Array,
     *,
     activation: str | None = None,
@@ -44,7 +45,14 @@ def grouped_matmul(
     preferred_element_type=None,
     transpose_rhs: bool = False,
 ) -> jax.Array:
-    """Reference for ``moe_jax.grouped_matmul``: lhs [M, K], rhs [G, K, N] (or [G, N, K]) -> [M, N] or [M, N/2]."""
+    """Reference for ``moe_jax.grouped_matmul``: lhs [M, K], rhs [G, K, N] (or [G, N, K]) -> [M, N] or [M, N/2].
+
+    A ``PackedGateUp`` rhs is multiplied as it is stored; its GEMM output is split back into gate and up (a view of
+    the activations), so the weights are never unpacked.
+    """
+    block = None
+    if isinstance(rhs, PackedGateUp):
+        block, rhs = rhs.block, rhs.array
     if transpose_rhs:
         rhs = jnp.swapaxes(rhs, 1, 2)
     acc_dtype = accumulation_dtype(lhs.dtype)
@@ -52,7 +60,7 @@ def grouped_matmul(
     # ragged_dot leaves rows past the last group unspecified on some backends; the contract says zero.
     out = jnp.where(row_mask(group_sizes, lhs.shape[0])[:, None], out, 0.0)
     if activation is not None:
-        gate, up = jnp.split(out, 2, axis=-1)
+        gate, up = split_gate_up(out, block or out.shape[-1] // 2)
         out = gated_activation(gate, up, activation)
     if row_scale is not None:
         out = out * row_scale.astype(acc_dtype)[:, None]

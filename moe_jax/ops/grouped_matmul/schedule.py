@@ -81,3 +81,24 @@ def wgrad_groups(group_sizes: jax.Array, num_rows: int) -> jax.Array:
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
     order = jnp.argsort(-(ends - starts), stable=True).astype(jnp.int32)
     return jnp.stack([order, starts[order], (ends - starts)[order]]).astype(jnp.int32)
+
+
+def gather_row_partials(partials: jax.Array, tiles: jax.Array, num_tiles: jax.Array, num_rows: int) -> jax.Array:
+    """[M] row sums from per-tile partial sums, as the GLU backward epilogue writes them.
+
+    Args:
+      partials: [C tiles, T, block_m]: entry (n, t, i) is column tile n's share of the sum of box row i of row tile t
+        (only the rows that tile stores were written).
+      tiles, num_tiles: the row_tiles table the kernel ran on (T entries, ``num_tiles`` in use).
+      num_rows: M.
+
+    Every row is stored by exactly one tile and the tiles in use are in row order from row 0, so row r belongs to the
+    last tile whose first stored row is <= r: mark each tile's first row with its index and take a running maximum.
+    """
+    capacity = tiles.shape[1]
+    index = jnp.arange(capacity, dtype=jnp.int32)
+    first_stored = jnp.where(index < num_tiles[0], tiles[TILE_ROW] + tiles[TILE_SKIP], num_rows)  # padding: dropped
+    marks = jnp.zeros((num_rows,), jnp.int32).at[first_stored].set(index, mode="drop")
+    tile = jax.lax.cummax(marks, axis=0)
+    row = jnp.arange(num_rows, dtype=jnp.int32)
+    return jnp.sum(partials[:, tile, row - tiles[TILE_ROW][tile]], axis=0)

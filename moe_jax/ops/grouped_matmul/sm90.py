@@ -8,15 +8,26 @@ Structure (one CTA per SM, persistent; the pipeline itself is in sm90_pipeline.p
   * the producer warpgroup streams the block_k slices of the tile's x rows and of w[g] into a ring of swizzled
     shared-memory buffers with TMA, running ahead across tile boundaries;
   * consumer warpgroup w owns rows [w * wg_block_m, (w+1) * wg_block_m) of the tile and accumulates them with
-    wgmma; a warpgroup none of whose rows is stored (the tail tile of a group) issues no MMA. The epilogue casts
-    the f32 accumulator and TMA-stores the tile's own rows only (sm90_pipeline.store_tile);
+    wgmma; a warpgroup none of whose rows is stored (the tail tile of a group) issues no MMA. The epilogue
+    (``Epilogue``) turns the f32 accumulator into the outputs and TMA-stores the tile's own rows only;
   * tiles come from schedule.row_tiles, walked in a planar-snake order over (row tile, column tile); the loop
     bound is read from the device, so empty groups cost nothing and no host sync is needed.
 
+Epilogues (``Epilogue``; the GLU math arrives as functions, the kernel holds no activation policy):
+  * plain: cast and store [M, C];
+  * forward: GLU over packed [gate | up] column blocks (packing.py) -> [M, C/2], and/or a per-row scale, optionally
+    also storing the raw accumulator (the pre-activation the backward keeps);
+  * GLU backward (dgrad of the down projection): the accumulator is d_h = dout · w_down^T; with the tile's rows of
+    the packed pre-activation and of row_scale (both TMA-loaded by the consumer while its MMAs run) it writes
+    d_gate_up [M, 2C] (packed), h * row_scale [M, C] (the down projection's wgrad operand) and per-tile partial sums
+    of h · d_h for the row-scale gradient.
+
 Everything element-type specific sits in the two TMA loads and the wgmma call: an FP8 variant needs both operands
 K-major (x is, w must be stored [G, C, R]: ``w_transposed``) plus per-block scales applied to the accumulator.
-For a GLU epilogue the tile's [gate | up] column pair can be loaded as one B tile (see docs/kernels/grouped_matmul.md).
 """
+
+import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +38,69 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from moe_jax.ops.grouped_matmul import sm90_pipeline as pipe
 from moe_jax.ops.grouped_matmul.config import Config
 from moe_jax.ops.grouped_matmul.schedule import ROW_ALIGN, TILE_GROUP, TILE_ROW, TILE_ROWS, TILE_SKIP, ZERO_TILE
+
+
+@dataclasses.dataclass(frozen=True)
+class Epilogue:
+    """What each consumer does with its f32 accumulator [wg_block_m, block_n] (static; the default is plain).
+
+    Attributes:
+      activation: GLU forward ``(gate, up) -> h`` on f32 arrays: the accumulator's columns are ``pack``-wide blocks
+        of gate columns each followed by the matching up columns; the output holds h, [M, C/2].
+      activation_grad: GLU backward ``(gate, up, d_h) -> (h, d_gate, d_up)``: the accumulator is d_h (before the
+        row scale), gate/up come from the packed pre-activation operand [M, 2C]. Outputs: d_gate_up [M, 2C] (packed),
+        h * row_scale [M, C] and, with ``row_scale``, partial row sums of h · d_h [C tiles, row tiles, block_m] f32.
+      row_scale: rows are scaled by the row_scale operand [M] f32 (forward: the output; backward: d_h).
+      keep_acc: forward only: also store the accumulator itself (cast to the output dtype) as a second output.
+      keep_rounding: with keep_acc and an activation, ``(gate, up) -> (gate, up)``: f32 values exactly representable
+        in the output dtype, stored in place of the accumulator (how the GLU backward wants its input rounded).
+      pack: the gate/up interleave width (columns); must divide block_n / 2 (fwd) or block_n (bwd).
+    """
+
+    activation: Callable | None = None
+    activation_grad: Callable | None = None
+    row_scale: bool = False
+    keep_acc: bool = False
+    keep_rounding: Callable | None = None
+    pack: int = 64
+
+    def __post_init__(self):
+        if self.activation is not None and self.activation_grad is not None:
+            raise ValueError("Epilogue: activation (forward) and activation_grad (backward) exclude each other")
+        if self.keep_acc and self.activation_grad is not None:
+            raise ValueError("Epilogue: keep_acc is a forward option")
+        if self.keep_rounding is not None and not (self.keep_acc and self.activation is not None):
+            raise ValueError("Epilogue: keep_rounding needs keep_acc and an activation")
+
+    @property
+    def backward(self) -> bool:
+        return self.activation_grad is not None
+
+    @property
+    def plain(self) -> bool:
+        return self == Epilogue(pack=self.pack)
+
+    def check(self, config: Config) -> None:
+        """Raises ValueError when the tile shape cannot serve this epilogue."""
+        glu_cols = config.block_n // 2 if self.activation else config.block_n
+        if (self.activation or self.backward) and (glu_cols % self.pack or self.pack % config.epilogue_n):
+            raise ValueError(
+                f"a GLU epilogue needs pack={self.pack} dividing the tile's hidden columns ({glu_cols}) and a "
+                f"multiple of epilogue_n={config.epilogue_n}"
+            )
+        if self.backward and self.operand_cols(config) > 256:
+            raise ValueError(f"the GLU backward loads [gate | up] tiles of 2 * block_n <= 256 columns, got {config}")
+
+    def operand_cols(self, config: Config) -> int:
+        """Columns of the per-consumer operand tile the epilogue loads (the backward's packed gate/up rows)."""
+        return 2 * config.block_n if self.backward else 0
+
+    def row_vectors(self) -> int:
+        """[wg_block_m] f32 shared-memory vectors per consumer: row_scale in, partial sums out."""
+        return self.row_scale * (2 if self.backward else 1)
+
+
+PLAIN = Epilogue()  # cast and store
 
 
 def grouped_matmul_rows(
@@ -40,29 +114,46 @@ def grouped_matmul_rows(
     config: Config,
     num_sms: int,
     interpret=None,
-) -> jax.Array:
-    """out[M, C] = x[rows of g] · w[g] over the row tiles of schedule.row_tiles.
+    epilogue: Epilogue = PLAIN,
+    row_scale: jax.Array | None = None,
+    gate_up: jax.Array | None = None,
+):
+    """out[M, C] = x[rows of g] · w[g] over the row tiles of schedule.row_tiles, through ``epilogue``.
 
     Args:
       x: [M, R] with M a multiple of 8 and R of 64.
       w: [G, R, C], or [G, C, R] with ``w_transposed``; C a multiple of 64; same dtype as x (bf16 or f16).
       tiles, num_tiles: schedule.row_tiles(group_sizes, M, config.block_m).
       w_transposed: w's last axis is the contraction.
-      out_dtype: output dtype (accumulation is f32).
+      out_dtype: dtype of every [M, .] output (accumulation is f32).
       config: tile shapes; num_sms: persistent CTAs; interpret: Mosaic GPU interpreter params or None.
+      epilogue: see ``Epilogue``.
+      row_scale: [M] f32, with ``epilogue.row_scale``.
+      gate_up: [M, 2C] packed pre-activation in x's dtype, for the GLU backward.
 
     Returns:
-      [M, C]: the rows of every tile's group, zeros for the rows of ZERO_TILE tiles.
+      plain: [M, C]: the rows of every tile's group, zeros for the rows of ZERO_TILE tiles. Forward: out ([M, C/2]
+      with an activation, else [M, C]), or (out, acc [M, C]) with ``keep_acc``. GLU backward: (d_gate_up [M, 2C],
+      h_scaled [M, C]), plus the partial sums [cdiv(C, block_n), T, block_m] f32 with ``row_scale``.
     """
     m, r = x.shape
     cols = w.shape[1] if w_transposed else w.shape[2]
-    cfg = config
+    cfg, epi = config, epilogue
+    epi.check(cfg)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    wg_m, num_wgs, stages = cfg.wg_block_m, cfg.num_compute_wgs, cfg.num_stages
+    wg_m, num_wgs, stages, epi_n = cfg.wg_block_m, cfg.num_compute_wgs, cfg.num_stages, cfg.epilogue_n
     k_steps = pl.cdiv(r, bk)
     n_tiles = pl.cdiv(cols, bn)
+    max_tiles = tiles.shape[1]
+    operands = [
+        op for op in (row_scale if epi.row_scale else None, gate_up if epi.backward else None) if op is not None
+    ]
+    loads_per_tile = len(operands)  # TMA copies a consumer issues per tile for its epilogue
 
-    def body(tiles_gmem, count_gmem, x_gmem, w_gmem, out_gmem, x_smem, w_smem, out_smem, produced, consumed):
+    def body(tiles_gmem, count_gmem, x_gmem, w_gmem, *refs):
+        operand_gmem, refs = refs[: len(operands)], refs[len(operands) :]
+        out_gmems, refs = refs[: len(out_types)], refs[len(out_types) :]
+        x_smem, w_smem, out_smem, produced, consumed, *epi_scratch = refs
         num_row_tiles = count_gmem[0]
         wg = lax.axis_index("wg")
         work = (num_row_tiles * n_tiles,)
@@ -104,6 +195,7 @@ def grouped_matmul_rows(
         @pl.when(wg < num_wgs)
         def _consumer():
             plgpu.set_max_registers(pipe.compute_registers(num_wgs), action="increase")
+            prefetch, finish = _epilogue(epi, cfg, cols, out_dtype, wg, out_gmems, out_smem, operand_gmem, epi_scratch)
 
             @plgpu.nd_loop(work, collective_axes="sm", init_carry=jnp.int32(0))
             def _tile(info, carry):
@@ -113,7 +205,9 @@ def grouped_matmul_rows(
                 # The tile's stored rows within this warpgroup's wg_m-row slice.
                 wg_first = jnp.clip(skip - wg * wg_m, 0, wg_m)
                 wg_rows = jnp.clip(skip + rows - wg * wg_m, 0, wg_m) - wg_first
+                wg_row0 = row0 + wg * wg_m
                 steps = tile_steps(group)
+                prefetch(wg_row0, ni)
 
                 def mma(acc):
                     def issue(k, slot):
@@ -126,30 +220,180 @@ def grouped_matmul_rows(
                     pipe.consume(carry, steps, stages, produced, consumed, issue)
                     return acc[...]
 
-                out = pl.run_scoped(mma, plgpu.ACC((wg_m, bn), jnp.float32)).astype(out_dtype)
-                pipe.store_tile(out, out_smem, wg, out_gmem, row0 + wg * wg_m, wg_first, wg_rows, ni * bn, cols)
+                acc = pl.run_scoped(mma, plgpu.ACC((wg_m, bn), jnp.float32))
+                finish(acc, mi, ni, wg_row0, wg_first, wg_rows)
                 return carry + steps
 
             plgpu.wait_smem_to_gmem(0)
 
     in_dtype = x.dtype
     w_block_shape = (bn, bk) if w_transposed else (bk, bn)
+    out_types = _out_types(epi, m, cols, out_dtype, x.dtype, (n_tiles, max_tiles, bm))
     scratch = [
         plgpu.SMEM((stages, bm, bk), in_dtype, transforms=pipe.swizzled(bk, in_dtype)),
         plgpu.SMEM((stages, *w_block_shape), in_dtype, transforms=pipe.swizzled(w_block_shape[1], in_dtype)),
-        pipe.epilogue_smem(num_wgs, wg_m, cfg.epilogue_n, out_dtype),
+        pipe.epilogue_smem(num_wgs, wg_m, epi_n, out_dtype),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # produced: the two TMA loads of a step landed
         plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages),  # consumed: every consumer released the buffer
     ]
+    if loads_per_tile:
+        # loaded[w]: consumer w's epilogue operands of its current tile landed.
+        scratch.append(plgpu.Barrier(num_arrivals=loads_per_tile, num_barriers=num_wgs))
+    if epi.row_scale:
+        scratch.append(plgpu.SMEM((num_wgs, wg_m), jnp.float32))  # the tile's row_scale rows
+    if epi.backward:
+        gate_up_cols = epi.operand_cols(cfg)
+        scratch.append(
+            plgpu.SMEM((num_wgs, wg_m, gate_up_cols), in_dtype, transforms=pipe.swizzled(gate_up_cols, in_dtype))
+        )
+        if epi.row_scale:
+            scratch.append(plgpu.SMEM((num_wgs, wg_m), jnp.float32))  # partial sums on their way out
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((m, cols), out_dtype),
+        out_type=tuple(out_types) if len(out_types) > 1 else out_types[0],
         scratch_types=scratch,
         grid=(num_sms,),
         grid_names=("sm",),
         num_threads=num_wgs + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(),
+        # Approximate exp / division in the GLU epilogues only: far inside bf16 rounding, and the plain kernels keep
+        # their exact code.
+        compiler_params=plgpu.CompilerParams(approx_math=epi.activation is not None or epi.backward),
         interpret=interpret,
     )
-    return kernel(tiles, num_tiles, x, w)
+    return kernel(tiles, num_tiles, x, w, *operands)
+
+
+def _out_types(epi: Epilogue, m: int, cols: int, out_dtype, in_dtype, partials_shape) -> list:
+    if epi.backward:
+        types = [jax.ShapeDtypeStruct((m, 2 * cols), out_dtype), jax.ShapeDtypeStruct((m, cols), out_dtype)]
+        if epi.row_scale:
+            types.append(jax.ShapeDtypeStruct(partials_shape, jnp.float32))
+        return types
+    out_cols = cols // 2 if epi.activation else cols
+    types = [jax.ShapeDtypeStruct((m, out_cols), out_dtype)]
+    if epi.keep_acc:
+        types.append(jax.ShapeDtypeStruct((m, cols), out_dtype))
+    return types
+
+
+def _epilogue(epi: Epilogue, cfg: Config, cols: int, out_dtype, wg, out_gmems, out_smem, operand_gmem, scratch):
+    """Consumer ``wg``'s epilogue as two closures over its refs: ``prefetch(wg_row0, ni)`` at the start of a tile
+    (issues the TMA loads of the epilogue's operands) and ``finish(acc, mi, ni, wg_row0, wg_first, wg_rows)`` after
+    its MMAs (computes and stores the outputs)."""
+    wg_m, bn, epi_n, pack = cfg.wg_block_m, cfg.block_n, cfg.epilogue_n, epi.pack
+    loaded, *buffers = scratch if (epi.row_scale or epi.backward) else (None,)
+    buffers = iter(buffers)
+    row_scale_smem = next(buffers) if epi.row_scale else None
+    gate_up_smem = next(buffers) if epi.backward else None
+    partial_smem = next(buffers) if epi.backward and epi.row_scale else None
+    operand_gmem = iter(operand_gmem)
+    row_scale_gmem = next(operand_gmem) if epi.row_scale else None
+    gate_up_gmem = next(operand_gmem) if epi.backward else None
+
+    def packed_cols(f: int) -> tuple[int, int]:
+        """Columns of the gate and up values of hidden column f within a packed tile (f a multiple of epi_n)."""
+        gate = 2 * pack * (f // pack) + f % pack
+        return gate, gate + pack
+
+    def prefetch(wg_row0, ni):
+        # Issued before the tile's MMAs, so the loads overlap them.
+        if not (epi.row_scale or epi.backward):
+            return
+        # The buffers were last read in the previous tile's epilogue: every thread of the warpgroup must be done with
+        # them (barrier) and those generic-proxy reads ordered before the TMA's writes (fence): commit_smem is both.
+        plgpu.commit_smem()
+        rows = pl.ds(pl.multiple_of(wg_row0, ROW_ALIGN), wg_m)
+        if epi.row_scale:
+            plgpu.copy_gmem_to_smem(row_scale_gmem.at[rows], row_scale_smem.at[wg], loaded.at[wg])
+        if epi.backward:
+            gate_up_tile = gate_up_gmem.at[rows, pl.ds(2 * ni * bn, 2 * bn)]
+            plgpu.copy_gmem_to_smem(gate_up_tile, gate_up_smem.at[wg], loaded.at[wg])
+
+    def wait_operands():
+        if epi.row_scale or epi.backward:
+            plgpu.barrier_wait(loaded.at[wg])
+        if epi.row_scale:
+            return plgpu.load(row_scale_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+        return None
+
+    def scaled(value, scale):
+        return value if scale is None else value * lax.broadcast_in_dim(scale, value.shape, [0])
+
+    # Chunk orders: the chunks of one hidden column block together, in column order, so that every chunk past the
+    # tile's last column follows every stored one (pipe.store_chunks' rule).
+    def forward_chunks(acc, ni, scale):
+        out_gmem, *acc_gmem = out_gmems
+        keep = [] if not epi.keep_acc else [acc_gmem[0]]
+        if epi.activation is None:
+            for c in range(bn // epi_n):
+                chunk, col = acc[:, c * epi_n : (c + 1) * epi_n], ni * bn + c * epi_n
+                for dst in keep:
+                    yield chunk.astype(out_dtype), dst, col, cols
+                yield scaled(chunk, scale).astype(out_dtype), out_gmem, col, cols
+            return
+        for c in range(bn // 2 // epi_n):
+            gate, up = packed_cols(c * epi_n)
+            gate_chunk, up_chunk = acc[:, gate : gate + epi_n], acc[:, up : up + epi_n]
+            for dst in keep:
+                gate_kept, up_kept = (
+                    (gate_chunk, up_chunk) if epi.keep_rounding is None else epi.keep_rounding(gate_chunk, up_chunk)
+                )
+                yield gate_kept.astype(out_dtype), dst, ni * bn + gate, cols
+                yield up_kept.astype(out_dtype), dst, ni * bn + up, cols
+            hidden = epi.activation(gate_chunk, up_chunk)
+            yield scaled(hidden, scale).astype(out_dtype), out_gmem, ni * (bn // 2) + c * epi_n, cols // 2
+
+    def backward_chunks(d_h_unscaled, ni, scale, partial):
+        d_gate_up_gmem, hidden_gmem, *_ = out_gmems
+        for c in range(bn // epi_n):
+            f = c * epi_n
+            gate_col, up_col = packed_cols(f)
+            gate, up = (
+                plgpu.load(gate_up_smem.at[wg, :, pl.ds(col, epi_n)], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+                for col in (gate_col, up_col)
+            )
+            e = d_h_unscaled[:, f : f + epi_n]
+            hidden, d_gate, d_up = epi.activation_grad(gate, up, scaled(e, scale))
+            if partial is not None:
+                contribution = hidden * e
+                if cols % bn:
+                    # The last column tile runs past C: its TMA-loaded values there are not data (NaN under the
+                    # interpreter), keep them out of the sum.
+                    col = ni * bn + f + plgpu.broadcasted_iota(jnp.int32, e.shape, 1, layout=plgpu.Layout.WGMMA)
+                    contribution = jnp.where(col < cols, contribution, 0.0)
+                partial[0] = partial[0] + jnp.sum(contribution, axis=1)
+            yield d_gate.astype(out_dtype), d_gate_up_gmem, 2 * ni * bn + gate_col, 2 * cols
+            yield d_up.astype(out_dtype), d_gate_up_gmem, 2 * ni * bn + up_col, 2 * cols
+            yield scaled(hidden, scale).astype(out_dtype), hidden_gmem, ni * bn + f, cols
+
+    def finish(acc, mi, ni, wg_row0, wg_first, wg_rows):
+        if epi.plain:
+            out = acc.astype(out_dtype)
+            pipe.store_tile(out, out_smem, wg, out_gmems[0], wg_row0, wg_first, wg_rows, ni * bn, cols)
+            return
+        scale = wait_operands()
+        if not epi.backward:
+            pipe.store_chunks(forward_chunks(acc, ni, scale), out_smem, wg, wg_row0, wg_first, wg_rows)
+            return
+        zeros = jnp.zeros((wg_m,), jnp.float32)
+        partial = [plgpu.layout_cast(zeros, plgpu.Layout.WGMMA.reduce(1))] if epi.row_scale else None
+        pipe.store_chunks(backward_chunks(acc, ni, scale, partial), out_smem, wg, wg_row0, wg_first, wg_rows)
+        if partial is not None:
+            _store_partial(partial[0], partial_smem.at[wg], out_gmems[2].at[ni, mi, pl.ds(wg * wg_m, wg_m)], wg_rows)
+
+    return prefetch, finish
+
+
+def _store_partial(value, partial_smem, dst_gmem, wg_rows) -> None:
+    """Stores one consumer's [wg_block_m] partial sums (none when it stores no rows: nobody reads those).
+
+    The buffer's previous store finished: the tile's first chunk store waited for every earlier one.
+    """
+
+    @pl.when(wg_rows > 0)
+    def _():
+        partial_smem[...] = value
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(partial_smem, dst_gmem, commit_group=False)
+        plgpu.commit_smem_to_gmem_group()

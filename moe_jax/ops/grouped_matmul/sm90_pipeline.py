@@ -118,21 +118,41 @@ def epilogue_smem(num_compute_wgs: int, rows: int, epilogue_n: int, dtype):
     return plgpu.SMEM((num_compute_wgs, 2, rows, epilogue_n), dtype, transforms=swizzled(epilogue_n, dtype, 1))
 
 
-def store_tile(out, out_smem, wg, dst_gmem, row0, start, rows, col0, num_cols: int) -> None:
-    """Epilogue of one consumer: rows [start, start + rows) of ``out`` [R, C] (registers) to dst_gmem[row0.., col0..].
+def store_chunks(chunks, out_smem, wg, row0, start, rows) -> None:
+    """Epilogue of one consumer: TMA-stores a sequence of register chunks through this warpgroup's double buffer.
 
-    Goes out in epilogue_n-column chunks through this warpgroup's double buffer; chunks past ``num_cols`` are
-    skipped, the TMA clips the last partial one.
+    ``chunks`` yields (value [R, epilogue_n] in the buffer's dtype, dst_gmem, col, num_cols): rows [start, start +
+    rows) of each value go to dst_gmem[row0 + start.., col..]. A chunk at or past num_cols touches nothing (its bulk
+    group is empty); callers order their chunks so that none of those comes before a stored one. A generator is
+    consumed lazily, so each value is computed just before its store (few live registers).
     """
-    epi_n = out_smem.shape[-1]
-    for c in range(out.shape[1] // epi_n):
+    for c, (value, dst_gmem, col, num_cols) in enumerate(chunks):
         # Chunk c reuses the buffer of chunk c - 2; chunk 0 first waits for the previous tile's stores.
+        # (The interpreter counts copies, not bulk groups: an empty group between two stores of one buffer would
+        # look like a race to it, hence the ordering rule above.)
         if c == 0:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         elif c >= 2:
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-        out_smem[wg, c % 2] = out[:, c * epi_n : (c + 1) * epi_n]
-        plgpu.commit_smem()
-        col = col0 + c * epi_n
-        store_rows(out_smem, (wg, c % 2), dst_gmem, row0, start, jnp.where(col < num_cols, rows, 0), col)
+
+        @pl.when(col < num_cols)
+        def _store(value=value, dst_gmem=dst_gmem, col=col, buffer=c % 2):
+            out_smem[wg, buffer] = value
+            plgpu.commit_smem()
+            store_rows(out_smem, (wg, buffer), dst_gmem, row0, start, rows, col)
+
         plgpu.commit_smem_to_gmem_group()
+
+
+def store_tile(out, out_smem, wg, dst_gmem, row0, start, rows, col0, num_cols: int) -> None:
+    """Epilogue of one consumer: rows [start, start + rows) of ``out`` [R, C] (registers) to dst_gmem[row0.., col0..].
+
+    Goes out in epilogue_n-column chunks (``store_chunks``); chunks past ``num_cols`` are skipped, the TMA clips the
+    last partial one.
+    """
+    epi_n = out_smem.shape[-1]
+    chunks = (
+        (out[:, c * epi_n : (c + 1) * epi_n], dst_gmem, col0 + c * epi_n, num_cols)
+        for c in range(out.shape[1] // epi_n)
+    )
+    store_chunks(chunks, out_smem, wg, row0, start, rows)

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax._core import checks
-from moe_jax.ops.grouped_matmul.api import grouped_matmul
+from moe_jax.ops.glu_mlp.api import glu_mlp
+from moe_jax.ops.grouped_matmul.packing import PackedGateUp
 from moe_jax.ops.grouped_matmul.reference import ACTIVATIONS
 from moe_jax.ops.permute.api import combine, permute
 from moe_jax.ops.routing.api import (
@@ -38,6 +39,8 @@ def _check_moe_args(x, router_kernel, w_gate_up, w_down, activation, capacity_fa
     num_tokens, d_model = checks.check_rank("x", x, 2, "[T, D]")
     router_d, num_experts = checks.check_rank("router_kernel", router_kernel, 2, "[D, E]")
     checks.check_dim("router_kernel", router_d, d_model, "shape[0] (D, from x [T, D])")
+    if isinstance(w_gate_up, PackedGateUp) and w_gate_up.transposed:
+        raise ValueError("w_gate_up must be [E, D, 2F]; got a transposed PackedGateUp ([E, 2F, D])")
     gate_up_shape = checks.check_rank("w_gate_up", w_gate_up, 3, "[E, D, 2F]")
     if gate_up_shape[:2] != (num_experts, d_model) or gate_up_shape[2] % 2:
         raise ValueError(f"w_gate_up must have shape [E, D, 2F] = [{num_experts}, {d_model}, 2F], got {gate_up_shape}")
@@ -61,7 +64,7 @@ def _check_moe_args(x, router_kernel, w_gate_up, w_down, activation, capacity_fa
 def moe_ffn(
     x: jax.Array,
     router_kernel: jax.Array,
-    w_gate_up: jax.Array,
+    w_gate_up: jax.Array | PackedGateUp,
     w_down: jax.Array,
     *,
     top_k: int,
@@ -80,7 +83,8 @@ def moe_ffn(
     Args:
       x: [T, D] tokens.
       router_kernel: [D, E]; ``logits = x @ router_kernel`` in f32.
-      w_gate_up: [E, D, 2F], the ``[gate | up]`` halves along the last axis.
+      w_gate_up: [E, D, 2F], the ``[gate | up]`` halves along the last axis, or a ``PackedGateUp`` of them
+        (``pack_gate_up``; what the Pallas kernels read, so store weights packed: a plain array is packed per call).
       w_down: [E, F, D].
       top_k, score, renormalize, num_groups, top_groups, bias, scale: routing, as in ``moe_jax.route``.
       activation: "swiglu", "geglu" or "gpt_oss".
@@ -121,9 +125,11 @@ def moe_ffn(
     with jax.named_scope("permute"):
         rows = permute(x, sort_indices, top_k, backend=backend)
     with jax.named_scope("experts"):
-        hidden = grouped_matmul(rows, w_gate_up, group_sizes, activation=activation, backend=backend)
+        # The routing weights scale the down projection's rows (its epilogue), so the combine is a plain sum.
         row_weights = routing.weights.reshape(-1)[sort_indices]
-        out_rows = grouped_matmul(hidden, w_down, group_sizes, row_scale=row_weights, backend=backend)
+        out_rows = glu_mlp(
+            rows, w_gate_up, w_down, group_sizes, activation=activation, row_scale=row_weights, backend=backend
+        )
     with jax.named_scope("combine"):
         y = combine(out_rows, sort_indices, top_k, backend=backend)
     aux = MoEAux(

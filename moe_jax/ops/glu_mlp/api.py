@@ -1,0 +1,191 @@
+"""``moe_jax.glu_mlp``: the routed experts' gated MLP ``(act(x W_gate) * x W_up) W_down``, scaled per row, as one op.
+
+As two ``grouped_matmul`` calls the forward is already fused (GLU in the gate_up epilogue, row scale in the down
+epilogue); what one op adds is the backward. Its ``custom_vjp`` (backend="pallas") runs
+
+    forward   h, gu = gate_up kernel (x, W_gu)          GLU epilogue; gu = the packed pre-activation [M, 2F], kept
+              y     = down kernel (h, W_d)              row-scale epilogue
+    backward  d_gu, h*s, d_s = glu_dgrad kernel (dy, W_d^T; gu, s)   the GLU backward in the dgrad epilogue:
+                             e = dy W_d^T, d_h = s e, (d_gate, d_up) = GLU'(gu) d_h, d_s = sum_f h e (partials)
+              d W_d  = wgrad (h*s, dy)
+              d x    = dgrad (d_gu, W_gu^T);  d W_gu = wgrad (x, d_gu)        both in the packed layout
+
+so no elementwise pass over [M, 2F] runs outside a GEMM epilogue, and h is never kept: the epilogue recomputes it
+from gu. What the backward keeps is x and gu (bf16, M * 2F * 2 bytes). With ``recompute_gate_up=True`` it keeps only
+x and recomputes gu = x W_gu with the forward kernel at the start of the backward: one more GEMM (2 M D 2F FLOPs,
+two thirds of the MLP's forward FLOPs) for M * 2F * 2 fewer bytes. Keeping gu is the default: at the
+Qwen3-30B-A3B layer (M = 131072, D = 2048, F = 768) it is 0.4 GB written once and read once (~0.3 ms at 3 TB/s)
+against a 0.82-TFLOP GEMM (~1.9 ms at the 430 TF/s issue #3's gate_up kernel reached). Those are estimates;
+``python -m benchmarks --bench glu`` times both on the GPU.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax._core import checks
+from moe_jax._core.backend import resolve_backend
+from moe_jax.ops.glu_mlp import reference
+from moe_jax.ops.grouped_matmul import sm90
+from moe_jax.ops.grouped_matmul.api import (
+    check_grouped_matmul_args,
+    forward_epilogue,
+    gemm_grads,
+    kernel_unsupported,
+    run_rows_kernel,
+    run_wgrad_kernel,
+)
+from moe_jax.ops.grouped_matmul.glu import glu_grad
+from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, PackedGateUp, pack_gate_up
+from moe_jax.ops.grouped_matmul.reference import ACTIVATIONS
+
+
+def check_glu_mlp_args(x, w_gate_up, w_down, group_sizes, *, activation, row_scale, backend="xla") -> tuple:
+    """Validates ``glu_mlp``'s arguments; returns (M, D, F, G). backend="pallas" checks the kernels' limits too."""
+    checks.check_choice("activation", activation, ACTIVATIONS)
+    if isinstance(w_gate_up, PackedGateUp) and w_gate_up.transposed:
+        raise ValueError("w_gate_up: glu_mlp takes [G, D, 2F] weights; got a transposed PackedGateUp")
+    num_rows, d_model, gate_up_cols, num_groups = check_grouped_matmul_args(
+        x,
+        w_gate_up,
+        group_sizes,
+        activation=activation,
+        row_scale=None,
+        preferred_element_type=None,
+        transpose_rhs=False,
+        backend=backend,
+    )
+    d_ff = gate_up_cols // 2
+    down_shape = checks.check_rank("w_down", w_down, 3, "[G, F, D]")
+    if down_shape != (num_groups, d_ff, d_model):
+        raise ValueError(f"w_down must have shape [G, F, D] = {(num_groups, d_ff, d_model)}, got {down_shape}")
+    hidden = jax.ShapeDtypeStruct((num_rows, d_ff), x.dtype)
+    check_grouped_matmul_args(
+        hidden,
+        w_down,
+        group_sizes,
+        activation=None,
+        row_scale=row_scale,
+        preferred_element_type=None,
+        transpose_rhs=False,
+        backend=backend,
+    )
+    return num_rows, d_model, d_ff, num_groups
+
+
+def glu_mlp(
+    x: jax.Array,
+    w_gate_up: jax.Array | PackedGateUp,
+    w_down: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    activation: str = "swiglu",
+    row_scale: jax.Array | None = None,
+    recompute_gate_up: bool = False,
+    backend: str = "auto",
+) -> jax.Array:
+    """Grouped gated MLP: ``y_r = row_scale_r * (act(x_r W_gate[g]) * (x_r W_up[g])) W_down[g]`` for rows r of group g.
+
+    Equal to ``grouped_matmul(grouped_matmul(x, w_gate_up, group_sizes, activation=activation), w_down, group_sizes,
+    row_scale=row_scale)`` (the hidden activations rounded to x.dtype in between), with a fused backward.
+
+    Args:
+      x: [M, D] rows sorted by group.
+      w_gate_up: [G, D, 2F] ``[gate | up]`` weights, or a ``PackedGateUp`` of them (``pack_gate_up``: what the Pallas
+        path reads; a plain array is packed on every call there).
+      w_down: [G, F, D].
+      group_sizes: [G] int32; rows at or past ``sum(group_sizes)`` give zeros.
+      activation: "swiglu", "geglu" or "gpt_oss" (DESIGN §3).
+      row_scale: optional [M] float (the routing weights); gets a gradient.
+      recompute_gate_up: backend="pallas": recompute the [M, 2F] pre-activation in the backward instead of keeping
+        it (less activation memory, one more GEMM).
+      backend: "auto", "xla" or "pallas" ("pallas" needs bf16/f16, D and F multiples of 64).
+
+    Returns:
+      [M, D] in x.dtype.
+    """
+    check_glu_mlp_args(x, w_gate_up, w_down, group_sizes, activation=activation, row_scale=row_scale, backend=backend)
+    gate_up_cols = w_gate_up.shape[2]
+    supported = (
+        kernel_unsupported(x, x.shape[1], gate_up_cols, activation) is None
+        and kernel_unsupported(x, gate_up_cols // 2, x.shape[1]) is None
+    )
+    group_sizes = group_sizes.astype(jnp.int32)
+    if resolve_backend(backend, op="glu_mlp", has_kernel=supported) == "xla":
+        return reference.glu_mlp(x, w_gate_up, w_down, group_sizes, activation=activation, row_scale=row_scale)
+    if not isinstance(w_gate_up, PackedGateUp):
+        w_gate_up = pack_gate_up(w_gate_up)
+    scale = None if row_scale is None else row_scale.astype(jnp.float32)
+    return _pallas_glu_mlp(x, w_gate_up.array, w_down, group_sizes, scale, activation, recompute_gate_up)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _pallas_glu_mlp(x, w_gate_up, w_down, group_sizes, row_scale, activation, recompute_gate_up):
+    """x [M, D], packed w_gate_up [G, D, 2F], w_down [G, F, D] -> [M, D] in x.dtype."""
+    del recompute_gate_up  # a backward option
+    hidden = _gate_up(x, w_gate_up, group_sizes, activation, keep_pre_activation=False)
+    return _down(hidden, w_down, group_sizes, row_scale)
+
+
+def _gate_up(x, w_gate_up, group_sizes, activation, *, keep_pre_activation: bool):
+    """hidden [M, F], or (hidden, packed pre-activation [M, 2F] rounded for the backward)."""
+    epilogue = forward_epilogue(activation, False, keep_dtype=x.dtype if keep_pre_activation else None)
+    return run_rows_kernel("fwd", x, w_gate_up, group_sizes, w_transposed=False, out_dtype=x.dtype, epilogue=epilogue)
+
+
+def _down(hidden, w_down, group_sizes, row_scale):
+    if row_scale is None:
+        return run_rows_kernel("fwd", hidden, w_down, group_sizes, w_transposed=False, out_dtype=hidden.dtype)
+    epilogue = forward_epilogue(None, True)
+    return run_rows_kernel(
+        "fwd",
+        hidden,
+        w_down,
+        group_sizes,
+        w_transposed=False,
+        out_dtype=hidden.dtype,
+        epilogue=epilogue,
+        row_scale=row_scale,
+    )
+
+
+def _glu_mlp_fwd(x, w_gate_up, w_down, group_sizes, row_scale, activation, recompute_gate_up):
+    if recompute_gate_up:
+        hidden, gate_up = _gate_up(x, w_gate_up, group_sizes, activation, keep_pre_activation=False), None
+    else:
+        hidden, gate_up = _gate_up(x, w_gate_up, group_sizes, activation, keep_pre_activation=True)
+    y = _down(hidden, w_down, group_sizes, row_scale)
+    return y, (x, w_gate_up, w_down, group_sizes, row_scale, gate_up)
+
+
+def _glu_mlp_bwd(activation, recompute_gate_up, residuals, d_y):
+    x, w_gate_up, w_down, group_sizes, row_scale, gate_up = residuals
+    d_y = d_y.astype(x.dtype)  # wgmma multiplies equal dtypes; accumulation stays f32
+    if recompute_gate_up:
+        # The forward kernel again, so that the backward sees the very bits it would have kept (the hidden output
+        # is written and dropped: half the pre-activation's bytes, for one kernel to maintain).
+        _, gate_up = _gate_up(x, w_gate_up, group_sizes, activation, keep_pre_activation=True)
+    epilogue = sm90.Epilogue(
+        activation_grad=functools.partial(glu_grad, activation=activation),
+        row_scale=row_scale is not None,
+        pack=PACK_BLOCK,
+    )
+    # w_down [G, F, D] is read transposed: the kernel's output columns are F.
+    d_gate_up, hidden_scaled, d_row_scale = run_rows_kernel(
+        "glu_dgrad",
+        d_y,
+        w_down,
+        group_sizes,
+        w_transposed=True,
+        out_dtype=x.dtype,
+        epilogue=epilogue,
+        row_scale=row_scale,
+        gate_up=gate_up,
+    )
+    d_w_down = run_wgrad_kernel(hidden_scaled, d_y, group_sizes, out_dtype=w_down.dtype)
+    d_x, d_w_gate_up = gemm_grads(x, w_gate_up, group_sizes, d_gate_up, transpose_rhs=False)
+    return d_x, d_w_gate_up, d_w_down, None, d_row_scale
+
+
+_pallas_glu_mlp.defvjp(_glu_mlp_fwd, _glu_mlp_bwd)

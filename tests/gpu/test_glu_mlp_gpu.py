@@ -1,0 +1,166 @@
+"""The fused GLU kernels on the device: ``glu_mlp`` forward + backward (six kernels), the standalone fused
+``grouped_matmul`` epilogues, and the NNX ``MoE`` on both backends.
+
+Run on the GPU machine: ``PYTHONPATH=. python3 -m pytest -m gpu tests/gpu/test_glu_mlp_gpu.py``.
+
+- Named shapes at full size (qwen3-30b experts with every activation, gpt-oss-120b's): XLA's ragged_dot multiplies by
+  every group there, so the oracle is the exact f32 MLP of three groups (first non-empty, largest, last non-empty),
+  differentiated by jax.vjp, plus the rows past the sum, which must be exactly zero.
+- A seeded random sweep of smaller shapes and routings against the XLA reference on the same device.
+- ``moe_jax.nn.MoE`` with backend "pallas" against backend "xla", gradients of every parameter included.
+Tolerance: relative-norm error ``TOL`` (bf16 inputs, f32 accumulation, bf16 outputs, cotangent and kept
+pre-activation).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import moe_jax
+from moe_jax._core.testing import random_group_sizes, relative_error
+from moe_jax.ops import shapes
+from moe_jax.ops.grouped_matmul import reference
+
+pytestmark = pytest.mark.gpu
+TOL = 1e-2
+
+
+def _inputs(key, g, m, d, d_ff, x_scale=1.0):
+    keys = jax.random.split(key, 5)
+    return dict(
+        x=(x_scale * jax.random.normal(keys[0], (m, d), jnp.float32)).astype(jnp.bfloat16),
+        w_gate_up=(jax.random.normal(keys[1], (g, d, 2 * d_ff), jnp.float32) * d**-0.5).astype(jnp.bfloat16),
+        w_down=(jax.random.normal(keys[2], (g, d_ff, d), jnp.float32) * d_ff**-0.5).astype(jnp.bfloat16),
+        row_scale=jax.random.uniform(keys[3], (m,), jnp.float32, 0.1, 1.0),
+        cotangent=jax.random.normal(keys[4], (m, d), jnp.bfloat16),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "backend", "recompute"))
+def _fwd_bwd(inputs, w_gate_up, group_sizes, *, activation, backend, recompute=False):
+    def mlp(x, w_gate_up, w_down, row_scale):
+        return moe_jax.glu_mlp(
+            x,
+            w_gate_up,
+            w_down,
+            group_sizes,
+            activation=activation,
+            row_scale=row_scale,
+            recompute_gate_up=recompute,
+            backend=backend,
+        )
+
+    args = (inputs["x"], w_gate_up, inputs["w_down"], inputs["row_scale"])
+    y, pullback = jax.vjp(mlp, *args)
+    return (y, *pullback(inputs["cotangent"]))
+
+
+def _group_oracle(inputs, g, rows, activation):
+    """Exact f32 (y, d x, d w_gate_up[g], d w_down[g], d row_scale) of group g's rows."""
+    dot = functools.partial(jnp.dot, precision=jax.lax.Precision.HIGHEST)
+
+    def mlp(x, w_gate_up, w_down, scale):
+        gate, up = jnp.split(dot(x, w_gate_up), 2, axis=1)
+        return dot(reference.gated_activation(gate, up, activation), w_down) * scale[:, None]
+
+    def f32(a):
+        return a.astype(jnp.float32)
+
+    args = (f32(inputs["x"][rows]), f32(inputs["w_gate_up"][g]), f32(inputs["w_down"][g]), inputs["row_scale"][rows])
+    y, pullback = jax.vjp(mlp, *args)
+    return (y, *pullback(f32(inputs["cotangent"][rows])))
+
+
+@pytest.mark.parametrize(
+    "model, activation",
+    [("qwen3-30b", "swiglu"), ("qwen3-30b", "geglu"), ("qwen3-30b", "gpt_oss"), ("gpt-oss-120b", "gpt_oss")],
+)
+def test_named_shape_against_exact_groups(model, activation):
+    shape = shapes.GMM_SHAPES[f"{model}/gate_up"]
+    g, m, d, d_ff = shape.g, shape.m, shape.k, shape.n // 2
+    inputs = _inputs(jax.random.key(3), g, m, d, d_ff, x_scale=4.0 if activation == "gpt_oss" else 1.0)
+    group_sizes = shape.group_sizes("uniform", seed=4) * 15 // 16  # rows past the sum too
+    packed = moe_jax.pack_gate_up(inputs["w_gate_up"])
+    y, d_x, d_packed, d_w_down, d_row_scale = _fwd_bwd(
+        inputs, packed, group_sizes, activation=activation, backend="pallas"
+    )
+    d_w_gate_up = moe_jax.unpack_gate_up(d_packed)
+    sizes = np.asarray(group_sizes)
+    ends = np.cumsum(sizes)
+    nonempty = np.flatnonzero(sizes)
+    for grp in sorted({int(nonempty[0]), int(np.argmax(sizes)), int(nonempty[-1])}):
+        rows = slice(int(ends[grp] - sizes[grp]), int(ends[grp]))
+        exact = _group_oracle(inputs, grp, rows, activation)
+        actual = (y[rows], d_x[rows], d_w_gate_up[grp], d_w_down[grp], d_row_scale[rows])
+        for name, a, e in zip(("y", "d_x", "d_w_gate_up", "d_w_down", "d_row_scale"), actual, exact, strict=True):
+            assert relative_error(a, e) < TOL, f"{name}, group {grp}"
+    past = int(ends[-1])
+    for name, value in (("y", y), ("d_x", d_x), ("d_row_scale", d_row_scale)):
+        assert float(jnp.max(jnp.abs(value[past:].astype(jnp.float32)))) == 0.0, name
+
+
+def _sweep_cases(count: int, seed: int = 1):
+    rng = np.random.default_rng(seed)
+    for index in range(count):
+        g = int(rng.choice([1, 3, 8, 16]))
+        m = int(rng.integers(64, 3000))
+        d, d_ff = 64 * int(rng.integers(1, 12)), 64 * int(rng.integers(1, 12))
+        kind = str(rng.choice(["uniform", "empty", "hot", "tail", "zipf"]))
+        activation = ("swiglu", "geglu", "gpt_oss")[index % 3]
+        yield pytest.param(
+            g, m, d, d_ff, random_group_sizes(rng, g, m, kind), activation, bool(index % 2), id=f"{index}-{kind}"
+        )
+
+
+@pytest.mark.parametrize("g, m, d, d_ff, sizes, activation, recompute", list(_sweep_cases(6)))
+def test_random_shapes_against_reference(g, m, d, d_ff, sizes, activation, recompute):
+    inputs = _inputs(jax.random.key(m), g, m, d, d_ff, x_scale=4.0)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    packed = moe_jax.pack_gate_up(inputs["w_gate_up"])
+    kernel = list(_fwd_bwd(inputs, packed, group_sizes, activation=activation, backend="pallas", recompute=recompute))
+    kernel[2] = moe_jax.unpack_gate_up(kernel[2])
+    expected = _fwd_bwd(inputs, inputs["w_gate_up"], group_sizes, activation=activation, backend="xla")
+    names = ("y", "d_x", "d_w_gate_up", "d_w_down", "d_row_scale")
+    for name, actual, exact in zip(names, kernel, expected, strict=True):
+        assert actual.shape == exact.shape and actual.dtype == exact.dtype, name
+        assert relative_error(actual, exact) < TOL, name
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gpt_oss"])
+def test_fused_grouped_matmul_epilogues_against_reference(activation):
+    g, m, k, n = 8, 2000, 512, 768
+    inputs = _inputs(jax.random.key(5), g, m, k, n // 2, x_scale=4.0)
+    group_sizes = jnp.asarray(random_group_sizes(np.random.default_rng(6), g, m, "tail"), jnp.int32)
+
+    @functools.partial(jax.jit, static_argnames="backend")
+    def run(x, w, scale, backend):
+        glu = moe_jax.grouped_matmul(x, w, group_sizes, activation=activation, backend=backend)
+        scaled = moe_jax.grouped_matmul(x, inputs["w_gate_up"], group_sizes, row_scale=scale, backend=backend)
+        return glu, scaled
+
+    packed = moe_jax.pack_gate_up(inputs["w_gate_up"])
+    actual = run(inputs["x"], packed, inputs["row_scale"], "pallas")
+    expected = run(inputs["x"], inputs["w_gate_up"], inputs["row_scale"], "xla")
+    for a, e in zip(actual, expected, strict=True):
+        assert relative_error(a, e) < TOL
+
+
+def test_moe_module_pallas_matches_xla_with_gradients():
+    def build(backend):
+        return moe_jax.nn.MoE(
+            512, 256, 16, 4, num_shared_experts=1, dtype=jnp.bfloat16, backend=backend, rngs=nnx.Rngs(7)
+        )
+
+    x = jax.random.normal(jax.random.key(8), (4, 512, 512), jnp.float32)
+
+    def loss_and_grads(model):
+        return nnx.value_and_grad(lambda m: jnp.mean(jnp.square(m(x).astype(jnp.float32))))(model)
+
+    (loss_pallas, grads_pallas), (loss_xla, grads_xla) = (nnx.jit(loss_and_grads)(build(b)) for b in ("pallas", "xla"))
+    assert relative_error(loss_pallas, loss_xla) < TOL
+    for (path, actual), (_, exact) in zip(nnx.to_flat_state(grads_pallas), nnx.to_flat_state(grads_xla), strict=True):
+        assert relative_error(actual[...], exact[...]) < 2 * TOL, path

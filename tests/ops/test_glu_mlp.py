@@ -1,0 +1,204 @@
+"""The GLU MLP op on CPU (backend "xla"), the gate/up packing, the epilogues' GLU math and the partial-sum gather.
+
+Oracles: the NumPy float64 ``moe_jax._core.testing`` for values, ``jax.vjp`` of ``reference.gated_activation`` for
+the hand-derived GLU gradient, ``check_grads`` (float64) for the reference op's gradients. Tolerances are stated
+where used.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import moe_jax
+from moe_jax._core import testing as oracle
+from moe_jax.ops.glu_mlp import reference as mlp_reference
+from moe_jax.ops.grouped_matmul import glu, reference, schedule
+from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, gate_up_block, split_gate_up
+
+ACTIVATIONS = ("swiglu", "geglu", "gpt_oss")
+F32_TOL = 1e-5  # f32 end to end
+
+
+def _mlp_problem(seed, m, d, f, sizes, dtype=np.float32, x_scale=1.0):
+    rng = np.random.default_rng(seed)
+    x = (x_scale * rng.normal(size=(m, d))).astype(dtype)
+    w_gate_up = (rng.normal(size=(len(sizes), d, 2 * f)) / np.sqrt(d)).astype(dtype)
+    w_down = (rng.normal(size=(len(sizes), f, d)) / np.sqrt(f)).astype(dtype)
+    row_scale = rng.uniform(0.1, 1.0, size=m).astype(dtype)
+    return x, w_gate_up, w_down, np.asarray(sizes, np.int32), row_scale
+
+
+# ------------------------------------------------------------------------------------------------------------ packing
+
+
+def test_packing_interleaves_blocks_of_gate_and_up_columns():
+    d_ff = 2 * PACK_BLOCK
+    w = jnp.arange(2 * 3 * 2 * d_ff, dtype=jnp.float32).reshape(2, 3, 2 * d_ff)
+    packed = moe_jax.pack_gate_up(w)
+    assert packed.block == PACK_BLOCK and packed.shape == w.shape and not packed.transposed
+    gate, up = w[..., :d_ff], w[..., d_ff:]
+    b = PACK_BLOCK
+    expected = jnp.concatenate([gate[..., :b], up[..., :b], gate[..., b:], up[..., b:]], axis=-1)
+    np.testing.assert_array_equal(packed.array, expected)
+    np.testing.assert_array_equal(moe_jax.unpack_gate_up(packed), w)
+    # A GEMM output in packed order splits back into the two halves.
+    split = split_gate_up(packed.array, packed.block)
+    np.testing.assert_array_equal(split[0], gate)
+    np.testing.assert_array_equal(split[1], up)
+
+
+def test_transposed_packing_and_the_identity_block():
+    w = jnp.asarray(np.random.default_rng(0).normal(size=(2, 4 * PACK_BLOCK, 5)), jnp.float32)  # [G, 2F, K]
+    packed = moe_jax.pack_gate_up(w, transposed=True)
+    np.testing.assert_array_equal(packed.array, jnp.swapaxes(moe_jax.pack_gate_up(jnp.swapaxes(w, 1, 2)).array, 1, 2))
+    np.testing.assert_array_equal(moe_jax.unpack_gate_up(packed), w)
+    # F not a multiple of the block: the packed layout is the unpacked one.
+    assert gate_up_block(40) == 40
+    odd = jnp.ones((1, 3, 80))
+    np.testing.assert_array_equal(moe_jax.pack_gate_up(odd).array, odd)
+
+
+def test_packed_weights_are_a_pytree_whose_gradient_stays_packed():
+    x, w_gate_up, _, sizes, _ = _mlp_problem(1, 20, 8, PACK_BLOCK, [12, 8])
+    packed = moe_jax.pack_gate_up(jnp.asarray(w_gate_up))
+
+    def loss(weights):
+        return jnp.sum(moe_jax.grouped_matmul(jnp.asarray(x), weights, jnp.asarray(sizes), activation="swiglu"))
+
+    grad_packed = jax.grad(loss)(packed)
+    grad_plain = jax.grad(loss)(jnp.asarray(w_gate_up))
+    assert isinstance(grad_packed, moe_jax.PackedGateUp)
+    assert oracle.relative_error(moe_jax.unpack_gate_up(grad_packed), grad_plain) < F32_TOL
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_reference_reads_packed_weights_without_unpacking(activation):
+    x, w_gate_up, _, sizes, row_scale = _mlp_problem(2, 30, 16, PACK_BLOCK, [10, 0, 17], x_scale=4.0)
+    packed = moe_jax.pack_gate_up(jnp.asarray(w_gate_up))
+    args = dict(activation=activation, row_scale=jnp.asarray(row_scale), backend="xla")
+    out = moe_jax.grouped_matmul(jnp.asarray(x), packed, jnp.asarray(sizes), **args)
+    expected = oracle.grouped_matmul(x, w_gate_up, sizes, activation=activation, row_scale=row_scale)
+    assert oracle.relative_error(out, expected) < F32_TOL
+
+
+def test_packed_weights_need_an_activation_and_their_own_layout():
+    packed = moe_jax.pack_gate_up(jnp.ones((2, 8, 128)))
+    lhs, sizes = jnp.ones((4, 8)), jnp.array([2, 2], jnp.int32)
+    with pytest.raises(ValueError, match="PackedGateUp"):
+        moe_jax.grouped_matmul(lhs, packed, sizes)
+    with pytest.raises(ValueError, match="transpose_rhs must match"):
+        moe_jax.grouped_matmul(lhs, packed, sizes, activation="swiglu", transpose_rhs=True)
+    with pytest.raises(ValueError, match="w_gate_up"):
+        moe_jax.pack_gate_up(jnp.ones((2, 8, 127)))
+
+
+# ----------------------------------------------------------------------------------------------- the epilogues' math
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_glu_and_its_hand_derived_gradient(activation):
+    rng = np.random.default_rng(3)
+    gate, up, d_h = (jnp.asarray(rng.normal(scale=5.0, size=(64, 32)), jnp.float32) for _ in range(3))
+    # Hit the clamp bounds exactly too: there the derivative is 1/2, as jax.numpy's min/max give it.
+    gate, up = gate.at[0, :4].set(7.0), up.at[1, :4].set(jnp.array([7.0, -7.0, 7.0, -7.0]))
+    h, d_gate, d_up = glu.glu_grad(gate, up, d_h, activation)
+    expected_h, pullback = jax.vjp(lambda g, u: reference.gated_activation(g, u, activation), gate, up)
+    expected_d_gate, expected_d_up = pullback(d_h)
+    assert oracle.relative_error(glu.glu(gate, up, activation), expected_h) < F32_TOL
+    assert oracle.relative_error(h, expected_h) < F32_TOL
+    assert oracle.relative_error(d_gate, expected_d_gate) < F32_TOL
+    assert oracle.relative_error(d_up, expected_d_up) < F32_TOL
+    assert oracle.relative_error(h, oracle.gated_activation(gate, up, activation)) < F32_TOL
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_kept_pre_activation_never_rounds_across_a_clamp_bound(dtype):
+    rng = np.random.default_rng(4)
+    near = np.concatenate([7.0 + rng.uniform(-0.05, 0.05, 4000), -7.0 + rng.uniform(-0.05, 0.05, 4000), [7.0, -7.0]])
+    values = jnp.asarray(near.reshape(-1, 2), jnp.float32)
+    gate, up = values[:, 0], values[:, 1]
+    for activation in ACTIVATIONS:
+        kept_gate, kept_up = glu.kept_pre_activation(gate, up, activation, dtype)
+        for x, kept in ((gate, kept_gate), (up, kept_up)):
+            np.testing.assert_array_equal(kept, kept.astype(dtype).astype(jnp.float32))  # representable
+            step = 4 * float(jnp.finfo(dtype).eps)  # the spacing around 7
+            assert float(jnp.max(jnp.abs(kept - x))) <= step
+        if activation == "gpt_oss":  # gate is clamped from above, up on both sides
+            for x, kept, bound in ((gate, kept_gate, 7.0), (up, kept_up, 7.0), (up, kept_up, -7.0)):
+                np.testing.assert_array_equal(jnp.sign(kept - bound), jnp.sign(x - bound))
+
+
+# ------------------------------------------------------------------------------------------- glu_mlp, backend "xla"
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("with_row_scale", [False, True])
+def test_glu_mlp_matches_the_oracle(activation, with_row_scale):
+    x, w_gate_up, w_down, sizes, row_scale = _mlp_problem(5, 40, 16, 12, [0, 15, 3, 14], x_scale=4.0)
+    row_scale = row_scale if with_row_scale else None
+    y = moe_jax.glu_mlp(
+        *map(jnp.asarray, (x, w_gate_up, w_down, sizes)),
+        activation=activation,
+        row_scale=None if row_scale is None else jnp.asarray(row_scale),
+        backend="xla",
+    )
+    hidden = oracle.grouped_matmul(x, w_gate_up, sizes, activation=activation)
+    expected = oracle.grouped_matmul(hidden, w_down, sizes, row_scale=row_scale)
+    assert y.shape == x.shape and y.dtype == jnp.float32
+    assert oracle.relative_error(y, expected) < F32_TOL
+    np.testing.assert_array_equal(np.asarray(y)[sizes.sum() :], 0.0)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_glu_mlp_reference_gradients(activation):
+    x, w_gate_up, w_down, sizes, row_scale = _mlp_problem(6, 11, 5, 3, [4, 0, 5], np.float64, x_scale=3.0)
+
+    def f(x, w_gate_up, w_down, row_scale):
+        return mlp_reference.glu_mlp(
+            x, w_gate_up, w_down, jnp.asarray(sizes), activation=activation, row_scale=row_scale
+        )
+
+    with jax.enable_x64(True):
+        args = tuple(map(jnp.asarray, (x, w_gate_up, w_down, row_scale)))
+        check_grads(f, args, order=1, modes=("rev",))
+
+
+@pytest.mark.parametrize(
+    "overrides, error, match",
+    [
+        (dict(activation="relu"), ValueError, "activation"),
+        (dict(w_down=jnp.ones((3, 9, 16), jnp.bfloat16)), ValueError, "w_down"),
+        (dict(row_scale=jnp.ones((7,))), ValueError, "row_scale"),
+        (dict(w_gate_up=moe_jax.pack_gate_up(jnp.ones((3, 16, 16)), transposed=True)), ValueError, "transposed"),
+        (dict(backend="pallas"), NotImplementedError, "multiple of 64"),
+    ],
+)
+def test_glu_mlp_rejects_bad_arguments(overrides, error, match):
+    args = dict(
+        x=jnp.ones((6, 16), jnp.bfloat16),
+        w_gate_up=jnp.ones((3, 16, 16), jnp.bfloat16),
+        w_down=jnp.ones((3, 8, 16), jnp.bfloat16),
+        group_sizes=jnp.array([2, 2, 2], jnp.int32),
+        activation="swiglu",
+    )
+    with pytest.raises(error, match=match):
+        moe_jax.glu_mlp(**(args | overrides))
+
+
+# ------------------------------------------------------------------------------------------- the partial-sum gather
+
+
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_row_sums_gathered_from_tile_partials(block_m):
+    rng = np.random.default_rng(7)
+    num_rows, sizes = 400, np.array([0, 130, 3, 0, 97, 64, 1], np.int32)  # 105 rows past the sum
+    tiles, count = schedule.row_tiles(jnp.asarray(sizes), num_rows, block_m)
+    col_tiles, capacity = 3, tiles.shape[1]
+    values = rng.normal(size=(col_tiles, num_rows))  # what each column tile contributes to each row
+    partials = np.full((col_tiles, capacity, block_m), np.nan)  # entries no tile stores stay NaN
+    for t, (_, box, skip, rows) in enumerate(np.asarray(tiles).T[: int(count[0])]):
+        partials[:, t, skip : skip + rows] = values[:, box + skip : box + skip + rows]
+    sums = schedule.gather_row_partials(jnp.asarray(partials), tiles, count, num_rows)
+    np.testing.assert_allclose(sums, values.sum(0), rtol=1e-5, atol=1e-5)

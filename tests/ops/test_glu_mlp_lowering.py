@@ -1,0 +1,67 @@
+"""Every new kernel configuration of the fused GLU path lowers for CUDA from a CPU host, at the named model shapes.
+
+``glu_mlp`` forward + backward is six Mosaic GPU kernels (gate_up with the GLU epilogue keeping the pre-activation,
+down with the row-scale epilogue, the GLU-backward dgrad, two wgrads, the gate_up dgrad), seven when the backward
+recomputes the pre-activation; forward alone it is two (the GLU epilogue without the kept pre-activation). Across
+the cases every activation meets the forward and the backward epilogue, with and without a row scale, and every
+model's (D, F) the heuristic configs (shared-memory fit included). Shapes: ``moe_jax.ops.shapes.GMM_SHAPES``'s
+"<model>/gate_up" entries, (G, M, K = D, N = 2F).
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src.mesh import AbstractDevice
+from jax.sharding import AbstractMesh
+
+import moe_jax
+from moe_jax.ops import shapes
+
+MOSAIC_CALL = "mosaic_gpu_v2"
+H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+
+
+def _lowered(model: str, activation: str, *, row_scale: bool, recompute: bool, backward: bool = True) -> str:
+    shape = shapes.GMM_SHAPES[f"{model}/gate_up"]
+    g, m, d, d_ff = shape.g, shape.m, shape.k, shape.n // 2
+    args = (
+        jax.ShapeDtypeStruct((m, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((g, d, 2 * d_ff), jnp.bfloat16),
+        jax.ShapeDtypeStruct((g, d_ff, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((g,), jnp.int32),
+        jax.ShapeDtypeStruct((m,), jnp.float32),
+    )
+
+    def loss(x, w_gate_up, w_down, group_sizes, scale):
+        y = moe_jax.glu_mlp(
+            x,
+            moe_jax.PackedGateUp(w_gate_up, 64),
+            w_down,
+            group_sizes,
+            activation=activation,
+            row_scale=scale if row_scale else None,
+            recompute_gate_up=recompute,
+            backend="pallas",
+        )
+        return jnp.sum(y.astype(jnp.float32))
+
+    step = jax.value_and_grad(loss, argnums=(0, 1, 2, 4)) if backward else loss
+    with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=H200)):
+        return jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize(
+    "model, activation, row_scale, recompute, kernels",
+    [
+        ("qwen3-30b", "swiglu", True, False, 6),
+        ("gpt-oss-120b", "gpt_oss", True, False, 6),  # F = 2880: a half-empty last column tile
+        ("dsv3-ep8", "geglu", False, True, 7),
+    ],
+)
+def test_glu_mlp_forward_and_backward_lower(model, activation, row_scale, recompute, kernels):
+    text = _lowered(model, activation, row_scale=row_scale, recompute=recompute)
+    assert text.count(MOSAIC_CALL) == kernels
+
+
+def test_glu_mlp_forward_alone_lowers():
+    assert _lowered("mixtral", "swiglu", row_scale=True, recompute=False, backward=False).count(MOSAIC_CALL) == 2

@@ -1,0 +1,168 @@
+"""The fused GLU kernels under the Mosaic GPU interpreter (races detected, memory NaN-poisoned) against the reference.
+
+``glu_mlp(backend="pallas")`` runs six kernels per forward + backward: gate_up with the GLU epilogue (keeping the
+packed pre-activation), down with the row-scale epilogue, the down projection's dgrad with the GLU backward in its
+epilogue (d gate/up, h * row_scale, row-scale partial sums), two wgrads and the gate_up dgrad. Each case below crosses
+other ragged edges: empty groups, sizes off 8, rows past the sum, one hot expert, M off 8 (padded), G = 1; F = 64
+leaves the backward's 128-column tile half empty, F = 128 gives it two packed gate/up blocks; gpt_oss runs with
+pre-activations far beyond its +-7 clamp.
+
+The interpreter's time grows with the simulated SMs (``hardware.num_sms`` reads an abstract device's core count): the
+cases with a row scale run on 2 (more than one CTA sharing the persistent tile loop, half the time of the default 4),
+those without on 1.
+
+Tolerances (relative-norm error against the f32-accumulating reference on the same bf16 inputs): OUT_TOL for bf16
+outputs; GRAD_TOL for gradients (the cotangent and the kept pre-activation are rounded to bf16).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.mesh import AbstractDevice
+from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.sharding import AbstractMesh
+
+import moe_jax
+from moe_jax._core import testing as oracle
+from moe_jax.ops.glu_mlp import reference as mlp_reference
+from moe_jax.ops.grouped_matmul import api, glu, reference, sm90
+from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, split_gate_up
+
+INTERPRET = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
+
+
+def _cpu_with(num_sms: int) -> AbstractMesh:
+    return AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="cpu", num_cores=num_sms, platform="cpu"))
+
+
+OUT_TOL = 5e-3
+GRAD_TOL = 1e-2
+
+# (M, D, F, group sizes, x scale)
+CASES = {
+    "ragged": (136, 64, 128, [0, 61, 3, 0, 40], 1.0),  # empty groups, sizes off 8, 32 rows past the sum
+    "hot expert": (128, 64, 64, [0, 128, 0], 1.0),  # one group takes every row
+    "beyond the clamp": (150, 64, 64, [70, 65], 5.0),  # M off 8 (padded)
+    "single group": (72, 64, 64, [69], 1.0),  # G = 1, 3 rows past the sum
+}
+
+
+@pytest.fixture
+def interpret(request):
+    """Runs the test's kernels under the checking interpreter on ``num_sms`` (parameter, default 2) simulated SMs and
+    fails it on any detected race."""
+    num_sms = request.node.callspec.params.get("num_sms", 2) if hasattr(request.node, "callspec") else 2
+    with jax.sharding.use_abstract_mesh(_cpu_with(num_sms)), plgpu.force_gpu_interpret_mode(INTERPRET):
+        yield
+    assert not get_races().races_found, "the interpreter detected a data race"
+
+
+def _inputs(case):
+    m, d, f, sizes, x_scale = CASES[case]
+    rng = np.random.default_rng(len(case))
+    return dict(
+        x=jnp.asarray(x_scale * rng.normal(size=(m, d)), jnp.bfloat16),
+        w_gate_up=jnp.asarray(rng.normal(size=(len(sizes), d, 2 * f)) / np.sqrt(d), jnp.bfloat16),
+        w_down=jnp.asarray(rng.normal(size=(len(sizes), f, d)) / np.sqrt(f), jnp.bfloat16),
+        group_sizes=jnp.asarray(sizes, jnp.int32),
+        row_scale=jnp.asarray(rng.uniform(0.1, 1.0, size=m), jnp.float32),
+        cotangent=jnp.asarray(rng.normal(size=(m, d)), jnp.bfloat16),
+    )
+
+
+@pytest.mark.parametrize(
+    "activation, case, with_row_scale, recompute, num_sms",
+    [
+        ("swiglu", "ragged", True, False, 2),
+        ("geglu", "hot expert", True, True, 2),
+        ("gpt_oss", "beyond the clamp", True, False, 2),
+        ("swiglu", "single group", False, True, 1),
+    ],
+)
+@pytest.mark.usefixtures("interpret")
+def test_glu_mlp_forward_and_gradients_match_reference(activation, case, with_row_scale, recompute, num_sms):
+    inputs = _inputs(case)
+    x, w_gate_up, w_down, group_sizes = (inputs[k] for k in ("x", "w_gate_up", "w_down", "group_sizes"))
+    row_scale = inputs["row_scale"] if with_row_scale else None
+    packed = moe_jax.pack_gate_up(w_gate_up)
+
+    def vjp(fn, w_gate_up):
+        out, pullback = jax.vjp(lambda a, b, c, s: fn(a, b, c, group_sizes, s), x, w_gate_up, w_down, row_scale)
+        return (out, *pullback(inputs["cotangent"]))
+
+    kernel = vjp(
+        lambda *a: moe_jax.glu_mlp(
+            *a[:4], activation=activation, row_scale=a[4], recompute_gate_up=recompute, backend="pallas"
+        ),
+        packed,
+    )
+    expected = vjp(lambda *a: mlp_reference.glu_mlp(*a[:4], activation=activation, row_scale=a[4]), w_gate_up)
+    kernel = (kernel[0], kernel[1], moe_jax.unpack_gate_up(kernel[2]), *kernel[3:])
+    names = ("y", "d_x", "d_w_gate_up", "d_w_down", "d_row_scale")
+    for name, actual, exact in zip(names, kernel, expected, strict=True):
+        if exact is None:
+            assert actual is None, name
+            continue
+        assert actual.shape == exact.shape and actual.dtype == exact.dtype, name
+        assert oracle.relative_error(actual, exact) < (OUT_TOL if name == "y" else GRAD_TOL), name
+    past = int(np.sum(CASES[case][3]))
+    for name, value in (("y", kernel[0]), ("d_x", kernel[1])):
+        np.testing.assert_array_equal(np.asarray(value, np.float32)[past:], 0.0, err_msg=name)
+    if with_row_scale:
+        np.testing.assert_array_equal(np.asarray(kernel[4])[past:], 0.0)
+    if case == "beyond the clamp":
+        gate_up = reference.grouped_matmul(x, w_gate_up, group_sizes, preferred_element_type=jnp.float32)
+        assert float(jnp.mean(jnp.abs(gate_up) > 7.0)) > 0.1, "the clamp was not exercised"
+
+
+@pytest.mark.parametrize("activation", ["geglu", "gpt_oss"])
+@pytest.mark.usefixtures("interpret")
+def test_glu_backward_epilogue_without_row_scale(activation):
+    """The down projection's dgrad with the GLU backward and no row scale (the path the cases above without a row
+    scale take for swiglu only), against jax.vjp of the reference GLU on the same kept pre-activation."""
+    inputs = _inputs("ragged")
+    group_sizes, w_down, d_y = inputs["group_sizes"], inputs["w_down"], inputs["cotangent"]
+    d_ff = w_down.shape[1]
+    gate_up = 5.0 * jax.random.normal(jax.random.key(1), (d_y.shape[0], 2 * d_ff), jnp.float32)
+    gate, up = (half.astype(jnp.bfloat16).astype(jnp.float32) for half in jnp.split(gate_up, 2, axis=1))
+    epilogue = sm90.Epilogue(activation_grad=functools.partial(glu.glu_grad, activation=activation))
+    packed_rows = moe_jax.pack_gate_up(jnp.concatenate([gate, up], axis=1)[None]).array[0]  # [M, 2F], packed
+    d_gate_up, hidden, d_row_scale = api.run_rows_kernel(
+        "glu_dgrad",
+        d_y,
+        w_down,
+        group_sizes,
+        w_transposed=True,
+        out_dtype=jnp.bfloat16,
+        epilogue=epilogue,
+        gate_up=packed_rows.astype(jnp.bfloat16),
+    )
+    d_h = reference.grouped_matmul(d_y, w_down, group_sizes, transpose_rhs=True, preferred_element_type=jnp.float32)
+    expected_hidden, pullback = jax.vjp(lambda g, u: reference.gated_activation(g, u, activation), gate, up)
+    expected_d_gate_up = jnp.concatenate(pullback(d_h), axis=1)
+    assert d_row_scale is None
+    past = int(np.sum(CASES["ragged"][3]))
+    rows = slice(0, past)  # rows past the sum: d_h = 0, so every output there is 0 whatever the pre-activation
+    d_gate_up = jnp.concatenate(split_gate_up(d_gate_up, PACK_BLOCK), axis=1)
+    assert oracle.relative_error(d_gate_up[rows], expected_d_gate_up[rows]) < GRAD_TOL
+    assert oracle.relative_error(hidden[rows], expected_hidden[rows]) < OUT_TOL
+    np.testing.assert_array_equal(np.asarray(d_gate_up, np.float32)[past:], 0.0)
+
+
+@pytest.mark.usefixtures("interpret")
+def test_grouped_matmul_fuses_glu_and_row_scale_with_k_major_packed_weights():
+    """The standalone op: GLU + row scale in one epilogue from [G, 2F, K] packed weights, f32 output. (Its gradient,
+    the epilogue differentiated in XLA from the kept pre-activation, is test_grouped_matmul_pallas.py's.)"""
+    inputs = _inputs("beyond the clamp")
+    x, group_sizes, row_scale = inputs["x"], inputs["group_sizes"], inputs["row_scale"]
+    k_major = jnp.swapaxes(inputs["w_gate_up"], 1, 2)  # [G, 2F, K]
+    options = dict(activation="gpt_oss", row_scale=row_scale, preferred_element_type=jnp.float32, transpose_rhs=True)
+    packed = moe_jax.pack_gate_up(k_major, transposed=True)
+    out = moe_jax.grouped_matmul(x, packed, group_sizes, backend="pallas", **options)
+    expected = reference.grouped_matmul(x, k_major, group_sizes, **options)
+    assert out.shape == (x.shape[0], CASES["beyond the clamp"][2]) and out.dtype == jnp.float32
+    assert oracle.relative_error(out, expected) < 1e-5  # f32 output: only the summation order differs
