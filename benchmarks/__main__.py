@@ -4,6 +4,7 @@ Examples:
   python -m benchmarks --tiny                                    # CPU smoke run on the "ci" shapes
   python -m benchmarks --bench gmm,gmm-bwd --shapes qwen3-30b/gate_up --out bench_out/gmm.json
   python -m benchmarks --bench all --out bench_out/all.json     # the RESULTS.md table (GPU machine)
+  python -m benchmarks --bench routing --routing-shapes deepseek-v3 --routing-stages glue,glue-bwd
 """
 
 import argparse
@@ -13,19 +14,23 @@ import shlex
 import sys
 import time
 
-from benchmarks import common, grouped_matmul, layer, tokamax_peer
+from benchmarks import common, grouped_matmul, layer, routing, tokamax_peer
 from moe_jax.ops import shapes as shape_registry
 
 # Run in this order of priority, so that a --time-limit leaves out the least needed.
-BENCHES = ("gmm", "layer", "skew", "gmm-bwd")
+BENCHES = ("gmm", "layer", "skew", "gmm-bwd", "routing")
 TITLES = {
     "gmm": "Grouped matmul, forward",
     "gmm-bwd": "Grouped matmul, forward + backward (gradients of lhs and rhs)",
     "skew": "Grouped matmul, forward, skewed routings",
     "layer": "moe_ffn layer, forward",
     "layer-bwd": "moe_ffn layer, forward + backward (gradients of x, router kernel, both expert weights)",
+    "routing": "Routing glue (route, permute, combine, aux losses), forward and forward + backward",
 }
+TABLES = {"routing": routing.markdown_table}  # benches without a FLOP model have their own table
 DEFAULT_SKEW_SHAPE = {"bench": "qwen3-30b/gate_up", "ci": "ci/gate_up"}
+# --tiny times the routing kernels under the (slow) GPU interpreter: one ci layer, the one with a group-limited router.
+DEFAULT_ROUTING_SHAPES = {"bench": None, "ci": "ci/grouped"}
 
 
 def _names(text: str | None, registry: dict, default: list) -> list:
@@ -51,6 +56,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--shapes", help="grouped-matmul shapes for gmm/gmm-bwd (default: every 'bench' shape)")
     parser.add_argument("--skew-shapes", help=f"shapes for skew (default: {DEFAULT_SKEW_SHAPE['bench']})")
     parser.add_argument("--layer-shapes", help="layer shapes (default: every 'bench' layer shape)")
+    parser.add_argument(
+        "--routing-shapes",
+        help="layer shapes for routing (default: every 'bench' layer shape; with --tiny: "
+        f"{DEFAULT_ROUTING_SHAPES['ci']})",
+    )
+    parser.add_argument(
+        "--routing-stages",
+        default=",".join(routing.STAGES),
+        help=f"comma-separated from {routing.STAGES} (default: all)",
+    )
     parser.add_argument("--routing", default="uniform", choices=shape_registry.ROUTINGS, help="for gmm/gmm-bwd")
     parser.add_argument("--backends", default="xla,pallas", help="moe_jax backends to time (default: xla,pallas)")
     parser.add_argument("--baselines", default="dense,ragged_dot,tokamax", help="baselines to time (default: all)")
@@ -97,12 +112,14 @@ def print_tables(records: list[common.Record]) -> None:
     for bench, title in TITLES.items():
         rows = [r for r in records if r.bench == bench]
         if rows:
-            print(f"\n### {title}\n\n{common.markdown_table(rows)}")
+            print(f"\n### {title}\n\n{TABLES.get(bench, common.markdown_table)(rows)}")
     print(
         "\nspread = (p90 - p10) / median of the samples; vs dense = TF/s over the dense row's TF/s; "
         "rel err = max over outputs and gradients of ||out - ref|| / ||ref||; ref = exact f32 products of three groups "
         "(grouped matmul), the first layer implementation that ran (layer)"
     )
+    if any(r.bench == "routing" for r in records):
+        print(f"\n{routing.TABLE_NOTE}")
 
 
 def render(path: str) -> list[common.Record]:
@@ -138,6 +155,13 @@ def main(argv: list[str] | None = None) -> list[common.Record]:
         args.skew_shapes, shape_registry.GMM_SHAPES, [shape_registry.GMM_SHAPES[DEFAULT_SKEW_SHAPE[tag]]]
     )
     layer_shapes = _names(args.layer_shapes, shape_registry.LAYER_SHAPES, shape_registry.layer_shapes(tag))
+    default_routing = DEFAULT_ROUTING_SHAPES[tag]
+    routing_shapes = _names(
+        args.routing_shapes,
+        shape_registry.LAYER_SHAPES,
+        [shape_registry.LAYER_SHAPES[default_routing]] if default_routing else shape_registry.layer_shapes(tag),
+    )
+    routing_stages = _choices(args.routing_stages, routing.STAGES, "routing stage")
 
     command = shlex.join(["python", "-m", "benchmarks", *(sys.argv[1:] if argv is None else argv)])
     meta = common.run_metadata(command, {"tokamax": tokamax_peer.version()})
@@ -148,8 +172,15 @@ def main(argv: list[str] | None = None) -> list[common.Record]:
 
     def emit(record: common.Record) -> None:
         stream.write(record.to_json())
-        result = f"{record.tflops:.1f} TF/s" if record.timing else f"{record.status}: {record.note}"
-        print(f"  {record.impl:<48} {result}", file=sys.stderr, flush=True)
+        if record.timing is None:
+            result = f"{record.status}: {record.note}"
+        elif record.tflops is None:
+            result = f"{record.timing.median_s * 1e3:.3f} ms" + (
+                f" ({record.status}: {record.note})" * bool(record.note)
+            )
+        else:
+            result = f"{record.tflops:.1f} TF/s"
+        print(f"  {(record.stage + ' ' + record.impl).strip():<48} {result}", file=sys.stderr, flush=True)
 
     records: list[common.Record] = []
     for bench in benches:
@@ -159,8 +190,10 @@ def main(argv: list[str] | None = None) -> list[common.Record]:
             records += grouped_matmul.run(
                 "skew", skew_shapes, options, routings=shape_registry.ROUTINGS, earlier=records, emit=emit
             )
-        else:
+        elif bench == "layer":
             records += layer.run(layer_shapes, options, emit=emit)
+        else:
+            records += routing.run(routing_shapes, options, stages=routing_stages, emit=emit)
 
     print_tables(records)
     if args.out:

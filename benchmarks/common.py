@@ -31,7 +31,8 @@ MAX_INPUT_SETS = 8
 FLOP_MODEL = (
     "grouped matmul fwd = 2*M*K*N (M routed rows); fwd+bwd = 3x fwd (dgrad [M,N]x[N,K] + wgrad [K,M]x[M,N]); "
     "dense baseline = one [M,K]x[K,N] bf16 matmul of the same FLOPs; "
-    "moe_ffn fwd = 2*T*D*E (router) + 2*M*D*2F (gate_up) + 2*M*F*D (down), M = T*k; fwd+bwd = 3x fwd"
+    "moe_ffn fwd = 2*T*D*E (router) + 2*M*D*2F (gate_up) + 2*M*F*D (down), M = T*k; fwd+bwd = 3x fwd; "
+    "routing: none (memory-bound stages, timed in ms)"
 )
 
 
@@ -148,12 +149,14 @@ class Options:
 # --- Records ---------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Record:
-    """One (bench, shape, routing, implementation) measurement, or why there is none.
+    """One (bench, shape, routing, implementation[, stage]) measurement, or why there is none.
 
-    ``status`` is "ok", "n/a" (not available here: no kernel yet, peer not installed, no GPU), "OOM", "error" or
-    "skipped" (past the run's time limit);
-    ``note`` says why for anything but "ok". ``rel_err_leaves`` compares each output (and gradient) with
-    ``checked_against``; ``rel_err`` is their max.
+    ``status`` is "ok", "n/a" (not available here: no kernel yet, peer not installed, no GPU), "OOM", "error",
+    "skipped" (past the run's time limit) or "wrong" (timed, but an output that must be exact differs from
+    ``checked_against``'s); ``note`` says why for anything but "ok". ``rel_err_leaves`` compares each output (and
+    gradient) with ``checked_against``; ``rel_err`` is their max. ``flops`` is 0 for a bench without a FLOP model
+    (routing: memory-bound stages), ``stage`` names the part of the op a bench times separately (routing's "route",
+    "permute", ...).
     """
 
     bench: str
@@ -169,10 +172,11 @@ class Record:
     rel_err_leaves: list[float] | None = None
     checked_against: str = ""
     config: dict | None = None
+    stage: str = ""
 
     @property
     def tflops(self) -> float | None:
-        return self.flops / self.timing.median_s / 1e12 if self.timing else None
+        return self.flops / self.timing.median_s / 1e12 if self.timing and self.flops else None
 
     def set_check(self, leaf_errors: list[float], against: str) -> None:
         self.rel_err_leaves, self.rel_err, self.checked_against = leaf_errors, max(leaf_errors), against

@@ -8,10 +8,11 @@ import sys
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import common
+from benchmarks import common, routing
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BENCHES = {"gmm", "gmm-bwd", "skew", "layer", "layer-bwd"}
+FLOP_BENCHES = {"gmm", "gmm-bwd", "skew", "layer", "layer-bwd"}
+BENCHES = FLOP_BENCHES | {"routing"}
 
 
 def run_cli(out_dir, *args: str) -> tuple[str, dict, list[dict]]:
@@ -32,7 +33,8 @@ def run_cli(out_dir, *args: str) -> tuple[str, dict, list[dict]]:
 def tiny_run(tmp_path_factory):
     """Every bench at one ci shape with the XLA backend (kernels run under the slow GPU interpreter on CPU: below)."""
     return run_cli(
-        tmp_path_factory.mktemp("bench"), "--shapes", "ci/ragged", "--skew-shapes", "ci/ragged", "--backends", "xla"
+        tmp_path_factory.mktemp("bench"),
+        *("--shapes", "ci/ragged", "--skew-shapes", "ci/ragged", "--routing-shapes", "ci/layer", "--backends", "xla"),
     )
 
 
@@ -41,8 +43,11 @@ def test_prints_a_markdown_table_per_bench(tiny_run):
     for title in ("Grouped matmul, forward", "Grouped matmul, forward + backward", "moe_ffn layer, forward"):
         assert f"### {title}" in stdout
     assert "skewed routings" in stdout
-    assert stdout.count(common.TABLE_HEADER[0]) == len(BENCHES)
+    assert stdout.count(common.TABLE_HEADER[0]) == len(FLOP_BENCHES)
     assert "| ci/ragged | uniform | moe_jax:xla |" in stdout
+    assert "### Routing glue" in stdout and "| shape | stage | moe_jax:xla ms |" in stdout
+    for stage in routing.STAGES:
+        assert f"| ci/layer | {stage} | " in stdout
     assert common.FLOP_MODEL in stdout
 
 
@@ -64,7 +69,10 @@ def test_baselines_and_xla_backend_have_positive_numbers(tiny_run):
     assert {r["bench"] for r in timed} == BENCHES
     for r in timed:
         assert r["status"] == "ok", r
-        assert r["flops"] > 0 and r["tflops"] > 0
+        if r["bench"] == "routing":  # no FLOP model: milliseconds only
+            assert r["flops"] == 0 and r["tflops"] is None and r["stage"] in routing.STAGES
+        else:
+            assert r["flops"] > 0 and r["tflops"] > 0
         timing = r["timing"]
         assert 0 < timing["min_s"] <= timing["median_s"] <= timing["p90_s"]
         assert timing["samples"] >= 1 and timing["reps"] >= 1
@@ -99,6 +107,39 @@ def test_pallas_backend_is_picked_up(tmp_path):
     (record,) = [r for r in data["records"] if r["impl"] == "moe_jax:pallas"]
     assert record["status"] == "ok" and record["tflops"] > 0, record
     assert record["rel_err"] < 1e-2, record
+
+
+def test_routing_kernels_side_by_side_with_xla(tmp_path):
+    """--tiny's routing bench on both backends at ci/grouped (sigmoid, groups, bias, scale), checked against xla.
+
+    route (exact selection) and glue-bwd (every kernel, forward and backward) only: the interpreter takes seconds per
+    kernel call."""
+    stages = ("route", "glue-bwd")
+    stdout, data, _ = run_cli(
+        tmp_path, "--bench", "routing", "--backends", "xla,pallas", "--routing-stages", ",".join(stages)
+    )
+    records = data["records"]
+    assert {(r["stage"], r["impl"]) for r in records} == {
+        (stage, f"moe_jax:{backend}") for stage in stages for backend in ("xla", "pallas")
+    }
+    for r in records:
+        assert r["status"] == "ok" and r["shape"] == "ci/grouped" and r["timing"]["median_s"] > 0, r
+        if r["impl"] == "moe_jax:pallas":
+            assert r["checked_against"].startswith("moe_jax:xla: integer outputs equal"), r
+            # f32 routing exact to a few ulps; a bf16 output of the glue may round one element the other way.
+            assert r["rel_err"] < 1e-4, r
+    (route,) = [r for r in records if r["stage"] == "route" and r["impl"] == "moe_jax:pallas"]
+    assert route["checked_against"].endswith("probs, selected_scores, weights")
+    assert "| ci/grouped | glue-bwd | " in stdout and "equal, rel err <= " in stdout
+
+
+def test_routing_check_names_unequal_integer_outputs():
+    expected = {"experts": jnp.array([[0, 1], [2, 3]]), "weights": jnp.array([1.0, 2.0])}
+    actual = {"experts": jnp.array([[0, 1], [3, 2]]), "weights": jnp.array([1.0, 2.0 + 2e-3])}
+    names, errors, unequal = routing.compare(actual, expected)
+    assert names == ["weights"] and errors[0] == pytest.approx(2e-3 / 5**0.5, rel=1e-3)
+    assert unequal == "experts: 2 of 4 entries differ"
+    assert routing.compare(expected, expected)[2] == ""
 
 
 def test_flop_model():
@@ -189,6 +230,22 @@ def test_render_reprints_a_streamed_run(tmp_path, capsys):
             note="Out of memory while trying to allocate 1GiB",
         ),
     ]
+    fast = common.Timing(1e-3, 5e-4, 1.5e-3, 5e-4, samples=5, reps=2, first_call_s=0.5)
+    records += [
+        common.Record("routing", "qwen3-30b-a3b", "router", "moe_jax:xla", 0, {}, timing=timing, stage="route"),
+        common.Record(
+            "routing",
+            "qwen3-30b-a3b",
+            "router",
+            "moe_jax:pallas",
+            0,
+            {},
+            status="wrong",
+            note="experts: 3 of 131072 entries differ",
+            timing=fast,
+            stage="route",
+        ),
+    ]
     stream = common.JsonlWriter(str(tmp_path / "run.jsonl"))
     stream.write({"meta": meta})
     for record in records:
@@ -197,3 +254,4 @@ def test_render_reprints_a_streamed_run(tmp_path, capsys):
     stdout = capsys.readouterr().out
     assert "| ci/ragged | - | dense | 4.0 | 2.000 | 100% | 2.0 | 1.00 |  |" in stdout
     assert "| moe_jax:pallas | 4.0 | OOM: Out of memory while trying to allocate 1GiB |" in stdout
+    assert "| qwen3-30b-a3b | route | 2.000 (100%) | 1.000 (100%) | 2.00x | WRONG: experts: 3 of 131072" in stdout
