@@ -5,6 +5,7 @@ Examples:
   python -m benchmarks --bench gmm,gmm-bwd --shapes qwen3-30b/gate_up --out bench_out/gmm.json
   python -m benchmarks --bench all --out bench_out/all.json     # the RESULTS.md table (GPU machine)
   python -m benchmarks --bench routing --routing-shapes deepseek-v3 --routing-stages glue,glue-bwd
+  python -m benchmarks --bench glu --glu-activations swiglu,gpt_oss --backends pallas   # issue #4's targets
 """
 
 import argparse
@@ -14,11 +15,12 @@ import shlex
 import sys
 import time
 
-from benchmarks import common, grouped_matmul, layer, routing, tokamax_peer
+from benchmarks import common, glu, grouped_matmul, layer, routing, tokamax_peer
 from moe_jax.ops import shapes as shape_registry
+from moe_jax.ops.grouped_matmul.reference import ACTIVATIONS
 
 # Run in this order of priority, so that a --time-limit leaves out the least needed.
-BENCHES = ("gmm", "layer", "skew", "gmm-bwd", "routing")
+BENCHES = ("gmm", "layer", "skew", "gmm-bwd", "routing", "glu")
 TITLES = {
     "gmm": "Grouped matmul, forward",
     "gmm-bwd": "Grouped matmul, forward + backward (gradients of lhs and rhs)",
@@ -26,6 +28,9 @@ TITLES = {
     "layer": "moe_ffn layer, forward",
     "layer-bwd": "moe_ffn layer, forward + backward (gradients of x, router kernel, both expert weights)",
     "routing": "Routing glue (route, permute, combine, aux losses), forward and forward + backward",
+    "glu": "Gate_up grouped matmul + GLU, forward (fused epilogue vs GEMM, GEMM + XLA GLU)",
+    "glu-bwd": "GLU MLP (gate_up, GLU, down, row scale), backward alone from the forward's residuals",
+    "glu-mlp": "GLU MLP (gate_up, GLU, down, row scale), forward + backward",
 }
 TABLES = {"routing": routing.markdown_table}  # benches without a FLOP model have their own table
 DEFAULT_SKEW_SHAPE = {"bench": "qwen3-30b/gate_up", "ci": "ci/gate_up"}
@@ -66,7 +71,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=",".join(routing.STAGES),
         help=f"comma-separated from {routing.STAGES} (default: all)",
     )
-    parser.add_argument("--routing", default="uniform", choices=shape_registry.ROUTINGS, help="for gmm/gmm-bwd")
+    parser.add_argument(
+        "--glu-shapes",
+        help="gate_up shapes for glu (default: every 'bench' <model>/gate_up shape; with --tiny: ci/gate_up)",
+    )
+    parser.add_argument("--glu-activations", default="swiglu", help="comma-separated activations for glu")
+    parser.add_argument("--routing", default="uniform", choices=shape_registry.ROUTINGS, help="for gmm/gmm-bwd/glu")
     parser.add_argument("--backends", default="xla,pallas", help="moe_jax backends to time (default: xla,pallas)")
     parser.add_argument("--baselines", default="dense,ragged_dot,tokamax", help="baselines to time (default: all)")
     parser.add_argument(
@@ -120,6 +130,11 @@ def print_tables(records: list[common.Record]) -> None:
     )
     if any(r.bench == "routing" for r in records):
         print(f"\n{routing.TABLE_NOTE}")
+    glu_backends = sorted({r.impl.split(":")[1] for r in records if r.bench in glu.BENCHES and ":" in r.impl})
+    for backend in glu_backends:
+        print(f"\n### GLU targets ({backend})\n\n{glu.targets_table(records, backend)}")
+    if glu_backends:
+        print(f"\n{glu.TARGETS_NOTE}")
 
 
 def render(path: str) -> list[common.Record]:
@@ -162,6 +177,8 @@ def main(argv: list[str] | None = None) -> list[common.Record]:
         [shape_registry.LAYER_SHAPES[default_routing]] if default_routing else shape_registry.layer_shapes(tag),
     )
     routing_stages = _choices(args.routing_stages, routing.STAGES, "routing stage")
+    glu_shapes = _names(args.glu_shapes, shape_registry.GMM_SHAPES, glu.glu_shapes(tag))
+    glu_activations = _choices(args.glu_activations, ACTIVATIONS, "activation")
 
     command = shlex.join(["python", "-m", "benchmarks", *(sys.argv[1:] if argv is None else argv)])
     meta = common.run_metadata(command, {"tokamax": tokamax_peer.version()})
@@ -192,6 +209,8 @@ def main(argv: list[str] | None = None) -> list[common.Record]:
             )
         elif bench == "layer":
             records += layer.run(layer_shapes, options, emit=emit)
+        elif bench == "glu":
+            records += glu.run(glu_shapes, options, activations=glu_activations, routing=args.routing, emit=emit)
         else:
             records += routing.run(routing_shapes, options, stages=routing_stages, emit=emit)
 

@@ -15,6 +15,8 @@ import numpy as np
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # the interpreter's race state has no public API
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from moe_jax.ops.grouped_matmul import reference as jax_reference
+
 # The checking interpreter: races detected, uninitialised memory (shared and output buffers) poisoned with NaN.
 CHECKING_INTERPRETER = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
 
@@ -294,3 +296,62 @@ class GroupOracle:
 
     def describe(self) -> str:
         return f"f32 oracle, groups {self.groups}"
+
+
+class MLPGroupOracle:
+    """Exact f32 GLU-MLP results for three groups (first non-empty, largest, last non-empty), as ``GroupOracle``.
+
+    y_g = row_scale_g * (act(x_g W_gate[g]) * (x_g W_up[g])) W_down[g]; with a cotangent ct also its gradients
+    (d x_g, d w_gate_up[g], d w_down[g], d row_scale_g) by jax.vjp of that f32 function at HIGHEST precision.
+
+    Args:
+      x: [M, D]; w_gate_up: [G, D, 2F] as [gate | up] (unpack a packed one); w_down: [G, F, D]; group_sizes: [G];
+      row_scale: [M]; activation: "swiglu", "geglu" or "gpt_oss"; ct: [M, D] or None (forward only).
+    """
+
+    # Leaves indexed by group ([G, ...] weight gradients) rather than sliced by the group's rows.
+    PER_GROUP_LEAVES = (2, 3)
+
+    def __init__(self, x, w_gate_up, w_down, group_sizes, row_scale, activation: str, ct=None):
+        sizes = np.asarray(group_sizes)
+        nonempty = np.flatnonzero(sizes)
+        if not nonempty.size:
+            raise ValueError("group_sizes must have a non-empty group, got all zeros")
+        ends = np.cumsum(sizes)
+        self.groups = sorted({int(nonempty[0]), int(np.argmax(sizes)), int(nonempty[-1])})
+        self.rows = {g: slice(int(ends[g] - sizes[g]), int(ends[g])) for g in self.groups}
+        self.routed_rows = int(ends[-1])
+        self.backward = ct is not None
+        self.expected = {}
+        for g, rows in self.rows.items():
+            args = [a.astype(jnp.float32) for a in (x[rows], w_gate_up[g], w_down[g], row_scale[rows])]
+            mlp = functools.partial(_f32_glu_mlp, activation=activation)
+            if self.backward:
+                y, pullback = jax.vjp(mlp, *args)
+                self.expected[g] = [y, *pullback(ct[rows].astype(jnp.float32))]
+            else:
+                self.expected[g] = [mlp(*args)]
+
+    def errors(self, output) -> list[float]:
+        """Per leaf of (y,) or (y, d_x, d_w_gate_up, d_w_down, d_row_scale): ``||actual - exact|| / ||exact||`` over
+        the oracle's groups together."""
+        leaves = output if self.backward else (output,)
+        errors = []
+        for leaf, array in enumerate(leaves):
+            diff = total = 0.0
+            for g, rows in self.rows.items():
+                actual = np.asarray(array[g] if leaf in self.PER_GROUP_LEAVES else array[rows], np.float64)
+                expected = np.asarray(self.expected[g][leaf], np.float64)
+                diff += float(np.sum(np.square(actual - expected)))
+                total += float(np.sum(np.square(expected)))
+            errors.append(math.sqrt(diff / total))
+        return errors
+
+    def describe(self) -> str:
+        return f"f32 MLP oracle, groups {self.groups}"
+
+
+def _f32_glu_mlp(x, w_gate_up, w_down, row_scale, *, activation: str):
+    dot = functools.partial(jnp.dot, precision=jax.lax.Precision.HIGHEST)
+    gate, up = jnp.split(dot(x, w_gate_up), 2, axis=1)
+    return dot(jax_reference.gated_activation(gate, up, activation), w_down) * row_scale[:, None]

@@ -11,7 +11,7 @@ import pytest
 from benchmarks import common, routing
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FLOP_BENCHES = {"gmm", "gmm-bwd", "skew", "layer", "layer-bwd"}
+FLOP_BENCHES = {"gmm", "gmm-bwd", "skew", "layer", "layer-bwd", "glu", "glu-bwd", "glu-mlp"}
 BENCHES = FLOP_BENCHES | {"routing"}
 
 
@@ -65,7 +65,8 @@ def test_json_records_every_bench_with_metadata(tiny_run):
 
 def test_baselines_and_xla_backend_have_positive_numbers(tiny_run):
     _, data, _ = tiny_run
-    timed = [r for r in data["records"] if r["impl"] in ("dense", "ragged_dot", "moe_jax:xla")]
+    xla = ("dense", "ragged_dot", "moe_jax:xla")
+    timed = [r for r in data["records"] if r["impl"] in xla or r["impl"].endswith(":xla")]  # glu: "<what>:xla"
     assert {r["bench"] for r in timed} == BENCHES
     for r in timed:
         assert r["status"] == "ok", r
@@ -88,6 +89,26 @@ def test_checks_agree_with_the_oracle(tiny_run):
         assert len(r["rel_err_leaves"]) == (3 if r["bench"] == "gmm-bwd" else 1)
         # bf16 operands, f32 accumulation, bf16 outputs: a few 1e-3.
         assert 0 < r["rel_err"] < 1e-2, r
+
+
+def test_glu_benches_check_every_output_and_print_the_targets(tiny_run):
+    stdout, data, _ = tiny_run
+    glu = [r for r in data["records"] if r["bench"] in ("glu", "glu-bwd", "glu-mlp")]
+    assert {r["impl"] for r in glu if r["bench"] == "glu"} == {
+        "dense",
+        "tokamax+xla-glu",
+        "gemm:xla",
+        "gemm+xla-glu:xla",
+        "fused:xla",
+    }
+    assert {r["impl"] for r in glu if r["bench"] == "glu-bwd"} == {"tokamax-gemms", "unfused:xla", "fused:xla"}
+    for r in glu:
+        assert r["shape"] == "ci swiglu" and r["dims"]["activation"] == "swiglu", r
+        if r["impl"].endswith(":xla"):
+            assert r["checked_against"].startswith("f32"), r
+            assert len(r["rel_err_leaves"]) == (1 if r["bench"] == "glu" else 5)  # y and four gradients
+            assert 0 < r["rel_err"] < 1e-2, r
+    assert "### GLU targets (xla)" in stdout and "| ci swiglu | swiglu | " in stdout
 
 
 def test_missing_peer_is_reported_not_raised(tiny_run):
@@ -255,3 +276,26 @@ def test_render_reprints_a_streamed_run(tmp_path, capsys):
     assert "| ci/ragged | - | dense | 4.0 | 2.000 | 100% | 2.0 | 1.00 |  |" in stdout
     assert "| moe_jax:pallas | 4.0 | OOM: Out of memory while trying to allocate 1GiB |" in stdout
     assert "| qwen3-30b-a3b | route | 2.000 (100%) | 1.000 (100%) | 2.00x | WRONG: experts: 3 of 131072" in stdout
+
+
+def test_glu_memory_table_counts_what_the_backward_keeps():
+    """``python -m benchmarks.glu``'s table, at the ci layer: traced only, so exact byte counts."""
+    from benchmarks import glu
+    from moe_jax.ops import shapes
+
+    layer = shapes.LAYER_SHAPES["ci/layer"]
+    m, d, d_ff, e = layer.m, layer.d, layer.f, layer.e
+    kept = glu.kept_for_backward(layer)
+
+    def activation_bytes(name):
+        return glu.nbytes(aval for _, aval in kept[name][0])
+
+    # fused: x, the packed pre-activation [M, 2F] in bf16, row_scale, group_sizes; recompute: all but the second.
+    assert activation_bytes("fused (glu_mlp)") == 2 * m * d + 2 * m * 2 * d_ff + 4 * m + 4 * e
+    assert activation_bytes("fused, recompute_gate_up") == 2 * m * d + 4 * m + 4 * e
+    assert [source for source, _ in kept["fused (glu_mlp)"][0]].count("computed") == 1
+    for name, (_, weights) in kept.items():
+        assert weights == ["w_down", "w_gate_up"], name
+        assert activation_bytes(name) >= activation_bytes("fused, recompute_gate_up"), name
+    table = glu.memory_table(layer)
+    assert table.count("\n| ") == len(kept) + 1 and "fused, recompute_gate_up" in table

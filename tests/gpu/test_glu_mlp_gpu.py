@@ -4,8 +4,8 @@
 Run on the GPU machine: ``PYTHONPATH=. python3 -m pytest -m gpu tests/gpu/test_glu_mlp_gpu.py``.
 
 - Named shapes at full size (qwen3-30b experts with every activation, gpt-oss-120b's): XLA's ragged_dot multiplies by
-  every group there, so the oracle is the exact f32 MLP of three groups (first non-empty, largest, last non-empty),
-  differentiated by jax.vjp, plus the rows past the sum, which must be exactly zero.
+  every group there, so the oracle is ``MLPGroupOracle``, the exact f32 MLP of three groups differentiated by jax.vjp,
+  plus the rows past the sum, which must be exactly zero.
 - A seeded random sweep of smaller shapes and routings against the XLA reference on the same device.
 - ``moe_jax.nn.MoE`` with backend "pallas" against backend "xla", gradients of every parameter included.
 Tolerance: relative-norm error ``TOL`` (bf16 inputs, f32 accumulation, bf16 outputs, cotangent and kept
@@ -21,9 +21,8 @@ import pytest
 from flax import nnx
 
 import moe_jax
-from moe_jax._core.testing import random_group_sizes, relative_error
+from moe_jax._core.testing import MLPGroupOracle, random_group_sizes, relative_error
 from moe_jax.ops import shapes
-from moe_jax.ops.grouped_matmul import reference
 
 pytestmark = pytest.mark.gpu
 TOL = 1e-2
@@ -59,22 +58,6 @@ def _fwd_bwd(inputs, w_gate_up, group_sizes, *, activation, backend, recompute=F
     return (y, *pullback(inputs["cotangent"]))
 
 
-def _group_oracle(inputs, g, rows, activation):
-    """Exact f32 (y, d x, d w_gate_up[g], d w_down[g], d row_scale) of group g's rows."""
-    dot = functools.partial(jnp.dot, precision=jax.lax.Precision.HIGHEST)
-
-    def mlp(x, w_gate_up, w_down, scale):
-        gate, up = jnp.split(dot(x, w_gate_up), 2, axis=1)
-        return dot(reference.gated_activation(gate, up, activation), w_down) * scale[:, None]
-
-    def f32(a):
-        return a.astype(jnp.float32)
-
-    args = (f32(inputs["x"][rows]), f32(inputs["w_gate_up"][g]), f32(inputs["w_down"][g]), inputs["row_scale"][rows])
-    y, pullback = jax.vjp(mlp, *args)
-    return (y, *pullback(f32(inputs["cotangent"][rows])))
-
-
 @pytest.mark.parametrize(
     "model, activation",
     [("qwen3-30b", "swiglu"), ("qwen3-30b", "geglu"), ("qwen3-30b", "gpt_oss"), ("gpt-oss-120b", "gpt_oss")],
@@ -88,17 +71,19 @@ def test_named_shape_against_exact_groups(model, activation):
     y, d_x, d_packed, d_w_down, d_row_scale = _fwd_bwd(
         inputs, packed, group_sizes, activation=activation, backend="pallas"
     )
-    d_w_gate_up = moe_jax.unpack_gate_up(d_packed)
-    sizes = np.asarray(group_sizes)
-    ends = np.cumsum(sizes)
-    nonempty = np.flatnonzero(sizes)
-    for grp in sorted({int(nonempty[0]), int(np.argmax(sizes)), int(nonempty[-1])}):
-        rows = slice(int(ends[grp] - sizes[grp]), int(ends[grp]))
-        exact = _group_oracle(inputs, grp, rows, activation)
-        actual = (y[rows], d_x[rows], d_w_gate_up[grp], d_w_down[grp], d_row_scale[rows])
-        for name, a, e in zip(("y", "d_x", "d_w_gate_up", "d_w_down", "d_row_scale"), actual, exact, strict=True):
-            assert relative_error(a, e) < TOL, f"{name}, group {grp}"
-    past = int(ends[-1])
+    output = (y, d_x, moe_jax.unpack_gate_up(d_packed), d_w_down, d_row_scale)
+    oracle = MLPGroupOracle(
+        inputs["x"],
+        inputs["w_gate_up"],
+        inputs["w_down"],
+        group_sizes,
+        inputs["row_scale"],
+        activation,
+        inputs["cotangent"],
+    )
+    for name, error in zip(("y", "d_x", "d_w_gate_up", "d_w_down", "d_row_scale"), oracle.errors(output), strict=True):
+        assert error < TOL, f"{name}: {error} ({oracle.describe()})"
+    past = oracle.routed_rows
     for name, value in (("y", y), ("d_x", d_x), ("d_row_scale", d_row_scale)):
         assert float(jnp.max(jnp.abs(value[past:].astype(jnp.float32)))) == 0.0, name
 
