@@ -4,8 +4,9 @@
 down with the row-scale epilogue, the GLU-backward dgrad, two wgrads, the gate_up dgrad), seven when the backward
 recomputes the pre-activation; forward alone it is two (the GLU epilogue without the kept pre-activation). Across
 the cases every activation meets the forward and the backward epilogue, with and without a row scale, and every
-model's (D, F) the heuristic configs (shared-memory fit included). Shapes: ``moe_jax.ops.shapes.GMM_SHAPES``'s
-"<model>/gate_up" entries, (G, M, K = D, N = 2F).
+model's (D, F) the heuristic configs (shared-memory fit included); the standalone ``grouped_matmul`` epilogues (row
+scale alone, GLU + row scale) lower with their gradients. Shapes: ``moe_jax.ops.shapes.GMM_SHAPES``'s "<model>/gate_up"
+entries, (G, M, K = D, N = 2F).
 """
 
 import jax
@@ -65,3 +66,27 @@ def test_glu_mlp_forward_and_backward_lower(model, activation, row_scale, recomp
 
 def test_glu_mlp_forward_alone_lowers():
     assert _lowered("mixtral", "swiglu", row_scale=True, recompute=False, backward=False).count(MOSAIC_CALL) == 2
+
+
+def test_standalone_epilogues_lower_with_their_gradients():
+    """grouped_matmul's own fused epilogues under jax.grad: row scale alone, and GLU + row scale (both keeping the
+    pre-activation for the XLA-differentiated epilogue), each with its dgrad and wgrad kernels."""
+    shape = shapes.GMM_SHAPES["qwen3-30b/gate_up"]
+    g, m, k, n = shape.g, shape.m, shape.k, shape.n
+    args = (
+        jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+        jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16),
+        jax.ShapeDtypeStruct((g,), jnp.int32),
+        jax.ShapeDtypeStruct((m,), jnp.float32),
+    )
+
+    def loss(x, w, group_sizes, scale):
+        scaled = moe_jax.grouped_matmul(x, w, group_sizes, row_scale=scale, backend="pallas")
+        packed = moe_jax.PackedGateUp(w, 64)
+        glu = moe_jax.grouped_matmul(x, packed, group_sizes, activation="geglu", row_scale=scale, backend="pallas")
+        return jnp.sum(scaled.astype(jnp.float32)) + jnp.sum(glu.astype(jnp.float32))
+
+    step = jax.value_and_grad(loss, argnums=(0, 1, 3))
+    with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=H200)):
+        text = jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(MOSAIC_CALL) == 6
