@@ -5,13 +5,17 @@ The public surface (re-exports only): ``route``, ``grouped_matmul`` (with ``pack
 in ``moe_jax.nn``.
 """
 
-from moe_jax import nn
-from moe_jax.ops.glu_mlp.api import glu_mlp
-from moe_jax.ops.grouped_matmul.api import grouped_matmul
-from moe_jax.ops.grouped_matmul.packing import PackedGateUp, pack_gate_up, unpack_gate_up
-from moe_jax.ops.moe_ffn.api import MoEAux, moe_ffn
-from moe_jax.ops.permute.api import combine, permute
-from moe_jax.ops.routing.api import Routing, apply_capacity, load_balancing_loss, route, z_loss
+from moe_jax._core.hardware import serialize_interpreted_kernels
+
+serialize_interpreted_kernels()  # before any backend exists: see its docstring
+
+from moe_jax import nn  # noqa: E402
+from moe_jax.ops.glu_mlp.api import glu_mlp  # noqa: E402
+from moe_jax.ops.grouped_matmul.api import grouped_matmul  # noqa: E402
+from moe_jax.ops.grouped_matmul.packing import PackedGateUp, pack_gate_up, unpack_gate_up  # noqa: E402
+from moe_jax.ops.moe_ffn.api import MoEAux, moe_ffn  # noqa: E402
+from moe_jax.ops.permute.api import combine, permute  # noqa: E402
+from moe_jax.ops.routing.api import Routing, apply_capacity, load_balancing_loss, route, z_loss  # noqa: E402
 
 __all__ = [
     "MoEAux",

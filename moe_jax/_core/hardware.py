@@ -1,11 +1,30 @@
 """Hardware queries that also answer on a CPU host (tests run kernels under the Mosaic GPU interpreter)."""
 
+import os
+
 import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+# XLA:CPU's concurrency-optimised scheduler runs independent custom calls of one program at the same time, but the
+# Mosaic GPU interpreter keeps one kernel's simulated memory and barriers in global state: two interpreted kernels
+# at once (e.g. the dgrad and wgrad of a jitted backward) deadlock in a barrier wait. Seen with jax 0.11.2 on CPU.
+SERIAL_CPU_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 # What a persistent kernel assumes when no GPU is visible: small enough that the interpreter stays quick, more than one
 # so that the tile schedule's round-robin is exercised.
 CPU_FALLBACK_NUM_SMS = 4
+
+
+def serialize_interpreted_kernels() -> None:
+    """Adds ``SERIAL_CPU_SCHEDULER_FLAG`` to XLA_FLAGS unless the user set that option; CPU backend only.
+
+    XLA reads the flags when it creates its first backend, so this runs when moe_jax is imported; it has no effect if
+    a computation ran before that.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    option = SERIAL_CPU_SCHEDULER_FLAG.split("=")[0]
+    if option not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {SERIAL_CPU_SCHEDULER_FLAG}".strip()
 
 
 def num_sms() -> int:
