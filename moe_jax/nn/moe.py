@@ -245,8 +245,9 @@ def update_balancing_biases(model: nnx.Module, intermediates: nnx.State, rate: f
         if isinstance(module, MoE):
             sown = flat_aux.get((*path, "moe_aux"))
             if sown is not None:
-                (aux,) = sown.get_value()
-                module.update_bias(aux.expert_counts, rate)
+                # A layer called several times in one forward sowed one MoEAux per call: balance their sum.
+                counts = sum(aux.expert_counts for aux in sown.get_value())
+                module.update_bias(counts, rate)
 
 
 __all__ = ["MoE", "MoEAux", "Router", "RouterBias", "SharedExperts", "update_balancing_biases"]

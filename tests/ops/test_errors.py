@@ -88,6 +88,7 @@ BAD_INPUTS = {
     "w_gate_up experts": (_moe(w_gate_up=jnp.ones((E + 1, D, 2 * F))), ValueError, r"w_gate_up must have shape"),
     "w_gate_up odd": (_moe(w_gate_up=jnp.ones((E, D, 2 * F + 1))), ValueError, r"w_gate_up must have shape"),
     "w_down shape": (_moe(w_down=jnp.ones((E, F + 1, D))), ValueError, r"w_down must have shape \[E, F, D\]"),
+    "moe mixed dtypes": (_moe(w_down=jnp.ones((E, F, D), jnp.bfloat16)), TypeError, "must share one compute dtype"),
     "moe activation none": (_moe(activation=None), ValueError, "activation must be one of"),
     "capacity_factor negative": (_moe(capacity_factor=-1.0), ValueError, "capacity_factor must be > 0"),
     "moe top_k": (_moe(top_k=E + 1), ValueError, r"top_k must be in \[1, E\]"),

@@ -55,6 +55,10 @@ def _check_moe_args(x, router_kernel, w_gate_up, w_down, activation, capacity_fa
         ("w_down", w_down),
     ):
         checks.check_float(name, array)
+    expert_dtypes = {name: jnp.dtype(a.dtype) for name, a in (("x", x), ("w_gate_up", w_gate_up), ("w_down", w_down))}
+    if len(set(expert_dtypes.values())) > 1:
+        found = ", ".join(f"{name} {dtype.name}" for name, dtype in expert_dtypes.items())
+        raise TypeError(f"x, w_gate_up and w_down must share one compute dtype, got {found}")
     checks.check_choice("activation", activation, ACTIVATIONS)
     if capacity_factor is not None and checks.check_static_float("capacity_factor", capacity_factor) <= 0:
         raise ValueError(f"capacity_factor must be > 0 (or None for dropless), got {capacity_factor}")
