@@ -234,6 +234,18 @@ def moe_ffn(x, router_kernel, w_gate_up, w_down, *, top_k, activation="swiglu", 
 # ------------------------------------------------------------------------------------------- grouped matmul, at scale
 
 
+def _probe_groups(group_sizes) -> tuple[list[int], dict[int, slice], int]:
+    """The groups a group oracle checks (first and last non-empty, largest), their row slices, and sum(group_sizes):
+    rows at or past it must come out zero."""
+    sizes = np.asarray(group_sizes)
+    nonempty = np.flatnonzero(sizes)
+    if not nonempty.size:
+        raise ValueError("group_sizes must have a non-empty group, got all zeros")
+    ends = np.cumsum(sizes)
+    groups = sorted({int(nonempty[0]), int(np.argmax(sizes)), int(nonempty[-1])})
+    return groups, {g: slice(int(ends[g] - sizes[g]), int(ends[g])) for g in groups}, int(ends[-1])
+
+
 class GroupOracle:
     """Exact f32 grouped-matmul results for three groups (first non-empty, largest, last non-empty) of one input.
 
@@ -247,14 +259,7 @@ class GroupOracle:
     """
 
     def __init__(self, lhs, rhs, group_sizes, ct=None):
-        sizes = np.asarray(group_sizes)
-        nonempty = np.flatnonzero(sizes)
-        if not nonempty.size:
-            raise ValueError("group_sizes must have a non-empty group, got all zeros")
-        ends = np.cumsum(sizes)
-        self.groups = sorted({int(nonempty[0]), int(np.argmax(sizes)), int(nonempty[-1])})
-        self.rows = {g: slice(int(ends[g] - sizes[g]), int(ends[g])) for g in self.groups}
-        self.routed_rows = int(ends[-1])  # rows at or past this index must come out zero
+        self.groups, self.rows, self.routed_rows = _probe_groups(group_sizes)
         self.backward = ct is not None
         dot = functools.partial(jnp.dot, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
         self.expected = {}
@@ -313,14 +318,7 @@ class MLPGroupOracle:
     PER_GROUP_LEAVES = (2, 3)
 
     def __init__(self, x, w_gate_up, w_down, group_sizes, row_scale, activation: str, ct=None):
-        sizes = np.asarray(group_sizes)
-        nonempty = np.flatnonzero(sizes)
-        if not nonempty.size:
-            raise ValueError("group_sizes must have a non-empty group, got all zeros")
-        ends = np.cumsum(sizes)
-        self.groups = sorted({int(nonempty[0]), int(np.argmax(sizes)), int(nonempty[-1])})
-        self.rows = {g: slice(int(ends[g] - sizes[g]), int(ends[g])) for g in self.groups}
-        self.routed_rows = int(ends[-1])
+        self.groups, self.rows, self.routed_rows = _probe_groups(group_sizes)
         self.backward = ct is not None
         self.expected = {}
         for g, rows in self.rows.items():
