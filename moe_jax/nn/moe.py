@@ -11,7 +11,7 @@ from flax import nnx
 from moe_jax.ops.glu_mlp.api import glu_mlp
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp, gate_up_block, pack_gate_up
 from moe_jax.ops.moe_ffn.api import MoEAux, moe_ffn
-from moe_jax.ops.routing.api import Routing, balancing_bias_update, route
+from moe_jax.ops.routing.api import Routing, balancing_bias_update, route, router_logits
 
 # Experts are stacked on axis 0; "expert" is the mesh axis expert parallelism shards them over.
 EXPERT_AXIS = "expert"
@@ -101,8 +101,13 @@ class Router(nnx.Module):
 
     def __call__(self, x: jax.Array) -> Routing:
         """x: [T, D] -> ``Routing`` of T tokens."""
-        logits = jnp.dot(x.astype(jnp.float32), self.kernel[...].astype(jnp.float32))
-        return route(logits, self.top_k, bias=self.bias_value, backend=self.backend, **self.routing_options)
+        return route(
+            router_logits(x, self.kernel[...]),
+            self.top_k,
+            bias=self.bias_value,
+            backend=self.backend,
+            **self.routing_options,
+        )
 
     def update_bias(self, expert_counts: jax.Array, rate: float) -> None:
         """One aux-loss-free balancing step from [E] per-expert counts (no-op without ``balance_bias``)."""

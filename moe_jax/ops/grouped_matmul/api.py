@@ -297,10 +297,9 @@ def forward_epilogue(activation: str | None, row_scale: bool, *, keep_dtype=None
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _pallas_epilogue_matmul(lhs, rhs, group_sizes, row_scale, activation, out_dtype, transpose_rhs):
-    """lhs [M, K] · rhs[g] with the epilogue fused: [M, N/2] with an activation (rhs packed), else [M, N]."""
-    epilogue = forward_epilogue(activation, row_scale is not None)
+def _epilogue_kernel(lhs, rhs, group_sizes, row_scale, activation, out_dtype, transpose_rhs, *, keep: bool):
+    """The forward kernel with the epilogue fused; ``keep`` also returns the pre-activation [M, N] for the backward."""
+    epilogue = forward_epilogue(activation, row_scale is not None, keep_dtype=out_dtype if keep else None)
     return run_rows_kernel(
         "fwd",
         lhs,
@@ -313,18 +312,15 @@ def _pallas_epilogue_matmul(lhs, rhs, group_sizes, row_scale, activation, out_dt
     )
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _pallas_epilogue_matmul(lhs, rhs, group_sizes, row_scale, activation, out_dtype, transpose_rhs):
+    """lhs [M, K] · rhs[g] with the epilogue fused: [M, N/2] with an activation (rhs packed), else [M, N]."""
+    return _epilogue_kernel(lhs, rhs, group_sizes, row_scale, activation, out_dtype, transpose_rhs, keep=False)
+
+
 def _epilogue_fwd(lhs, rhs, group_sizes, row_scale, activation, out_dtype, transpose_rhs):
-    epilogue = forward_epilogue(activation, row_scale is not None, keep_dtype=out_dtype)
-    out, pre = run_rows_kernel(
-        "fwd",
-        lhs,
-        rhs,
-        group_sizes,
-        w_transposed=transpose_rhs,
-        out_dtype=out_dtype,
-        epilogue=epilogue,
-        row_scale=row_scale,
-    )
+    args = (lhs, rhs, group_sizes, row_scale, activation, out_dtype, transpose_rhs)
+    out, pre = _epilogue_kernel(*args, keep=True)
     return out, (lhs, rhs, group_sizes, row_scale, pre)
 
 

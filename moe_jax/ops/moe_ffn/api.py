@@ -15,6 +15,7 @@ from moe_jax.ops.routing.api import (
     check_routing_args,
     load_balancing_loss,
     route,
+    router_logits,
     z_loss,
 )
 
@@ -110,8 +111,7 @@ def moe_ffn(
         scale=scale,
     )
     with jax.named_scope("router"):
-        router_dtype = checks.accumulation_dtype(x.dtype)
-        logits = jnp.dot(x.astype(router_dtype), router_kernel.astype(router_dtype))
+        logits = router_logits(x, router_kernel)
         routing = route(
             logits,
             top_k,

@@ -106,6 +106,12 @@ def route(
     )
 
 
+def router_logits(x: jax.Array, router_kernel: jax.Array) -> jax.Array:
+    """[T, E] logits ``x @ router_kernel`` of [T, D] tokens and a [D, E] kernel, in f32 (f64 for f64 inputs)."""
+    dtype = checks.accumulation_dtype(x.dtype)
+    return jnp.dot(x.astype(dtype), router_kernel.astype(dtype))
+
+
 def apply_capacity(routing: Routing, capacity_factor: float) -> tuple[jax.Array, jax.Array]:
     """Caps every expert at ``ceil(capacity_factor * T * k / E)`` rows, dropping its lowest-score assignments.
 
