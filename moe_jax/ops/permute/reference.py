@@ -15,9 +15,13 @@ def permute(x: jax.Array, sort_indices: jax.Array, top_k: int) -> jax.Array:
 
 
 def inverse_permutation(sort_indices: jax.Array) -> jax.Array:
-    """[M] int32: the expert-sorted position of each flat assignment."""
+    """[M] int32: the expert-sorted position of each flat assignment (the inverse of ``sort_indices``).
+
+    Indices outside [0, M) are dropped, so every position is in range whatever ``sort_indices`` holds: the kernels
+    index memory with these positions and never leave their buffers.
+    """
     positions = jnp.arange(sort_indices.shape[0], dtype=jnp.int32)
-    return jnp.zeros_like(positions).at[sort_indices].set(positions)
+    return jnp.zeros_like(positions).at[sort_indices].set(positions, unique_indices=True, mode="drop")
 
 
 def combine(y_sorted: jax.Array, sort_indices: jax.Array, top_k: int, weights: jax.Array | None = None) -> jax.Array:

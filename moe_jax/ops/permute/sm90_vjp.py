@@ -12,20 +12,13 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax._core.hardware import interpret_params
-from moe_jax.ops.permute import sm90
+from moe_jax.ops.permute import reference, sm90
 from moe_jax.ops.permute.config import heuristic_config
 
 
 def token_positions(sort_indices: jax.Array, top_k: int) -> jax.Array:
-    """[T, k] int32: the expert-sorted row of each assignment (inverse of the [T * k] permutation ``sort_indices``).
-
-    Indices outside [0, T * k) are dropped and a repeated index keeps one of its rows, so every position is in range
-    whatever ``sort_indices`` holds: the kernels never address memory outside their buffers.
-    """
-    num_rows = sort_indices.shape[0]
-    rows = jnp.arange(num_rows, dtype=jnp.int32)
-    positions = jnp.zeros((num_rows,), jnp.int32).at[sort_indices].set(rows, unique_indices=True, mode="drop")
-    return positions.reshape(num_rows // top_k, top_k)
+    """[T, k] int32: the expert-sorted row of each assignment (``reference.inverse_permutation``, by token)."""
+    return reference.inverse_permutation(sort_indices).reshape(-1, top_k)
 
 
 @jax.custom_vjp
