@@ -59,13 +59,30 @@ def test_parameter_shapes_dtypes_and_sharding_names():
     assert 0.5 / 4 < std < 1.5 / 4
 
 
-def test_compute_dtype_and_shared_experts():
+@pytest.mark.parametrize("activation", ["swiglu", "gpt_oss"])
+def test_shared_experts_add_an_always_on_glu_mlp(activation):
+    model = _moe(activation=activation, num_shared_experts=2, rngs=nnx.Rngs(4))
+    x = jax.random.normal(jax.random.key(2), (7, 16))
+    routed, _ = oracle.moe_ffn(
+        np.asarray(x),
+        np.asarray(model.router.kernel[...]),
+        _gate_up_halves(model.w_gate_up[...]),
+        np.asarray(model.w_down[...]),
+        top_k=2,
+        activation=activation,
+    )
+    shared_gate_up = _gate_up_halves(model.shared.w_gate_up[...])[0]  # [D, 2 * 2F]: two experts' width
+    shared_down = np.asarray(model.shared.w_down[...])[0]
+    gate_up = np.asarray(x, np.float64) @ shared_gate_up
+    half = gate_up.shape[1] // 2
+    shared = oracle.gated_activation(gate_up[:, :half], gate_up[:, half:], activation) @ shared_down
+    assert oracle.relative_error(model(x), routed + shared) < 1e-5
+
+
+def test_compute_dtype():
     model = _moe(dtype=jnp.bfloat16, num_shared_experts=1)
-    x = jax.random.normal(jax.random.key(2), (4, 16))
-    y = model(x)
+    y = model(jax.random.normal(jax.random.key(2), (4, 16)))
     assert y.dtype == jnp.bfloat16
-    routed_only = _moe(dtype=jnp.bfloat16)
-    assert not np.allclose(np.asarray(y, np.float32), np.asarray(routed_only(x), np.float32))
 
 
 def test_aux_values_are_sown_and_captured():
