@@ -10,6 +10,10 @@ Side by side at each named layer shape (``moe_jax.ops.shapes.LAYER_SHAPES``), ro
   losses) with tokamax's Mosaic GPU ragged dot (default config) in place of the two grouped matmuls. A benchmark-only
   baseline: moe_jax never imports tokamax.
 
+The gate/up weights are drawn once in the packed layout the kernels read (``moe_jax.PackedGateUp``, as ``nn.MoE``
+stores them), so no implementation repacks weights inside its timing; the tokamax composition multiplies the same
+packed array and splits its output (``split_gate_up``, as moe_jax's xla path does).
+
 fwd+bwd differentiates y with respect to x, the router kernel and both expert weights (the aux losses are computed but
 not differentiated). Outputs and gradients are compared with the first moe_ffn-like implementation that ran
 (normally moe_jax:xla): leaves (y, load_balancing_loss, z_loss) forward, (y, d_x, d_router, d_w_gate_up, d_w_down)
@@ -25,6 +29,7 @@ import jax.numpy as jnp
 
 import moe_jax
 from benchmarks import common, tokamax_peer
+from moe_jax.ops.grouped_matmul.packing import gate_up_block, split_gate_up
 from moe_jax.ops.grouped_matmul.reference import gated_activation
 from moe_jax.ops.shapes import LayerShape
 
@@ -32,12 +37,15 @@ from moe_jax.ops.shapes import LayerShape
 def moe_ffn_with_gmm(
     gmm: Callable, x, router_kernel, w_gate_up, w_down, *, top_k: int, activation: str, bias, route_options: dict
 ):
-    """``moe_ffn``'s composition (backend "xla" ops) with ``gmm(lhs, rhs, group_sizes) -> bf16`` as the expert GEMM."""
+    """``moe_ffn``'s composition (backend "xla" ops) with ``gmm(lhs, rhs, group_sizes) -> bf16`` as the expert GEMM.
+
+    w_gate_up: ``PackedGateUp`` [E, D, 2F]; the GEMM multiplies its array as stored and the output is split.
+    """
     logits = jnp.dot(x.astype(jnp.float32), router_kernel.astype(jnp.float32))
     routing = moe_jax.route(logits, top_k, bias=bias, backend="xla", **route_options)
     rows = moe_jax.permute(x, routing.sort_indices, top_k, backend="xla")
-    gate, up = jnp.split(gmm(rows, w_gate_up, routing.group_sizes).astype(jnp.float32), 2, axis=-1)
-    hidden = gated_activation(gate, up, activation).astype(x.dtype)
+    gate_up = gmm(rows, w_gate_up.array, routing.group_sizes).astype(jnp.float32)
+    hidden = gated_activation(*split_gate_up(gate_up, w_gate_up.block), activation).astype(x.dtype)
     out_rows = gmm(hidden, w_down, routing.group_sizes).astype(jnp.float32) * routing.sorted_weights[:, None]
     y = moe_jax.combine(out_rows.astype(x.dtype), routing.sort_indices, top_k, backend="xla")
     aux = (moe_jax.load_balancing_loss(routing), moe_jax.z_loss(logits))
@@ -94,7 +102,7 @@ def _input_set(key, *, shape: LayerShape) -> dict:
     return {
         "x": normal((t, d), 1),
         "router_kernel": normal((d, e), d),
-        "w_gate_up": normal((e, d, 2 * f), d),
+        "w_gate_up": moe_jax.PackedGateUp(normal((e, d, 2 * f), d), gate_up_block(f)),
         "w_down": normal((e, f, d), f),
         "ct": normal((t, d), 1),
         "rows": normal((m, d), 1),

@@ -5,9 +5,12 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.extend
 import jax.numpy as jnp
 import pytest
 
+import moe_jax
 from benchmarks import common, routing
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -299,3 +302,35 @@ def test_glu_memory_table_counts_what_the_backward_keeps():
         assert activation_bytes(name) >= activation_bytes("fused, recompute_gate_up"), name
     table = glu.memory_table(layer)
     assert table.count("\n| ") == len(kept) + 1 and "fused, recompute_gate_up" in table
+
+
+def test_layer_composition_matches_moe_ffn_on_packed_weights():
+    """The tokamax-gemms composition (here over the reference grouped matmul) computes moe_ffn's layer from the same
+    packed input set, and the pallas layer reads those weights as stored: no transpose of a weight-sized array in its
+    trace (a plain [gate | up] array would be repacked there on every call)."""
+    from benchmarks import layer
+    from moe_jax.ops import shapes
+    from moe_jax.ops.grouped_matmul.reference import grouped_matmul
+
+    shape = shapes.LAYER_SHAPES["ci/layer"]
+    inputs = layer.make_inputs(shape, seed=3)[0]
+    args = [inputs[name] for name in ("x", "router_kernel", "w_gate_up", "w_down")]
+    assert isinstance(inputs["w_gate_up"], moe_jax.PackedGateUp)
+    composed = layer.moe_ffn_with_gmm(
+        grouped_matmul, *args, top_k=shape.top_k, activation=shape.activation, bias=None, route_options={}
+    )
+    layer_fn = layer._moe_ffn(shape, "xla", None)
+    expected = layer_fn(*args)
+    for actual, exact in zip(jax.tree.leaves(composed), jax.tree.leaves(expected), strict=True):
+        assert common.relative_errors(actual, exact)[0] < 1e-2
+
+    def transposed_sizes(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "transpose":
+                yield eqn.outvars[0].aval.size
+            for inner in jax.extend.core.jaxprs_in_params(eqn.params):
+                yield from transposed_sizes(inner)
+
+    pallas_layer = layer._moe_ffn(shape, "pallas", None)
+    weight_size = inputs["w_gate_up"].array.size
+    assert max(transposed_sizes(jax.make_jaxpr(pallas_layer)(*args).jaxpr), default=0) < weight_size
