@@ -79,6 +79,11 @@ BAD_INPUTS = {
     "integer lhs": (_gmm(lhs=jnp.ones((M, D), jnp.int8)), TypeError, "lhs must have dtype"),
     "activation unknown": (_gmm(activation="relu"), ValueError, "activation must be one of"),
     "odd N with GLU": (_gmm(rhs=jnp.ones((G, D, N + 1)), activation="swiglu"), ValueError, "must be even"),
+    "packed block": (
+        _gmm(rhs=moe_jax.PackedGateUp(jnp.ones((G, D, 128)), 32), activation="swiglu"),
+        ValueError,
+        r"rhs.block must be gate_up_block\(F\) = 64 for F = 64",
+    ),
     "row_scale length": (_gmm(row_scale=jnp.ones(M + 1)), ValueError, r"row_scale: length \(M"),
     "output dtype": (_gmm(preferred_element_type=jnp.int32), TypeError, "preferred_element_type must be one of"),
     "gmm backend": (_gmm(backend="triton"), ValueError, "backend must be one of"),

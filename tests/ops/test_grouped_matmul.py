@@ -36,6 +36,14 @@ def test_matches_oracle_on_ragged_groups(kind, num_rows, num_groups):
     np.testing.assert_array_equal(np.asarray(out)[past_the_sum:], 0.0)
 
 
+def test_negative_group_sizes_count_as_zero():
+    lhs, rhs, _ = _problem(1, 40, 24, 16, 3, "uniform")
+    out = moe_jax.grouped_matmul(jnp.asarray(lhs), jnp.asarray(rhs), jnp.array([-8, 30, 5], jnp.int32), backend="xla")
+    expected = oracle.grouped_matmul(lhs, rhs, np.array([0, 30, 5]))
+    assert oracle.relative_error(out, expected) < F32_TOL
+    np.testing.assert_array_equal(np.asarray(out)[35:], 0.0)
+
+
 @pytest.mark.parametrize("activation", ["swiglu", "geglu", "gpt_oss"])
 @pytest.mark.parametrize("with_row_scale", [False, True])
 def test_gated_activations_and_row_scale(activation, with_row_scale):

@@ -17,7 +17,13 @@ from moe_jax._core.backend import resolve_backend
 from moe_jax.ops.grouped_matmul import reference, schedule, sm90, sm90_wgrad
 from moe_jax.ops.grouped_matmul.config import get_config
 from moe_jax.ops.grouped_matmul.glu import glu, kept_pre_activation
-from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, PackedGateUp, pack_gate_up, split_gate_up
+from moe_jax.ops.grouped_matmul.packing import (
+    PACK_BLOCK,
+    PackedGateUp,
+    gate_up_block,
+    pack_gate_up,
+    split_gate_up,
+)
 from moe_jax.ops.grouped_matmul.reference import ACTIVATIONS
 
 OUTPUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -76,6 +82,11 @@ def check_grouped_matmul_args(
             raise ValueError(
                 f"rhs: with activation={activation!r} N holds [gate | up] and must be even, got {num_cols}"
             )
+    if isinstance(rhs, PackedGateUp) and rhs.block != gate_up_block(num_cols // 2):
+        raise ValueError(
+            f"rhs.block must be gate_up_block(F) = {gate_up_block(num_cols // 2)} for F = {num_cols // 2} (what "
+            f"pack_gate_up produces), got {rhs.block}"
+        )
     if row_scale is not None:
         checks.check_rank("row_scale", row_scale, 1, "[M]")
         checks.check_dim("row_scale", row_scale.shape[0], num_rows, "length (M, lhs.shape[0])")
@@ -109,7 +120,8 @@ def grouped_matmul(
         columns interleaved so that one kernel tile holds matching gate and up columns. The type says the layout,
         so there is no ambiguity; a plain array is always read as [gate | up] and, on the Pallas path, packed on
         every call (one weight copy): store weights packed.
-      group_sizes: [G] int32 rows per group; rows at or past ``sum(group_sizes)`` give zeros.
+      group_sizes: [G] int32 rows per group; rows at or past ``sum(group_sizes)`` give zeros. Negative sizes count
+        as 0 and rows past M are dropped (both backends).
       activation: None, or "swiglu" / "geglu" / "gpt_oss": N holds ``[gate | up]`` (F = N/2 each) and the result is
         ``act(gate) * up`` of shape [M, F] (see DESIGN §3 for gpt_oss's clamp).
       row_scale: optional [M] float multiplying each output row (routing weights folded into the down projection).

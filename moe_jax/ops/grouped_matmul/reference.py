@@ -50,13 +50,14 @@ def grouped_matmul(
     A ``PackedGateUp`` rhs is multiplied as it is stored; its GEMM output is split back into gate and up (a view of
     the activations), so the weights are never unpacked.
     """
+    group_sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)  # negative sizes count as 0, as in the kernels
     block = None
     if isinstance(rhs, PackedGateUp):
         block, rhs = rhs.block, rhs.array
     if transpose_rhs:
         rhs = jnp.swapaxes(rhs, 1, 2)
     acc_dtype = accumulation_dtype(lhs.dtype)
-    out = jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), preferred_element_type=acc_dtype)
+    out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=acc_dtype)
     # ragged_dot leaves rows past the last group unspecified on some backends; the contract says zero.
     out = jnp.where(row_mask(group_sizes, lhs.shape[0])[:, None], out, 0.0)
     if activation is not None:
