@@ -15,14 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import moe_jax
 from moe_jax._core import testing as oracle
 from moe_jax.ops.grouped_matmul import api, config, reference, schedule
 
-INTERPRET = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
 BF16_OUT_TOL = 5e-3
 F32_OUT_TOL = 1e-5
 GRAD_TOL = 1e-2
@@ -47,9 +44,8 @@ def _inputs(seed, m, k, n, sizes, transpose_rhs):
 @pytest.fixture
 def interpret():
     """Runs the test's kernels under the checking interpreter and fails it on any detected race."""
-    with plgpu.force_gpu_interpret_mode(INTERPRET):
+    with oracle.checked_interpreter():
         yield
-    assert not get_races().races_found, "the interpreter detected a data race"
 
 
 @pytest.mark.parametrize("case", list(CASES))
