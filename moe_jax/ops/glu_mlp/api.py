@@ -97,7 +97,7 @@ def glu_mlp(
         path reads; a plain array is packed on every call there).
       w_down: [G, F, D].
       group_sizes: [G] int32; rows at or past ``sum(group_sizes)`` give zeros.
-      activation: "swiglu", "geglu" or "gpt_oss" (DESIGN §3).
+      activation: "swiglu", "geglu" or "gpt_oss" (defined in ``grouped_matmul``).
       row_scale: optional [M] float (the routing weights); gets a gradient.
       recompute_gate_up: backend="pallas": recompute the [M, 2F] pre-activation in the backward instead of keeping
         it (less activation memory, one more GEMM).

@@ -123,7 +123,8 @@ def grouped_matmul(
       group_sizes: [G] int32 rows per group; rows at or past ``sum(group_sizes)`` give zeros. Negative sizes count
         as 0 and rows past M are dropped (both backends).
       activation: None, or "swiglu" / "geglu" / "gpt_oss": N holds ``[gate | up]`` (F = N/2 each) and the result is
-        ``act(gate) * up`` of shape [M, F] (see DESIGN §3 for gpt_oss's clamp).
+        [M, F] (g: gate, u: up): swiglu ``silu(g) * u``; geglu ``gelu(g) * u`` (tanh form, ``jax.nn.gelu``'s default);
+        gpt_oss ``(u' + 1) * g' * sigmoid(1.702 * g')`` with ``g' = min(g, 7)`` and ``u' = clip(u, -7, 7)``.
       row_scale: optional [M] float multiplying each output row (routing weights folded into the down projection).
       preferred_element_type: output dtype (default: lhs.dtype); accumulation is always f32.
       transpose_rhs: rhs is laid out [G, N, K].
