@@ -56,10 +56,17 @@ def check_positive_int(name: str, value, *, upper: int | None = None, upper_name
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise TypeError(f"{name} must be a Python int, got {type(value).__name__}")
     if value < 1 or (upper is not None and value > upper):
-        bound = f"[1, {upper_name or upper}]" if upper is not None else ">= 1"
         suffix = f" (= {upper})" if upper is not None and upper_name else ""
-        raise ValueError(f"{name} must be in {bound}{suffix}, got {value}")
+        bound = f"be in [1, {upper_name or upper}]{suffix}" if upper is not None else "be >= 1"
+        raise ValueError(f"{name} must {bound}, got {value}")
     return int(value)
+
+
+def check_static_bool(name: str, value) -> bool:
+    """A Python (or NumPy) bool: options that change what is traced cannot be traced values."""
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"{name} must be a Python bool, got {type(value).__name__}")
+    return bool(value)
 
 
 def check_static_float(name: str, value) -> float:

@@ -54,11 +54,11 @@ def test_shapes_are_frozen_and_validated():
         shape.m = 1
     with pytest.raises(ValueError, match="tag"):
         shapes.GroupedMatmulShape("x", g=1, m=1, k=1, n=1, tag="big")
-    with pytest.raises(ValueError, match="x: k must be in >= 1, got 0"):
+    with pytest.raises(ValueError, match="x: k must be >= 1, got 0"):
         shapes.GroupedMatmulShape("x", g=1, m=1, k=0, n=1, tag="ci")
     with pytest.raises(TypeError, match="x: n must be a Python int"):
         shapes.GroupedMatmulShape("x", g=1, m=1, k=1, n=1.0, tag="ci")
-    with pytest.raises(ValueError, match="x: d must be in >= 1"):
+    with pytest.raises(ValueError, match="x: d must be >= 1"):
         shapes.LayerShape("x", t=4, d=0, f=8, e=2, top_k=1, activation="swiglu", tag="ci")
     with pytest.raises(ValueError, match="top_k"):
         shapes.LayerShape("x", t=4, d=8, f=8, e=2, top_k=3, activation="swiglu", tag="ci")

@@ -66,6 +66,7 @@ BAD_INPUTS = {
     "bias length": (_route(bias=jnp.zeros(E + 1)), ValueError, "bias: length"),
     "bias rank": (_route(bias=jnp.zeros((1, E))), ValueError, r"bias must have shape \[E\]"),
     "scale traced": (_route(scale=jnp.float32(2.0)), TypeError, "scale must be a Python float"),
+    "renormalize traced": (_route(renormalize=jnp.asarray(True)), TypeError, "renormalize must be a Python bool"),
     "backend unknown": (_route(backend="cuda"), ValueError, "backend must be one of"),
     # grouped_matmul
     "lhs rank": (_gmm(lhs=jnp.ones((M, D, 1))), ValueError, r"lhs must have shape \[M, K\]"),
@@ -112,6 +113,16 @@ BAD_INPUTS = {
         lambda: moe_jax.combine(jnp.ones((T * K, D)), routing.sort_indices, K, jnp.ones((T, K + 1))),
         ValueError,
         r"weights must have shape \[T, k\]",
+    ),
+    "combine integer weights": (
+        lambda: moe_jax.combine(jnp.ones((T * K, D)), routing.sort_indices, K, jnp.ones((T, K), jnp.int32)),
+        TypeError,
+        "weights must have dtype",
+    ),
+    "capacity without a routing": (
+        lambda: moe_jax.apply_capacity(None, 1.0),
+        TypeError,
+        "routing must be a Routing",
     ),
     "not an array": (lambda: moe_jax.route([[1.0, 2.0]], 1), TypeError, "logits must be an array"),
 }

@@ -109,6 +109,7 @@ def moe_ffn(
         top_groups=top_groups,
         bias=bias,
         scale=scale,
+        renormalize=renormalize,
     )
     with jax.named_scope("router"):
         logits = router_logits(x, router_kernel)

@@ -74,6 +74,7 @@ def combine(
         shape = checks.check_rank("weights", weights, 2, "[T, k]")
         if shape != (num_rows // top_k, top_k):
             raise ValueError(f"weights must have shape [T, k] = {(num_rows // top_k, top_k)}, got {shape}")
+        checks.check_float("weights", weights)
     if _resolve(backend, "combine", y_sorted) == "pallas":
         return sm90_vjp.combine(y_sorted, sort_indices, top_k, weights)
     return reference.combine(y_sorted, sort_indices, top_k, weights)

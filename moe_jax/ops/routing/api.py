@@ -21,9 +21,11 @@ def check_routing_args(
     top_groups,
     bias,
     scale,
+    renormalize=True,
 ) -> None:
     """Checks the routing options against ``num_experts`` (shared by ``route`` and ``moe_ffn``)."""
     checks.check_choice("score", score, SCORES)
+    checks.check_static_bool("renormalize", renormalize)
     checks.check_positive_int("num_groups", num_groups, upper=num_experts, upper_name="E")
     if num_experts % num_groups:
         raise ValueError(f"num_groups must divide the number of experts E={num_experts}, got {num_groups}")
@@ -89,6 +91,7 @@ def route(
         top_groups=top_groups,
         bias=bias,
         scale=scale,
+        renormalize=renormalize,
     )
     # The gating kernel takes any T and every option; it pads E, up to MAX_EXPERTS.
     has_kernel = routing_config.supports(num_experts)
@@ -118,6 +121,8 @@ def apply_capacity(routing: Routing, capacity_factor: float) -> tuple[jax.Array,
     Returns (group_sizes [E] int32, sort_indices [T*k] int32): kept rows sorted by expert (stable), dropped rows last,
     past ``sum(group_sizes)`` — exactly what ``grouped_matmul`` and ``combine`` consume.
     """
+    if not isinstance(routing, Routing):
+        raise TypeError(f"routing must be a Routing (what moe_jax.route returns), got {type(routing).__name__}")
     capacity_factor = checks.check_static_float("capacity_factor", capacity_factor)
     if capacity_factor <= 0:
         raise ValueError(f"capacity_factor must be > 0 (or None for dropless), got {capacity_factor}")
