@@ -172,7 +172,10 @@ def test_glu_mlp_reference_gradients(activation):
         (dict(w_down=jnp.ones((3, 9, 16), jnp.bfloat16)), ValueError, "w_down"),
         (dict(row_scale=jnp.ones((7,))), ValueError, "row_scale"),
         (dict(w_gate_up=moe_jax.pack_gate_up(jnp.ones((3, 16, 16)), transposed=True)), ValueError, "transposed"),
-        (dict(backend="pallas"), NotImplementedError, "multiple of 64"),
+        (dict(backend="pallas"), NotImplementedError, "glu_mlp: D must be a positive multiple of 64"),
+        (dict(x=jnp.ones((6, 16))), TypeError, "x and w_gate_up must have the same dtype"),
+        (dict(w_down=jnp.ones((3, 8, 16))), TypeError, r"x \(the hidden activations' dtype\) and w_down must have"),
+        (dict(x=jnp.ones((6, 15), jnp.bfloat16)), ValueError, r"w_gate_up must have shape \[G, D, 2F\] with D=15"),
     ],
 )
 def test_glu_mlp_rejects_bad_arguments(overrides, error, match):

@@ -30,6 +30,7 @@ from moe_jax._core.backend import resolve_backend
 from moe_jax.ops.glu_mlp import reference
 from moe_jax.ops.grouped_matmul import sm90
 from moe_jax.ops.grouped_matmul.api import (
+    ArgNames,
     check_grouped_matmul_args,
     forward_epilogue,
     gemm_grads,
@@ -40,6 +41,11 @@ from moe_jax.ops.grouped_matmul.api import (
 from moe_jax.ops.grouped_matmul.glu import glu_grad
 from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, PackedGateUp, pack_gate_up
 from moe_jax.ops.grouped_matmul.reference import ACTIVATIONS
+
+# The two GEMMs' operands and dimensions as glu_mlp's caller knows them; the down projection's lhs is the hidden
+# activation, which has x's dtype.
+GATE_UP_NAMES = ArgNames(op="glu_mlp", lhs="x", rhs="w_gate_up", k="D", n="2F")
+DOWN_NAMES = ArgNames(op="glu_mlp", lhs="x (the hidden activations' dtype)", rhs="w_down", k="F", n="D")
 
 
 def check_glu_mlp_args(x, w_gate_up, w_down, group_sizes, *, activation, row_scale, backend="xla") -> tuple:
@@ -56,6 +62,7 @@ def check_glu_mlp_args(x, w_gate_up, w_down, group_sizes, *, activation, row_sca
         preferred_element_type=None,
         transpose_rhs=False,
         backend=backend,
+        names=GATE_UP_NAMES,
     )
     d_ff = gate_up_cols // 2
     down_shape = checks.check_rank("w_down", w_down, 3, "[G, F, D]")
@@ -71,6 +78,7 @@ def check_glu_mlp_args(x, w_gate_up, w_down, group_sizes, *, activation, row_sca
         preferred_element_type=None,
         transpose_rhs=False,
         backend=backend,
+        names=DOWN_NAMES,
     )
     return num_rows, d_model, d_ff, num_groups
 

@@ -7,6 +7,7 @@ and wgrad kernels. The fused GLU backward lives in ``moe_jax.ops.glu_mlp``, wher
 an epilogue to run in. The kernel runners below (``run_rows_kernel``, ``run_wgrad_kernel``, ``gemm_grads``) serve both.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -34,69 +35,100 @@ KERNEL_DIM_MULTIPLE = 64
 KERNEL_ROW_MULTIPLE = 8
 
 
-def kernel_unsupported(lhs, contraction: int, num_cols: int, activation: str | None = None) -> str | None:
+@dataclasses.dataclass(frozen=True)
+class ArgNames:
+    """What the caller calls the operands and dimensions of one grouped matmul, so that a check's message names the
+    caller's argument (``glu_mlp``'s ``w_down``, not ``rhs``)."""
+
+    op: str = "grouped_matmul"
+    lhs: str = "lhs"
+    rhs: str = "rhs"
+    k: str = "K"
+    n: str = "N"
+
+
+GROUPED_MATMUL_NAMES = ArgNames()
+
+
+def kernel_unsupported(
+    lhs, contraction: int, num_cols: int, activation: str | None = None, names: ArgNames = GROUPED_MATMUL_NAMES
+) -> str | None:
     """Why the Pallas kernels cannot run this call (None when they can)."""
     if jnp.dtype(lhs.dtype) not in map(jnp.dtype, KERNEL_DTYPES):
-        return f"lhs and rhs must be bfloat16 or float16 for backend='pallas', got {jnp.dtype(lhs.dtype).name}"
-    for name, size in (("K", contraction), ("N", num_cols)):
+        dtype = jnp.dtype(lhs.dtype).name
+        return f"{names.lhs} and {names.rhs} must be bfloat16 or float16 for backend='pallas', got {dtype}"
+    for name, size in ((names.k, contraction), (names.n, num_cols)):
         if size <= 0 or size % KERNEL_DIM_MULTIPLE:
             return f"{name} must be a positive multiple of {KERNEL_DIM_MULTIPLE} for backend='pallas', got {size}"
     if activation is not None and (num_cols // 2) % PACK_BLOCK:
         # The GLU epilogue pairs gate and up columns in blocks of PACK_BLOCK (packing.py).
         return (
-            f"with an activation F = N/2 must be a multiple of {PACK_BLOCK} for backend='pallas', got {num_cols // 2}"
+            f"with an activation F = {names.n}/2 must be a multiple of {PACK_BLOCK} for backend='pallas', got "
+            f"{num_cols // 2}"
         )
     return None
 
 
 def check_grouped_matmul_args(
-    lhs, rhs, group_sizes, *, activation, row_scale, preferred_element_type, transpose_rhs, backend="xla"
+    lhs,
+    rhs,
+    group_sizes,
+    *,
+    activation,
+    row_scale,
+    preferred_element_type,
+    transpose_rhs,
+    backend="xla",
+    names: ArgNames = GROUPED_MATMUL_NAMES,
 ) -> tuple[int, int, int, int]:
-    """Validates the arguments of ``grouped_matmul``; returns (M, K, N, G).
+    """Validates the arguments of ``grouped_matmul`` (or of an op built on it, whose argument ``names`` the messages
+    use); returns (M, K, N, G).
 
     With ``backend="pallas"`` the kernels' constraints are checked too (NotImplementedError naming the dimension).
     """
-    num_rows, contraction = checks.check_rank("lhs", lhs, 2, "[M, K]")
+    lhs_name, rhs_name, k, n = names.lhs, names.rhs, names.k, names.n
+    num_rows, contraction = checks.check_rank(lhs_name, lhs, 2, f"[M, {k}]")
     if isinstance(rhs, PackedGateUp):
         if activation is None:
-            raise ValueError("rhs is a PackedGateUp ([gate | up] weights, packed): pass its activation=")
+            raise ValueError(f"{rhs_name} is a PackedGateUp ([gate | up] weights, packed): pass its activation=")
         if rhs.transposed != transpose_rhs:
-            raise ValueError(f"rhs is a PackedGateUp with transposed={rhs.transposed}: transpose_rhs must match")
-    rhs_layout = "[G, N, K]" if transpose_rhs else "[G, K, N]"
-    num_groups, *rhs_dims = checks.check_rank("rhs", rhs, 3, rhs_layout)
+            raise ValueError(f"{rhs_name} is a PackedGateUp with transposed={rhs.transposed}: transpose_rhs must match")
+    rhs_layout = f"[G, {n}, {k}]" if transpose_rhs else f"[G, {k}, {n}]"
+    num_groups, *rhs_dims = checks.check_rank(rhs_name, rhs, 3, rhs_layout)
     rhs_contraction, num_cols = reversed(rhs_dims) if transpose_rhs else rhs_dims
     if rhs_contraction != contraction:
         raise ValueError(
-            f"rhs must have shape {rhs_layout} with K={contraction} (from lhs [M, K]), got shape {rhs.shape}"
+            f"{rhs_name} must have shape {rhs_layout} with {k}={contraction} (from {lhs_name} [M, {k}]), got shape "
+            f"{rhs.shape}"
         )
     checks.check_rank("group_sizes", group_sizes, 1, "[G]")
     checks.check_int32("group_sizes", group_sizes)
-    checks.check_dim("group_sizes", group_sizes.shape[0], num_groups, "length (G, rhs.shape[0])")
-    checks.check_float("lhs", lhs)
-    checks.check_float("rhs", rhs)
+    checks.check_dim("group_sizes", group_sizes.shape[0], num_groups, f"length (G, {rhs_name}.shape[0])")
+    checks.check_float(lhs_name, lhs)
+    checks.check_float(rhs_name, rhs)
     if lhs.dtype != rhs.dtype:
-        raise TypeError(f"lhs and rhs must have the same dtype, got {lhs.dtype} and {rhs.dtype}")
+        raise TypeError(f"{lhs_name} and {rhs_name} must have the same dtype, got {lhs.dtype} and {rhs.dtype}")
     if activation is not None:
         checks.check_choice("activation", activation, (None, *ACTIVATIONS))
         if num_cols % 2:
             raise ValueError(
-                f"rhs: with activation={activation!r} N holds [gate | up] and must be even, got {num_cols}"
+                f"{rhs_name}: with activation={activation!r} {n} holds [gate | up] and must be even, got {num_cols}"
             )
     if isinstance(rhs, PackedGateUp) and rhs.block != gate_up_block(num_cols // 2):
         raise ValueError(
-            f"rhs.block must be gate_up_block(F) = {gate_up_block(num_cols // 2)} for F = {num_cols // 2} (what "
-            f"pack_gate_up produces), got {rhs.block}"
+            f"{rhs_name}.block must be gate_up_block(F) = {gate_up_block(num_cols // 2)} for F = {num_cols // 2} "
+            f"(what pack_gate_up produces), got {rhs.block}"
         )
     if row_scale is not None:
         checks.check_rank("row_scale", row_scale, 1, "[M]")
-        checks.check_dim("row_scale", row_scale.shape[0], num_rows, "length (M, lhs.shape[0])")
+        checks.check_dim("row_scale", row_scale.shape[0], num_rows, f"length (M, {lhs_name}.shape[0])")
         checks.check_float("row_scale", row_scale)
     if preferred_element_type is not None and jnp.dtype(preferred_element_type) not in map(jnp.dtype, OUTPUT_DTYPES):
         raise TypeError(
             f"preferred_element_type must be one of float32, bfloat16, float16 or None, got {preferred_element_type}"
         )
-    if backend == "pallas" and (reason := kernel_unsupported(lhs, contraction, num_cols, activation)):
-        raise NotImplementedError(f"grouped_matmul: {reason}; use backend='xla' (or 'auto', which falls back to it)")
+    if backend == "pallas" and (reason := kernel_unsupported(lhs, contraction, num_cols, activation, names)):
+        raise NotImplementedError(f"{names.op}: {reason}; use backend='xla' (or 'auto', which falls back to it)")
     return num_rows, contraction, num_cols, num_groups
 
 
