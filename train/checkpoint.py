@@ -1,5 +1,5 @@
 """Orbax checkpoints of a training run: model state (parameters and router biases), optimizer state (AdamW moments
-and its step count) and the run's progress (step, data position, data seed, the model config) as JSON.
+and its step count) and the run's progress (step, data position, the trajectory's config) as JSON.
 
 Restoring targets the live model's shapes, dtypes and shardings, so a run resumes onto whatever mesh it was started
 with. Saves are asynchronous; ``close`` waits for the last one.
@@ -15,12 +15,12 @@ from flax import nnx
 
 @dataclasses.dataclass(frozen=True)
 class Progress:
-    """Where a run stands: ``step`` optimizer steps done; the data stream's next batch index and its seed; and the
-    run's configuration as far as it shapes the trajectory (``trajectory_config``), which a resume must match."""
+    """Where a run stands: ``step`` optimizer steps done; the data stream's next batch index; and the run's
+    configuration as far as it shapes the trajectory (``trajectory_config``, the data seed included), which a resume
+    must match."""
 
     step: int
     data_position: int
-    data_seed: int
     run_config: dict
 
 

@@ -268,9 +268,7 @@ def train(
                 writer.write({"kind": "eval", "step": done, "validation_loss": result.validation_losses[done]})
                 say(f"step {done}: validation loss {result.validation_losses[done]:.4f}")
             if save_now:
-                checkpointer.save(
-                    model, optimizer, Progress(done, data_position, config.seed, trajectory_config(config))
-                )
+                checkpointer.save(model, optimizer, Progress(done, data_position, trajectory_config(config)))
             if evaluate_now or save_now:
                 buffer.restart_clock()
         bar.close()
