@@ -100,6 +100,21 @@ def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax
     return group_sizes, sort_indices
 
 
+def weights_and_probs(
+    expert_scores: jax.Array, experts: jax.Array, *, score: str, renormalize: bool, scale: float
+) -> tuple[jax.Array, jax.Array]:
+    """(weights [T, k], probs [T, E]) from scores [T, E] and a fixed selection ``experts`` [T, k]: the selected
+    scores (renormalised, scaled), and the scores normalised per token (what the load-balancing loss averages).
+
+    The one definition of both: the Pallas backward differentiates this function for the kernel's selection.
+    """
+    weights = jnp.take_along_axis(expert_scores, experts, axis=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdims=True)
+    probs = expert_scores if score == "softmax" else expert_scores / expert_scores.sum(-1, keepdims=True)
+    return weights * scale, probs
+
+
 def route(
     logits: jax.Array,
     top_k: int,
@@ -114,13 +129,9 @@ def route(
     """Reference routing of [T, E] logits; see ``moe_jax.route`` for the contract."""
     expert_scores = scores(logits, score)
     experts = select_experts(expert_scores, top_k, num_groups=num_groups, top_groups=top_groups, bias=bias)
+    weights, probs = weights_and_probs(expert_scores, experts, score=score, renormalize=renormalize, scale=scale)
     selected_scores = jnp.take_along_axis(expert_scores, experts, axis=-1)
-    weights = selected_scores
-    if renormalize:
-        weights = weights / weights.sum(-1, keepdims=True)
-    weights = weights * scale
     group_sizes, sort_indices = sort_by_expert(experts, logits.shape[-1])
-    probs = expert_scores if score == "softmax" else expert_scores / expert_scores.sum(-1, keepdims=True)
     return Routing(weights, experts, group_sizes, sort_indices, probs, jax.lax.stop_gradient(selected_scores))
 
 

@@ -36,12 +36,13 @@ class _Options:
 
 def _weights_and_probs(logits, experts, options: _Options):
     """The reference's weights [T, k] and probs [T, E] for a fixed selection: what the backward differentiates."""
-    scores = reference.scores(logits, options.score)
-    weights = jnp.take_along_axis(scores, experts, axis=-1)
-    if options.renormalize:
-        weights = weights / weights.sum(-1, keepdims=True)
-    probs = scores if options.score == "softmax" else scores / scores.sum(-1, keepdims=True)
-    return weights * options.scale, probs
+    return reference.weights_and_probs(
+        reference.scores(logits, options.score),
+        experts,
+        score=options.score,
+        renormalize=options.renormalize,
+        scale=options.scale,
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
