@@ -125,6 +125,19 @@ def _leaf_error(actual, expected):
     return jnp.sqrt(jnp.sum(jnp.square(actual - expected)) / jnp.sum(jnp.square(expected)))
 
 
+def forward_backward(fn: Callable, num_differentiated: int | None = None) -> Callable:
+    """``(*args, ct) -> (out, *grads)``: ``fn(*args)`` and its vjp for the cotangent ``ct``, differentiating the first
+    ``num_differentiated`` arguments (default: all of them)."""
+
+    def run(*args_and_ct):
+        *args, ct = args_and_ct
+        count = len(args) if num_differentiated is None else num_differentiated
+        out, vjp = jax.vjp(lambda *differentiated: fn(*differentiated, *args[count:]), *args[:count])
+        return (out, *vjp(ct))
+
+    return run
+
+
 def relative_errors(actual, expected) -> list[float]:
     """``||actual - expected|| / ||expected||`` in f32 for each leaf of two equally structured pytrees."""
     return [float(e) for e in jax.tree.leaves(jax.tree.map(_leaf_error, actual, expected))]

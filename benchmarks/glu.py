@@ -241,7 +241,7 @@ def bench_mlp(shape, activation, routing, options, emit) -> list[common.Record]:
             model = functools.partial(_with_group_sizes, fn, group_sizes)
             arg_sets = [(*(s[name] for name in arg_names), s["ct"]) for s in inputs()]
             if bench == "glu-mlp":
-                output = common.measure(record, jax.jit(_forward_backward(model)), arg_sets, options)
+                output = common.measure(record, jax.jit(common.forward_backward(model)), arg_sets, options)
             else:
                 output = _measure_backward(record, model, arg_sets, options)
             if output is not None and impl != "dense":  # the dense ceiling computes another function
@@ -252,17 +252,6 @@ def bench_mlp(shape, activation, routing, options, emit) -> list[common.Record]:
 
 def _with_group_sizes(fn, group_sizes, x, w_gate_up, w_down, row_scale):
     return fn(x, w_gate_up, w_down, group_sizes, row_scale)
-
-
-def _forward_backward(model: Callable) -> Callable:
-    """``(*params, ct) -> (y, *grads)``: the model and its vjp for cotangent ``ct``."""
-
-    def run(*params_and_ct):
-        *params, ct = params_and_ct
-        y, vjp = jax.vjp(model, *params)
-        return (y, *vjp(ct))
-
-    return run
 
 
 def _measure_backward(record: common.Record, model: Callable, arg_sets, options: common.Options):

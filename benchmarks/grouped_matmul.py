@@ -59,17 +59,6 @@ def ragged_candidates(
     return candidates
 
 
-def _forward_backward(op: Callable) -> Callable:
-    """``(lhs, rhs, *rest, ct) -> (out, d_lhs, d_rhs)``: the op and its vjp for cotangent ``ct``."""
-
-    def run(lhs, rhs, *rest_and_ct):
-        *rest, ct = rest_and_ct
-        out, vjp = jax.vjp(lambda a, b: op(a, b, *rest), lhs, rhs)
-        return (out, *vjp(ct))
-
-    return run
-
-
 @functools.partial(jax.jit, static_argnames=("g", "m", "k", "n", "backward"))
 def _input_set(key, *, g: int, m: int, k: int, n: int, backward: bool) -> dict:
     keys = jax.random.split(key, 4)
@@ -129,7 +118,7 @@ def bench_shape(
 
     if with_dense:
         dense = jnp.dot
-        fn = jax.jit(_forward_backward(dense) if backward else dense)
+        fn = jax.jit(common.forward_backward(dense) if backward else dense)
         arg_sets = [(s["lhs"], s["dense_rhs"], *([s["ct"]] if backward else [])) for s in sets]
         record = new_record("dense", "-")
         common.measure(record, fn, arg_sets, options)
@@ -138,7 +127,7 @@ def bench_shape(
 
     oracle = GroupOracle(sets[0]["lhs"], sets[0]["rhs"], group_sizes, sets[0]["ct"] if backward else None)
     for candidate in candidates:
-        fn = jax.jit(_forward_backward(candidate.fn) if backward else candidate.fn)
+        fn = jax.jit(common.forward_backward(candidate.fn, 2) if backward else candidate.fn)  # d lhs, d rhs
         arg_sets = [(s["lhs"], s["rhs"], group_sizes, *([s["ct"]] if backward else [])) for s in sets]
         record = new_record(candidate.impl, routing, candidate.config)
         output = common.measure(record, fn, arg_sets, options)

@@ -80,17 +80,6 @@ def _moe_ffn(shape: LayerShape, backend: str, bias) -> Callable:
     return layer
 
 
-def _with_vjp(layer: Callable) -> Callable:
-    """``(*params, ct) -> (y, grads...)``: y = layer(*params)[0] and its vjp for cotangent ct."""
-
-    def run(*params_and_ct):
-        *params, ct = params_and_ct
-        y, vjp = jax.vjp(lambda *p: layer(*p)[0], *params)
-        return (y, *vjp(ct))
-
-    return run
-
-
 @functools.partial(jax.jit, static_argnames="shape")
 def _input_set(key, *, shape: LayerShape) -> dict:
     keys = iter(jax.random.split(key, 9))
@@ -139,7 +128,7 @@ def bench_shape(
             records.append(common.skip(record))
             emit(record)
             return None
-        fn = jax.jit(_with_vjp(layer) if backward else layer)
+        fn = jax.jit(common.forward_backward(lambda *params: layer(*params)[0]) if backward else layer)
         arg_names += (ct_name,) if backward else ()
         arg_sets = [tuple(s[name] for name in arg_names) for s in inputs()]
         output = common.measure(record, fn, arg_sets, options)

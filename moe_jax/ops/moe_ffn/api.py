@@ -130,7 +130,8 @@ def moe_ffn(
     with jax.named_scope("permute"):
         rows = permute(x, sort_indices, top_k, backend=backend)
     with jax.named_scope("experts"):
-        # The routing weights scale the down projection's rows (its epilogue), so the combine is a plain sum.
+        # The routing weights scale the down projection's rows (its epilogue), so the combine is a plain sum. Gathered
+        # by sort_indices, which is apply_capacity's when it ran (so not Routing.sorted_weights).
         row_weights = routing.weights.reshape(-1)[sort_indices]
         out_rows = glu_mlp(
             rows, w_gate_up, w_down, group_sizes, activation=activation, row_scale=row_weights, backend=backend
