@@ -9,7 +9,7 @@ Run on the GPU machine: ``PYTHONPATH=. python3 -m pytest -m gpu tests/gpu/test_g
 - A seeded random sweep of smaller shapes and routings against the XLA reference (``jax.lax.ragged_dot``) on the
   same device, both rhs layouts, bf16 and f32 outputs.
 Tolerance: relative-norm error ``TOL`` against f32 results (bf16 inputs, f32 accumulation, bf16 rounding of outputs
-and of the cotangent).
+and of the cotangent); ``F32_OUT_TOL`` for f32 outputs of the sweep.
 """
 
 import functools
@@ -26,6 +26,9 @@ from moe_jax.ops.grouped_matmul import reference
 
 pytestmark = pytest.mark.gpu
 TOL = 1e-2
+# f32 outputs from the same bf16 inputs differ from the reference only by the summation order (~1e-6); a kernel
+# that rounded through bf16 would be ~2e-3 off, which TOL would let through.
+F32_OUT_TOL = 1e-4
 
 
 def _inputs(key, g, m, k, n, transpose_rhs=False):
@@ -97,6 +100,7 @@ def test_random_shapes_against_reference(g, m, k, n, sizes, transpose_rhs, out_d
     expected = _fwd_bwd(lhs, rhs, group_sizes, cotangent, fn=reference.grouped_matmul, **options)
     for what, actual, exact in zip(("out", "d_lhs", "d_rhs"), kernel, expected, strict=True):
         assert actual.shape == exact.shape and actual.dtype == exact.dtype, what
-        assert relative_error(actual, exact) < TOL, what
+        tol = F32_OUT_TOL if what == "out" and out_dtype == jnp.float32 else TOL
+        assert relative_error(actual, exact) < tol, what
     past = int(np.sum(sizes))
     assert float(jnp.max(jnp.abs(kernel[0][past:]), initial=0.0)) == 0.0
