@@ -80,9 +80,20 @@ def test_shared_experts_add_an_always_on_glu_mlp(activation):
 
 
 def test_compute_dtype():
-    model = _moe(dtype=jnp.bfloat16, num_shared_experts=1)
-    y = model(jax.random.normal(jax.random.key(2), (4, 16)))
-    assert y.dtype == jnp.bfloat16
+    """dtype=bf16: f32 parameters and input are cast, the output is bf16 and close to the f32 layer (bf16 rounding
+    of x, the weights and the hidden activations: 2e-2)."""
+    model = _moe(dtype=jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(2), (12, 16))
+    y = model(x)
+    assert y.dtype == jnp.bfloat16 and model.w_gate_up[...].dtype == jnp.float32
+    expected, _ = oracle.moe_ffn(
+        np.asarray(x),
+        np.asarray(model.router.kernel[...]),
+        _gate_up_halves(model.w_gate_up[...]),
+        np.asarray(model.w_down[...]),
+        top_k=2,
+    )
+    assert oracle.relative_error(y, expected) < 2e-2
 
 
 def test_aux_values_are_sown_and_captured():
