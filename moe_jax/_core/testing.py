@@ -246,47 +246,32 @@ def _probe_groups(group_sizes) -> tuple[list[int], dict[int, slice], int]:
     return groups, {g: slice(int(ends[g] - sizes[g]), int(ends[g])) for g in groups}, int(ends[-1])
 
 
-class GroupOracle:
-    """Exact f32 grouped-matmul results for three groups (first non-empty, largest, last non-empty) of one input.
+class _ProbedGroupsOracle:
+    """What the group oracles share: exact leaves ``expected[g]`` for the probed groups (``_probe_groups``) and the
+    relative errors of an output against them, accumulated in float64 on the host."""
 
-    For shapes where a full oracle is too slow or too large (XLA's ragged_dot multiplies by every group): with x_g the
-    rows of group g, out_g = lhs_g @ rhs[g]; with a cotangent ct also d_lhs_g = ct_g @ rhs[g]^T and
-    d_rhs[g] = lhs_g^T @ ct_g. Computed with jax.numpy at HIGHEST precision on the default device, from the slices
-    alone, so independent of every implementation it checks.
+    # Leaves indexed by group ([G, ...] weight gradients) rather than sliced by the group's rows.
+    per_group_leaves: tuple[int, ...] = ()
 
-    Args:
-      lhs: [M, K]; rhs: [G, K, N]; group_sizes: [G] int, summing to at most M; ct: [M, N] or None (forward only).
-    """
-
-    def __init__(self, lhs, rhs, group_sizes, ct=None):
+    def __init__(self, group_sizes, backward: bool):
         self.groups, self.rows, self.routed_rows = _probe_groups(group_sizes)
-        self.backward = ct is not None
-        dot = functools.partial(jnp.dot, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-        self.expected = {}
-        for g, rows in self.rows.items():
-            x, w = lhs[rows].astype(jnp.float32), rhs[g].astype(jnp.float32)
-            self.expected[g] = [dot(x, w)]
-            if self.backward:
-                dy = ct[rows].astype(jnp.float32)
-                self.expected[g] += [dot(dy, w.T), dot(x.T, dy)]
+        self.backward = backward
+        self.expected: dict[int, list[jax.Array]] = {}
 
     def _squared_norms(self, output) -> list[dict[int, tuple[float, float]]]:
-        """Per leaf of (out,) or (out, d_lhs, d_rhs): {group: (||actual - exact||^2, ||exact||^2)}."""
+        """Per leaf of ``output``: {group: (||actual - exact||^2, ||exact||^2)}."""
         leaves = output if self.backward else (output,)
         norms = []
         for leaf, array in enumerate(leaves):
             norms.append({})
             for g, rows in self.rows.items():
-                # d_rhs is [G, K, N], indexed by group; out and d_lhs are [M, .], sliced by the group's rows.
-                actual = (array[g] if leaf == 2 else array[rows]).astype(jnp.float32)
-                expected = self.expected[g][leaf]
-                diff = float(jnp.sum(jnp.square(actual - expected)))
-                norms[-1][g] = (diff, float(jnp.sum(jnp.square(expected))))
+                actual = np.asarray(array[g] if leaf in self.per_group_leaves else array[rows], np.float64)
+                expected = np.asarray(self.expected[g][leaf], np.float64)
+                norms[-1][g] = (float(np.sum(np.square(actual - expected))), float(np.sum(np.square(expected))))
         return norms
 
     def errors(self, output) -> list[float]:
-        """Per leaf of ``output`` ((out,) or (out, d_lhs, d_rhs)): ``||actual - exact|| / ||exact||`` over the groups
-        together."""
+        """Per leaf of ``output``: ``||actual - exact|| / ||exact||`` over the probed groups together."""
         errors = []
         for leaf in self._squared_norms(output):
             diff, total = (sum(values) for values in zip(*leaf.values(), strict=True))
@@ -294,56 +279,64 @@ class GroupOracle:
         return errors
 
     def group_errors(self, output) -> list[dict[int, float]]:
-        """Per leaf of ``output``: {group: ``||actual - exact|| / ||exact||``} for each of the oracle's groups."""
+        """Per leaf of ``output``: {group: ``||actual - exact|| / ||exact||``} for each probed group."""
         return [
             {g: math.sqrt(diff / total) for g, (diff, total) in leaf.items()} for leaf in self._squared_norms(output)
         ]
+
+
+class GroupOracle(_ProbedGroupsOracle):
+    """Exact f32 grouped-matmul results for three groups (first non-empty, largest, last non-empty) of one input.
+
+    For shapes where a full oracle is too slow or too large (XLA's ragged_dot multiplies by every group): with x_g the
+    rows of group g, out_g = lhs_g @ rhs[g]; with a cotangent ct also d_lhs_g = ct_g @ rhs[g]^T and
+    d_rhs[g] = lhs_g^T @ ct_g. Computed with jax.numpy at HIGHEST precision on the default device, from the slices
+    alone, so independent of every implementation it checks. Outputs: (out,) or (out, d_lhs, d_rhs).
+
+    Args:
+      lhs: [M, K]; rhs: [G, K, N]; group_sizes: [G] int, summing to at most M; ct: [M, N] or None (forward only).
+    """
+
+    per_group_leaves = (2,)
+
+    def __init__(self, lhs, rhs, group_sizes, ct=None):
+        super().__init__(group_sizes, backward=ct is not None)
+        dot = functools.partial(jnp.dot, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        for g, rows in self.rows.items():
+            x, w = lhs[rows].astype(jnp.float32), rhs[g].astype(jnp.float32)
+            self.expected[g] = [dot(x, w)]
+            if self.backward:
+                dy = ct[rows].astype(jnp.float32)
+                self.expected[g] += [dot(dy, w.T), dot(x.T, dy)]
 
     def describe(self) -> str:
         return f"f32 oracle, groups {self.groups}"
 
 
-class MLPGroupOracle:
+class MLPGroupOracle(_ProbedGroupsOracle):
     """Exact f32 GLU-MLP results for three groups (first non-empty, largest, last non-empty), as ``GroupOracle``.
 
     y_g = row_scale_g * (act(x_g W_gate[g]) * (x_g W_up[g])) W_down[g]; with a cotangent ct also its gradients
     (d x_g, d w_gate_up[g], d w_down[g], d row_scale_g) by jax.vjp of that f32 function at HIGHEST precision.
+    Outputs: (y,) or (y, d_x, d_w_gate_up, d_w_down, d_row_scale).
 
     Args:
       x: [M, D]; w_gate_up: [G, D, 2F] as [gate | up] (unpack a packed one); w_down: [G, F, D]; group_sizes: [G];
       row_scale: [M]; activation: "swiglu", "geglu" or "gpt_oss"; ct: [M, D] or None (forward only).
     """
 
-    # Leaves indexed by group ([G, ...] weight gradients) rather than sliced by the group's rows.
-    PER_GROUP_LEAVES = (2, 3)
+    per_group_leaves = (2, 3)
 
     def __init__(self, x, w_gate_up, w_down, group_sizes, row_scale, activation: str, ct=None):
-        self.groups, self.rows, self.routed_rows = _probe_groups(group_sizes)
-        self.backward = ct is not None
-        self.expected = {}
+        super().__init__(group_sizes, backward=ct is not None)
+        mlp = functools.partial(_f32_glu_mlp, activation=activation)
         for g, rows in self.rows.items():
             args = [a.astype(jnp.float32) for a in (x[rows], w_gate_up[g], w_down[g], row_scale[rows])]
-            mlp = functools.partial(_f32_glu_mlp, activation=activation)
             if self.backward:
                 y, pullback = jax.vjp(mlp, *args)
                 self.expected[g] = [y, *pullback(ct[rows].astype(jnp.float32))]
             else:
                 self.expected[g] = [mlp(*args)]
-
-    def errors(self, output) -> list[float]:
-        """Per leaf of (y,) or (y, d_x, d_w_gate_up, d_w_down, d_row_scale): ``||actual - exact|| / ||exact||`` over
-        the oracle's groups together."""
-        leaves = output if self.backward else (output,)
-        errors = []
-        for leaf, array in enumerate(leaves):
-            diff = total = 0.0
-            for g, rows in self.rows.items():
-                actual = np.asarray(array[g] if leaf in self.PER_GROUP_LEAVES else array[rows], np.float64)
-                expected = np.asarray(self.expected[g][leaf], np.float64)
-                diff += float(np.sum(np.square(actual - expected)))
-                total += float(np.sum(np.square(expected)))
-            errors.append(math.sqrt(diff / total))
-        return errors
 
     def describe(self) -> str:
         return f"f32 MLP oracle, groups {self.groups}"
