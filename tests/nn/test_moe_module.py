@@ -23,19 +23,26 @@ def _gate_up_halves(w_gate_up) -> np.ndarray:
     return np.asarray(moe_jax.unpack_gate_up(packed))
 
 
+def _routed_oracle(model, x, **options) -> np.ndarray:
+    """The NumPy oracle's routed-expert output [T, D] for [T, D] tokens x under the module's parameters."""
+    expected, _ = oracle.moe_ffn(
+        np.asarray(x),
+        np.asarray(model.router.kernel[...]),
+        _gate_up_halves(model.w_gate_up[...]),
+        np.asarray(model.w_down[...]),
+        top_k=model.router.top_k,
+        **options,
+    )
+    return expected
+
+
 @pytest.mark.parametrize("d_ff", [8, 64])  # F = 64: gate and up columns interleaved in blocks of 64; F = 8: not
 def test_module_applies_moe_ffn_to_its_parameters(d_ff):
     model = moe_jax.nn.MoE(16, d_ff, 6, 2, activation="swiglu", rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (3, 5, 16))
     y = model(x)
     assert y.shape == x.shape
-    expected, _ = oracle.moe_ffn(
-        np.asarray(x).reshape(15, 16),
-        np.asarray(model.router.kernel[...]),
-        _gate_up_halves(model.w_gate_up[...]),
-        np.asarray(model.w_down[...]),
-        top_k=2,
-    )
+    expected = _routed_oracle(model, np.asarray(x).reshape(15, 16))
     assert oracle.relative_error(np.asarray(y).reshape(15, 16), expected) < 1e-5
 
 
@@ -63,14 +70,7 @@ def test_parameter_shapes_dtypes_and_sharding_names():
 def test_shared_experts_add_an_always_on_glu_mlp(activation):
     model = _moe(activation=activation, num_shared_experts=2, rngs=nnx.Rngs(4))
     x = jax.random.normal(jax.random.key(2), (7, 16))
-    routed, _ = oracle.moe_ffn(
-        np.asarray(x),
-        np.asarray(model.router.kernel[...]),
-        _gate_up_halves(model.w_gate_up[...]),
-        np.asarray(model.w_down[...]),
-        top_k=2,
-        activation=activation,
-    )
+    routed = _routed_oracle(model, x, activation=activation)
     shared_gate_up = _gate_up_halves(model.shared.w_gate_up[...])[0]  # [D, 2 * 2F]: two experts' width
     shared_down = np.asarray(model.shared.w_down[...])[0]
     gate_up = np.asarray(x, np.float64) @ shared_gate_up
@@ -86,14 +86,7 @@ def test_compute_dtype():
     x = jax.random.normal(jax.random.key(2), (12, 16))
     y = model(x)
     assert y.dtype == jnp.bfloat16 and model.w_gate_up[...].dtype == jnp.float32
-    expected, _ = oracle.moe_ffn(
-        np.asarray(x),
-        np.asarray(model.router.kernel[...]),
-        _gate_up_halves(model.w_gate_up[...]),
-        np.asarray(model.w_down[...]),
-        top_k=2,
-    )
-    assert oracle.relative_error(y, expected) < 2e-2
+    assert oracle.relative_error(y, _routed_oracle(model, x)) < 2e-2
 
 
 def test_aux_values_are_sown_and_captured():

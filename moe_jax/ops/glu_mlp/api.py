@@ -114,11 +114,11 @@ def glu_mlp(
     Returns:
       [M, D] in x.dtype.
     """
-    check_glu_mlp_args(x, w_gate_up, w_down, group_sizes, activation=activation, row_scale=row_scale, backend=backend)
-    gate_up_cols = w_gate_up.shape[2]
+    _, d_model, d_ff, _ = check_glu_mlp_args(
+        x, w_gate_up, w_down, group_sizes, activation=activation, row_scale=row_scale, backend=backend
+    )
     supported = (
-        kernel_unsupported(x, x.shape[1], gate_up_cols, activation) is None
-        and kernel_unsupported(x, gate_up_cols // 2, x.shape[1]) is None
+        kernel_unsupported(x, d_model, 2 * d_ff, activation) is None and kernel_unsupported(x, d_ff, d_model) is None
     )
     group_sizes = group_sizes.astype(jnp.int32)
     if resolve_backend(backend, op="glu_mlp", has_kernel=supported) == "xla":
