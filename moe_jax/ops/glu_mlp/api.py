@@ -32,9 +32,9 @@ from moe_jax.ops.grouped_matmul import sm90
 from moe_jax.ops.grouped_matmul.api import (
     ArgNames,
     check_grouped_matmul_args,
-    forward_epilogue,
     gemm_grads,
     kernel_unsupported,
+    run_forward_kernel,
     run_rows_kernel,
     run_wgrad_kernel,
 )
@@ -139,24 +139,12 @@ def _pallas_glu_mlp(x, w_gate_up, w_down, group_sizes, row_scale, activation, re
 
 def _gate_up(x, w_gate_up, group_sizes, activation, *, keep_pre_activation: bool):
     """hidden [M, F], or (hidden, packed pre-activation [M, 2F] rounded for the backward)."""
-    epilogue = forward_epilogue(activation, False, keep_dtype=x.dtype if keep_pre_activation else None)
-    return run_rows_kernel("fwd", x, w_gate_up, group_sizes, w_transposed=False, out_dtype=x.dtype, epilogue=epilogue)
+    return run_forward_kernel(x, w_gate_up, group_sizes, None, activation, x.dtype, False, keep=keep_pre_activation)
 
 
 def _down(hidden, w_down, group_sizes, row_scale):
-    if row_scale is None:
-        return run_rows_kernel("fwd", hidden, w_down, group_sizes, w_transposed=False, out_dtype=hidden.dtype)
-    epilogue = forward_epilogue(None, True)
-    return run_rows_kernel(
-        "fwd",
-        hidden,
-        w_down,
-        group_sizes,
-        w_transposed=False,
-        out_dtype=hidden.dtype,
-        epilogue=epilogue,
-        row_scale=row_scale,
-    )
+    """[M, D] = hidden · w_down[g], rows scaled by ``row_scale`` (if any) in the epilogue."""
+    return run_forward_kernel(hidden, w_down, group_sizes, row_scale, None, hidden.dtype, False, keep=False)
 
 
 def _glu_mlp_fwd(x, w_gate_up, w_down, group_sizes, row_scale, activation, recompute_gate_up):

@@ -342,8 +342,9 @@ def forward_epilogue(activation: str | None, row_scale: bool, *, keep_dtype=None
     )
 
 
-def _epilogue_kernel(lhs, rhs, group_sizes, row_scale, activation, out_dtype, transpose_rhs, *, keep: bool):
-    """The forward kernel with the epilogue fused; ``keep`` also returns the pre-activation [M, N] for the backward."""
+def run_forward_kernel(lhs, rhs, group_sizes, row_scale, activation, out_dtype, transpose_rhs, *, keep: bool):
+    """The forward kernel with its epilogue (plain when neither ``activation`` nor ``row_scale``); ``keep`` also
+    returns the pre-activation [M, N], rounded for the GLU backward."""
     epilogue = forward_epilogue(activation, row_scale is not None, keep_dtype=out_dtype if keep else None)
     return run_rows_kernel(
         "fwd",
@@ -360,12 +361,12 @@ def _epilogue_kernel(lhs, rhs, group_sizes, row_scale, activation, out_dtype, tr
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _pallas_epilogue_matmul(lhs, rhs, group_sizes, row_scale, activation, out_dtype, transpose_rhs):
     """lhs [M, K] · rhs[g] with the epilogue fused: [M, N/2] with an activation (rhs packed), else [M, N]."""
-    return _epilogue_kernel(lhs, rhs, group_sizes, row_scale, activation, out_dtype, transpose_rhs, keep=False)
+    return run_forward_kernel(lhs, rhs, group_sizes, row_scale, activation, out_dtype, transpose_rhs, keep=False)
 
 
 def _epilogue_fwd(lhs, rhs, group_sizes, row_scale, activation, out_dtype, transpose_rhs):
     args = (lhs, rhs, group_sizes, row_scale, activation, out_dtype, transpose_rhs)
-    out, pre = _epilogue_kernel(*args, keep=True)
+    out, pre = run_forward_kernel(*args, keep=True)
     return out, (lhs, rhs, group_sizes, row_scale, pre)
 
 
