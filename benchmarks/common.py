@@ -73,6 +73,17 @@ def input_sets_needed(set_bytes: int) -> int:
     return max(1, min(MAX_INPUT_SETS, math.ceil(ROTATE_BYTES / max(set_bytes, 1))))
 
 
+def nbytes(tree) -> int:
+    """Bytes of the array leaves of ``tree`` (arrays, avals or ShapeDtypeStructs)."""
+    return sum(leaf.size * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
+
+
+def input_sets(make_set: Callable[[jax.Array], dict], seed: int) -> list[dict]:
+    """``make_set(key)`` for as many keys as ``input_sets_needed`` asks for a set of its size (from its shapes)."""
+    count = input_sets_needed(nbytes(jax.eval_shape(make_set, jax.random.key(0))))
+    return [make_set(jax.random.key(seed * 1000 + index + 1)) for index in range(count)]
+
+
 def time_fn(
     fn: Callable,
     arg_sets: Sequence[tuple],

@@ -165,10 +165,7 @@ def _input_set(key, *, g: int, m: int, d: int, d_ff: int) -> dict:
 
 def make_inputs(shape: GroupedMatmulShape, *, seed: int) -> list[dict]:
     """Input sets, rotated by the timer: x, ct ~ N(0, 1); weights ~ N(0, 1/fan_in); row_scale ~ U(0.1, 1)."""
-    g, m, d, d_ff = shape.g, shape.m, shape.k, shape.n // 2
-    set_bytes = 2 * (2 * m * d + 3 * g * d * d_ff + 3 * d * d_ff) + 4 * m
-    count = common.input_sets_needed(set_bytes)
-    return [_input_set(jax.random.key(seed * 1000 + i + 1), g=g, m=m, d=d, d_ff=d_ff) for i in range(count)]
+    return common.input_sets(functools.partial(_input_set, g=shape.g, m=shape.m, d=shape.k, d_ff=shape.n // 2), seed)
 
 
 # ----------------------------------------------------------------------------------------------------------- checks
@@ -378,10 +375,6 @@ def kept_for_backward(layer) -> dict[str, tuple[list[tuple[str, jax.core.ShapedA
     return table
 
 
-def nbytes(avals) -> int:
-    return sum(aval.size * aval.dtype.itemsize for aval in avals)
-
-
 def memory_table(layer) -> str:
     """``kept_for_backward`` as a markdown table."""
     rows = [
@@ -392,7 +385,7 @@ def memory_table(layer) -> str:
     ]
     for name, (activations, weights) in kept_for_backward(layer).items():
         listed = ", ".join(f"{source} {aval.str_short(short_dtypes=True)}" for source, aval in activations)
-        total = nbytes(aval for _, aval in activations)
+        total = common.nbytes([aval for _, aval in activations])
         rows.append(f"| {name} | {listed} | {total / 2**20:.1f} | {', '.join(weights)} |")
     return "\n".join(rows)
 

@@ -78,10 +78,8 @@ def make_inputs(shape: GroupedMatmulShape, *, backward: bool, seed: int) -> list
 
     Values ~ N(0, 1) for lhs and ct, N(0, 1/K) for the weights, so that outputs are O(1) in bf16.
     """
-    set_bytes = 2 * (shape.m * shape.k + (shape.g + 1) * shape.k * shape.n + backward * shape.m * shape.n)
     dims = {"g": shape.g, "m": shape.m, "k": shape.k, "n": shape.n, "backward": backward}
-    count = common.input_sets_needed(set_bytes)
-    return [_input_set(jax.random.key(seed * 1000 + index + 1), **dims) for index in range(count)]
+    return common.input_sets(functools.partial(_input_set, **dims), seed)
 
 
 def bench_shape(

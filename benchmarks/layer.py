@@ -106,9 +106,7 @@ def make_inputs(shape: LayerShape, *, seed: int) -> list[dict]:
 
     The dense ceiling's own operands (rows [M, D], 2-D weights, cotangent [M, D]) travel in the same set.
     """
-    set_bytes = 2 * (shape.t * shape.d + shape.d * shape.e + 3 * shape.e * shape.d * shape.f + shape.m * shape.d)
-    count = common.input_sets_needed(set_bytes)
-    return [_input_set(jax.random.key(seed * 1000 + index + 1), shape=shape) for index in range(count)]
+    return common.input_sets(functools.partial(_input_set, shape=shape), seed)
 
 
 def bench_shape(

@@ -25,7 +25,6 @@ backend's speedup over xla.
 
 import dataclasses
 import functools
-import math
 import sys
 from collections.abc import Callable
 
@@ -107,8 +106,7 @@ class Inputs:
 
     def set_count(self, stage: str) -> int:
         """Input sets to rotate over for ``stage``: together larger than L2."""
-        set_bytes = sum(math.prod(self.specs[n].shape) * self.specs[n].dtype.itemsize for n in STAGE_ARGS[stage])
-        return common.input_sets_needed(set_bytes)
+        return common.input_sets_needed(common.nbytes([self.specs[name] for name in STAGE_ARGS[stage]]))
 
     def get(self, name: str, index: int) -> jax.Array:
         if (name, index) not in self.arrays:

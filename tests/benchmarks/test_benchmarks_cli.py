@@ -291,7 +291,7 @@ def test_glu_memory_table_counts_what_the_backward_keeps():
     kept = glu.kept_for_backward(layer)
 
     def activation_bytes(name):
-        return glu.nbytes(aval for _, aval in kept[name][0])
+        return common.nbytes([aval for _, aval in kept[name][0]])
 
     # fused: x, the packed pre-activation [M, 2F] in bf16, row_scale, group_sizes; recompute: all but the second.
     assert activation_bytes("fused (glu_mlp)") == 2 * m * d + 2 * m * 2 * d_ff + 4 * m + 4 * e
