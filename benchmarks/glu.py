@@ -39,7 +39,7 @@ import moe_jax
 from benchmarks import common, tokamax_peer
 from moe_jax._core.testing import GroupOracle, MLPGroupOracle
 from moe_jax.ops import shapes as shape_registry
-from moe_jax.ops.grouped_matmul.packing import gate_up_block
+from moe_jax.ops.grouped_matmul.packing import gate_up_block, split_gate_up
 from moe_jax.ops.grouped_matmul.reference import gated_activation
 from moe_jax.ops.shapes import GroupedMatmulShape
 
@@ -69,15 +69,17 @@ def glu_flops(shape: GroupedMatmulShape, bench: str) -> int:
 # ------------------------------------------------------------------------------------------------- implementations
 
 
-def xla_glu(gate_up: jax.Array, activation: str) -> jax.Array:
-    """The GLU of a [M, 2F] ``[gate | up]`` GEMM output in XLA: f32 math, result in the GEMM's dtype."""
-    gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=1)
+def xla_glu(gate_up: jax.Array, activation: str, block: int | None = None) -> jax.Array:
+    """The GLU of a [M, 2F] GEMM output in XLA: f32 math, result in the GEMM's dtype. Columns are ``[gate | up]``, or
+    packed in blocks of ``block`` (``split_gate_up``) when the GEMM multiplied packed weights."""
+    gate, up = split_gate_up(gate_up.astype(jnp.float32), block or gate_up.shape[1] // 2)
     return gated_activation(gate, up, activation).astype(gate_up.dtype)
 
 
-def composed_mlp(gmm: Callable, x, w_gate_up, w_down, group_sizes, row_scale, *, activation: str):
-    """The MLP from a plain grouped GEMM ``gmm(lhs, rhs, group_sizes) -> lhs.dtype`` and XLA elementwise glue."""
-    hidden = xla_glu(gmm(x, w_gate_up, group_sizes), activation)
+def composed_mlp(gmm: Callable, x, w_gate_up, w_down, group_sizes, row_scale, *, activation: str, block=None):
+    """The MLP from a plain grouped GEMM ``gmm(lhs, rhs, group_sizes) -> lhs.dtype`` and XLA elementwise glue;
+    ``block``: w_gate_up is a packed array (``PackedGateUp.array``) of this interleave width."""
+    hidden = xla_glu(gmm(x, w_gate_up, group_sizes), activation, block)
     out = gmm(hidden, w_down, group_sizes)
     return (out.astype(jnp.float32) * row_scale[:, None]).astype(x.dtype)
 

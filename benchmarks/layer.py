@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 
 import moe_jax
-from benchmarks import common, tokamax_peer
-from moe_jax.ops.grouped_matmul.packing import gate_up_block, split_gate_up
-from moe_jax.ops.grouped_matmul.reference import gated_activation
+from benchmarks import common, glu, tokamax_peer
+from moe_jax.ops.grouped_matmul.packing import gate_up_block
+from moe_jax.ops.routing.api import router_logits
 from moe_jax.ops.shapes import LayerShape
 
 
@@ -41,23 +41,28 @@ def moe_ffn_with_gmm(
 
     w_gate_up: ``PackedGateUp`` [E, D, 2F]; the GEMM multiplies its array as stored and the output is split.
     """
-    logits = jnp.dot(x.astype(jnp.float32), router_kernel.astype(jnp.float32))
+    logits = router_logits(x, router_kernel)
     routing = moe_jax.route(logits, top_k, bias=bias, backend="xla", **route_options)
     rows = moe_jax.permute(x, routing.sort_indices, top_k, backend="xla")
-    gate_up = gmm(rows, w_gate_up.array, routing.group_sizes).astype(jnp.float32)
-    hidden = gated_activation(*split_gate_up(gate_up, w_gate_up.block), activation).astype(x.dtype)
-    out_rows = gmm(hidden, w_down, routing.group_sizes).astype(jnp.float32) * routing.sorted_weights[:, None]
-    y = moe_jax.combine(out_rows.astype(x.dtype), routing.sort_indices, top_k, backend="xla")
+    out_rows = glu.composed_mlp(
+        gmm,
+        rows,
+        w_gate_up.array,
+        w_down,
+        routing.group_sizes,
+        routing.sorted_weights,
+        activation=activation,
+        block=w_gate_up.block,
+    )
+    y = moe_jax.combine(out_rows, routing.sort_indices, top_k, backend="xla")
     aux = (moe_jax.load_balancing_loss(routing), moe_jax.z_loss(logits))
     return y, aux
 
 
 def dense_ffn(x, router_kernel, rows, w_gate_up, w_down, *, activation: str):
     """The ceiling: the layer's FLOPs as dense matmuls, rows [M, D] standing for the routed copies of x."""
-    logits = jnp.dot(x.astype(jnp.float32), router_kernel.astype(jnp.float32))
-    gate, up = jnp.split(jnp.dot(rows, w_gate_up).astype(jnp.float32), 2, axis=-1)
-    hidden = gated_activation(gate, up, activation).astype(x.dtype)
-    return jnp.dot(hidden, w_down), logits
+    hidden = glu.xla_glu(jnp.dot(rows, w_gate_up), activation)
+    return jnp.dot(hidden, w_down), router_logits(x, router_kernel)
 
 
 def _moe_ffn(shape: LayerShape, backend: str, bias) -> Callable:
