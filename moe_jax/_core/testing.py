@@ -291,20 +291,27 @@ class GroupOracle(_ProbedGroupsOracle):
     For shapes where a full oracle is too slow or too large (XLA's ragged_dot multiplies by every group): with x_g the
     rows of group g, out_g = lhs_g @ rhs[g]; with a cotangent ct also d_lhs_g = ct_g @ rhs[g]^T and
     d_rhs[g] = lhs_g^T @ ct_g. Computed with jax.numpy at HIGHEST precision on the default device, from the slices
-    alone, so independent of every implementation it checks. Outputs: (out,) or (out, d_lhs, d_rhs).
+    alone, so independent of every implementation it checks. Outputs: (out,) or (out, d_lhs, d_rhs); with an
+    ``activation`` (forward only) out is the GLU [M, N/2] of the ``[gate | up]`` product.
 
     Args:
-      lhs: [M, K]; rhs: [G, K, N]; group_sizes: [G] int, summing to at most M; ct: [M, N] or None (forward only).
+      lhs: [M, K]; rhs: [G, K, N]; group_sizes: [G] int, summing to at most M; ct: [M, N] or None (forward only);
+      activation: None, or "swiglu" / "geglu" / "gpt_oss".
     """
 
     per_group_leaves = (2,)
 
-    def __init__(self, lhs, rhs, group_sizes, ct=None):
+    def __init__(self, lhs, rhs, group_sizes, ct=None, activation=None):
+        if activation is not None and ct is not None:
+            raise ValueError("GroupOracle: an activation is checked forward only (MLPGroupOracle has gradients)")
         super().__init__(group_sizes, backward=ct is not None)
         dot = functools.partial(jnp.dot, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
         for g, rows in self.rows.items():
             x, w = lhs[rows].astype(jnp.float32), rhs[g].astype(jnp.float32)
-            self.expected[g] = [dot(x, w)]
+            out = dot(x, w)
+            if activation is not None:
+                out = jax_reference.gated_activation(*jnp.split(out, 2, axis=1), activation)
+            self.expected[g] = [out]
             if self.backward:
                 dy = ct[rows].astype(jnp.float32)
                 self.expected[g] += [dot(dy, w.T), dot(x.T, dy)]
