@@ -130,6 +130,13 @@ def selection_bias(num_experts: int, seed: int) -> jax.Array:
     return jax.random.normal(jax.random.key(seed + 7919), (num_experts,), jnp.float32) * 0.1
 
 
+def routing_kwargs(shape, seed: int) -> dict:
+    """``moe_jax.route``'s keyword arguments at a LayerShape: top_k, its router options and, where the router has
+    one, the run's ``selection_bias``."""
+    bias = selection_bias(shape.e, seed) if shape.selection_bias else None
+    return dict(top_k=shape.top_k, bias=bias, **shape.route_options())
+
+
 @jax.jit
 def _leaf_error(actual, expected):
     actual, expected = actual.astype(jnp.float32), expected.astype(jnp.float32)

@@ -34,15 +34,14 @@ from moe_jax.ops.routing.api import router_logits
 from moe_jax.ops.shapes import LayerShape
 
 
-def moe_ffn_with_gmm(
-    gmm: Callable, x, router_kernel, w_gate_up, w_down, *, top_k: int, activation: str, bias, route_options: dict
-):
+def moe_ffn_with_gmm(gmm: Callable, x, router_kernel, w_gate_up, w_down, *, activation: str, route_kwargs: dict):
     """``moe_ffn``'s composition (backend "xla" ops) with ``gmm(lhs, rhs, group_sizes) -> bf16`` as the expert GEMM.
 
     w_gate_up: ``PackedGateUp`` [E, D, 2F]; the GEMM multiplies its array as stored and the output is split.
     """
     logits = router_logits(x, router_kernel)
-    routing = moe_jax.route(logits, top_k, bias=bias, backend="xla", **route_options)
+    routing = moe_jax.route(logits, backend="xla", **route_kwargs)
+    top_k = route_kwargs["top_k"]
     rows = moe_jax.permute(x, routing.sort_indices, top_k, backend="xla")
     out_rows = glu.composed_mlp(
         gmm,
@@ -65,7 +64,7 @@ def dense_ffn(x, router_kernel, rows, w_gate_up, w_down, *, activation: str):
     return jnp.dot(hidden, w_down), router_logits(x, router_kernel)
 
 
-def _moe_ffn(shape: LayerShape, backend: str, bias) -> Callable:
+def _moe_ffn(shape: LayerShape, backend: str, route_kwargs: dict) -> Callable:
     """``moe_jax.moe_ffn`` returning ``(y, (load_balancing_loss, z_loss))`` like ``moe_ffn_with_gmm``."""
 
     def layer(x, router_kernel, w_gate_up, w_down):
@@ -74,11 +73,9 @@ def _moe_ffn(shape: LayerShape, backend: str, bias) -> Callable:
             router_kernel,
             w_gate_up,
             w_down,
-            top_k=shape.top_k,
             activation=shape.activation,
-            bias=bias,
             backend=backend,
-            **shape.route_options(),
+            **route_kwargs,
         )
         return y, (aux.load_balancing_loss, aux.z_loss)
 
@@ -147,16 +144,14 @@ def bench_shape(
         time_it("dense", dense, names, "dense_ct")
 
     names = ("x", "router_kernel", "w_gate_up", "w_down")
-    bias = common.selection_bias(shape.e, options.seed) if shape.selection_bias else None
-    layers = [(f"moe_jax:{backend}", _moe_ffn(shape, backend, bias)) for backend in options.backends]
+    route_kwargs = common.routing_kwargs(shape, options.seed)
+    layers = [(f"moe_jax:{backend}", _moe_ffn(shape, backend, route_kwargs)) for backend in options.backends]
     if "tokamax" in options.baselines:
         gemms = functools.partial(
             moe_ffn_with_gmm,
             tokamax_peer.ragged_dot(),
-            top_k=shape.top_k,
             activation=shape.activation,
-            bias=bias,
-            route_options=shape.route_options(),
+            route_kwargs=route_kwargs,
         )
         layers.append(("tokamax-gemms", gemms))
     reference = None

@@ -49,10 +49,10 @@ STAGE_ARGS = {
 _DRAWN = ("logits", "x", "y_sorted", "d_rows", "d_y")
 
 
-def stage_functions(shape: LayerShape, backend: str, bias: jax.Array | None) -> dict[str, Callable]:
+def stage_functions(shape: LayerShape, backend: str, route_kwargs: dict) -> dict[str, Callable]:
     """Jitted ``fn(*STAGE_ARGS[stage]) -> dict of named outputs`` for every stage, on ``backend``."""
     k = shape.top_k
-    route = functools.partial(moe_jax.route, top_k=k, bias=bias, backend=backend, **shape.route_options())
+    route = functools.partial(moe_jax.route, backend=backend, **route_kwargs)
 
     def route_stage(logits):
         routing = route(logits)
@@ -87,7 +87,7 @@ def _normal(key, *, dims: tuple[int, ...], dtype, std: float) -> jax.Array:
 class Inputs:
     """The arrays of one layer shape by (name, input set): each drawn from its own key on first use, then kept."""
 
-    def __init__(self, shape: LayerShape, seed: int, bias: jax.Array | None):
+    def __init__(self, shape: LayerShape, seed: int, route_kwargs: dict):
         t, d, e, m = shape.t, shape.d, shape.e, shape.m
         self.specs = {
             "logits": jax.ShapeDtypeStruct((t, e), jnp.float32),
@@ -99,9 +99,7 @@ class Inputs:
             "weights": jax.ShapeDtypeStruct((t, shape.top_k), jnp.float32),
         }
         self.seed = seed
-        self.route = jax.jit(
-            functools.partial(moe_jax.route, top_k=shape.top_k, bias=bias, backend=REFERENCE, **shape.route_options())
-        )
+        self.route = jax.jit(functools.partial(moe_jax.route, backend=REFERENCE, **route_kwargs))
         self.arrays: dict[tuple[str, int], jax.Array] = {}
 
     def set_count(self, stage: str) -> int:
@@ -144,11 +142,11 @@ def bench_shape(
     shape: LayerShape, stages: tuple[str, ...], options: common.Options, *, emit: Callable[[common.Record], None]
 ) -> list[common.Record]:
     """Times every stage on every backend at one layer shape; ``emit`` receives each record when it is done."""
-    bias = common.selection_bias(shape.e, options.seed) if shape.selection_bias else None
+    route_kwargs = common.routing_kwargs(shape, options.seed)
     dims = {"t": shape.t, "d": shape.d, "e": shape.e, "k": shape.top_k, **shape.route_options()}
     dims["selection_bias"] = shape.selection_bias
-    functions = {backend: stage_functions(shape, backend, bias) for backend in options.backends}
-    inputs = Inputs(shape, options.seed, bias)
+    functions = {backend: stage_functions(shape, backend, route_kwargs) for backend in options.backends}
+    inputs = Inputs(shape, options.seed, route_kwargs)
     records = []
     for stage in stages:
         stage_records = {
@@ -169,7 +167,7 @@ def bench_shape(
         if expected is None and any(out is not None for out in outputs.values()):
             # The reference was not timed (or failed): run it once for the check.
             try:
-                expected = stage_functions(shape, REFERENCE, bias)[stage](*arg_sets[0])
+                expected = stage_functions(shape, REFERENCE, route_kwargs)[stage](*arg_sets[0])
             except Exception as error:  # e.g. out of memory: the timings stand, unchecked
                 print(f"  [routing] no {REFERENCE} reference for {stage}: {error}", file=sys.stderr, flush=True)
         for backend, record in stage_records.items():

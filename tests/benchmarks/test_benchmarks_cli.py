@@ -316,10 +316,9 @@ def test_layer_composition_matches_moe_ffn_on_packed_weights():
     inputs = layer.make_inputs(shape, seed=3)[0]
     args = [inputs[name] for name in ("x", "router_kernel", "w_gate_up", "w_down")]
     assert isinstance(inputs["w_gate_up"], moe_jax.PackedGateUp)
-    composed = layer.moe_ffn_with_gmm(
-        grouped_matmul, *args, top_k=shape.top_k, activation=shape.activation, bias=None, route_options={}
-    )
-    layer_fn = layer._moe_ffn(shape, "xla", None)
+    route_kwargs = common.routing_kwargs(shape, seed=3)
+    composed = layer.moe_ffn_with_gmm(grouped_matmul, *args, activation=shape.activation, route_kwargs=route_kwargs)
+    layer_fn = layer._moe_ffn(shape, "xla", route_kwargs)
     expected = layer_fn(*args)
     for actual, exact in zip(jax.tree.leaves(composed), jax.tree.leaves(expected), strict=True):
         assert common.relative_errors(actual, exact)[0] < 1e-2
@@ -331,6 +330,6 @@ def test_layer_composition_matches_moe_ffn_on_packed_weights():
             for inner in jax.extend.core.jaxprs_in_params(eqn.params):
                 yield from transposed_sizes(inner)
 
-    pallas_layer = layer._moe_ffn(shape, "pallas", None)
+    pallas_layer = layer._moe_ffn(shape, "pallas", route_kwargs)
     weight_size = inputs["w_gate_up"].array.size
     assert max(transposed_sizes(jax.make_jaxpr(pallas_layer)(*args).jaxpr), default=0) < weight_size
