@@ -9,11 +9,15 @@
       sweeps candidate configs and prints the fastest per (kind, shape) as entries for config.TUNED
 
 A config on the command line is "table" (what the op would use: tuned entry or heuristic) or
-"<block_m>x<block_n>x<block_k>s<stages>e<epilogue_n><m|n><grid_width>", e.g. "128x256x64s4e64n8".
+"<block_m>x<block_n>x<block_k>s<stages>e<epilogue_n><m|n><grid_width>[-split]", e.g. "128x256x64s4e64n8-split"
+("-split": Config.split_narrow). The candidates of one (kind, shape) are compiled in parallel threads (--jobs: the
+kernels' compilation is CPU-bound and most of a sweep's time) and then timed one by one; every output is compared
+with the first candidate's, so a config that computes something else shows up in the "vs first" column.
 Numbers reported in benchmarks/RESULTS.md come from ``python -m benchmarks``; this script is for tuning.
 """
 
 import argparse
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
@@ -31,7 +35,7 @@ from moe_jax.ops.grouped_matmul.config import Config, get_config
 
 # The kernels this script drives (glu_dgrad's epilogue also needs the forward's packed gate/up rows: not yet).
 TIMED_KINDS = ("fwd", "dgrad", "wgrad")
-SPEC = re.compile(r"(\d+)x(\d+)x(\d+)s(\d+)e(\d+)([mn])(\d+)")
+SPEC = re.compile(r"(\d+)x(\d+)x(\d+)s(\d+)e(\d+)([mn])(\d+)(-split)?")
 
 
 def parse_config(spec: str) -> Config | None:
@@ -41,13 +45,14 @@ def parse_config(spec: str) -> Config | None:
     match = SPEC.fullmatch(spec)
     if not match:
         raise SystemExit(f"bad config {spec!r}: expected 'table' or e.g. 128x256x64s4e64n8")
-    bm, bn, bk, stages, epi, minor, width = match.groups()
-    return Config(int(bm), int(bn), int(bk), int(stages), 2, int(epi), minor, int(width))
+    bm, bn, bk, stages, epi, minor, width, split = match.groups()
+    return Config(int(bm), int(bn), int(bk), int(stages), 2, int(epi), minor, int(width), split_narrow=bool(split))
 
 
 def label(config: Config) -> str:
     c = config
-    return f"{c.block_m}x{c.block_n}x{c.block_k}s{c.num_stages}e{c.epilogue_n}{c.grid_minor}{c.grid_width}"
+    split = "-split" if c.split_narrow else ""
+    return f"{c.block_m}x{c.block_n}x{c.block_k}s{c.num_stages}e{c.epilogue_n}{c.grid_minor}{c.grid_width}{split}"
 
 
 def kernel_fn(kind: str, config: Config | None):
@@ -96,12 +101,29 @@ def dense_args(kind: str, s: dict, shape) -> tuple:
 
 def timed(fn, arg_sets, iters: int):
     try:
-        timing, out = common.time_fn(jax.jit(fn), arg_sets, iters=iters, warmup=2, max_seconds=1.0)
+        timing, out = common.time_fn(fn, arg_sets, iters=iters, warmup=2, max_seconds=1.0)
         return timing, out
     except Exception as error:  # one bad config (shared memory, lowering) must not end the sweep
         status, note = common.classify_failure(error)
         print(f"    {status}: {note}", flush=True)
         return None, None
+
+
+def compile_all(kind: str, configs: list[Config], args: tuple, jobs: int) -> dict:
+    """{config: compiled kernel call, or the exception its compilation raised}, compiled in ``jobs`` threads."""
+
+    def build(config):
+        return jax.jit(kernel_fn(kind, config)).lower(*args).compile()
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {config: pool.submit(build, config) for config in configs}
+    compiled = {}
+    for config, future in futures.items():
+        try:
+            compiled[config] = future.result()
+        except Exception as error:  # reported with the config's row
+            compiled[config] = error
+    return compiled
 
 
 def group_sizes_for(shape, routing: str, seed: int) -> jax.Array:
@@ -112,36 +134,40 @@ def group_sizes_for(shape, routing: str, seed: int) -> jax.Array:
     return shape.group_sizes(routing, seed=seed)
 
 
-def run_time(shapes, kinds, configs, routing: str, seed: int, iters: int, sweep: bool) -> None:
-    print("| kind | shape | routing | config | ms | TF/s | vs dense | first call s |")
+def run_time(shapes, kinds, configs, routing: str, seed: int, iters: int, sweep: bool, jobs: int) -> None:
+    print("| kind | shape | routing | config | ms | TF/s | vs dense | vs first |")
     print("|---|---|---|---|---:|---:|---:|---:|")
     for shape in shapes:
         sets = input_sets(shape, seed)
         group_sizes = group_sizes_for(shape, routing, seed)
         flops = 2 * shape.m * shape.k * shape.n
         for kind in kinds:
-            dense, _ = timed(jnp.dot, [dense_args(kind, s, shape) for s in sets], iters)
+            dense, _ = timed(jax.jit(jnp.dot), [dense_args(kind, s, shape) for s in sets], iters)
             # Without the ceiling (it failed: printed above) the kernels are still timed, their "vs dense" left empty.
             dense_tf = flops / dense.median_s / 1e12 if dense else None
             numbers = f"{dense.median_s * 1e3:.3f} | {dense_tf:.1f} | 1.00" if dense else "failed | |"
             print(f"| {kind} | {shape.name} | - | dense | {numbers} | |")
-            candidates = candidate_configs(kind, shape) if sweep else configs
-            results = []
+            candidates = candidate_configs(kind, shape) if sweep else [c or table_config(kind, shape) for c in configs]
+            arg_sets = [kernel_args(kind, s, group_sizes) for s in sets]
+            compiled = compile_all(kind, candidates, arg_sets[0], jobs)
+            results, first_out = [], None
             for config in candidates:
-                timing, out = timed(kernel_fn(kind, config), [kernel_args(kind, s, group_sizes) for s in sets], iters)
-                del out
-                name = label(config or table_config(kind, shape))
-                if timing is None:
-                    print(f"| {kind} | {shape.name} | {routing} | {name} | failed | | | |", flush=True)
+                row = f"| {kind} | {shape.name} | {routing} | {label(config)}"
+                if isinstance(compiled[config], Exception):
+                    status, note = common.classify_failure(compiled[config])
+                    print(f"{row} | {status}: {note} | | | |", flush=True)
                     continue
+                timing, out = timed(compiled[config], arg_sets, iters)
+                if timing is None:
+                    print(f"{row} | failed | | | |", flush=True)
+                    continue
+                if first_out is None:
+                    first_out = out
+                error = common.relative_errors(out, first_out)[0]
                 tf = flops / timing.median_s / 1e12
-                results.append((timing.median_s, config or table_config(kind, shape)))
+                results.append((timing.median_s, config))
                 vs_dense = f"{tf / dense_tf:.2f}" if dense_tf else ""
-                print(
-                    f"| {kind} | {shape.name} | {routing} | {name} | {timing.median_s * 1e3:.3f} | {tf:.1f} | "
-                    f"{vs_dense} | {timing.first_call_s:.1f} |",
-                    flush=True,
-                )
+                print(f"{row} | {timing.median_s * 1e3:.3f} | {tf:.1f} | {vs_dense} | {error:.1e} |", flush=True)
             if sweep and results:
                 best = min(results, key=lambda r: r[0])[1]
                 print(f"TUNED[({kind!r}, {shape.g}, {shape.m}, {shape.k}, {shape.n})] = {best!r}", flush=True)
@@ -152,17 +178,24 @@ def table_config(kind: str, shape) -> Config:
 
 
 def candidate_configs(kind: str, shape) -> list[Config]:
-    """A small sweep around the table's choice: tile width, stages, epilogue chunk and grid order."""
+    """A small sweep around the table's choice: tile width (with the deepest pipeline that fits), grid order and, for
+    the row-tiled kinds, split narrow tiles. (Earlier sweeps found fewer stages, wider epilogue chunks and block_k 128
+    no faster: docs/kernels/grouped_matmul.md.)"""
     base = table_config(kind, shape)
     out_cols = shape.k if kind == "dgrad" else shape.n
-    orders = [("n", max(1, -(-out_cols // 256))), ("m", 8), ("m", 16)] if kind != "wgrad" else [("n", 8)]
+    if kind == "wgrad":
+        orders, splits = [("n", 8)], [False]
+    else:
+        orders, splits = [("n", max(1, -(-out_cols // 256))), ("m", 16)], [False, True]
     candidates = {base}
-    for block_n, stages, epi, (minor, width) in itertools.product((128, 256), (3, 4), (64, 128), orders):
-        config = dataclasses.replace(
-            base, block_n=block_n, num_stages=stages, epilogue_n=epi, grid_minor=minor, grid_width=width
-        )
-        if config.fits():
-            candidates.add(config)
+    for block_n, (minor, width), split in itertools.product((128, 256), orders, splits):
+        for stages in (6, 5, 4, 3):
+            config = dataclasses.replace(
+                base, block_n=block_n, num_stages=stages, grid_minor=minor, grid_width=width, split_narrow=split
+            )
+            if config.fits():
+                candidates.add(config)
+                break
     return sorted(candidates, key=label)
 
 
@@ -213,6 +246,7 @@ def main(argv=None) -> None:
     parser.add_argument("--routings", default="uniform,half", help="for 'check'")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jobs", type=int, default=8, help="threads compiling candidates at once")
     args = parser.parse_args(argv)
     if args.shapes:
         shapes = [shape_registry.GMM_SHAPES[name] for name in args.shapes.split(",")]
@@ -228,7 +262,7 @@ def main(argv=None) -> None:
     if unknown:
         raise SystemExit(f"unknown or untimed kind(s) {unknown}; this script times {TIMED_KINDS}")
     configs = [parse_config(spec) for spec in args.configs.split(",")]
-    run_time(shapes, kinds, configs, args.routing, args.seed, args.iters, sweep=args.mode == "tune")
+    run_time(shapes, kinds, configs, args.routing, args.seed, args.iters, args.mode == "tune", args.jobs)
 
 
 if __name__ == "__main__":
