@@ -189,6 +189,8 @@ def candidate_configs(kind: str, shape) -> list[Config]:
         orders, splits = [("n", max(1, -(-out_cols // 256))), ("m", 16)], [False, True]
     candidates = {base}
     for block_n, (minor, width), split in itertools.product((128, 256), orders, splits):
+        if split and block_n // 2 % 128:  # Config's rule: a consumer's share holds whole GLU block pairs
+            continue
         for stages in (6, 5, 4, 3):
             config = dataclasses.replace(
                 base, block_n=block_n, num_stages=stages, grid_minor=minor, grid_width=width, split_narrow=split

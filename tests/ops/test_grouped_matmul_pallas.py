@@ -213,7 +213,7 @@ def test_wgrad_groups_are_largest_first():
         dict(num_stages=1),
         dict(epilogue_n=100),
         dict(split_narrow=True, num_compute_wgs=1, block_m=64),  # nobody to share the columns with
-        dict(split_narrow=True, block_n=192),  # 96-column halves: not whole 128-byte swizzle rows
+        dict(split_narrow=True, block_n=128),  # 64-column halves: half a GLU (gate, up) block pair
     ],
 )
 def test_config_rejects_bad_fields(fields):
