@@ -9,10 +9,10 @@
       sweeps candidate configs and prints the fastest per (kind, shape) as entries for config.TUNED
 
 A config on the command line is "table" (what the op would use: tuned entry or heuristic) or
-"<block_m>x<block_n>x<block_k>s<stages>e<epilogue_n><m|n><grid_width>[-split]", e.g. "128x256x64s4e64n8-split"
-("-split": Config.split_narrow). The candidates of one (kind, shape) are compiled in parallel threads (--jobs: the
-kernels' compilation is CPU-bound and most of a sweep's time) and then timed one by one; every output is compared
-with the first candidate's, so a config that computes something else shows up in the "vs first" column.
+"<block_m>x<block_n>x<block_k>s<stages>e<epilogue_n><m|n><grid_width>", e.g. "128x256x64s4e64n8". The
+candidates of one (kind, shape) are compiled in parallel threads (--jobs: the kernels' compilation is CPU-bound and
+most of a sweep's time) and then timed one by one; every output is compared with the first candidate's, so a config
+that computes something else shows up in the "vs first" column.
 Numbers reported in benchmarks/RESULTS.md come from ``python -m benchmarks``; this script is for tuning.
 """
 
@@ -35,7 +35,7 @@ from moe_jax.ops.grouped_matmul.config import Config, get_config
 
 # The kernels this script drives (glu_dgrad's epilogue also needs the forward's packed gate/up rows: not yet).
 TIMED_KINDS = ("fwd", "dgrad", "wgrad")
-SPEC = re.compile(r"(\d+)x(\d+)x(\d+)s(\d+)e(\d+)([mn])(\d+)(-split)?")
+SPEC = re.compile(r"(\d+)x(\d+)x(\d+)s(\d+)e(\d+)([mn])(\d+)")
 
 
 def parse_config(spec: str) -> Config | None:
@@ -45,14 +45,13 @@ def parse_config(spec: str) -> Config | None:
     match = SPEC.fullmatch(spec)
     if not match:
         raise SystemExit(f"bad config {spec!r}: expected 'table' or e.g. 128x256x64s4e64n8")
-    bm, bn, bk, stages, epi, minor, width, split = match.groups()
-    return Config(int(bm), int(bn), int(bk), int(stages), 2, int(epi), minor, int(width), split_narrow=bool(split))
+    bm, bn, bk, stages, epi, minor, width = match.groups()
+    return Config(int(bm), int(bn), int(bk), int(stages), 2, int(epi), minor, int(width))
 
 
 def label(config: Config) -> str:
     c = config
-    split = "-split" if c.split_narrow else ""
-    return f"{c.block_m}x{c.block_n}x{c.block_k}s{c.num_stages}e{c.epilogue_n}{c.grid_minor}{c.grid_width}{split}"
+    return f"{c.block_m}x{c.block_n}x{c.block_k}s{c.num_stages}e{c.epilogue_n}{c.grid_minor}{c.grid_width}"
 
 
 def kernel_fn(kind: str, config: Config | None):
@@ -178,23 +177,19 @@ def table_config(kind: str, shape) -> Config:
 
 
 def candidate_configs(kind: str, shape) -> list[Config]:
-    """A small sweep around the table's choice: tile width (with the deepest pipeline that fits), grid order and, for
-    the row-tiled kinds, split narrow tiles. (Earlier sweeps found fewer stages, wider epilogue chunks and block_k 128
-    no faster: docs/kernels/grouped_matmul.md.)"""
+    """A small sweep around the table's choice: tile width (with the deepest pipeline that fits) and grid order.
+    (Earlier sweeps found fewer stages, wider epilogue chunks, block_k 128 and column-split tail tiles no faster:
+    docs/kernels/grouped_matmul.md.)"""
     base = table_config(kind, shape)
     out_cols = shape.k if kind == "dgrad" else shape.n
-    if kind == "wgrad":
-        orders, splits = [("n", 8)], [False]
-    else:
-        orders, splits = [("n", max(1, -(-out_cols // 256))), ("m", 16)], [False, True]
+    # wgrad walks its groups' tiles round-robin (no grid order); the others try column- and row-fastest orders.
+    orders = [(base.grid_minor, base.grid_width)]
+    if kind != "wgrad":
+        orders = [("n", max(1, -(-out_cols // 256))), ("m", 8), ("m", 16)]
     candidates = {base}
-    for block_n, (minor, width), split in itertools.product((128, 256), orders, splits):
-        if split and block_n // 2 % 128:  # Config's rule: a consumer's share holds whole GLU block pairs
-            continue
+    for block_n, (minor, width) in itertools.product((128, 256), orders):
         for stages in (6, 5, 4, 3):
-            config = dataclasses.replace(
-                base, block_n=block_n, num_stages=stages, grid_minor=minor, grid_width=width, split_narrow=split
-            )
+            config = dataclasses.replace(base, block_n=block_n, num_stages=stages, grid_minor=minor, grid_width=width)
             if config.fits():
                 candidates.add(config)
                 break

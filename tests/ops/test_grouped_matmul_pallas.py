@@ -11,8 +11,6 @@ rounded to bf16 (~2^-9 relative rounding), F32_OUT_TOL for f32 results (only the
 differs); gradients round the cotangent to bf16 (GRAD_TOL).
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,8 +18,7 @@ import pytest
 
 import moe_jax
 from moe_jax._core import testing as oracle
-from moe_jax.ops.grouped_matmul import api, config, reference, schedule, sm90
-from moe_jax.ops.grouped_matmul.packing import pack_gate_up
+from moe_jax.ops.grouped_matmul import api, config, reference, schedule
 
 BF16_OUT_TOL = 5e-3
 F32_OUT_TOL = 1e-5
@@ -108,54 +105,6 @@ def test_jax_grad_through_gated_activation_and_row_scale():
         assert oracle.relative_error(actual, exact) < GRAD_TOL
 
 
-# Both consumers on column halves of a narrow tile: 128-wide halves hold whole packed (gate, up) block pairs.
-SPLIT = config.Config(block_m=128, block_n=256, block_k=64, num_stages=2, split_narrow=True)
-
-
-@pytest.mark.parametrize("transpose_rhs", [False, True])
-@pytest.mark.usefixtures("interpret")
-def test_split_narrow_tiles_match_reference(transpose_rhs):
-    """Config.split_narrow: in the "ragged" case the tiles of the groups of 37, 3 and 2 rows and the zero tail store
-    at most 64 rows of their box (column split); those of 100, 61 and 64 rows do not (row split). fwd, dgrad and the
-    GLU + row-scale epilogue (with its kept pre-activation) must give what the reference gives."""
-    m, k, _, sizes = CASES["ragged"]
-    n = 2 * SPLIT.block_n  # two column tiles
-    lhs, rhs, group_sizes = _inputs(21, m, k, n, sizes, transpose_rhs)
-    rng = np.random.default_rng(22)
-    d_out = jnp.asarray(rng.normal(size=(m, n)), jnp.bfloat16)
-    row_scale = jnp.asarray(rng.uniform(size=m), jnp.float32)
-    run = functools.partial(api.run_rows_kernel, group_sizes=group_sizes, config=SPLIT)
-
-    out = run("fwd", lhs, rhs, w_transposed=transpose_rhs, out_dtype=jnp.float32)
-    expected = reference.grouped_matmul(
-        lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, preferred_element_type=jnp.float32
-    )
-    assert oracle.relative_error(out, expected) < F32_OUT_TOL
-    np.testing.assert_array_equal(np.asarray(out)[sum(sizes) :], 0.0)
-
-    d_lhs = run("dgrad", d_out, rhs, w_transposed=not transpose_rhs, out_dtype=jnp.float32)
-    expected = reference.grouped_matmul(
-        d_out, rhs, group_sizes, transpose_rhs=not transpose_rhs, preferred_element_type=jnp.float32
-    )
-    assert oracle.relative_error(d_lhs, expected) < F32_OUT_TOL
-
-    packed = pack_gate_up(rhs, transposed=transpose_rhs)
-    epilogue = api.forward_epilogue("swiglu", True, keep_dtype=jnp.bfloat16)
-    hidden, kept = run(
-        "fwd",
-        lhs,
-        packed.array,
-        w_transposed=transpose_rhs,
-        out_dtype=jnp.bfloat16,
-        epilogue=epilogue,
-        row_scale=row_scale,
-    )
-    glu = functools.partial(reference.grouped_matmul, lhs, packed, group_sizes, transpose_rhs=transpose_rhs)
-    assert oracle.relative_error(hidden, glu(activation="swiglu", row_scale=row_scale)) < BF16_OUT_TOL
-    pre = reference.grouped_matmul(lhs, packed.array, group_sizes, transpose_rhs=transpose_rhs)
-    assert oracle.relative_error(kept, pre) < BF16_OUT_TOL
-
-
 # P = 64 is half of the output tile's 128 rows, Q = 192 one and a half of its columns: both edges are partial tiles.
 @pytest.mark.parametrize("p, q", [(128, 128), (64, 192)])
 @pytest.mark.usefixtures("interpret")
@@ -206,26 +155,11 @@ def test_wgrad_groups_are_largest_first():
 
 @pytest.mark.parametrize(
     "fields",
-    [
-        dict(block_m=96),
-        dict(block_n=320),
-        dict(block_k=48),
-        dict(num_stages=1),
-        dict(epilogue_n=100),
-        dict(split_narrow=True, num_compute_wgs=1, block_m=64),  # nobody to share the columns with
-        dict(split_narrow=True, block_n=128),  # 64-column halves: half a GLU (gate, up) block pair
-    ],
+    [dict(block_m=96), dict(block_n=320), dict(block_k=48), dict(num_stages=1), dict(epilogue_n=100)],
 )
 def test_config_rejects_bad_fields(fields):
     with pytest.raises(ValueError, match=next(iter(fields))):
         config.Config(**fields)
-
-
-def test_glu_backward_epilogue_rejects_split_narrow():
-    backward = sm90.Epilogue(activation_grad=lambda gate, up, d_h: (gate, gate, up), row_scale=True)
-    backward.check(config.Config(block_n=128))
-    with pytest.raises(ValueError, match="split_narrow"):
-        backward.check(config.Config(block_n=128, split_narrow=True))
 
 
 @pytest.mark.parametrize("kind", config.KINDS)

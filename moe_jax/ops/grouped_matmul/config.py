@@ -32,10 +32,6 @@ class Config:
       epilogue_n: columns written back per TMA store (the epilogue buffer is double-buffered per warpgroup).
       grid_minor: which output-tile axis varies fastest over the persistent grid ("m" or "n").
       grid_width: tiles along the minor axis before the major one advances (a band that stays in L2).
-      split_narrow: fwd/dgrad: a row tile whose stored rows fit in one warpgroup's share (most tail tiles of a
-        group) is computed by every consumer side by side, each on block_n / num_compute_wgs of its columns and the
-        first wg_block_m rows of its box, instead of by the one consumer that owns those rows while the other idles.
-        The producer then loads only those wg_block_m rows of x.
     """
 
     block_m: int = 128
@@ -46,7 +42,6 @@ class Config:
     epilogue_n: int = 64
     grid_minor: Literal["m", "n"] = "n"
     grid_width: int = 8
-    split_narrow: bool = False
 
     def __post_init__(self):
         if self.num_compute_wgs not in (1, 2):
@@ -67,19 +62,11 @@ class Config:
             raise ValueError(f"grid_minor must be 'm' or 'n', got {self.grid_minor!r}")
         if self.grid_width < 1:
             raise ValueError(f"grid_width must be >= 1, got {self.grid_width}")
-        # Each consumer's share must hold whole (gate, up) block pairs of a GLU epilogue (2 * 64 packed columns).
-        if self.split_narrow and (self.num_compute_wgs != 2 or self.narrow_block_n % 128):
-            raise ValueError(f"split_narrow needs 2 compute warpgroups and block_n / 2 a multiple of 128, got {self}")
 
     @property
     def wg_block_m(self) -> int:
         """Rows of the tile owned by one compute warpgroup."""
         return self.block_m // self.num_compute_wgs
-
-    @property
-    def narrow_block_n(self) -> int:
-        """Columns of one consumer's share of a split narrow tile (``split_narrow``)."""
-        return self.block_n // self.num_compute_wgs
 
     def smem_bytes(self, in_itemsize: int, out_itemsize: int, *, operand_cols: int = 0, row_vectors: int = 0) -> int:
         """Shared memory of one CTA: the pipeline's stages, the epilogue's double buffer and its operands.

@@ -82,17 +82,11 @@ class Epilogue:
 
     def check(self, config: Config) -> None:
         """Raises ValueError when the tile shape cannot serve this epilogue."""
-        # A consumer's accumulator spans the whole tile, or a share of its columns for a split narrow tile.
-        acc_cols = config.narrow_block_n if config.split_narrow else config.block_n
-        glu_cols = acc_cols // 2 if self.activation else acc_cols
+        glu_cols = config.block_n // 2 if self.activation else config.block_n
         if (self.activation or self.backward) and (glu_cols % self.pack or self.pack % config.epilogue_n):
             raise ValueError(
-                f"a GLU epilogue needs pack={self.pack} dividing a consumer's hidden columns ({glu_cols}) and a "
+                f"a GLU epilogue needs pack={self.pack} dividing the tile's hidden columns ({glu_cols}) and a "
                 f"multiple of epilogue_n={config.epilogue_n}"
-            )
-        if self.backward and config.split_narrow:
-            raise ValueError(
-                f"the GLU backward sums whole tile rows in its epilogue: split_narrow must be off, got {config}"
             )
         if self.backward and self.operand_cols(config) > 256:
             raise ValueError(f"the GLU backward loads [gate | up] tiles of 2 * block_n <= 256 columns, got {config}")
@@ -148,7 +142,6 @@ def grouped_matmul_rows(
     epi.check(cfg)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     wg_m, num_wgs, stages, epi_n = cfg.wg_block_m, cfg.num_compute_wgs, cfg.num_stages, cfg.epilogue_n
-    split, narrow_n = cfg.split_narrow, cfg.narrow_block_n
     k_steps = pl.cdiv(r, bk)
     n_tiles = pl.cdiv(cols, bn)
     max_tiles = tiles.shape[1]
@@ -173,11 +166,6 @@ def grouped_matmul_rows(
         def tile_steps(group):
             return jnp.where(group == ZERO_TILE, 0, k_steps).astype(jnp.int32)
 
-        def is_narrow(mi):
-            """Whether row tile mi is computed column-split (config.split_narrow: its stored rows fit in the box's
-            first wg_m)."""
-            return tiles_gmem[TILE_SKIP, mi] + tiles_gmem[TILE_ROWS, mi] <= wg_m
-
         @pl.when(wg == num_wgs)
         def _producer():
             plgpu.set_max_registers(pipe.PRODUCER_REGISTERS, action="decrease")
@@ -186,23 +174,16 @@ def grouped_matmul_rows(
                 mi, ni = tile_of(info.index[0])
                 group = tiles_gmem[TILE_GROUP, mi]
                 row0 = pl.multiple_of(tiles_gmem[TILE_ROW, mi], ROW_ALIGN)
-                narrow = is_narrow(mi) if split else None
 
-                def load(k, slot):
+                def blocks(k):
                     ks, ns = pl.ds(k * bk, bk), pl.ds(ni * bn, bn)
                     w_block = w_gmem.at[group, ns, ks] if w_transposed else w_gmem.at[group, ks, ns]
+                    return x_gmem.at[pl.ds(row0, bm), ks], w_block
+
+                def load(k, slot):
+                    x_block, w_block = blocks(k)
+                    plgpu.copy_gmem_to_smem(x_block, x_smem.at[slot], produced.at[slot])
                     plgpu.copy_gmem_to_smem(w_block, w_smem.at[slot], produced.at[slot])
-
-                    def load_x(x_rows):
-                        x_block = x_gmem.at[pl.ds(row0, x_rows), ks]
-                        plgpu.copy_gmem_to_smem(x_block, x_smem.at[slot, pl.ds(0, x_rows)], produced.at[slot])
-
-                    if not split:
-                        load_x(bm)
-                        return
-                    # A split narrow tile's consumers read only the first wg_m rows of the x buffer.
-                    pl.when(~narrow)(lambda: load_x(bm))
-                    pl.when(narrow)(lambda: load_x(wg_m))
 
                 steps = tile_steps(group)
                 pipe.produce(carry, steps, stages, consumed, load)
@@ -216,52 +197,32 @@ def grouped_matmul_rows(
             plgpu.set_max_registers(pipe.compute_registers(num_wgs), action="increase")
             prefetch, finish = _epilogue(epi, cfg, cols, out_dtype, wg, out_gmems, out_smem, operand_gmem, epi_scratch)
 
-            def compute(carry, mi, ni, wg_row0, wg_first, wg_rows, x_row, col, width):
-                """This consumer's part of tile (mi, ni): rows [wg_first, wg_first + wg_rows) of the x buffer's
-                wg_m rows from x_row (box rows from wg_row0) times the w buffer's columns [col, col + width)."""
-                steps = tile_steps(tiles_gmem[TILE_GROUP, mi])
+            @plgpu.nd_loop(work, collective_axes="sm", init_carry=jnp.int32(0))
+            def _tile(info, carry):
+                mi, ni = tile_of(info.index[0])
+                group, row0 = tiles_gmem[TILE_GROUP, mi], tiles_gmem[TILE_ROW, mi]
+                skip, rows = tiles_gmem[TILE_SKIP, mi], tiles_gmem[TILE_ROWS, mi]
+                # The tile's stored rows within this warpgroup's wg_m-row slice.
+                wg_first = jnp.clip(skip - wg * wg_m, 0, wg_m)
+                wg_rows = jnp.clip(skip + rows - wg * wg_m, 0, wg_m) - wg_first
+                wg_row0 = row0 + wg * wg_m
+                steps = tile_steps(group)
                 prefetch(wg_row0, ni)
 
                 def mma(acc):
                     def issue(k, slot):
                         @pl.when(wg_rows > 0)
                         def _():
-                            x_tile = x_smem.at[slot, pl.ds(x_row, wg_m)]
-                            if w_transposed:
-                                w_tile = w_smem.at[slot, pl.ds(col, width)].transpose((1, 0))
-                            else:
-                                w_tile = w_smem.at[slot, :, pl.ds(col, width)]
+                            x_tile = x_smem.at[slot, pl.ds(pl.multiple_of(wg * wg_m, wg_m), wg_m)]
+                            w_tile = w_smem.at[slot].transpose((1, 0)) if w_transposed else w_smem.at[slot]
                             plgpu.wgmma(acc, x_tile, w_tile)
 
                     pipe.consume(carry, steps, stages, produced, consumed, issue)
                     return acc[...]
 
-                acc = pl.run_scoped(mma, plgpu.ACC((wg_m, width), jnp.float32))
-                finish(acc, mi, ni, ni * bn + col, wg_row0, wg_first, wg_rows)
-
-            @plgpu.nd_loop(work, collective_axes="sm", init_carry=jnp.int32(0))
-            def _tile(info, carry):
-                mi, ni = tile_of(info.index[0])
-                row0 = tiles_gmem[TILE_ROW, mi]
-                skip, rows = tiles_gmem[TILE_SKIP, mi], tiles_gmem[TILE_ROWS, mi]
-
-                def rows_split():
-                    # The tile's stored rows within this warpgroup's wg_m-row slice.
-                    wg_first = jnp.clip(skip - wg * wg_m, 0, wg_m)
-                    wg_rows = jnp.clip(skip + rows - wg * wg_m, 0, wg_m) - wg_first
-                    x_row = pl.multiple_of(wg * wg_m, wg_m)
-                    compute(carry, mi, ni, row0 + wg * wg_m, wg_first, wg_rows, x_row, 0, bn)
-
-                def columns_split():
-                    col = pl.multiple_of(wg * narrow_n, narrow_n)
-                    compute(carry, mi, ni, row0, skip, rows, 0, col, narrow_n)
-
-                if split:
-                    pl.when(~is_narrow(mi))(rows_split)
-                    pl.when(is_narrow(mi))(columns_split)
-                else:
-                    rows_split()
-                return carry + tile_steps(tiles_gmem[TILE_GROUP, mi])
+                acc = pl.run_scoped(mma, plgpu.ACC((wg_m, bn), jnp.float32))
+                finish(acc, mi, ni, wg_row0, wg_first, wg_rows)
+                return carry + steps
 
             plgpu.wait_smem_to_gmem(0)
 
@@ -318,8 +279,8 @@ def _out_types(epi: Epilogue, m: int, cols: int, out_dtype, in_dtype, partials_s
 
 def _epilogue(epi: Epilogue, cfg: Config, cols: int, out_dtype, wg, out_gmems, out_smem, operand_gmem, scratch):
     """Consumer ``wg``'s epilogue as two closures over its refs: ``prefetch(wg_row0, ni)`` at the start of a tile
-    (issues the TMA loads of the epilogue's operands) and ``finish(acc, mi, ni, col0, wg_row0, wg_first, wg_rows)``
-    after its MMAs (computes and stores the outputs)."""
+    (issues the TMA loads of the epilogue's operands) and ``finish(acc, mi, ni, wg_row0, wg_first, wg_rows)`` after
+    its MMAs (computes and stores the outputs)."""
     wg_m, bn, epi_n, pack = cfg.wg_block_m, cfg.block_n, cfg.epilogue_n, epi.pack
     loaded, *buffers = scratch if (epi.row_scale or epi.backward) else (None,)
     buffers = iter(buffers)
@@ -361,31 +322,27 @@ def _epilogue(epi: Epilogue, cfg: Config, cols: int, out_dtype, wg, out_gmems, o
 
     # Chunk orders: the chunks of one hidden column block together, in column order, so that every chunk past the
     # tile's last column follows every stored one (pipe.store_chunks' rule).
-    def forward_chunks(acc, col0, scale):
-        """acc [wg_m, width] holds the (packed) columns [col0, col0 + width)."""
+    def forward_chunks(acc, ni, scale):
         out_gmem, *acc_gmem = out_gmems
-        width = acc.shape[1]
         keep = [] if not epi.keep_acc else [acc_gmem[0]]
         if epi.activation is None:
-            for c in range(width // epi_n):
-                chunk, col = acc[:, c * epi_n : (c + 1) * epi_n], col0 + c * epi_n
+            for c in range(bn // epi_n):
+                chunk, col = acc[:, c * epi_n : (c + 1) * epi_n], ni * bn + c * epi_n
                 for dst in keep:
                     yield chunk.astype(out_dtype), dst, col, cols
                 yield scaled(chunk, scale).astype(out_dtype), out_gmem, col, cols
             return
-        for c in range(width // 2 // epi_n):
+        for c in range(bn // 2 // epi_n):
             gate, up = packed_cols(c * epi_n)
             gate_chunk, up_chunk = acc[:, gate : gate + epi_n], acc[:, up : up + epi_n]
             for dst in keep:
                 gate_kept, up_kept = (
                     (gate_chunk, up_chunk) if epi.keep_rounding is None else epi.keep_rounding(gate_chunk, up_chunk)
                 )
-                yield gate_kept.astype(out_dtype), dst, col0 + gate, cols
-                yield up_kept.astype(out_dtype), dst, col0 + up, cols
+                yield gate_kept.astype(out_dtype), dst, ni * bn + gate, cols
+                yield up_kept.astype(out_dtype), dst, ni * bn + up, cols
             hidden = epi.activation(gate_chunk, up_chunk)
-            # (col0 // 2 loses the divisibility Mosaic GPU must see in a TMA column offset: restate it.)
-            hidden_col = pl.multiple_of(col0 // 2, pack) + c * epi_n
-            yield scaled(hidden, scale).astype(out_dtype), out_gmem, hidden_col, cols // 2
+            yield scaled(hidden, scale).astype(out_dtype), out_gmem, ni * (bn // 2) + c * epi_n, cols // 2
 
     def backward_chunks(d_h_unscaled, ni, scale, partial):
         d_gate_up_gmem, hidden_gmem, *_ = out_gmems
@@ -410,15 +367,14 @@ def _epilogue(epi: Epilogue, cfg: Config, cols: int, out_dtype, wg, out_gmems, o
             yield d_up.astype(out_dtype), d_gate_up_gmem, 2 * ni * bn + up_col, 2 * cols
             yield scaled(hidden, scale).astype(out_dtype), hidden_gmem, ni * bn + f, cols
 
-    def finish(acc, mi, ni, col0, wg_row0, wg_first, wg_rows):
-        """acc [wg_m, width]: the tile's columns [col0, col0 + width) (all of them for the GLU backward)."""
+    def finish(acc, mi, ni, wg_row0, wg_first, wg_rows):
         if epi.plain:
             out = acc.astype(out_dtype)
-            pipe.store_tile(out, out_smem, wg, out_gmems[0], wg_row0, wg_first, wg_rows, col0, cols)
+            pipe.store_tile(out, out_smem, wg, out_gmems[0], wg_row0, wg_first, wg_rows, ni * bn, cols)
             return
         scale = wait_operands()
         if not epi.backward:
-            pipe.store_chunks(forward_chunks(acc, col0, scale), out_smem, wg, wg_row0, wg_first, wg_rows)
+            pipe.store_chunks(forward_chunks(acc, ni, scale), out_smem, wg, wg_row0, wg_first, wg_rows)
             return
         zeros = jnp.zeros((wg_m,), jnp.float32)
         partial = [plgpu.layout_cast(zeros, plgpu.Layout.WGMMA.reduce(1))] if epi.row_scale else None
