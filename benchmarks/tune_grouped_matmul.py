@@ -26,6 +26,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from benchmarks import common
 from moe_jax._core.testing import GroupOracle
@@ -98,9 +99,9 @@ def dense_args(kind: str, s: dict, shape) -> tuple:
     return s["lhs"].T, s["ct"]
 
 
-def timed(fn, arg_sets, iters: int):
+def timed(fn, arg_sets, iters: int, max_seconds: float = 1.0):
     try:
-        timing, out = common.time_fn(fn, arg_sets, iters=iters, warmup=2, max_seconds=1.0)
+        timing, out = common.time_fn(fn, arg_sets, iters=iters, warmup=2, max_seconds=max_seconds)
         return timing, out
     except Exception as error:  # one bad config (shared memory, lowering) must not end the sweep
         status, note = common.classify_failure(error)
@@ -133,43 +134,66 @@ def group_sizes_for(shape, routing: str, seed: int) -> jax.Array:
     return shape.group_sizes(routing, seed=seed)
 
 
-def run_time(shapes, kinds, configs, routing: str, seed: int, iters: int, sweep: bool, jobs: int) -> None:
-    print("| kind | shape | routing | config | ms | TF/s | vs dense | vs first |")
-    print("|---|---|---|---|---:|---:|---:|---:|")
+def run_time(shapes, kinds, configs, routing: str, seed: int, iters: int, sweep: bool, jobs: int, rounds: int):
+    """Times the candidates of each (kind, shape) and the dense ceiling in ``rounds`` interleaved rounds and reports
+    the median of the round medians: the GPU's speed drifts by ~10% over seconds, and interleaving spreads that drift
+    over every candidate instead of favouring whichever ran in a fast moment."""
+    print("| kind | shape | routing | config | ms | spread | TF/s | vs dense | vs first |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|")
     for shape in shapes:
         sets = input_sets(shape, seed)
         group_sizes = group_sizes_for(shape, routing, seed)
         flops = 2 * shape.m * shape.k * shape.n
         for kind in kinds:
-            dense, _ = timed(jax.jit(jnp.dot), [dense_args(kind, s, shape) for s in sets], iters)
-            # Without the ceiling (it failed: printed above) the kernels are still timed, their "vs dense" left empty.
-            dense_tf = flops / dense.median_s / 1e12 if dense else None
-            numbers = f"{dense.median_s * 1e3:.3f} | {dense_tf:.1f} | 1.00" if dense else "failed | |"
-            print(f"| {kind} | {shape.name} | - | dense | {numbers} | |")
             candidates = candidate_configs(kind, shape) if sweep else [c or table_config(kind, shape) for c in configs]
             arg_sets = [kernel_args(kind, s, group_sizes) for s in sets]
             compiled = compile_all(kind, candidates, arg_sets[0], jobs)
-            results, first_out = [], None
-            for config in candidates:
-                row = f"| {kind} | {shape.name} | {routing} | {label(config)}"
-                if isinstance(compiled[config], Exception):
-                    status, note = common.classify_failure(compiled[config])
-                    print(f"{row} | {status}: {note} | | | |", flush=True)
-                    continue
-                timing, out = timed(compiled[config], arg_sets, iters)
-                if timing is None:
-                    print(f"{row} | failed | | | |", flush=True)
-                    continue
-                if first_out is None:
-                    first_out = out
-                error = common.relative_errors(out, first_out)[0]
-                tf = flops / timing.median_s / 1e12
-                results.append((timing.median_s, config))
-                vs_dense = f"{tf / dense_tf:.2f}" if dense_tf else ""
-                print(f"{row} | {timing.median_s * 1e3:.3f} | {tf:.1f} | {vs_dense} | {error:.1e} |", flush=True)
+            for config, error in compiled.items():
+                if isinstance(error, Exception):
+                    status, note = common.classify_failure(error)
+                    print(f"| {kind} | {shape.name} | {routing} | {label(config)} | {status}: {note} | | | | |")
+            timed_fns = {"dense": (jax.jit(jnp.dot), [dense_args(kind, s, shape) for s in sets])}
+            timed_fns |= {c: (fn, arg_sets) for c, fn in compiled.items() if not isinstance(fn, Exception)}
+            medians = {name: [] for name in timed_fns}
+            errors, first_out = {}, None
+            for round_index in range(rounds):
+                for name, (fn, fn_args) in timed_fns.items():
+                    if len(medians[name]) < round_index:  # failed in an earlier round
+                        continue
+                    timing, out = timed(fn, fn_args, iters, max_seconds=1.0 / rounds)
+                    if timing is None:
+                        continue
+                    medians[name].append(timing.median_s)
+                    if round_index == 0 and name != "dense":
+                        first_out = out if first_out is None else first_out
+                        errors[name] = common.relative_errors(out, first_out)[0]
+                    del out
+            results = _print_rows(kind, shape, routing, flops, medians, errors)
             if sweep and results:
                 best = min(results, key=lambda r: r[0])[1]
                 print(f"TUNED[({kind!r}, {shape.g}, {shape.m}, {shape.k}, {shape.n})] = {best!r}", flush=True)
+
+
+def _print_rows(kind, shape, routing, flops, medians, errors) -> list[tuple[float, Config]]:
+    """One table row per timed name (dense first); returns (median s, config) of the candidates that ran."""
+    dense = medians.pop("dense")
+    dense_tf = flops / np.median(dense) / 1e12 if dense else None
+    results = []
+    for name, samples in [("dense", dense), *medians.items()]:
+        is_dense = name == "dense"
+        row = f"| {kind} | {shape.name} | {'-' if is_dense else routing} | {name if is_dense else label(name)}"
+        if not samples:
+            print(f"{row} | failed | | | | |", flush=True)
+            continue
+        median = float(np.median(samples))
+        spread = (max(samples) - min(samples)) / median
+        tf = flops / median / 1e12
+        vs_dense = f"{tf / dense_tf:.2f}" if dense_tf else ""
+        error = f"{errors[name]:.1e}" if name in errors else ""
+        print(f"{row} | {median * 1e3:.3f} | {spread:.0%} | {tf:.1f} | {vs_dense} | {error} |", flush=True)
+        if not is_dense:
+            results.append((median, name))
+    return results
 
 
 def table_config(kind: str, shape) -> Config:
@@ -244,6 +268,7 @@ def main(argv=None) -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=8, help="threads compiling candidates at once")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per (kind, shape)")
     args = parser.parse_args(argv)
     if args.shapes:
         shapes = [shape_registry.GMM_SHAPES[name] for name in args.shapes.split(",")]
@@ -259,7 +284,7 @@ def main(argv=None) -> None:
     if unknown:
         raise SystemExit(f"unknown or untimed kind(s) {unknown}; this script times {TIMED_KINDS}")
     configs = [parse_config(spec) for spec in args.configs.split(",")]
-    run_time(shapes, kinds, configs, args.routing, args.seed, args.iters, args.mode == "tune", args.jobs)
+    run_time(shapes, kinds, configs, args.routing, args.seed, args.iters, args.mode == "tune", args.jobs, args.rounds)
 
 
 if __name__ == "__main__":
