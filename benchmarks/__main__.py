@@ -202,7 +202,9 @@ def main(argv: list[str] | None = None) -> list[common.Record]:
     records: list[common.Record] = []
     for bench in benches:
         if bench in ("gmm", "gmm-bwd"):
-            records += grouped_matmul.run(bench, gmm_shapes, options, routings=(args.routing,), emit=emit)
+            records += grouped_matmul.run(
+                bench, gmm_shapes, options, routings=(args.routing,), earlier=records, emit=emit
+            )
         elif bench == "skew":
             records += grouped_matmul.run(
                 "skew", skew_shapes, options, routings=shape_registry.ROUTINGS, earlier=records, emit=emit

@@ -138,8 +138,13 @@ def bench_shape(
 
 
 def best_tokamax_config(records: list[common.Record], shape_name: str) -> dict | None:
-    """The fastest swept tokamax config at ``shape_name`` among ``records`` (None if no sweep ran there)."""
-    swept = [r for r in records if r.shape == shape_name and r.config is not None and r.timing is not None]
+    """The fastest tokamax config of a "gmm" (forward) sweep at ``shape_name`` among ``records`` (None if no sweep ran
+    there)."""
+    swept = [
+        r
+        for r in records
+        if r.bench == "gmm" and r.shape == shape_name and r.config is not None and r.timing is not None
+    ]
     return min(swept, key=lambda r: r.timing.median_s).config if swept else None
 
 
@@ -154,19 +159,20 @@ def run(
 ) -> list[common.Record]:
     """Runs "gmm", "gmm-bwd" or "skew" over ``shapes``.
 
-    "skew" times each routing in ``routings`` with tokamax's default and, where an earlier "gmm" run in this process
-    swept it at the same shape, its best config (tuned once on uniform routing, as a user would).
+    "gmm" sweeps tokamax's configs (with --tokamax-sweep). "gmm-bwd" and "skew" time tokamax with its default and,
+    where an earlier "gmm" run in this process swept it at the same shape, its best forward config (tuned once on
+    uniform routing, as a user would; tokamax's own backward kernels keep their defaults).
     """
     backward = bench == "gmm-bwd"
     records = []
     for shape in shapes:
         print(f"[{bench}] {shape.name}", file=sys.stderr, flush=True)
         for index, routing in enumerate(routings):
-            if bench == "skew":
+            if bench in ("skew", "gmm-bwd"):
                 best = best_tokamax_config(list(earlier), shape.name)
                 configs = (best,) if best is not None else ()
             else:
-                configs = tokamax_peer.SWEEP_CONFIGS if options.tokamax_sweep and not backward else ()
+                configs = tokamax_peer.SWEEP_CONFIGS if options.tokamax_sweep else ()
             records += bench_shape(
                 bench,
                 shape,

@@ -333,3 +333,23 @@ def test_layer_composition_matches_moe_ffn_on_packed_weights():
     pallas_layer = layer._moe_ffn(shape, "pallas", route_kwargs)
     weight_size = inputs["w_gate_up"].array.size
     assert max(transposed_sizes(jax.make_jaxpr(pallas_layer)(*args).jaxpr), default=0) < weight_size
+
+
+def test_best_tokamax_config_comes_from_the_forward_sweep_of_that_shape():
+    """gmm-bwd and skew time tokamax with its best *forward* config: a faster fwd+bwd record or another shape's
+    sweep must not be picked."""
+    from benchmarks import grouped_matmul
+
+    def record(bench, shape, config, median_s):
+        timing = common.Timing(median_s, median_s, median_s, median_s, samples=3, reps=1, first_call_s=1.0)
+        return common.Record(bench, shape, "uniform", "tokamax", flops=1, dims={}, timing=timing, config=config)
+
+    records = [
+        record("gmm", "a", None, 1e-3),  # the default config: not a swept one
+        record("gmm", "a", {"block_n": 64}, 3e-3),
+        record("gmm", "a", {"block_n": 128}, 2e-3),
+        record("gmm", "b", {"block_n": 256}, 1e-4),
+        record("gmm-bwd", "a", {"block_n": 64}, 1e-5),
+    ]
+    assert grouped_matmul.best_tokamax_config(records, "a") == {"block_n": 128}
+    assert grouped_matmul.best_tokamax_config(records, "c") is None
