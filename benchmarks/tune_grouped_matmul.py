@@ -3,7 +3,7 @@
   python -m benchmarks.tune_grouped_matmul check [--shapes ...] [--routings uniform,half]
       gradients through moe_jax.grouped_matmul(backend="pallas") against exact f32 products of three groups, both
       rhs layouts, plus rows past sum(group_sizes) (which must come out exactly zero)
-  python -m benchmarks.tune_grouped_matmul time [--shapes ...] [--kinds fwd,dgrad,wgrad] [--configs table,...]
+  python -m benchmarks.tune_grouped_matmul time [--shapes ...] [--kinds fwd,dgrad,wgrad,glu_dgrad] [--configs ...]
       each kernel alone next to one dense XLA matmul of the same FLOPs (the practical ceiling)
   python -m benchmarks.tune_grouped_matmul tune [--shapes ...] [--kinds ...]
       sweeps candidate configs and prints the fastest per (kind, shape) as entries for config.TUNED
@@ -31,11 +31,15 @@ import numpy as np
 from benchmarks import common
 from moe_jax._core.testing import GroupOracle
 from moe_jax.ops import shapes as shape_registry
+from moe_jax.ops.glu_mlp import api as glu_mlp_api
 from moe_jax.ops.grouped_matmul import api
-from moe_jax.ops.grouped_matmul.config import Config, get_config
+from moe_jax.ops.grouped_matmul.config import Config, epilogue_smem, get_config
 
-# The kernels this script drives (glu_dgrad's epilogue also needs the forward's packed gate/up rows: not yet).
-TIMED_KINDS = ("fwd", "dgrad", "wgrad")
+# The kernels this script drives.
+TIMED_KINDS = ("fwd", "dgrad", "wgrad", "glu_dgrad")
+# glu_dgrad is the GLU MLP's backward through its down projection (rhs = w_down [G, F, D]), so it is timed at the
+# "<model>/down" shapes only, whose (G, M, K, N) is also its table key; its epilogue runs this activation's backward.
+GLU_DGRAD_ACTIVATION = "swiglu"
 SPEC = re.compile(r"(\d+)x(\d+)x(\d+)s(\d+)e(\d+)([mn])(\d+)")
 
 
@@ -56,8 +60,26 @@ def label(config: Config) -> str:
 
 
 def kernel_fn(kind: str, config: Config | None):
-    """(x, w_or_y, group_sizes) -> kernel output, for rhs [G, K, N]: fwd (lhs, rhs), dgrad (dout, rhs), wgrad
-    (lhs, dout)."""
+    """kernel_args(kind, ...) -> kernel output, for rhs [G, K, N]: fwd (lhs, rhs), dgrad (dout, rhs), wgrad
+    (lhs, dout), glu_dgrad (dout, rhs, row_scale, packed gate_up [M, 2K])."""
+    if kind == "glu_dgrad":
+        epilogue = glu_mlp_api.backward_epilogue(GLU_DGRAD_ACTIVATION, row_scale=True)
+
+        def glu_dgrad(d_y, w_down, group_sizes, row_scale, gate_up):
+            return api.run_rows_kernel(
+                "glu_dgrad",
+                d_y,
+                w_down,
+                group_sizes,
+                w_transposed=True,
+                out_dtype=jnp.bfloat16,
+                config=config,
+                epilogue=epilogue,
+                row_scale=row_scale,
+                gate_up=gate_up,
+            )
+
+        return glu_dgrad
     if kind == "fwd":
         return functools.partial(api.run_rows_kernel, "fwd", w_transposed=False, out_dtype=jnp.bfloat16, config=config)
     if kind == "dgrad":
@@ -66,23 +88,29 @@ def kernel_fn(kind: str, config: Config | None):
     return functools.partial(api.run_wgrad_kernel, out_dtype=jnp.bfloat16, config=config)
 
 
-@functools.partial(jax.jit, static_argnames=("g", "m", "k", "n"))
-def _inputs(key, *, g, m, k, n):
-    keys = jax.random.split(key, 3)
-    return {
+@functools.partial(jax.jit, static_argnames=("g", "m", "k", "n", "glu"))
+def _inputs(key, *, g, m, k, n, glu):
+    keys = jax.random.split(key, 5)
+    inputs = {
         "lhs": jax.random.normal(keys[0], (m, k), jnp.bfloat16),
         "rhs": (jax.random.normal(keys[1], (g, k, n), jnp.float32) * k**-0.5).astype(jnp.bfloat16),
         "ct": jax.random.normal(keys[2], (m, n), jnp.bfloat16),
     }
+    if glu:  # glu_dgrad's epilogue operands
+        inputs["gate_up"] = jax.random.normal(keys[3], (m, 2 * k), jnp.bfloat16)
+        inputs["row_scale"] = jax.random.uniform(keys[4], (m,), jnp.float32)
+    return inputs
 
 
-def input_sets(shape, seed: int) -> list[dict]:
-    set_bytes = 2 * (2 * shape.m * (shape.k + shape.n) + shape.g * shape.k * shape.n)
-    dims = dict(g=shape.g, m=shape.m, k=shape.k, n=shape.n)
+def input_sets(shape, seed: int, glu: bool = False) -> list[dict]:
+    dims = dict(g=shape.g, m=shape.m, k=shape.k, n=shape.n, glu=glu)
+    set_bytes = common.nbytes(jax.eval_shape(functools.partial(_inputs, **dims), jax.random.key(0)))
     return [_inputs(jax.random.key(seed * 100 + i), **dims) for i in range(common.input_sets_needed(set_bytes))]
 
 
 def kernel_args(kind: str, s: dict, group_sizes) -> tuple:
+    if kind == "glu_dgrad":
+        return s["ct"], s["rhs"], group_sizes, s["row_scale"], s["gate_up"]
     if kind == "fwd":
         return s["lhs"], s["rhs"], group_sizes
     if kind == "dgrad":
@@ -94,7 +122,7 @@ def dense_args(kind: str, s: dict, shape) -> tuple:
     """One dense [a, b] x [b, c] matmul with the kind's FLOPs (2 M K N) from the same buffers."""
     if kind == "fwd":
         return s["lhs"], s["rhs"][0]
-    if kind == "dgrad":
+    if kind in ("dgrad", "glu_dgrad"):
         return s["ct"], s["rhs"][0].T
     return s["lhs"].T, s["ct"]
 
@@ -141,10 +169,12 @@ def run_time(shapes, kinds, configs, routing: str, seed: int, iters: int, sweep:
     print("| kind | shape | routing | config | ms | spread | TF/s | vs dense | vs first |")
     print("|---|---|---|---|---:|---:|---:|---:|---:|")
     for shape in shapes:
-        sets = input_sets(shape, seed)
+        sets = input_sets(shape, seed, glu="glu_dgrad" in kinds)
         group_sizes = group_sizes_for(shape, routing, seed)
         flops = 2 * shape.m * shape.k * shape.n
         for kind in kinds:
+            if kind == "glu_dgrad" and not shape.name.endswith("/down"):
+                continue  # see GLU_DGRAD_ACTIVATION
             candidates = candidate_configs(kind, shape) if sweep else [c or table_config(kind, shape) for c in configs]
             arg_sets = [kernel_args(kind, s, group_sizes) for s in sets]
             compiled = compile_all(kind, candidates, arg_sets[0], jobs)
@@ -197,7 +227,7 @@ def _print_rows(kind, shape, routing, flops, medians, errors) -> list[tuple[floa
 
 
 def table_config(kind: str, shape) -> Config:
-    return get_config(kind, m=shape.m, k=shape.k, n=shape.n, g=shape.g)
+    return get_config(kind, m=shape.m, k=shape.k, n=shape.n, g=shape.g, row_scale=kind == "glu_dgrad")
 
 
 def candidate_configs(kind: str, shape) -> list[Config]:
@@ -205,16 +235,18 @@ def candidate_configs(kind: str, shape) -> list[Config]:
     (Earlier sweeps found fewer stages, wider epilogue chunks, block_k 128 and column-split tail tiles no faster:
     docs/kernels/grouped_matmul.md.)"""
     base = table_config(kind, shape)
-    out_cols = shape.k if kind == "dgrad" else shape.n
+    out_cols = shape.k if kind in ("dgrad", "glu_dgrad") else shape.n
     # wgrad walks its groups' tiles round-robin (no grid order); the others try column- and row-fastest orders.
     orders = [(base.grid_minor, base.grid_width)]
     if kind != "wgrad":
         orders = [("n", max(1, -(-out_cols // 256))), ("m", 8), ("m", 16)]
+    # glu_dgrad's epilogue loads [gate | up] tiles of 2 * block_n <= 256 columns.
+    widths = (64, 128) if kind == "glu_dgrad" else (128, 256)
     candidates = {base}
-    for block_n, (minor, width) in itertools.product((128, 256), orders):
+    for block_n, (minor, width) in itertools.product(widths, orders):
         for stages in (6, 5, 4, 3):
             config = dataclasses.replace(base, block_n=block_n, num_stages=stages, grid_minor=minor, grid_width=width)
-            if config.fits():
+            if config.fits(**epilogue_smem(kind, config, row_scale=kind == "glu_dgrad")):
                 candidates.add(config)
                 break
     return sorted(candidates, key=label)

@@ -156,6 +156,13 @@ def _glu_mlp_fwd(x, w_gate_up, w_down, group_sizes, row_scale, activation, recom
     return y, (x, w_gate_up, w_down, group_sizes, row_scale, gate_up)
 
 
+def backward_epilogue(activation: str, row_scale: bool) -> sm90.Epilogue:
+    """The glu_dgrad kernel's epilogue: the GLU backward on the packed pre-activation, with or without row_scale."""
+    return sm90.Epilogue(
+        activation_grad=functools.partial(glu_grad, activation=activation), row_scale=row_scale, pack=PACK_BLOCK
+    )
+
+
 def _glu_mlp_bwd(activation, recompute_gate_up, residuals, d_y):
     x, w_gate_up, w_down, group_sizes, row_scale, gate_up = residuals
     d_y = d_y.astype(x.dtype)  # wgmma multiplies equal dtypes; accumulation stays f32
@@ -163,11 +170,6 @@ def _glu_mlp_bwd(activation, recompute_gate_up, residuals, d_y):
         # The forward kernel again, so that the backward sees the very bits it would have kept (the hidden output
         # is written and dropped: half the pre-activation's bytes, for one kernel to maintain).
         _, gate_up = _gate_up(x, w_gate_up, group_sizes, activation, keep_pre_activation=True)
-    epilogue = sm90.Epilogue(
-        activation_grad=functools.partial(glu_grad, activation=activation),
-        row_scale=row_scale is not None,
-        pack=PACK_BLOCK,
-    )
     # w_down [G, F, D] is read transposed: the kernel's output columns are F.
     d_gate_up, hidden_scaled, d_row_scale = run_rows_kernel(
         "glu_dgrad",
@@ -176,7 +178,7 @@ def _glu_mlp_bwd(activation, recompute_gate_up, residuals, d_y):
         group_sizes,
         w_transposed=True,
         out_dtype=x.dtype,
-        epilogue=epilogue,
+        epilogue=backward_epilogue(activation, row_scale is not None),
         row_scale=row_scale,
         gate_up=gate_up,
     )

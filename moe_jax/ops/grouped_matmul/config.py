@@ -94,7 +94,8 @@ class Config:
 # Measured on an H200 on 2026-11-22 (git 3ca740a, uniform routing) by
 #   python -m benchmarks.tune_grouped_matmul tune --kinds fwd,dgrad,wgrad --jobs 14 --iters 10 --rounds 4
 # (the median of 4 interleaved rounds; candidates within ~5% of each other are within that run's noise). The fused
-# GLU forward uses the "fwd" entry of its gate_up shape; glu_dgrad is not timed by the script (heuristic only).
+# GLU forward uses the "fwd" entry of its gate_up shape. glu_dgrad has no entry yet (heuristic): the script times it
+# (--kinds glu_dgrad, at the "<model>/down" shapes) since 2026-11-22, after this sweep.
 TUNED: dict[tuple[str, int, int, int, int], Config] = {
     ("fwd", 128, 32768, 2048, 1536): Config(
         block_m=128,
