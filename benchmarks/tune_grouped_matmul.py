@@ -11,8 +11,8 @@
 A config on the command line is "table" (what the op would use: tuned entry or heuristic) or
 "<block_m>x<block_n>x<block_k>s<stages>e<epilogue_n><m|n><grid_width>", e.g. "128x256x64s4e64n8". The
 candidates of one (kind, shape) are compiled in parallel threads (--jobs: the kernels' compilation is CPU-bound and
-most of a sweep's time) and then timed one by one; every output is compared with the first candidate's, so a config
-that computes something else shows up in the "vs first" column.
+most of a sweep's time), then timed with the dense ceiling in interleaved rounds (--rounds; see run_time); every
+output is compared with the first candidate's, so a config that computes something else shows up in "vs first".
 Numbers reported in benchmarks/RESULTS.md come from ``python -m benchmarks``; this script is for tuning.
 """
 
