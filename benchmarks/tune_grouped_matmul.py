@@ -6,7 +6,7 @@
   python -m benchmarks.tune_grouped_matmul time [--shapes ...] [--kinds fwd,dgrad,wgrad,glu_dgrad] [--configs ...]
       each kernel alone next to one dense XLA matmul of the same FLOPs (the practical ceiling)
   python -m benchmarks.tune_grouped_matmul tune [--shapes ...] [--kinds ...]
-      sweeps candidate configs and prints the fastest per (kind, shape) as entries for config.TUNED
+      sweeps candidate configs and prints the fastest per (kind, shape) as a line to paste into config.TUNED
 
 A config on the command line is "table" (what the op would use: tuned entry or heuristic) or
 "<block_m>x<block_n>x<block_k>s<stages>e<epilogue_n><m|n><grid_width>", e.g. "128x256x64s4e64n8". The
@@ -54,6 +54,13 @@ def parse_config(spec: str) -> Config | None:
     return Config(int(bm), int(bn), int(bk), int(stages), 2, int(epi), minor, int(width))
 
 
+def config_source(config: Config) -> str:
+    """``Config(...)`` naming only the fields that differ from the defaults, as config.TUNED lists its entries."""
+    default = Config()
+    changed = [f for f in dataclasses.fields(Config) if getattr(config, f.name) != getattr(default, f.name)]
+    return f"Config({', '.join(f'{f.name}={getattr(config, f.name)!r}' for f in changed)})"
+
+
 def label(config: Config) -> str:
     c = config
     return f"{c.block_m}x{c.block_n}x{c.block_k}s{c.num_stages}e{c.epilogue_n}{c.grid_minor}{c.grid_width}"
@@ -63,23 +70,9 @@ def kernel_fn(kind: str, config: Config | None):
     """kernel_args(kind, ...) -> kernel output, for rhs [G, K, N]: fwd (lhs, rhs), dgrad (dout, rhs), wgrad
     (lhs, dout), glu_dgrad (dout, rhs, row_scale, packed gate_up [M, 2K])."""
     if kind == "glu_dgrad":
-        epilogue = glu_mlp_api.backward_epilogue(GLU_DGRAD_ACTIVATION, row_scale=True)
-
-        def glu_dgrad(d_y, w_down, group_sizes, row_scale, gate_up):
-            return api.run_rows_kernel(
-                "glu_dgrad",
-                d_y,
-                w_down,
-                group_sizes,
-                w_transposed=True,
-                out_dtype=jnp.bfloat16,
-                config=config,
-                epilogue=epilogue,
-                row_scale=row_scale,
-                gate_up=gate_up,
-            )
-
-        return glu_dgrad
+        return lambda d_y, w_down, group_sizes, row_scale, gate_up: glu_mlp_api.run_glu_dgrad(
+            d_y, w_down, group_sizes, gate_up, row_scale, GLU_DGRAD_ACTIVATION, config=config
+        )
     if kind == "fwd":
         return functools.partial(api.run_rows_kernel, "fwd", w_transposed=False, out_dtype=jnp.bfloat16, config=config)
     if kind == "dgrad":
@@ -103,9 +96,7 @@ def _inputs(key, *, g, m, k, n, glu):
 
 
 def input_sets(shape, seed: int, glu: bool = False) -> list[dict]:
-    dims = dict(g=shape.g, m=shape.m, k=shape.k, n=shape.n, glu=glu)
-    set_bytes = common.nbytes(jax.eval_shape(functools.partial(_inputs, **dims), jax.random.key(0)))
-    return [_inputs(jax.random.key(seed * 100 + i), **dims) for i in range(common.input_sets_needed(set_bytes))]
+    return common.input_sets(functools.partial(_inputs, g=shape.g, m=shape.m, k=shape.k, n=shape.n, glu=glu), seed)
 
 
 def kernel_args(kind: str, s: dict, group_sizes) -> tuple:
@@ -201,7 +192,9 @@ def run_time(shapes, kinds, configs, routing: str, seed: int, iters: int, sweep:
             results = _print_rows(kind, shape, routing, flops, medians, errors)
             if sweep and results:
                 best = min(results, key=lambda r: r[0])[1]
-                print(f"TUNED[({kind!r}, {shape.g}, {shape.m}, {shape.k}, {shape.n})] = {best!r}", flush=True)
+                print(
+                    f"TUNED entry: {(kind, shape.g, shape.m, shape.k, shape.n)!r}: {config_source(best)},", flush=True
+                )
 
 
 def _print_rows(kind, shape, routing, flops, medians, errors) -> list[tuple[float, Config]]:

@@ -15,8 +15,6 @@ Tolerances (relative-norm error against the f32-accumulating reference on the sa
 outputs; GRAD_TOL for gradients (the cotangent and the kept pre-activation are rounded to bf16).
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,8 +24,9 @@ from jax.sharding import AbstractMesh
 
 import moe_jax
 from moe_jax._core import testing as oracle
+from moe_jax.ops.glu_mlp import api as glu_mlp_api
 from moe_jax.ops.glu_mlp import reference as mlp_reference
-from moe_jax.ops.grouped_matmul import api, glu, reference, sm90
+from moe_jax.ops.grouped_matmul import reference
 from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, split_gate_up
 
 
@@ -124,17 +123,9 @@ def test_glu_backward_epilogue_without_row_scale(activation):
     d_ff = w_down.shape[1]
     gate_up = 5.0 * jax.random.normal(jax.random.key(1), (d_y.shape[0], 2 * d_ff), jnp.float32)
     gate, up = (half.astype(jnp.bfloat16).astype(jnp.float32) for half in jnp.split(gate_up, 2, axis=1))
-    epilogue = sm90.Epilogue(activation_grad=functools.partial(glu.glu_grad, activation=activation))
     packed_rows = moe_jax.pack_gate_up(jnp.concatenate([gate, up], axis=1)[None]).array[0]  # [M, 2F], packed
-    d_gate_up, hidden, d_row_scale = api.run_rows_kernel(
-        "glu_dgrad",
-        d_y,
-        w_down,
-        group_sizes,
-        w_transposed=True,
-        out_dtype=jnp.bfloat16,
-        epilogue=epilogue,
-        gate_up=packed_rows.astype(jnp.bfloat16),
+    d_gate_up, hidden, d_row_scale = glu_mlp_api.run_glu_dgrad(
+        d_y, w_down, group_sizes, packed_rows.astype(d_y.dtype), None, activation
     )
     d_h = reference.grouped_matmul(d_y, w_down, group_sizes, transpose_rhs=True, preferred_element_type=jnp.float32)
     expected_hidden, pullback = jax.vjp(lambda g, u: reference.gated_activation(g, u, activation), gate, up)

@@ -156,10 +156,33 @@ def _glu_mlp_fwd(x, w_gate_up, w_down, group_sizes, row_scale, activation, recom
     return y, (x, w_gate_up, w_down, group_sizes, row_scale, gate_up)
 
 
-def backward_epilogue(activation: str, row_scale: bool) -> sm90.Epilogue:
-    """The glu_dgrad kernel's epilogue: the GLU backward on the packed pre-activation, with or without row_scale."""
-    return sm90.Epilogue(
-        activation_grad=functools.partial(glu_grad, activation=activation), row_scale=row_scale, pack=PACK_BLOCK
+def run_glu_dgrad(d_y, w_down, group_sizes, gate_up, row_scale, activation: str, *, config=None):
+    """The down projection's dgrad with the GLU backward in its epilogue (the "glu_dgrad" kernel).
+
+    Args:
+      d_y: [M, D]; w_down: [G, F, D], read transposed (the kernel's output columns are F); group_sizes: [G] int32;
+      gate_up: [M, 2F] packed pre-activation in d_y's dtype; row_scale: [M] f32 or None; activation: the GLU's;
+      config: the tile config (None: the table's or the heuristic's).
+
+    Returns:
+      (d_gate_up [M, 2F] packed, h * row_scale [M, F], d_row_scale [M] f32 or None), in d_y's dtype.
+    """
+    epilogue = sm90.Epilogue(
+        activation_grad=functools.partial(glu_grad, activation=activation),
+        row_scale=row_scale is not None,
+        pack=PACK_BLOCK,
+    )
+    return run_rows_kernel(
+        "glu_dgrad",
+        d_y,
+        w_down,
+        group_sizes,
+        w_transposed=True,
+        out_dtype=d_y.dtype,
+        config=config,
+        epilogue=epilogue,
+        row_scale=row_scale,
+        gate_up=gate_up,
     )
 
 
@@ -170,18 +193,7 @@ def _glu_mlp_bwd(activation, recompute_gate_up, residuals, d_y):
         # The forward kernel again, so that the backward sees the very bits it would have kept (the hidden output
         # is written and dropped: half the pre-activation's bytes, for one kernel to maintain).
         _, gate_up = _gate_up(x, w_gate_up, group_sizes, activation, keep_pre_activation=True)
-    # w_down [G, F, D] is read transposed: the kernel's output columns are F.
-    d_gate_up, hidden_scaled, d_row_scale = run_rows_kernel(
-        "glu_dgrad",
-        d_y,
-        w_down,
-        group_sizes,
-        w_transposed=True,
-        out_dtype=x.dtype,
-        epilogue=backward_epilogue(activation, row_scale is not None),
-        row_scale=row_scale,
-        gate_up=gate_up,
-    )
+    d_gate_up, hidden_scaled, d_row_scale = run_glu_dgrad(d_y, w_down, group_sizes, gate_up, row_scale, activation)
     d_w_down = run_wgrad_kernel(hidden_scaled, d_y, group_sizes, out_dtype=w_down.dtype)
     d_x, d_w_gate_up = gemm_grads(x, w_gate_up, group_sizes, d_gate_up, transpose_rhs=False)
     return d_x, d_w_gate_up, d_w_down, None, d_row_scale
