@@ -9,7 +9,8 @@
       sweeps candidate configs and prints the fastest per (kind, shape) as a line to paste into config.TUNED
 
 A config on the command line is "table" (what the op would use: tuned entry or heuristic) or
-"<block_m>x<block_n>x<block_k>s<stages>e<epilogue_n><m|n><grid_width>", e.g. "128x256x64s4e64n8". The
+"<block_m>x<block_n>x<block_k>s<stages>e<epilogue_n><m|n><grid_width>[c<cluster_m>]", e.g. "128x256x64s4e64n8" or
+"128x256x64s4e64n8c2" (2-CTA clusters sharing the weight tile). The
 candidates of one (kind, shape) are compiled in parallel threads (--jobs: the kernels' compilation is CPU-bound and
 most of a sweep's time), then timed with the dense ceiling in interleaved rounds (--rounds; see run_time); every
 output is compared with the first candidate's, so a config that computes something else shows up in "vs first".
@@ -40,7 +41,7 @@ TIMED_KINDS = ("fwd", "dgrad", "wgrad", "glu_dgrad")
 # glu_dgrad is the GLU MLP's backward through its down projection (rhs = w_down [G, F, D]), so it is timed at the
 # "<model>/down" shapes only, whose (G, M, K, N) is also its table key; its epilogue runs this activation's backward.
 GLU_DGRAD_ACTIVATION = "swiglu"
-SPEC = re.compile(r"(\d+)x(\d+)x(\d+)s(\d+)e(\d+)([mn])(\d+)")
+SPEC = re.compile(r"(\d+)x(\d+)x(\d+)s(\d+)e(\d+)([mn])(\d+)(?:c(\d))?")
 
 
 def parse_config(spec: str) -> Config | None:
@@ -50,8 +51,8 @@ def parse_config(spec: str) -> Config | None:
     match = SPEC.fullmatch(spec)
     if not match:
         raise SystemExit(f"bad config {spec!r}: expected 'table' or e.g. 128x256x64s4e64n8")
-    bm, bn, bk, stages, epi, minor, width = match.groups()
-    return Config(int(bm), int(bn), int(bk), int(stages), 2, int(epi), minor, int(width))
+    bm, bn, bk, stages, epi, minor, width, cluster = match.groups()
+    return Config(int(bm), int(bn), int(bk), int(stages), 2, int(epi), minor, int(width), int(cluster or 1))
 
 
 def config_source(config: Config) -> str:
@@ -63,7 +64,8 @@ def config_source(config: Config) -> str:
 
 def label(config: Config) -> str:
     c = config
-    return f"{c.block_m}x{c.block_n}x{c.block_k}s{c.num_stages}e{c.epilogue_n}{c.grid_minor}{c.grid_width}"
+    cluster = f"c{c.cluster_m}" if c.cluster_m > 1 else ""
+    return f"{c.block_m}x{c.block_n}x{c.block_k}s{c.num_stages}e{c.epilogue_n}{c.grid_minor}{c.grid_width}{cluster}"
 
 
 def kernel_fn(kind: str, config: Config | None):
@@ -224,9 +226,9 @@ def table_config(kind: str, shape) -> Config:
 
 
 def candidate_configs(kind: str, shape) -> list[Config]:
-    """A small sweep around the table's choice: tile width (with the deepest pipeline that fits) and grid order.
-    (Earlier sweeps found fewer stages, wider epilogue chunks, block_k 128 and column-split tail tiles no faster:
-    docs/kernels/grouped_matmul.md.)"""
+    """A small sweep around the table's choice: tile width (with the deepest pipeline that fits), grid order and,
+    except for wgrad, 2-CTA clusters. (Earlier sweeps found fewer stages, wider epilogue chunks, block_k 128 and
+    column-split tail tiles no faster: docs/kernels/grouped_matmul.md.)"""
     base = table_config(kind, shape)
     out_cols = shape.k if kind in ("dgrad", "glu_dgrad") else shape.n
     # wgrad walks its groups' tiles round-robin (no grid order); the others try column- and row-fastest orders.
@@ -235,10 +237,13 @@ def candidate_configs(kind: str, shape) -> list[Config]:
         orders = [("n", max(1, -(-out_cols // 256))), ("m", 8), ("m", 16)]
     # glu_dgrad's epilogue loads [gate | up] tiles of 2 * block_n <= 256 columns.
     widths = (64, 128) if kind == "glu_dgrad" else (128, 256)
+    clusters = (1,) if kind == "wgrad" else (1, 2)
     candidates = {base}
-    for block_n, (minor, width) in itertools.product(widths, orders):
+    for block_n, (minor, width), cluster in itertools.product(widths, orders, clusters):
         for stages in (6, 5, 4, 3):
-            config = dataclasses.replace(base, block_n=block_n, num_stages=stages, grid_minor=minor, grid_width=width)
+            config = dataclasses.replace(
+                base, block_n=block_n, num_stages=stages, grid_minor=minor, grid_width=width, cluster_m=cluster
+            )
             if config.fits(**epilogue_smem(kind, config, row_scale=kind == "glu_dgrad")):
                 candidates.add(config)
                 break

@@ -27,6 +27,7 @@ from moe_jax._core import testing as oracle
 from moe_jax.ops.glu_mlp import api as glu_mlp_api
 from moe_jax.ops.glu_mlp import reference as mlp_reference
 from moe_jax.ops.grouped_matmul import reference
+from moe_jax.ops.grouped_matmul.config import Config
 from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, split_gate_up
 
 
@@ -113,9 +114,15 @@ def test_glu_mlp_forward_and_gradients_match_reference(activation, case, with_ro
         assert float(jnp.mean(jnp.abs(gate_up) > 7.0)) > 0.1, "the clamp was not exercised"
 
 
-@pytest.mark.parametrize("activation", ["geglu", "gpt_oss"])
+# None: the table's / heuristic's config. The 2-CTA cluster (spans of two row tiles; "ragged" has a span of two
+# groups and one of a real and a zero tile) must skip the epilogue for nothing but a phantom tile.
+@pytest.mark.parametrize(
+    "activation, config",
+    [("geglu", None), ("gpt_oss", None), ("swiglu", Config(block_n=128, num_stages=3, cluster_m=2))],
+    ids=["geglu", "gpt_oss", "swiglu-cluster"],
+)
 @pytest.mark.usefixtures("interpret")
-def test_glu_backward_epilogue_without_row_scale(activation):
+def test_glu_backward_epilogue_without_row_scale(activation, config):
     """The down projection's dgrad with the GLU backward and no row scale (the path the cases above without a row
     scale take for swiglu only), against jax.vjp of the reference GLU on the same kept pre-activation."""
     inputs = _inputs("ragged")
@@ -125,7 +132,7 @@ def test_glu_backward_epilogue_without_row_scale(activation):
     gate, up = (half.astype(jnp.bfloat16).astype(jnp.float32) for half in jnp.split(gate_up, 2, axis=1))
     packed_rows = moe_jax.pack_gate_up(jnp.concatenate([gate, up], axis=1)[None]).array[0]  # [M, 2F], packed
     d_gate_up, hidden, d_row_scale = glu_mlp_api.run_glu_dgrad(
-        d_y, w_down, group_sizes, packed_rows.astype(d_y.dtype), None, activation
+        d_y, w_down, group_sizes, packed_rows.astype(d_y.dtype), None, activation, config=config
     )
     d_h = reference.grouped_matmul(d_y, w_down, group_sizes, transpose_rhs=True, preferred_element_type=jnp.float32)
     expected_hidden, pullback = jax.vjp(lambda g, u: reference.gated_activation(g, u, activation), gate, up)

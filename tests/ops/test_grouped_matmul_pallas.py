@@ -88,6 +88,31 @@ def test_gradients_match_reference(case, transpose_rhs):
         np.testing.assert_array_equal(np.asarray(kernel[2][g], np.float32), 0.0)
 
 
+# cluster_m=2 pairs consecutive row tiles ("spans"). With 128-row tiles: "ragged" has 7 tiles (spans of two groups,
+# weights not shared, and a zero tile with the odd count's phantom), "hot expert" and "single group" a span of one
+# group (weights multicast), and "real and zero tile" a span whose second tile only stores zeros (it runs the steps
+# without MMA). The interpreter runs the cluster's CTAs and barriers but copies a multicast box into each CTA itself,
+# so on CPU this checks the span bookkeeping; tests/gpu checks the multicast.
+CLUSTER_CASES = {**CASES, "real and zero tile": (136, 64, 128, [100])}
+
+
+@pytest.mark.parametrize("case", list(CLUSTER_CASES))
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.usefixtures("interpret")
+def test_two_cta_clusters_match_reference(case, transpose_rhs):
+    m, k, n, sizes = CLUSTER_CASES[case]
+    lhs, rhs, group_sizes = _inputs(21, m, k, n, sizes, transpose_rhs)
+    cluster = config.Config(block_m=128, block_n=64, cluster_m=2)
+    out = api.run_rows_kernel(
+        "fwd", lhs, rhs, group_sizes, w_transposed=transpose_rhs, out_dtype=jnp.float32, config=cluster
+    )
+    expected = reference.grouped_matmul(
+        lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, preferred_element_type=jnp.float32
+    )
+    assert oracle.relative_error(out, expected) < F32_OUT_TOL
+    np.testing.assert_array_equal(np.asarray(out)[sum(sizes) :], 0.0)
+
+
 @pytest.mark.usefixtures("interpret")
 def test_jax_grad_through_gated_activation_and_row_scale():
     m, k, n, sizes = 160, 64, 128, [3, 77, 0, 40]
@@ -155,7 +180,14 @@ def test_wgrad_groups_are_largest_first():
 
 @pytest.mark.parametrize(
     "fields",
-    [dict(block_m=96), dict(block_n=320), dict(block_k=48), dict(num_stages=1), dict(epilogue_n=100)],
+    [
+        dict(block_m=96),
+        dict(block_n=320),
+        dict(block_k=48),
+        dict(num_stages=1),
+        dict(epilogue_n=100),
+        dict(cluster_m=3),
+    ],
 )
 def test_config_rejects_bad_fields(fields):
     with pytest.raises(ValueError, match=next(iter(fields))):

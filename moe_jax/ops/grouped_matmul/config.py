@@ -32,6 +32,8 @@ class Config:
       epilogue_n: columns written back per TMA store (the epilogue buffer is double-buffered per warpgroup).
       grid_minor: which output-tile axis varies fastest over the persistent grid ("m" or "n").
       grid_width: tiles along the minor axis before the major one advances (a band that stays in L2).
+      cluster_m: CTAs of a cluster (1 or 2), computing consecutive row tiles of one column tile; where those tiles
+        belong to one group their weight tile is multicast (fwd / dgrad / glu_dgrad; wgrad has no clusters).
     """
 
     block_m: int = 128
@@ -42,6 +44,7 @@ class Config:
     epilogue_n: int = 64
     grid_minor: Literal["m", "n"] = "n"
     grid_width: int = 8
+    cluster_m: int = 1
 
     def __post_init__(self):
         if self.num_compute_wgs not in (1, 2):
@@ -62,6 +65,8 @@ class Config:
             raise ValueError(f"grid_minor must be 'm' or 'n', got {self.grid_minor!r}")
         if self.grid_width < 1:
             raise ValueError(f"grid_width must be >= 1, got {self.grid_width}")
+        if self.cluster_m not in (1, 2):
+            raise ValueError(f"cluster_m must be 1 or 2, got {self.cluster_m}")
 
     @property
     def wg_block_m(self) -> int:

@@ -11,7 +11,11 @@ Structure (one CTA per SM, persistent; the pipeline itself is in sm90_pipeline.p
     wgmma; a warpgroup none of whose rows is stored (the tail tile of a group) issues no MMA. The epilogue
     (``Epilogue``) turns the f32 accumulator into the outputs and TMA-stores the tile's own rows only;
   * tiles come from schedule.row_tiles, walked in a planar-snake order over (row tile, column tile); the loop
-    bound is read from the device, so empty groups cost nothing and no host sync is needed.
+    bound is read from the device, so empty groups cost nothing and no host sync is needed;
+  * with ``config.cluster_m == 2`` a cluster of two CTAs takes two consecutive row tiles of one column tile; when
+    both belong to one group, each CTA loads half of the weight tile and multicasts it to both, so the pair reads it
+    from L2 once and in step (without that, CTAs sharing a weight tile drift apart and re-read it from HBM: at the
+    dsv3 gate_up shape the kernel read 10 GB from HBM for 2.4 GB of operands).
 
 Epilogues (``Epilogue``; the GLU math arrives as functions, the kernel holds no activation policy):
   * plain: cast and store [M, C];
@@ -27,6 +31,7 @@ K-major (x is, w must be stored [G, C, R]: ``w_transposed``) plus per-block scal
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -144,6 +149,12 @@ def grouped_matmul_rows(
     wg_m, num_wgs, stages, epi_n = cfg.wg_block_m, cfg.num_compute_wgs, cfg.num_stages, cfg.epilogue_n
     k_steps = pl.cdiv(r, bk)
     n_tiles = pl.cdiv(cols, bn)
+    # A cluster of ``cluster`` CTAs computes that many consecutive row tiles (a "span") of one column tile. Where the
+    # span's tiles belong to one group they need the same weight tile, which is then multicast: each CTA loads a
+    # 1/cluster slice of it for all, so the span reads it from L2 once, in step.
+    cluster = cfg.cluster_m
+    if num_sms < cluster:
+        raise ValueError(f"a cluster of {cluster} CTAs needs at least as many SMs, got num_sms={num_sms}")
     max_tiles = tiles.shape[1]
     operands = [
         op for op in (row_scale if epi.row_scale else None, gate_up if epi.backward else None) if op is not None
@@ -156,24 +167,46 @@ def grouped_matmul_rows(
         x_smem, w_smem, out_smem, produced, consumed, *epi_scratch = refs
         num_row_tiles = count_gmem[0]
         wg = lax.axis_index("wg")
-        work = (num_row_tiles * n_tiles,)
+        cta = lax.axis_index("cluster") if cluster > 1 else 0
+        num_spans = (num_row_tiles + cluster - 1) // cluster
+        work = (num_spans * n_tiles,)
 
         def tile_of(lin):
-            """Linear work index -> (row tile, column tile), in planar-snake order."""
-            shape = (num_row_tiles, n_tiles)
-            return plgpu.planar_snake(lin, shape, 0 if cfg.grid_minor == "m" else 1, cfg.grid_width)
+            """Linear work index -> (this CTA's row tile, column tile, its table entry, steps, weights shared).
 
-        def tile_steps(group):
-            return jnp.where(group == ZERO_TILE, 0, k_steps).astype(jnp.int32)
+            Work items walk (span, column tile) in planar-snake order. The last span of an odd tile count has a
+            phantom second tile (row tile == num_row_tiles): its CTA reads its partner's table entry, loads the shared
+            weights with it and computes and stores nothing. Both CTAs of a span run the same number of steps (the
+            cluster-wide "consumed" barrier counts them together): k_steps unless every tile of the span only stores
+            zeros.
+            """
+            span, ni = plgpu.planar_snake(lin, (num_spans, n_tiles), 0 if cfg.grid_minor == "m" else 1, cfg.grid_width)
+            mi = span * cluster + cta
+            entry = jnp.minimum(mi, num_row_tiles - 1)
+            groups = [
+                tiles_gmem[TILE_GROUP, jnp.minimum(span * cluster + c, num_row_tiles - 1)] for c in range(cluster)
+            ]
+            all_zero = functools.reduce(jnp.logical_and, [g == ZERO_TILE for g in groups])
+            shared = functools.reduce(jnp.logical_and, [g == groups[0] for g in groups[1:]], groups[0] != ZERO_TILE)
+            steps = jnp.where(all_zero, 0, k_steps).astype(jnp.int32)
+            return mi, ni, entry, steps, shared
+
+        def if_real(real, f):
+            """Runs f unless the tile is a span's phantom (only a cluster's span can have one)."""
+            if cluster > 1:
+                pl.when(real)(f)
+            else:
+                f()
 
         @pl.when(wg == num_wgs)
         def _producer():
             plgpu.set_max_registers(pipe.PRODUCER_REGISTERS, action="decrease")
 
             def load_tile(info, carry):
-                mi, ni = tile_of(info.index[0])
-                group = tiles_gmem[TILE_GROUP, mi]
-                row0 = pl.multiple_of(tiles_gmem[TILE_ROW, mi], ROW_ALIGN)
+                _, ni, entry, steps, shared = tile_of(info.index[0])
+                # A zero tile in a span with real ones runs the steps too; any weights will do for it.
+                group = jnp.maximum(tiles_gmem[TILE_GROUP, entry], 0)
+                row0 = pl.multiple_of(tiles_gmem[TILE_ROW, entry], ROW_ALIGN)
 
                 def blocks(k):
                     ks, ns = pl.ds(k * bk, bk), pl.ds(ni * bn, bn)
@@ -183,9 +216,18 @@ def grouped_matmul_rows(
                 def load(k, slot):
                     x_block, w_block = blocks(k)
                     plgpu.copy_gmem_to_smem(x_block, x_smem.at[slot], produced.at[slot])
-                    plgpu.copy_gmem_to_smem(w_block, w_smem.at[slot], produced.at[slot])
+                    if cluster == 1:
+                        plgpu.copy_gmem_to_smem(w_block, w_smem.at[slot], produced.at[slot])
+                        return
 
-                steps = tile_steps(group)
+                    @pl.when(shared)
+                    def _multicast():
+                        plgpu.copy_gmem_to_smem(w_block, w_smem.at[slot], produced.at[slot], collective_axes="cluster")
+
+                    @pl.when(jnp.logical_not(shared))
+                    def _own():
+                        plgpu.copy_gmem_to_smem(w_block, w_smem.at[slot], produced.at[slot])
+
                 pipe.produce(carry, steps, stages, consumed, load)
                 return carry + steps
 
@@ -199,19 +241,21 @@ def grouped_matmul_rows(
 
             @plgpu.nd_loop(work, collective_axes="sm", init_carry=jnp.int32(0))
             def _tile(info, carry):
-                mi, ni = tile_of(info.index[0])
-                group, row0 = tiles_gmem[TILE_GROUP, mi], tiles_gmem[TILE_ROW, mi]
-                skip, rows = tiles_gmem[TILE_SKIP, mi], tiles_gmem[TILE_ROWS, mi]
+                mi, ni, entry, steps, _ = tile_of(info.index[0])
+                group, row0 = tiles_gmem[TILE_GROUP, entry], tiles_gmem[TILE_ROW, entry]
+                skip, rows = tiles_gmem[TILE_SKIP, entry], tiles_gmem[TILE_ROWS, entry]
+                real = mi < num_row_tiles
                 # The tile's stored rows within this warpgroup's wg_m-row slice.
                 wg_first = jnp.clip(skip - wg * wg_m, 0, wg_m)
                 wg_rows = jnp.clip(skip + rows - wg * wg_m, 0, wg_m) - wg_first
                 wg_row0 = row0 + wg * wg_m
-                steps = tile_steps(group)
-                prefetch(wg_row0, ni)
+                # No MMA for a phantom tile, or for a zero tile that runs its span's steps.
+                mma_rows = jnp.where(real & (group != ZERO_TILE), wg_rows, 0) if cluster > 1 else wg_rows
+                if_real(real, lambda: prefetch(wg_row0, ni))
 
                 def mma(acc):
                     def issue(k, slot):
-                        @pl.when(wg_rows > 0)
+                        @pl.when(mma_rows > 0)
                         def _():
                             x_tile = x_smem.at[slot, pl.ds(pl.multiple_of(wg * wg_m, wg_m), wg_m)]
                             w_tile = w_smem.at[slot].transpose((1, 0)) if w_transposed else w_smem.at[slot]
@@ -221,7 +265,7 @@ def grouped_matmul_rows(
                     return acc[...]
 
                 acc = pl.run_scoped(mma, plgpu.ACC((wg_m, bn), jnp.float32))
-                finish(acc, mi, ni, wg_row0, wg_first, wg_rows)
+                if_real(real, lambda: finish(acc, mi, ni, wg_row0, wg_first, wg_rows))
                 return carry + steps
 
             plgpu.wait_smem_to_gmem(0)
@@ -234,7 +278,11 @@ def grouped_matmul_rows(
         plgpu.SMEM((stages, *w_block_shape), in_dtype, transforms=pipe.swizzled(w_block_shape[1], in_dtype)),
         pipe.epilogue_smem(num_wgs, wg_m, epi_n, out_dtype),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # produced: the two TMA loads of a step landed
-        plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages),  # consumed: every consumer released the buffer
+        # consumed: every consumer released the buffer, in every CTA of the cluster (a multicast writes the partner's
+        # buffers too).
+        plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=num_wgs, num_barriers=stages)
+        if cluster > 1
+        else plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages),
     ]
     if loads_per_tile:
         # loaded[w]: consumer w's epilogue operands of its current tile landed.
@@ -252,8 +300,10 @@ def grouped_matmul_rows(
         body,
         out_type=tuple(out_types) if len(out_types) > 1 else out_types[0],
         scratch_types=scratch,
-        grid=(num_sms,),
+        grid=(num_sms // cluster,),
         grid_names=("sm",),
+        cluster=(cluster,) if cluster > 1 else (),
+        cluster_names=("cluster",) if cluster > 1 else (),
         num_threads=num_wgs + 1,
         thread_name="wg",
         # Approximate exp / division in the GLU epilogues only: far inside bf16 rounding, and the plain kernels keep
