@@ -95,36 +95,42 @@ class Config:
         return self.smem_bytes(in_itemsize, out_itemsize, **epilogue) <= SMEM_BYTES - 2048
 
 
-# Key: (kind, G, M, K, N) of the *op* (K, N as in rhs [G, K, N]); the value is the fastest config measured.
-# Measured on an H200 on 2026-11-22 (git 3ca740a, uniform routing) by
-#   python -m benchmarks.tune_grouped_matmul tune --kinds fwd,dgrad,wgrad --jobs 14 --iters 10 --rounds 4
-# (the median of 4 interleaved rounds; candidates within ~5% of each other are within that run's noise). The fused
-# GLU forward uses the "fwd" entry of its gate_up shape. glu_dgrad has no entry yet (heuristic): the script times it
-# (--kinds glu_dgrad, at the "<model>/down" shapes) since 2026-11-22, after this sweep.
+# Key: (kind, G, M, K, N) of the *op* (K, N as in rhs [G, K, N]); the value is the fastest config measured, listing
+# only the fields that differ from Config()'s defaults. Measured on an H200 (uniform routing; the median of 4
+# interleaved rounds, candidates within ~5% of each other are within a run's noise) by
+#   python -m benchmarks.tune_grouped_matmul tune --kinds fwd,dgrad,glu_dgrad --jobs 14 --iters 10 --rounds 4
+# on 2026-11-22 at git 9bf2357 (the sweep with 2-CTA clusters: benchmarks/results/2026-11-22_h200_9bf2357_tune.md),
+# except the wgrad entries, from the earlier sweep with --kinds fwd,dgrad,wgrad at git 3ca740a (no clusters;
+# benchmarks/results/2026-11-22_h200_3ca740a_tune.md).
+# The fused GLU forward uses the "fwd" entry of its gate_up shape; glu_dgrad is keyed by the "<model>/down" shape.
 TUNED: dict[tuple[str, int, int, int, int], Config] = {
-    ("fwd", 128, 32768, 2048, 1536): Config(block_n=128, num_stages=6, grid_width=6),
-    ("dgrad", 128, 32768, 2048, 1536): Config(block_n=128, num_stages=6),
+    ("fwd", 128, 32768, 2048, 1536): Config(grid_minor="m", cluster_m=2),
+    ("dgrad", 128, 32768, 2048, 1536): Config(cluster_m=2),
     ("wgrad", 128, 32768, 2048, 1536): Config(),
     ("fwd", 128, 32768, 768, 2048): Config(),
-    ("dgrad", 128, 32768, 768, 2048): Config(grid_width=3),
+    ("dgrad", 128, 32768, 768, 2048): Config(grid_width=3, cluster_m=2),
+    ("glu_dgrad", 128, 32768, 768, 2048): Config(block_n=64, num_stages=6, grid_minor="m"),
     ("wgrad", 128, 32768, 768, 2048): Config(),
-    ("fwd", 128, 32768, 2880, 5760): Config(grid_minor="m"),
-    ("dgrad", 128, 32768, 2880, 5760): Config(grid_minor="m"),
+    ("fwd", 128, 32768, 2880, 5760): Config(grid_minor="m", cluster_m=2),
+    ("dgrad", 128, 32768, 2880, 5760): Config(grid_width=12, cluster_m=2),
     ("wgrad", 128, 32768, 2880, 5760): Config(),
-    ("fwd", 128, 32768, 2880, 2880): Config(block_n=128, num_stages=6, grid_minor="m", grid_width=16),
-    ("dgrad", 128, 32768, 2880, 2880): Config(block_n=128, num_stages=6, grid_minor="m", grid_width=16),
+    ("fwd", 128, 32768, 2880, 2880): Config(grid_minor="m", cluster_m=2),
+    ("dgrad", 128, 32768, 2880, 2880): Config(grid_width=12, cluster_m=2),
+    ("glu_dgrad", 128, 32768, 2880, 2880): Config(block_n=64, num_stages=6, grid_width=12),
     ("wgrad", 128, 32768, 2880, 2880): Config(),
-    ("fwd", 32, 32768, 7168, 4096): Config(grid_width=16),
+    ("fwd", 32, 32768, 7168, 4096): Config(grid_minor="m", cluster_m=2),
     ("dgrad", 32, 32768, 7168, 4096): Config(grid_minor="m"),
     ("wgrad", 32, 32768, 7168, 4096): Config(),
-    ("fwd", 32, 32768, 2048, 7168): Config(block_n=128, num_stages=6, grid_width=28),
-    ("dgrad", 32, 32768, 2048, 7168): Config(grid_minor="m"),
+    ("fwd", 32, 32768, 2048, 7168): Config(block_n=128, num_stages=6, grid_minor="m", grid_width=16, cluster_m=2),
+    ("dgrad", 32, 32768, 2048, 7168): Config(cluster_m=2),
+    ("glu_dgrad", 32, 32768, 2048, 7168): Config(block_n=128, num_stages=3, grid_width=16),
     ("wgrad", 32, 32768, 2048, 7168): Config(),
-    ("fwd", 8, 16384, 4096, 28672): Config(grid_minor="m"),
-    ("dgrad", 8, 16384, 4096, 28672): Config(grid_width=16),
+    ("fwd", 8, 16384, 4096, 28672): Config(grid_minor="m", cluster_m=2),
+    ("dgrad", 8, 16384, 4096, 28672): Config(grid_width=16, cluster_m=2),
     ("wgrad", 8, 16384, 4096, 28672): Config(),
     ("fwd", 8, 16384, 14336, 4096): Config(grid_width=16),
-    ("dgrad", 8, 16384, 14336, 4096): Config(grid_minor="m", grid_width=16),
+    ("dgrad", 8, 16384, 14336, 4096): Config(grid_minor="m", cluster_m=2),
+    ("glu_dgrad", 8, 16384, 14336, 4096): Config(block_n=128, num_stages=3, grid_minor="m"),
     ("wgrad", 8, 16384, 14336, 4096): Config(),
 }
 
