@@ -269,7 +269,13 @@ def measure(record: Record, fn: Callable, arg_sets: Sequence[tuple], options: Op
 
 
 def git_revision() -> str:
-    """The checkout's commit (+ "-dirty"), or $MOE_JAX_GIT_REVISION where the tree travelled without .git."""
+    """$MOE_JAX_GIT_REVISION if set, else the checkout's commit (+ "-dirty").
+
+    The variable wins because a tree copied to the GPU machine can carry a stale .git (the device tool copies the
+    working tree, not the history): whoever sets the variable knows which commit the files are.
+    """
+    if os.environ.get("MOE_JAX_GIT_REVISION"):
+        return os.environ["MOE_JAX_GIT_REVISION"]
     try:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         rev = subprocess.run(
@@ -278,7 +284,7 @@ def git_revision() -> str:
         dirty = subprocess.run(["git", "-C", root, "status", "--porcelain"], capture_output=True, text=True).stdout
         return rev + ("-dirty" if dirty.strip() else "")
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("MOE_JAX_GIT_REVISION", "unknown")
+        return "unknown"
 
 
 def run_metadata(command: str, peers: dict[str, str]) -> dict:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -353,3 +354,11 @@ def test_best_tokamax_config_comes_from_the_forward_sweep_of_that_shape():
     ]
     assert grouped_matmul.best_tokamax_config(records, "a") == {"block_n": 128}
     assert grouped_matmul.best_tokamax_config(records, "c") is None
+
+
+def test_git_revision_prefers_the_declared_commit(monkeypatch):
+    """A tree copied to the GPU machine may carry a stale .git: the declared commit must win over it."""
+    monkeypatch.setenv("MOE_JAX_GIT_REVISION", "db33ef4")
+    assert common.git_revision() == "db33ef4"
+    monkeypatch.delenv("MOE_JAX_GIT_REVISION")
+    assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?|unknown", common.git_revision())
