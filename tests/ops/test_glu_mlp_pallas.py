@@ -15,6 +15,9 @@ Tolerances (relative-norm error against the f32-accumulating reference on the sa
 outputs; GRAD_TOL for gradients (the cotangent and the kept pre-activation are rounded to bf16).
 """
 
+import dataclasses
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,8 +29,9 @@ import moe_jax
 from moe_jax._core import testing as oracle
 from moe_jax.ops.glu_mlp import api as glu_mlp_api
 from moe_jax.ops.glu_mlp import reference as mlp_reference
+from moe_jax.ops.grouped_matmul import api as gmm_api
 from moe_jax.ops.grouped_matmul import reference
-from moe_jax.ops.grouped_matmul.config import Config
+from moe_jax.ops.grouped_matmul.config import Config, get_config
 from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, split_gate_up
 
 
@@ -69,17 +73,35 @@ def _inputs(case):
     )
 
 
+def _overlapped_get_config(*args, **kwargs) -> Config:
+    """config.get_config with the overlapped epilogue switched on (the small shapes here get heuristic configs)."""
+    return dataclasses.replace(get_config(*args, **kwargs), overlap_epilogue=True)
+
+
+# overlap: every kernel of the MLP with the overlapped epilogue (all six keep their outputs in registers at these
+# tile shapes): the GLU forward's kept pre-activation, the row-scale forward, the GLU backward's three outputs and
+# its partial sums accumulated over the column chunks of a tile that is stored during the next one.
 @pytest.mark.parametrize(
-    "activation, case, with_row_scale, recompute, num_sms",
+    "activation, case, with_row_scale, recompute, num_sms, overlap",
     [
-        ("swiglu", "ragged", True, False, 2),
-        ("geglu", "hot expert", True, True, 2),
-        ("gpt_oss", "beyond the clamp", True, False, 2),
-        ("swiglu", "single group", False, True, 1),
+        ("swiglu", "ragged", True, False, 2, False),
+        ("geglu", "hot expert", True, True, 2, False),
+        ("gpt_oss", "beyond the clamp", True, False, 2, False),
+        ("swiglu", "single group", False, True, 1, False),
+        ("swiglu", "ragged", True, False, 2, True),
+        ("gpt_oss", "beyond the clamp", True, False, 2, True),
     ],
 )
 @pytest.mark.usefixtures("interpret")
-def test_glu_mlp_forward_and_gradients_match_reference(activation, case, with_row_scale, recompute, num_sms):
+def test_glu_mlp_forward_and_gradients_match_reference(activation, case, with_row_scale, recompute, num_sms, overlap):
+    if overlap:
+        with mock.patch.object(gmm_api, "get_config", _overlapped_get_config):
+            _check_glu_mlp(activation, case, with_row_scale, recompute)
+    else:
+        _check_glu_mlp(activation, case, with_row_scale, recompute)
+
+
+def _check_glu_mlp(activation, case, with_row_scale, recompute):
     inputs = _inputs(case)
     x, w_gate_up, w_down, group_sizes = (inputs[k] for k in ("x", "w_gate_up", "w_down", "group_sizes"))
     row_scale = inputs["row_scale"] if with_row_scale else None

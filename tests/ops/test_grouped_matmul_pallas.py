@@ -113,6 +113,35 @@ def test_two_cta_clusters_match_reference(case, transpose_rhs):
     np.testing.assert_array_equal(np.asarray(out)[sum(sizes) :], 0.0)
 
 
+# The overlapped epilogue stores a tile's outputs during the next tile's first steps: 128-column tiles with 32-column
+# stores give four stores per consumer tile, interleaved with steps 0-3 of the next tile (K = 64 has one step only,
+# so there the rest run after it), and each CTA walks several tiles (4 simulated SMs).
+OVERLAPPED = config.Config(block_m=128, block_n=128, epilogue_n=32, overlap_epilogue=True)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("kind", ["fwd", "dgrad", "wgrad"])
+@pytest.mark.usefixtures("interpret")
+def test_overlapped_epilogue_matches_reference(case, kind):
+    m, k, n, sizes = CASES[case]
+    lhs, rhs, group_sizes = _inputs(31, m, k, n, sizes, False)
+    dout = jnp.asarray(np.random.default_rng(32).normal(size=(m, n)), jnp.bfloat16)
+    bf16 = jnp.bfloat16
+    if kind == "wgrad":
+        out = api.run_wgrad_kernel(lhs, dout, group_sizes, out_dtype=bf16, config=OVERLAPPED)
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        a, b = (np.asarray(v, np.float64) for v in (lhs, dout))
+        expected = np.stack([a[s:e].T @ b[s:e] for s, e in zip(offsets[:-1], offsets[1:], strict=True)])
+    else:
+        x, transposed = (lhs, False) if kind == "fwd" else (dout, True)
+        out = api.run_rows_kernel(kind, x, rhs, group_sizes, w_transposed=transposed, out_dtype=bf16, config=OVERLAPPED)
+        expected = reference.grouped_matmul(
+            x, rhs, group_sizes, transpose_rhs=transposed, preferred_element_type=jnp.float32
+        )
+        np.testing.assert_array_equal(np.asarray(out, np.float32)[sum(sizes) :], 0.0)
+    assert oracle.relative_error(out, expected) < BF16_OUT_TOL
+
+
 @pytest.mark.usefixtures("interpret")
 def test_jax_grad_through_gated_activation_and_row_scale():
     m, k, n, sizes = 160, 64, 128, [3, 77, 0, 40]
@@ -187,6 +216,7 @@ def test_wgrad_groups_are_largest_first():
         dict(num_stages=1),
         dict(epilogue_n=100),
         dict(cluster_m=3),
+        dict(overlap_epilogue=True, cluster_m=2),
     ],
 )
 def test_config_rejects_bad_fields(fields):

@@ -17,6 +17,9 @@ from typing import Literal
 KINDS = ("fwd", "dgrad", "glu_dgrad", "wgrad")
 WGMMA_M = 64  # rows of one wgmma instruction: a compute warpgroup owns a multiple of this
 SMEM_BYTES = 227 * 1024  # dynamic shared memory one H100/H200 block can have
+# Registers per consumer thread an overlapped epilogue may hold across tiles: with a [64, 256] f32 accumulator (128
+# registers) and the addresses, more would spill under the 232-register budget of two consumers.
+OVERLAP_REGISTERS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +37,10 @@ class Config:
       grid_width: tiles along the minor axis before the major one advances (a band that stays in L2).
       cluster_m: CTAs of a cluster (1 or 2), computing consecutive row tiles of one column tile; where those tiles
         belong to one group their weight tile is multicast (fwd / dgrad / glu_dgrad; wgrad has no clusters).
+      overlap_epilogue: a consumer keeps its tile's outputs in registers and stores them while the tensor cores run
+        the first steps of its next tile, instead of between the two tiles. Applies where the kept outputs fit in
+        OVERLAP_REGISTERS registers per thread (so not to f32 outputs of 256-column tiles, nor to a forward that
+        also keeps its accumulator next to a GLU); elsewhere the epilogue runs between the tiles. Not with clusters.
     """
 
     block_m: int = 128
@@ -45,6 +52,7 @@ class Config:
     grid_minor: Literal["m", "n"] = "n"
     grid_width: int = 8
     cluster_m: int = 1
+    overlap_epilogue: bool = False
 
     def __post_init__(self):
         if self.num_compute_wgs not in (1, 2):
@@ -67,6 +75,10 @@ class Config:
             raise ValueError(f"grid_width must be >= 1, got {self.grid_width}")
         if self.cluster_m not in (1, 2):
             raise ValueError(f"cluster_m must be 1 or 2, got {self.cluster_m}")
+        if self.overlap_epilogue and self.cluster_m > 1:
+            # Not a hardware limit: the Mosaic GPU interpreter, which the CPU tests run on, stalls on this combination
+            # (docs/kernels/grouped_matmul.md, "Overlapped epilogue"), so it would ship untested.
+            raise ValueError(f"overlap_epilogue needs cluster_m=1, got {self}")
 
     @property
     def wg_block_m(self) -> int:
@@ -101,37 +113,38 @@ class Config:
 #   python -m benchmarks.tune_grouped_matmul tune --kinds fwd,dgrad,glu_dgrad --jobs 14 --iters 10 --rounds 4
 # on 2026-11-22 at git 9bf2357 (the sweep with 2-CTA clusters: benchmarks/results/2026-11-22_h200_9bf2357_tune.md),
 # except the wgrad entries, from the earlier sweep with --kinds fwd,dgrad,wgrad at git 3ca740a (no clusters;
-# benchmarks/results/2026-11-22_h200_3ca740a_tune.md).
+# benchmarks/results/2026-11-22_h200_3ca740a_tune.md) plus the overlapped epilogue, which was faster at all 8 shapes
+# (time --configs table,table-c,table+o: benchmarks/results/2026-11-22_h200_overlap_ab.md).
 # The fused GLU forward uses the "fwd" entry of its gate_up shape; glu_dgrad is keyed by the "<model>/down" shape.
 TUNED: dict[tuple[str, int, int, int, int], Config] = {
     ("fwd", 128, 32768, 2048, 1536): Config(grid_minor="m", cluster_m=2),
     ("dgrad", 128, 32768, 2048, 1536): Config(cluster_m=2),
-    ("wgrad", 128, 32768, 2048, 1536): Config(),
+    ("wgrad", 128, 32768, 2048, 1536): Config(overlap_epilogue=True),
     ("fwd", 128, 32768, 768, 2048): Config(),
     ("dgrad", 128, 32768, 768, 2048): Config(grid_width=3, cluster_m=2),
     ("glu_dgrad", 128, 32768, 768, 2048): Config(block_n=64, num_stages=6, grid_minor="m"),
-    ("wgrad", 128, 32768, 768, 2048): Config(),
+    ("wgrad", 128, 32768, 768, 2048): Config(overlap_epilogue=True),
     ("fwd", 128, 32768, 2880, 5760): Config(grid_minor="m", cluster_m=2),
     ("dgrad", 128, 32768, 2880, 5760): Config(grid_width=12, cluster_m=2),
-    ("wgrad", 128, 32768, 2880, 5760): Config(),
+    ("wgrad", 128, 32768, 2880, 5760): Config(overlap_epilogue=True),
     ("fwd", 128, 32768, 2880, 2880): Config(grid_minor="m", cluster_m=2),
     ("dgrad", 128, 32768, 2880, 2880): Config(grid_width=12, cluster_m=2),
     ("glu_dgrad", 128, 32768, 2880, 2880): Config(block_n=64, num_stages=6, grid_width=12),
-    ("wgrad", 128, 32768, 2880, 2880): Config(),
+    ("wgrad", 128, 32768, 2880, 2880): Config(overlap_epilogue=True),
     ("fwd", 32, 32768, 7168, 4096): Config(grid_minor="m", cluster_m=2),
     ("dgrad", 32, 32768, 7168, 4096): Config(grid_minor="m"),
-    ("wgrad", 32, 32768, 7168, 4096): Config(),
+    ("wgrad", 32, 32768, 7168, 4096): Config(overlap_epilogue=True),
     ("fwd", 32, 32768, 2048, 7168): Config(block_n=128, num_stages=6, grid_minor="m", grid_width=16, cluster_m=2),
     ("dgrad", 32, 32768, 2048, 7168): Config(cluster_m=2),
     ("glu_dgrad", 32, 32768, 2048, 7168): Config(block_n=128, num_stages=3, grid_width=16),
-    ("wgrad", 32, 32768, 2048, 7168): Config(),
+    ("wgrad", 32, 32768, 2048, 7168): Config(overlap_epilogue=True),
     ("fwd", 8, 16384, 4096, 28672): Config(grid_minor="m", cluster_m=2),
     ("dgrad", 8, 16384, 4096, 28672): Config(grid_width=16, cluster_m=2),
-    ("wgrad", 8, 16384, 4096, 28672): Config(),
+    ("wgrad", 8, 16384, 4096, 28672): Config(overlap_epilogue=True),
     ("fwd", 8, 16384, 14336, 4096): Config(grid_width=16),
     ("dgrad", 8, 16384, 14336, 4096): Config(grid_minor="m", cluster_m=2),
     ("glu_dgrad", 8, 16384, 14336, 4096): Config(block_n=128, num_stages=3, grid_minor="m"),
-    ("wgrad", 8, 16384, 14336, 4096): Config(),
+    ("wgrad", 8, 16384, 14336, 4096): Config(overlap_epilogue=True),
 }
 
 
@@ -160,7 +173,11 @@ def heuristic_config(
         # Output tiles are [K, N] blocks of one group; the contraction (rows of a group) is short when G is large.
         rows_per_group = max(m // max(g, 1), 1)
         stages = 4 if rows_per_group >= 256 else 3
-        config = Config(block_m=128, block_n=256 if n >= 256 else 128, block_k=64, num_stages=stages)
+        # Its tiles are short (a group's rows), so storing one while the next one's first steps run pays: 8-17% at
+        # every named shape (docs/kernels/grouped_matmul.md, "Overlapped epilogue").
+        config = Config(
+            block_m=128, block_n=256 if n >= 256 else 128, block_k=64, num_stages=stages, overlap_epilogue=True
+        )
         return _fit(config, out_itemsize, kind, row_scale)
     block_n = 256 if out_cols >= 1024 else 128
     if kind == "glu_dgrad":

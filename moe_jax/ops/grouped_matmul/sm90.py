@@ -9,7 +9,9 @@ Structure (one CTA per SM, persistent; the pipeline itself is in sm90_pipeline.p
     shared-memory buffers with TMA, running ahead across tile boundaries;
   * consumer warpgroup w owns rows [w * wg_block_m, (w+1) * wg_block_m) of the tile and accumulates them with
     wgmma; a warpgroup none of whose rows is stored (the tail tile of a group) issues no MMA. The epilogue
-    (``Epilogue``) turns the f32 accumulator into the outputs and TMA-stores the tile's own rows only;
+    (``Epilogue``) turns the f32 accumulator into the outputs and TMA-stores the tile's own rows only; with
+    ``config.overlap_epilogue`` a consumer keeps them in registers and stores them chunk by chunk between the first
+    steps of its next tile, while the tensor cores work (where they fit: ``Epilogue.kept_registers``);
   * tiles come from schedule.row_tiles, walked in a planar-snake order over (row tile, column tile); the loop
     bound is read from the device, so empty groups cost nothing and no host sync is needed;
   * with ``config.cluster_m == 2`` a cluster of two CTAs takes two consecutive row tiles of one column tile; when
@@ -33,6 +35,7 @@ K-major (x is, w must be stored [G, C, R]: ``w_transposed``) plus per-block scal
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moe_jax.ops.grouped_matmul import sm90_pipeline as pipe
-from moe_jax.ops.grouped_matmul.config import Config
+from moe_jax.ops.grouped_matmul.config import OVERLAP_REGISTERS, Config
 from moe_jax.ops.grouped_matmul.schedule import ROW_ALIGN, TILE_GROUP, TILE_ROW, TILE_ROWS, TILE_SKIP, ZERO_TILE
 
 
@@ -99,6 +102,15 @@ class Epilogue:
     def operand_cols(self, config: Config) -> int:
         """Columns of the per-consumer operand tile the epilogue loads (the backward's packed gate/up rows)."""
         return 2 * config.block_n if self.backward else 0
+
+    def kept_registers(self, config: Config, out_itemsize: int) -> int:
+        """Registers per consumer thread holding a tile's outputs between its last MMA and its stores."""
+        if self.backward:
+            columns, itemsize = config.block_n, 4  # d_h, f32
+        else:
+            columns = (config.block_n // 2 if self.activation else config.block_n) + self.keep_acc * config.block_n
+            itemsize = out_itemsize
+        return config.wg_block_m * columns * itemsize // (4 * 128)
 
     def row_vectors(self) -> int:
         """[wg_block_m] f32 shared-memory vectors per consumer: row_scale in, partial sums out."""
@@ -160,6 +172,7 @@ def grouped_matmul_rows(
         op for op in (row_scale if epi.row_scale else None, gate_up if epi.backward else None) if op is not None
     ]
     loads_per_tile = len(operands)  # TMA copies a consumer issues per tile for its epilogue
+    overlap = cfg.overlap_epilogue and epi.kept_registers(cfg, jnp.dtype(out_dtype).itemsize) <= OVERLAP_REGISTERS
 
     def body(tiles_gmem, count_gmem, x_gmem, w_gmem, *refs):
         operand_gmem, refs = refs[: len(operands)], refs[len(operands) :]
@@ -237,10 +250,20 @@ def grouped_matmul_rows(
         @pl.when(wg < num_wgs)
         def _consumer():
             plgpu.set_max_registers(pipe.compute_registers(num_wgs), action="increase")
-            prefetch, finish = _epilogue(epi, cfg, cols, out_dtype, wg, out_gmems, out_smem, operand_gmem, epi_scratch)
+            epilogue = _epilogue(epi, cfg, cols, out_dtype, wg, out_gmems, out_smem, operand_gmem, epi_scratch, if_real)
 
-            @plgpu.nd_loop(work, collective_axes="sm", init_carry=jnp.int32(0))
-            def _tile(info, carry):
+            def stores(kept):
+                """The store work of a kept tile: nothing for a phantom tile or the empty one before the first."""
+                values, tile, active = kept
+                return [functools.partial(pl.when(active != 0), store) for store in epilogue.stores(values, *tile)]
+
+            # With the overlap the loop carries the previous tile's outputs; their stores run during this tile's
+            # first steps (and an epilogue operand load that would overwrite what they read, after them).
+            no_tile = (jnp.int32(0),) * 5
+            kept = (epilogue.empty(), no_tile, jnp.int32(0)) if overlap else None
+
+            def tile_step(info, carry):
+                first_step, previous = carry
                 mi, ni, entry, steps, _ = tile_of(info.index[0])
                 group, row0 = tiles_gmem[TILE_GROUP, entry], tiles_gmem[TILE_ROW, entry]
                 skip, rows = tiles_gmem[TILE_SKIP, entry], tiles_gmem[TILE_ROWS, entry]
@@ -251,7 +274,12 @@ def grouped_matmul_rows(
                 wg_row0 = row0 + wg * wg_m
                 # No MMA for a phantom tile, or for a zero tile that runs its span's steps.
                 mma_rows = jnp.where(real & (group != ZERO_TILE), wg_rows, 0) if cluster > 1 else wg_rows
-                if_real(real, lambda: prefetch(wg_row0, ni))
+                overlapped = stores(previous) if overlap else []
+                prefetch = functools.partial(if_real, real, lambda: epilogue.prefetch(wg_row0, ni))
+                if overlap and epilogue.prefetch_after_stores:
+                    overlapped.append(prefetch)
+                else:
+                    prefetch()
 
                 def mma(acc):
                     def issue(k, slot):
@@ -261,13 +289,21 @@ def grouped_matmul_rows(
                             w_tile = w_smem.at[slot].transpose((1, 0)) if w_transposed else w_smem.at[slot]
                             plgpu.wgmma(acc, x_tile, w_tile)
 
-                    pipe.consume(carry, steps, stages, produced, consumed, issue)
+                    pipe.consume(first_step, steps, stages, produced, consumed, issue, overlapped)
                     return acc[...]
 
                 acc = pl.run_scoped(mma, plgpu.ACC((wg_m, bn), jnp.float32))
-                if_real(real, lambda: finish(acc, mi, ni, wg_row0, wg_first, wg_rows))
-                return carry + steps
+                tile = (epilogue.prepare(acc, real), (mi, ni, wg_row0, wg_first, wg_rows), real.astype(jnp.int32))
+                if overlap:
+                    return first_step + steps, tile
+                for store in stores(tile):
+                    store()
+                return first_step + steps, None
 
+            _, last = plgpu.nd_loop(work, collective_axes="sm", init_carry=(jnp.int32(0), kept))(tile_step)
+            if overlap:
+                for store in stores(last):
+                    store()
             plgpu.wait_smem_to_gmem(0)
 
     in_dtype = x.dtype
@@ -327,10 +363,27 @@ def _out_types(epi: Epilogue, m: int, cols: int, out_dtype, in_dtype, partials_s
     return types
 
 
-def _epilogue(epi: Epilogue, cfg: Config, cols: int, out_dtype, wg, out_gmems, out_smem, operand_gmem, scratch):
-    """Consumer ``wg``'s epilogue as two closures over its refs: ``prefetch(wg_row0, ni)`` at the start of a tile
-    (issues the TMA loads of the epilogue's operands) and ``finish(acc, mi, ni, wg_row0, wg_first, wg_rows)`` after
-    its MMAs (computes and stores the outputs)."""
+class _EpilogueFns(NamedTuple):
+    """Consumer ``wg``'s epilogue, as closures over its refs.
+
+    prefetch(wg_row0, ni): issues the TMA loads of the tile's epilogue operands (before its MMAs, or, with
+      ``prefetch_after_stores``, once the previous tile's stores no longer read the operand buffers).
+    prepare(acc, real) -> values: what the tile keeps after its MMAs: a tuple of [wg_block_m, epilogue_n] arrays.
+    stores(values, mi, ni, wg_row0, wg_first, wg_rows) -> callables, run in order, that compute and store the
+      outputs from ``values`` (one per value).
+    empty() -> values of the right types, for the loop carry before the first tile.
+    """
+
+    prefetch: Callable
+    prefetch_after_stores: bool
+    prepare: Callable
+    stores: Callable
+    empty: Callable
+
+
+def _epilogue(
+    epi: Epilogue, cfg: Config, cols: int, out_dtype, wg, out_gmems, out_smem, operand_gmem, scratch, if_real
+) -> _EpilogueFns:
     wg_m, bn, epi_n, pack = cfg.wg_block_m, cfg.block_n, cfg.epilogue_n, epi.pack
     loaded, *buffers = scratch if (epi.row_scale or epi.backward) else (None,)
     buffers = iter(buffers)
@@ -340,6 +393,7 @@ def _epilogue(epi: Epilogue, cfg: Config, cols: int, out_dtype, wg, out_gmems, o
     operand_gmem = iter(operand_gmem)
     row_scale_gmem = next(operand_gmem) if epi.row_scale else None
     gate_up_gmem = next(operand_gmem) if epi.backward else None
+    row_vector = plgpu.Layout.WGMMA.reduce(1)
 
     def packed_cols(f: int) -> tuple[int, int]:
         """Columns of the gate and up values of hidden column f within a packed tile (f a multiple of epi_n)."""
@@ -347,10 +401,9 @@ def _epilogue(epi: Epilogue, cfg: Config, cols: int, out_dtype, wg, out_gmems, o
         return gate, gate + pack
 
     def prefetch(wg_row0, ni):
-        # Issued before the tile's MMAs, so the loads overlap them.
         if not (epi.row_scale or epi.backward):
             return
-        # The buffers were last read in the previous tile's epilogue: every thread of the warpgroup must be done with
+        # The buffers were last read by the previous tile's epilogue: every thread of the warpgroup must be done with
         # them (barrier) and those generic-proxy reads ordered before the TMA's writes (fence): commit_smem is both.
         plgpu.commit_smem()
         rows = pl.ds(pl.multiple_of(wg_row0, ROW_ALIGN), wg_m)
@@ -360,90 +413,108 @@ def _epilogue(epi: Epilogue, cfg: Config, cols: int, out_dtype, wg, out_gmems, o
             gate_up_tile = gate_up_gmem.at[rows, pl.ds(2 * ni * bn, 2 * bn)]
             plgpu.copy_gmem_to_smem(gate_up_tile, gate_up_smem.at[wg], loaded.at[wg])
 
-    def wait_operands():
-        if epi.row_scale or epi.backward:
-            plgpu.barrier_wait(loaded.at[wg])
-        if epi.row_scale:
-            return plgpu.load(row_scale_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
-        return None
-
     def scaled(value, scale):
         return value if scale is None else value * lax.broadcast_in_dim(scale, value.shape, [0])
 
-    # Chunk orders: the chunks of one hidden column block together, in column order, so that every chunk past the
-    # tile's last column follows every stored one (pipe.store_chunks' rule).
-    def forward_chunks(acc, ni, scale):
-        out_gmem, *acc_gmem = out_gmems
-        keep = [] if not epi.keep_acc else [acc_gmem[0]]
+    # Forward (and plain): every value is computed from the accumulator when the tile ends; forward_targets lists
+    # the stores in the same order. Chunks of one hidden column block go together, in column order, so that every
+    # chunk past the tile's last column follows every stored one (pipe.store_chunk's rule).
+    def forward_values(acc, scale) -> list:
+        values = []
         if epi.activation is None:
-            for c in range(bn // epi_n):
-                chunk, col = acc[:, c * epi_n : (c + 1) * epi_n], ni * bn + c * epi_n
-                for dst in keep:
-                    yield chunk.astype(out_dtype), dst, col, cols
-                yield scaled(chunk, scale).astype(out_dtype), out_gmem, col, cols
-            return
-        for c in range(bn // 2 // epi_n):
-            gate, up = packed_cols(c * epi_n)
-            gate_chunk, up_chunk = acc[:, gate : gate + epi_n], acc[:, up : up + epi_n]
-            for dst in keep:
-                gate_kept, up_kept = (
-                    (gate_chunk, up_chunk) if epi.keep_rounding is None else epi.keep_rounding(gate_chunk, up_chunk)
-                )
-                yield gate_kept.astype(out_dtype), dst, ni * bn + gate, cols
-                yield up_kept.astype(out_dtype), dst, ni * bn + up, cols
-            hidden = epi.activation(gate_chunk, up_chunk)
-            yield scaled(hidden, scale).astype(out_dtype), out_gmem, ni * (bn // 2) + c * epi_n, cols // 2
+            for chunk in pipe.column_chunks(acc, epi_n):
+                values += [chunk.astype(out_dtype)] * epi.keep_acc + [scaled(chunk, scale).astype(out_dtype)]
+            return values
+        for f in range(0, bn // 2, epi_n):
+            gate, up = (acc[:, col : col + epi_n] for col in packed_cols(f))
+            if epi.keep_acc:
+                kept = (gate, up) if epi.keep_rounding is None else epi.keep_rounding(gate, up)
+                values += [v.astype(out_dtype) for v in kept]
+            values.append(scaled(epi.activation(gate, up), scale).astype(out_dtype))
+        return values
 
-    def backward_chunks(d_h_unscaled, ni, scale, partial):
-        d_gate_up_gmem, hidden_gmem, *_ = out_gmems
-        for c in range(bn // epi_n):
-            f = c * epi_n
-            gate_col, up_col = packed_cols(f)
-            gate, up = (
-                plgpu.load(gate_up_smem.at[wg, :, pl.ds(col, epi_n)], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-                for col in (gate_col, up_col)
-            )
-            e = d_h_unscaled[:, f : f + epi_n]
-            hidden, d_gate, d_up = epi.activation_grad(gate, up, scaled(e, scale))
-            if partial is not None:
-                contribution = hidden * e
-                if cols % bn:
-                    # The last column tile runs past C: its TMA-loaded values there are not data (NaN under the
-                    # interpreter), keep them out of the sum.
-                    col = ni * bn + f + plgpu.broadcasted_iota(jnp.int32, e.shape, 1, layout=plgpu.Layout.WGMMA)
-                    contribution = jnp.where(col < cols, contribution, 0.0)
-                partial[0] = partial[0] + jnp.sum(contribution, axis=1)
-            yield d_gate.astype(out_dtype), d_gate_up_gmem, 2 * ni * bn + gate_col, 2 * cols
-            yield d_up.astype(out_dtype), d_gate_up_gmem, 2 * ni * bn + up_col, 2 * cols
-            yield scaled(hidden, scale).astype(out_dtype), hidden_gmem, ni * bn + f, cols
+    def forward_targets(ni) -> list:
+        """(dst_gmem, col, num_cols) of each of forward_values' values."""
+        out_gmem, *acc_gmem = out_gmems  # acc_gmem: [the accumulator's output] with keep_acc, else []
+        targets = []
+        if epi.activation is None:
+            for f in range(0, bn, epi_n):
+                targets += [(dst, ni * bn + f, cols) for dst in acc_gmem] + [(out_gmem, ni * bn + f, cols)]
+            return targets
+        for f in range(0, bn // 2, epi_n):
+            targets += [(dst, ni * bn + col, cols) for dst in acc_gmem for col in packed_cols(f)]
+            targets.append((out_gmem, ni * (bn // 2) + f, cols // 2))
+        return targets
 
-    def finish(acc, mi, ni, wg_row0, wg_first, wg_rows):
-        if epi.plain:
-            out = acc.astype(out_dtype)
-            pipe.store_tile(out, out_smem, wg, out_gmems[0], wg_row0, wg_first, wg_rows, ni * bn, cols)
-            return
-        scale = wait_operands()
+    def prepare(acc, real):
+        if epi.backward:
+            return pipe.column_chunks(acc, epi_n)  # d_h before the row scale, f32
+        scale = None
+        if epi.row_scale:
+            if_real(real, lambda: plgpu.barrier_wait(loaded.at[wg]))
+            scale = plgpu.load(row_scale_smem.at[wg], layout=row_vector)
+        return tuple(forward_values(acc, scale))
+
+    def stores(values, mi, ni, wg_row0, wg_first, wg_rows):
+        rows = (wg_row0, wg_first, wg_rows)
         if not epi.backward:
-            pipe.store_chunks(forward_chunks(acc, ni, scale), out_smem, wg, wg_row0, wg_first, wg_rows)
+            return [
+                functools.partial(pipe.store_chunk, c, value, out_smem, wg, dst, *rows, col, num_cols)
+                for c, (value, (dst, col, num_cols)) in enumerate(zip(values, forward_targets(ni), strict=True))
+            ]
+        return [functools.partial(backward_store, c, d_h, mi, ni, rows) for c, d_h in enumerate(values)]
+
+    def backward_store(c, d_h_unscaled, mi, ni, rows):
+        """Hidden column chunk c: d_gate, d_up and h * row_scale from d_h and the packed pre-activation, and this
+        chunk's share of the row-scale gradient's partial sums (accumulated in shared memory, stored after the last
+        chunk)."""
+        d_gate_up_gmem, hidden_gmem, *partials_gmem = out_gmems
+        if c == 0:
+            plgpu.barrier_wait(loaded.at[wg])
+        scale = plgpu.load(row_scale_smem.at[wg], layout=row_vector) if epi.row_scale else None
+        f = c * epi_n
+        gate_col, up_col = packed_cols(f)
+        gate, up = (
+            plgpu.load(gate_up_smem.at[wg, :, pl.ds(col, epi_n)], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+            for col in (gate_col, up_col)
+        )
+        hidden, d_gate, d_up = epi.activation_grad(gate, up, scaled(d_h_unscaled, scale))
+        outputs = [
+            (d_gate, d_gate_up_gmem, 2 * ni * bn + gate_col, 2 * cols),
+            (d_up, d_gate_up_gmem, 2 * ni * bn + up_col, 2 * cols),
+            (scaled(hidden, scale), hidden_gmem, ni * bn + f, cols),
+        ]
+        for i, (value, dst, col, num_cols) in enumerate(outputs):
+            pipe.store_chunk(3 * c + i, value.astype(out_dtype), out_smem, wg, dst, *rows, col, num_cols)
+        if not epi.row_scale:
             return
-        zeros = jnp.zeros((wg_m,), jnp.float32)
-        partial = [plgpu.layout_cast(zeros, plgpu.Layout.WGMMA.reduce(1))] if epi.row_scale else None
-        pipe.store_chunks(backward_chunks(acc, ni, scale, partial), out_smem, wg, wg_row0, wg_first, wg_rows)
-        if partial is not None:
-            _store_partial(partial[0], partial_smem.at[wg], out_gmems[2].at[ni, mi, pl.ds(wg * wg_m, wg_m)], wg_rows)
+        contribution = hidden * d_h_unscaled
+        if cols % bn:
+            # The last column tile runs past C: its TMA-loaded values there are not data (NaN under the
+            # interpreter), keep them out of the sum.
+            col = ni * bn + f + plgpu.broadcasted_iota(jnp.int32, contribution.shape, 1, layout=plgpu.Layout.WGMMA)
+            contribution = jnp.where(col < cols, contribution, 0.0)
+        partial = jnp.sum(contribution, axis=1)
+        if c > 0:
+            # (Chunk 0's stores waited for every earlier store, so the buffer's previous store has read it.)
+            partial = partial + plgpu.load(partial_smem.at[wg], layout=row_vector)
+        partial_smem.at[wg][...] = partial
+        if c == bn // epi_n - 1:
+            _store_partial(partial_smem.at[wg], partials_gmem[0].at[ni, mi, pl.ds(wg * wg_m, wg_m)], rows[2])
 
-    return prefetch, finish
+    def empty():
+        if epi.backward:
+            return pipe.empty_chunks(bn // epi_n, wg_m, epi_n, jnp.float32)
+        return pipe.empty_chunks(len(forward_targets(0)), wg_m, epi_n, out_dtype)
+
+    return _EpilogueFns(prefetch, epi.backward, prepare, stores, empty)
 
 
-def _store_partial(value, partial_smem, dst_gmem, wg_rows) -> None:
-    """Stores one consumer's [wg_block_m] partial sums (none when it stores no rows: nobody reads those).
-
-    The buffer's previous store finished: the tile's first chunk store waited for every earlier one.
-    """
+def _store_partial(partial_smem, dst_gmem, wg_rows) -> None:
+    """Stores one consumer's [wg_block_m] partial sums (none when it stores no rows: nobody reads those)."""
 
     @pl.when(wg_rows > 0)
     def _():
-        partial_smem[...] = value
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(partial_smem, dst_gmem, commit_group=False)
         plgpu.commit_smem_to_gmem_group()

@@ -7,12 +7,15 @@ output tiles. Both sides count pipeline steps globally over the CTA's tiles (the
     producer: for each step: [wait consumed[slot] once the slot was used]  TMA x, w -> slot  (arrive produced[slot])
     consumer: for each step: wait produced[slot]  wgmma (async)  wait until <= 1 wgmma in flight
                              release the previous step's slot (arrive consumed[slot - 1])
-              end of tile:   wait for the last wgmma, release its slot, epilogue
+                             [overlapped epilogue: store chunk i of the previous tile after step i]
+              end of tile:   wait for the last wgmma, release its slot, epilogue (or keep its values for the next tile)
 
 The producer therefore runs up to ``stages`` steps ahead, into the next tile while the consumers are in their
 epilogue. Every consumer arrives on every step (also one that skips its MMA), so the barrier phases each thread
 tracks stay in step.
 """
+
+import functools
 
 import jax.numpy as jnp
 from jax import lax
@@ -58,11 +61,14 @@ def drain(total_steps, stages: int, consumed) -> None:
         plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
 
 
-def consume(first_step, num_steps, stages: int, produced, consumed, issue) -> None:
-    """Consumer side of one tile: ``issue(k, slot)`` issues the (async) wgmma of step k on buffer ``slot``."""
+def consume(first_step, num_steps, stages: int, produced, consumed, issue, overlapped=()) -> None:
+    """Consumer side of one tile: ``issue(k, slot)`` issues the (async) wgmma of step k on buffer ``slot``.
 
-    @pl.loop(0, num_steps)
-    def _step(k):
+    ``overlapped``: callables; the i-th runs right after step i is issued (right after the last step when the tile
+    has fewer), so its work (a piece of the previous tile's epilogue) runs while the tensor cores compute.
+    """
+
+    def step(k):
         step = first_step + k
         slot = lax.rem(step, stages)
         plgpu.barrier_wait(produced.at[slot])
@@ -70,9 +76,19 @@ def consume(first_step, num_steps, stages: int, produced, consumed, issue) -> No
         # One wgmma group stays in flight; the one before it is done reading its buffer.
         plgpu.wgmma_wait(1)
 
-        @pl.when(k > 0)
-        def _():
+        def release_previous():
             plgpu.barrier_arrive(consumed.at[lax.rem(step - 1, stages)])
+
+        if isinstance(k, int):  # a peeled step
+            if k > 0:
+                release_previous()
+        else:
+            pl.when(k > 0)(release_previous)
+
+    for k, work in enumerate(overlapped):
+        pl.when(k < num_steps)(functools.partial(step, k))
+        work()
+    pl.loop(len(overlapped), num_steps)(step)
 
     @pl.when(num_steps > 0)
     def _last():
@@ -118,41 +134,35 @@ def epilogue_smem(num_compute_wgs: int, rows: int, epilogue_n: int, dtype):
     return plgpu.SMEM((num_compute_wgs, 2, rows, epilogue_n), dtype, transforms=swizzled(epilogue_n, dtype, 1))
 
 
-def store_chunks(chunks, out_smem, wg, row0, start, rows) -> None:
-    """Epilogue of one consumer: TMA-stores a sequence of register chunks through this warpgroup's double buffer.
+def store_chunk(c: int, value, out_smem, wg, dst_gmem, row0, start, rows, col, num_cols) -> None:
+    """Store number c (static) of one consumer's tile epilogue: TMA-stores a register chunk through buffer c % 2.
 
-    ``chunks`` yields (value [R, epilogue_n] in the buffer's dtype, dst_gmem, col, num_cols): rows [start, start +
-    rows) of each value go to dst_gmem[row0 + start.., col..]. A chunk at or past num_cols touches nothing (its bulk
-    group is empty); callers order their chunks so that none of those comes before a stored one. A generator is
-    consumed lazily, so each value is computed just before its store (few live registers).
+    ``value`` [R, epilogue_n] in the buffer's dtype: rows [start, start + rows) of it go to dst_gmem[row0 + start..,
+    col..]. A chunk at or past num_cols touches nothing (its bulk group is empty); callers number their stores so
+    that none of those comes before a stored one of the same tile.
     """
-    for c, (value, dst_gmem, col, num_cols) in enumerate(chunks):
-        # Chunk c reuses the buffer of chunk c - 2; chunk 0 first waits for the previous tile's stores.
-        # (The interpreter counts copies, not bulk groups: an empty group between two stores of one buffer would
-        # look like a race to it, hence the ordering rule above.)
-        if c == 0:
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        elif c >= 2:
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+    # Chunk c reuses the buffer of chunk c - 2; chunk 0 first waits for the previous tile's stores.
+    # (The interpreter counts copies, not bulk groups: an empty group between two stores of one buffer would
+    # look like a race to it, hence the numbering rule above.)
+    if c == 0:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    elif c >= 2:
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
 
-        @pl.when(col < num_cols)
-        def _store(value=value, dst_gmem=dst_gmem, col=col, buffer=c % 2):
-            out_smem[wg, buffer] = value
-            plgpu.commit_smem()
-            store_rows(out_smem, (wg, buffer), dst_gmem, row0, start, rows, col)
+    @pl.when(col < num_cols)
+    def _store():
+        out_smem[wg, c % 2] = value
+        plgpu.commit_smem()
+        store_rows(out_smem, (wg, c % 2), dst_gmem, row0, start, rows, col)
 
-        plgpu.commit_smem_to_gmem_group()
+    plgpu.commit_smem_to_gmem_group()
 
 
-def store_tile(out, out_smem, wg, dst_gmem, row0, start, rows, col0, num_cols: int) -> None:
-    """Epilogue of one consumer: rows [start, start + rows) of ``out`` [R, C] (registers) to dst_gmem[row0.., col0..].
+def column_chunks(value, width: int) -> tuple:
+    """[R, C] registers -> C / width arrays [R, width], in column order."""
+    return tuple(value[:, c : c + width] for c in range(0, value.shape[1], width))
 
-    Goes out in epilogue_n-column chunks (``store_chunks``); chunks past ``num_cols`` are skipped, the TMA clips the
-    last partial one.
-    """
-    epi_n = out_smem.shape[-1]
-    chunks = (
-        (out[:, c * epi_n : (c + 1) * epi_n], dst_gmem, col0 + c * epi_n, num_cols)
-        for c in range(out.shape[1] // epi_n)
-    )
-    store_chunks(chunks, out_smem, wg, row0, start, rows)
+
+def empty_chunks(count: int, rows: int, width: int, dtype) -> tuple:
+    """``count`` zero [rows, width] arrays in the wgmma accumulator's layout (a loop carry's initial value)."""
+    return tuple(plgpu.layout_cast(jnp.zeros((rows, width), dtype), plgpu.Layout.WGMMA) for _ in range(count))

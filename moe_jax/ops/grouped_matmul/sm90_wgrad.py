@@ -13,6 +13,8 @@ multiply, so that NaN or Inf in a neighbour cannot leak in). An empty group does
 The pipeline (producer warpgroup + consumers splitting the tile's P rows) is sm90_pipeline's.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -20,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moe_jax.ops.grouped_matmul import sm90_pipeline as pipe
-from moe_jax.ops.grouped_matmul.config import Config
+from moe_jax.ops.grouped_matmul.config import OVERLAP_REGISTERS, Config
 from moe_jax.ops.grouped_matmul.schedule import GROUP_ID, GROUP_SIZE, GROUP_START, ROW_ALIGN
 
 
@@ -60,6 +62,10 @@ def grouped_matmul_wgrad(
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     wg_m, num_wgs, stages = cfg.wg_block_m, cfg.num_compute_wgs, cfg.num_stages
     wg_n = bn // num_wgs  # columns of y each consumer zeroes in a masked chunk
+    epi_n = cfg.epilogue_n
+    # The overlapped epilogue keeps the [wg_m, bn] output tile in registers across tiles where it fits.
+    kept_registers = wg_m * bn * jnp.dtype(out_dtype).itemsize // (4 * 128)
+    overlap = cfg.overlap_epilogue and kept_registers <= OVERLAP_REGISTERS
     p_tiles, q_tiles = pl.cdiv(p, bm), pl.cdiv(q, bn)
     tiles_per_group = p_tiles * q_tiles
 
@@ -103,8 +109,23 @@ def grouped_matmul_wgrad(
             plgpu.set_max_registers(pipe.compute_registers(num_wgs), action="increase")
             wg_cols = pl.ds(pl.multiple_of(wg * wg_m, wg_m), wg_m)
 
-            @plgpu.nd_loop(work, collective_axes="sm", init_carry=jnp.int32(0))
-            def _tile(info, carry):
+            def stores(kept):
+                """One callable per column chunk of a kept tile (none before the first tile)."""
+                chunks, (group, pi, qi), active = kept
+                row0 = pi * bm + wg * wg_m
+                store = functools.partial(pipe.store_chunk, out_smem=out_smem, wg=wg, dst_gmem=out_gmem.at[group])
+                return [
+                    functools.partial(
+                        pl.when(active != 0),
+                        functools.partial(
+                            store, c, chunk, row0=row0, start=0, rows=wg_m, col=qi * bn + c * epi_n, num_cols=q
+                        ),
+                    )
+                    for c, chunk in enumerate(chunks)
+                ]
+
+            def tile_step(info, carry):
+                first_step, previous = carry
                 group, start, size, box, steps, pi, qi = tile_of(info.index[0])
 
                 def mma(acc):
@@ -124,13 +145,25 @@ def grouped_matmul_wgrad(
 
                         plgpu.wgmma(acc, x_smem.at[slot, :, wg_cols].transpose((1, 0)), y_smem.at[slot])
 
-                    pipe.consume(carry, steps, stages, produced, consumed, issue)
+                    overlapped = stores(previous) if overlap else []
+                    pipe.consume(first_step, steps, stages, produced, consumed, issue, overlapped)
                     return acc[...]
 
                 out = pl.run_scoped(mma, plgpu.ACC((wg_m, bn), jnp.float32)).astype(out_dtype)
-                pipe.store_tile(out, out_smem, wg, out_gmem.at[group], pi * bm + wg * wg_m, 0, wg_m, qi * bn, q)
-                return carry + steps
+                tile = (pipe.column_chunks(out, epi_n), (group, pi, qi), jnp.int32(1))
+                if overlap:
+                    return first_step + steps, tile
+                for store in stores(tile):
+                    store()
+                return first_step + steps, None
 
+            # With the overlap the loop carries the previous tile's output; it is stored during this tile's first steps.
+            kept = (pipe.empty_chunks(bn // epi_n, wg_m, epi_n, out_dtype), (jnp.int32(0),) * 3, jnp.int32(0))
+            init = (jnp.int32(0), kept if overlap else None)
+            _, last = plgpu.nd_loop(work, collective_axes="sm", init_carry=init)(tile_step)
+            if overlap:
+                for store in stores(last):
+                    store()
             plgpu.wait_smem_to_gmem(0)
 
     in_dtype = x.dtype
