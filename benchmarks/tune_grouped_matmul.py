@@ -8,12 +8,14 @@
   python -m benchmarks.tune_grouped_matmul tune [--shapes ...] [--kinds ...]
       sweeps candidate configs and prints the fastest per (kind, shape) as a line to paste into config.TUNED
 
-A config on the command line is "table" (what the op would use: tuned entry or heuristic) or
-"<block_m>x<block_n>x<block_k>s<stages>e<epilogue_n><m|n><grid_width>[c<cluster_m>]", e.g. "128x256x64s4e64n8" or
-"128x256x64s4e64n8c2" (2-CTA clusters sharing the weight tile). The
-candidates of one (kind, shape) are compiled in parallel threads (--jobs: the kernels' compilation is CPU-bound and
-most of a sweep's time), then timed with the dense ceiling in interleaved rounds (--rounds; see run_time); every
-output is compared with the first candidate's, so a config that computes something else shows up in "vs first".
+A config on the command line is "table" (what the op would use: tuned entry or heuristic), "table-c" (the same
+without clusters), "table+o" (without clusters, with the overlapped epilogue) or
+"<block_m>x<block_n>x<block_k>s<stages>e<epilogue_n><m|n><grid_width>[c<cluster_m>][o]", e.g. "128x256x64s4e64n8",
+"128x256x64s4e64n8c2" (2-CTA clusters sharing the weight tile) or "128x256x64s4e64n8o" (the epilogue overlapped with
+the next tile's first steps). The candidates of one (kind, shape) are compiled in parallel threads (--jobs: the
+kernels' compilation is CPU-bound and most of a sweep's time), then timed with the dense ceiling in interleaved rounds
+(--rounds; see run_time); every output is compared with the first candidate's, so a config that computes something
+else shows up in "vs first".
 Numbers reported in benchmarks/RESULTS.md come from ``python -m benchmarks``; this script is for tuning.
 """
 
@@ -41,18 +43,22 @@ TIMED_KINDS = ("fwd", "dgrad", "wgrad", "glu_dgrad")
 # glu_dgrad is the GLU MLP's backward through its down projection (rhs = w_down [G, F, D]), so it is timed at the
 # "<model>/down" shapes only, whose (G, M, K, N) is also its table key; its epilogue runs this activation's backward.
 GLU_DGRAD_ACTIVATION = "swiglu"
-SPEC = re.compile(r"(\d+)x(\d+)x(\d+)s(\d+)e(\d+)([mn])(\d+)(?:c(\d))?")
+SPEC = re.compile(r"(\d+)x(\d+)x(\d+)s(\d+)e(\d+)([mn])(\d+)(?:c(\d))?(o)?")
 
 
-def parse_config(spec: str) -> Config | None:
-    """ "table" -> None (the op's own choice); otherwise the compact form in the module docstring."""
-    if spec == "table":
-        return None
+def parse_config(spec: str):
+    """A command-line config -> a function (kind, shape) -> Config (see the module docstring)."""
+    variants = {"table": {}, "table-c": dict(cluster_m=1), "table+o": dict(cluster_m=1, overlap_epilogue=True)}
+    if spec in variants:
+        return lambda kind, shape: dataclasses.replace(table_config(kind, shape), **variants[spec])
     match = SPEC.fullmatch(spec)
     if not match:
-        raise SystemExit(f"bad config {spec!r}: expected 'table' or e.g. 128x256x64s4e64n8")
-    bm, bn, bk, stages, epi, minor, width, cluster = match.groups()
-    return Config(int(bm), int(bn), int(bk), int(stages), 2, int(epi), minor, int(width), int(cluster or 1))
+        raise SystemExit(f"bad config {spec!r}: expected one of {list(variants)} or e.g. 128x256x64s4e64n8")
+    bm, bn, bk, stages, epi, minor, width, cluster, overlap = match.groups()
+    config = Config(
+        int(bm), int(bn), int(bk), int(stages), 2, int(epi), minor, int(width), int(cluster or 1), overlap == "o"
+    )
+    return lambda kind, shape: config
 
 
 def config_source(config: Config) -> str:
@@ -65,7 +71,9 @@ def config_source(config: Config) -> str:
 def label(config: Config) -> str:
     c = config
     cluster = f"c{c.cluster_m}" if c.cluster_m > 1 else ""
-    return f"{c.block_m}x{c.block_n}x{c.block_k}s{c.num_stages}e{c.epilogue_n}{c.grid_minor}{c.grid_width}{cluster}"
+    overlap = "o" if c.overlap_epilogue else ""
+    tile = f"{c.block_m}x{c.block_n}x{c.block_k}s{c.num_stages}e{c.epilogue_n}"
+    return f"{tile}{c.grid_minor}{c.grid_width}{cluster}{overlap}"
 
 
 def kernel_fn(kind: str, config: Config | None):
@@ -168,7 +176,10 @@ def run_time(shapes, kinds, configs, routing: str, seed: int, iters: int, sweep:
         for kind in kinds:
             if kind == "glu_dgrad" and not shape.name.endswith("/down"):
                 continue  # see GLU_DGRAD_ACTIVATION
-            candidates = candidate_configs(kind, shape) if sweep else [c or table_config(kind, shape) for c in configs]
+            if sweep:
+                candidates = candidate_configs(kind, shape)
+            else:  # (variants of the table's config can coincide)
+                candidates = list(dict.fromkeys(config_for(kind, shape) for config_for in configs))
             arg_sets = [kernel_args(kind, s, group_sizes) for s in sets]
             compiled = compile_all(kind, candidates, arg_sets[0], jobs)
             for config, error in compiled.items():
@@ -226,9 +237,9 @@ def table_config(kind: str, shape) -> Config:
 
 
 def candidate_configs(kind: str, shape) -> list[Config]:
-    """A small sweep around the table's choice: tile width (with the deepest pipeline that fits), grid order and,
-    except for wgrad, 2-CTA clusters. (Earlier sweeps found fewer stages, wider epilogue chunks, block_k 128 and
-    column-split tail tiles no faster: docs/kernels/grouped_matmul.md.)"""
+    """A small sweep around the table's choice: tile width (with the deepest pipeline that fits), grid order, 2-CTA
+    clusters (not for wgrad) and, without clusters, the overlapped epilogue. (Earlier sweeps found fewer stages, wider
+    epilogue chunks, block_k 128 and column-split tail tiles no faster: docs/kernels/grouped_matmul.md.)"""
     base = table_config(kind, shape)
     out_cols = shape.k if kind in ("dgrad", "glu_dgrad") else shape.n
     # wgrad walks its groups' tiles round-robin (no grid order); the others try column- and row-fastest orders.
@@ -237,12 +248,19 @@ def candidate_configs(kind: str, shape) -> list[Config]:
         orders = [("n", max(1, -(-out_cols // 256))), ("m", 8), ("m", 16)]
     # glu_dgrad's epilogue loads [gate | up] tiles of 2 * block_n <= 256 columns.
     widths = (64, 128) if kind == "glu_dgrad" else (128, 256)
-    clusters = (1,) if kind == "wgrad" else (1, 2)
+    # (cluster_m, overlap_epilogue): the overlap excludes clusters (Config).
+    pipelines = [(1, False), (1, True)] + ([] if kind == "wgrad" else [(2, False)])
     candidates = {base}
-    for block_n, (minor, width), cluster in itertools.product(widths, orders, clusters):
+    for block_n, (minor, width), (cluster, overlap) in itertools.product(widths, orders, pipelines):
         for stages in (6, 5, 4, 3):
             config = dataclasses.replace(
-                base, block_n=block_n, num_stages=stages, grid_minor=minor, grid_width=width, cluster_m=cluster
+                base,
+                block_n=block_n,
+                num_stages=stages,
+                grid_minor=minor,
+                grid_width=width,
+                cluster_m=cluster,
+                overlap_epilogue=overlap,
             )
             if config.fits(**epilogue_smem(kind, config, row_scale=kind == "glu_dgrad")):
                 candidates.add(config)

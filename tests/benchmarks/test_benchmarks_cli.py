@@ -362,3 +362,18 @@ def test_git_revision_prefers_the_declared_commit(monkeypatch):
     assert common.git_revision() == "db33ef4"
     monkeypatch.delenv("MOE_JAX_GIT_REVISION")
     assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?|unknown", common.git_revision())
+
+
+def test_tuner_config_specs_round_trip_and_table_variants():
+    from benchmarks import tune_grouped_matmul as tune
+    from moe_jax.ops import shapes as shape_registry
+    from moe_jax.ops.grouped_matmul.config import Config
+
+    shape = shape_registry.GMM_SHAPES["qwen3-30b/gate_up"]  # its fwd entry has 2-CTA clusters
+    for config in (Config(), Config(block_n=128, num_stages=6, cluster_m=2), Config(overlap_epilogue=True)):
+        assert tune.parse_config(tune.label(config))("fwd", shape) == config
+    table, no_cluster, overlapped = (tune.parse_config(s)("fwd", shape) for s in ("table", "table-c", "table+o"))
+    assert table.cluster_m == 2 and no_cluster == Config(**{**vars(table), "cluster_m": 1})
+    assert overlapped == Config(**{**vars(no_cluster), "overlap_epilogue": True})
+    with pytest.raises(SystemExit, match="bad config"):
+        tune.parse_config("128x256x64s4e64")
