@@ -114,7 +114,8 @@ class Config:
 # on 2026-11-22 at git 9bf2357 (the sweep with 2-CTA clusters: benchmarks/results/2026-11-22_h200_9bf2357_tune.md),
 # except the wgrad entries, from the earlier sweep with --kinds fwd,dgrad,wgrad at git 3ca740a (no clusters;
 # benchmarks/results/2026-11-22_h200_3ca740a_tune.md) plus the overlapped epilogue, which was faster at all 8 shapes
-# (time --configs table,table-c,table+o: benchmarks/results/2026-11-22_h200_overlap_ab.md).
+# (time --configs table,table-c,table+o: benchmarks/results/2026-11-22_h200_overlap_ab.md) and won the wgrad sweep
+# with it at 7 of 8 (tune --kinds wgrad at git 0363df0: ..._0363df0_tune_wgrad.md; the 8th, mixtral gate_up, a tie).
 # The fused GLU forward uses the "fwd" entry of its gate_up shape; glu_dgrad is keyed by the "<model>/down" shape.
 TUNED: dict[tuple[str, int, int, int, int], Config] = {
     ("fwd", 128, 32768, 2048, 1536): Config(grid_minor="m", cluster_m=2),
