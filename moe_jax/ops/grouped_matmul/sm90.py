@@ -84,10 +84,6 @@ class Epilogue:
     def backward(self) -> bool:
         return self.activation_grad is not None
 
-    @property
-    def plain(self) -> bool:
-        return self == Epilogue(pack=self.pack)
-
     def check(self, config: Config) -> None:
         """Raises ValueError when the tile shape cannot serve this epilogue."""
         glu_cols = config.block_n // 2 if self.activation else config.block_n

@@ -10,7 +10,9 @@ group start rounded down to 8 (the TMA row alignment); the first and last chunk 
 groups, so before their MMA the consumers zero those rows of both operands in shared memory (``where``, not a
 multiply, so that NaN or Inf in a neighbour cannot leak in). An empty group does no MMA and writes zeros.
 
-The pipeline (producer warpgroup + consumers splitting the tile's P rows) is sm90_pipeline's.
+The pipeline (producer warpgroup + consumers splitting the tile's P rows) is sm90_pipeline's. With
+``config.overlap_epilogue`` (the tuned default: a group's rows make short tiles, 4-5 steps at 128 experts) a
+consumer stores each tile's output during the first steps of its next tile.
 """
 
 import functools
