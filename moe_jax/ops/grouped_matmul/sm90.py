@@ -11,7 +11,7 @@ Structure (one CTA per SM, persistent; the pipeline itself is in sm90_pipeline.p
     wgmma; a warpgroup none of whose rows is stored (the tail tile of a group) issues no MMA. The epilogue
     (``Epilogue``) turns the f32 accumulator into the outputs and TMA-stores the tile's own rows only; with
     ``config.overlap_epilogue`` a consumer keeps them in registers and stores them chunk by chunk between the first
-    steps of its next tile, while the tensor cores work (where they fit: ``Epilogue.kept_registers``);
+    steps of its next tile, while the tensor cores work (where they fit: ``Epilogue.kept_bytes``);
   * tiles come from schedule.row_tiles, walked in a planar-snake order over (row tile, column tile); the loop
     bound is read from the device, so empty groups cost nothing and no host sync is needed;
   * with ``config.cluster_m == 2`` a cluster of two CTAs takes two consecutive row tiles of one column tile; when
@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moe_jax.ops.grouped_matmul import sm90_pipeline as pipe
-from moe_jax.ops.grouped_matmul.config import OVERLAP_REGISTERS, Config
+from moe_jax.ops.grouped_matmul.config import Config
 from moe_jax.ops.grouped_matmul.schedule import ROW_ALIGN, TILE_GROUP, TILE_ROW, TILE_ROWS, TILE_SKIP, ZERO_TILE
 
 
@@ -99,14 +99,15 @@ class Epilogue:
         """Columns of the per-consumer operand tile the epilogue loads (the backward's packed gate/up rows)."""
         return 2 * config.block_n if self.backward else 0
 
-    def kept_registers(self, config: Config, out_itemsize: int) -> int:
-        """Registers per consumer thread holding a tile's outputs between its last MMA and its stores."""
+    def kept_bytes(self, config: Config, out_itemsize: int) -> int:
+        """Bytes one consumer holds for a tile's outputs between its last MMA and its stores (the overlapped
+        epilogue's carry)."""
         if self.backward:
             columns, itemsize = config.block_n, 4  # d_h, f32
         else:
             columns = (config.block_n // 2 if self.activation else config.block_n) + self.keep_acc * config.block_n
             itemsize = out_itemsize
-        return config.wg_block_m * columns * itemsize // (4 * 128)
+        return config.wg_block_m * columns * itemsize
 
     def row_vectors(self) -> int:
         """[wg_block_m] f32 shared-memory vectors per consumer: row_scale in, partial sums out."""
@@ -168,7 +169,7 @@ def grouped_matmul_rows(
         op for op in (row_scale if epi.row_scale else None, gate_up if epi.backward else None) if op is not None
     ]
     loads_per_tile = len(operands)  # TMA copies a consumer issues per tile for its epilogue
-    overlap = cfg.overlap_epilogue and epi.kept_registers(cfg, jnp.dtype(out_dtype).itemsize) <= OVERLAP_REGISTERS
+    overlap = pipe.overlaps_epilogue(cfg, epi.kept_bytes(cfg, jnp.dtype(out_dtype).itemsize))
 
     def body(tiles_gmem, count_gmem, x_gmem, w_gmem, *refs):
         operand_gmem, refs = refs[: len(operands)], refs[len(operands) :]

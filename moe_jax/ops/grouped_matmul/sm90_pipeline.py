@@ -22,7 +22,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from moe_jax.ops.grouped_matmul.config import OVERLAP_REGISTERS
+
 PRODUCER_REGISTERS = 40  # the producer warpgroup only computes addresses
+THREADS = 128  # per warpgroup
+
+
+def overlaps_epilogue(config, kept_bytes: int) -> bool:
+    """Whether ``config.overlap_epilogue`` applies to a consumer keeping ``kept_bytes`` of outputs across tiles: they
+    must fit in OVERLAP_REGISTERS (4-byte) registers per thread next to the accumulator."""
+    return config.overlap_epilogue and kept_bytes <= OVERLAP_REGISTERS * 4 * THREADS
 
 
 def swizzled(minor: int, dtype, tile_rows: int = 8) -> tuple:

@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moe_jax.ops.grouped_matmul import sm90_pipeline as pipe
-from moe_jax.ops.grouped_matmul.config import OVERLAP_REGISTERS, Config
+from moe_jax.ops.grouped_matmul.config import Config
 from moe_jax.ops.grouped_matmul.schedule import GROUP_ID, GROUP_SIZE, GROUP_START, ROW_ALIGN
 
 
@@ -66,8 +66,7 @@ def grouped_matmul_wgrad(
     wg_n = bn // num_wgs  # columns of y each consumer zeroes in a masked chunk
     epi_n = cfg.epilogue_n
     # The overlapped epilogue keeps the [wg_m, bn] output tile in registers across tiles where it fits.
-    kept_registers = wg_m * bn * jnp.dtype(out_dtype).itemsize // (4 * 128)
-    overlap = cfg.overlap_epilogue and kept_registers <= OVERLAP_REGISTERS
+    overlap = pipe.overlaps_epilogue(cfg, wg_m * bn * jnp.dtype(out_dtype).itemsize)
     p_tiles, q_tiles = pl.cdiv(p, bm), pl.cdiv(q, bn)
     tiles_per_group = p_tiles * q_tiles
 
@@ -115,16 +114,14 @@ def grouped_matmul_wgrad(
                 """One callable per column chunk of a kept tile (none before the first tile)."""
                 chunks, (group, pi, qi), active = kept
                 row0 = pi * bm + wg * wg_m
-                store = functools.partial(pipe.store_chunk, out_smem=out_smem, wg=wg, dst_gmem=out_gmem.at[group])
-                return [
-                    functools.partial(
-                        pl.when(active != 0),
-                        functools.partial(
-                            store, c, chunk, row0=row0, start=0, rows=wg_m, col=qi * bn + c * epi_n, num_cols=q
-                        ),
-                    )
-                    for c, chunk in enumerate(chunks)
-                ]
+
+                def store(c, chunk):
+                    @pl.when(active != 0)
+                    def _():
+                        col = qi * bn + c * epi_n
+                        pipe.store_chunk(c, chunk, out_smem, wg, out_gmem.at[group], row0, 0, wg_m, col, q)
+
+                return [functools.partial(store, c, chunk) for c, chunk in enumerate(chunks)]
 
             def tile_step(info, carry):
                 first_step, previous = carry
