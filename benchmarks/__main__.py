@@ -78,7 +78,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--glu-activations", default="swiglu", help="comma-separated activations for glu")
     parser.add_argument("--routing", default="uniform", choices=shape_registry.ROUTINGS, help="for gmm/gmm-bwd/glu")
     parser.add_argument("--backends", default="xla,pallas", help="moe_jax backends to time (default: xla,pallas)")
-    parser.add_argument("--baselines", default="dense,ragged_dot,tokamax", help="baselines to time (default: all)")
+    parser.add_argument(
+        "--baselines",
+        default="dense,ragged_dot,tokamax",
+        help="baselines to time, from dense,ragged_dot,tokamax,experts (default: the first three; experts: the "
+        "layer bench's expert kernels alone)",
+    )
     parser.add_argument(
         "--tokamax-sweep",
         action=argparse.BooleanOptionalAction,
@@ -156,7 +161,7 @@ def main(argv: list[str] | None = None) -> list[common.Record]:
     benches = BENCHES if args.bench == "all" else _choices(args.bench, BENCHES, "bench")
     options = common.Options(
         backends=_choices(args.backends, ("xla", "pallas", "auto"), "backend"),
-        baselines=_choices(args.baselines, ("dense", "ragged_dot", "tokamax"), "baseline"),
+        baselines=_choices(args.baselines, ("dense", "ragged_dot", "tokamax", "experts"), "baseline"),
         tokamax_sweep=args.tokamax_sweep,
         iters=args.iters or (3 if args.tiny else 20),
         warmup=args.warmup if args.warmup is not None else (0 if args.tiny else 2),

@@ -6,6 +6,10 @@ Side by side at each named layer shape (``moe_jax.ops.shapes.LAYER_SHAPES``), ro
 - "dense": the layer's matmuls with the routing taken away, the practical ceiling: router [T, D] x [D, E] in f32, then
   [M, D] x [D, 2F] -> activation -> [M, F] x [F, D] as dense bf16 matmuls (M = T * k rows, already replicated).
 - "moe_jax:<backend>": ``moe_jax.moe_ffn`` (backend "xla" is the reference composition over ``jax.lax.ragged_dot``).
+- "experts:pallas": the two expert kernels of moe_jax:pallas alone, ``moe_jax.glu_mlp`` on rows already sorted by the
+  same routing (computed outside the timing, like its group sizes and row weights): no router, routing, permute or
+  combine. ``1 - experts / moe_jax:pallas`` is the share of the layer spent outside its expert GEMMs (issue #5's
+  "glue", including whatever the gathered gate_up loads cost over plain ones).
 - "tokamax-gemms": the same composition as ``moe_ffn`` (route, permute, gate_up, activation, down, combine, aux
   losses) with tokamax's Mosaic GPU ragged dot (default config) in place of the two grouped matmuls. A benchmark-only
   baseline: moe_jax never imports tokamax.
@@ -62,6 +66,24 @@ def dense_ffn(x, router_kernel, rows, w_gate_up, w_down, *, activation: str):
     """The ceiling: the layer's FLOPs as dense matmuls, rows [M, D] standing for the routed copies of x."""
     hidden = glu.xla_glu(jnp.dot(rows, w_gate_up), activation)
     return jnp.dot(hidden, w_down), router_logits(x, router_kernel)
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "route_kwargs_items"))
+def _expert_operands(x, router_kernel, bias, *, top_k: int, route_kwargs_items: tuple) -> dict:
+    """The expert kernels' operands under moe_ffn's routing: sorted rows [M, D], group sizes, row weights [M]."""
+    route_kwargs = dict(route_kwargs_items, bias=bias)
+    routing = moe_jax.route(router_logits(x, router_kernel), backend="xla", **route_kwargs)
+    rows = moe_jax.permute(x, routing.sort_indices, top_k, backend="xla")
+    row_weights = routing.weights.reshape(-1)[routing.sort_indices]
+    return {"expert_rows": rows, "group_sizes": routing.group_sizes, "row_weights": row_weights}
+
+
+def expert_gemms(rows, w_gate_up, w_down, group_sizes, row_weights, *, activation: str):
+    """moe_ffn's expert kernels alone (the "experts:pallas" baseline)."""
+    y = moe_jax.glu_mlp(
+        rows, w_gate_up, w_down, group_sizes, activation=activation, row_scale=row_weights, backend="pallas"
+    )
+    return y, ()
 
 
 def _moe_ffn(shape: LayerShape, backend: str, route_kwargs: dict) -> Callable:
@@ -122,7 +144,7 @@ def bench_shape(
     flops = common.moe_ffn_flops(shape.t, shape.d, shape.f, shape.e, shape.top_k, backward=backward)
     records = []
 
-    def time_it(impl: str, layer: Callable, arg_names: tuple[str, ...], ct_name: str, reference=None):
+    def time_it(impl: str, layer: Callable, arg_names: tuple[str, ...], ct_name: str, reference=None, sets=inputs):
         record = common.Record(bench, shape.name, "router", impl, flops, dims)
         if common.past_deadline(options):
             records.append(common.skip(record))
@@ -130,7 +152,7 @@ def bench_shape(
             return None
         fn = jax.jit(common.forward_backward(lambda *params: layer(*params)[0]) if backward else layer)
         arg_names += (ct_name,) if backward else ()
-        arg_sets = [tuple(s[name] for name in arg_names) for s in inputs()]
+        arg_sets = [tuple(s[name] for name in arg_names) for s in sets()]
         output = common.measure(record, fn, arg_sets, options)
         if output is not None and reference is not None:
             record.set_check(common.relative_errors(output, reference[1]), reference[0])
@@ -145,6 +167,16 @@ def bench_shape(
 
     names = ("x", "router_kernel", "w_gate_up", "w_down")
     route_kwargs = common.routing_kwargs(shape, options.seed)
+    if "experts" in options.baselines:
+        static_kwargs = tuple(sorted((k, v) for k, v in route_kwargs.items() if k != "bias"))
+
+        def with_expert_operands():
+            operands = functools.partial(_expert_operands, top_k=shape.top_k, route_kwargs_items=static_kwargs)
+            return [s | operands(s["x"], s["router_kernel"], route_kwargs.get("bias")) for s in inputs()]
+
+        experts = functools.partial(expert_gemms, activation=shape.activation)
+        expert_names = ("expert_rows", "w_gate_up", "w_down", "group_sizes", "row_weights")
+        time_it("experts:pallas", experts, expert_names, "dense_ct", sets=functools.cache(with_expert_operands))
     layers = [(f"moe_jax:{backend}", _moe_ffn(shape, backend, route_kwargs)) for backend in options.backends]
     if "tokamax" in options.baselines:
         gemms = functools.partial(

@@ -23,6 +23,7 @@ from flax import nnx
 import moe_jax
 from moe_jax._core.testing import MLPGroupOracle, random_group_sizes, relative_error
 from moe_jax.ops import shapes
+from moe_jax.ops.glu_mlp import api as glu_mlp_api
 
 pytestmark = pytest.mark.gpu
 TOL = 1e-2
@@ -86,6 +87,42 @@ def test_named_shape_against_exact_groups(model, activation):
     past = oracle.routed_rows
     for name, value in (("y", y), ("d_x", d_x), ("d_row_scale", d_row_scale)):
         assert float(jnp.max(jnp.abs(value[past:].astype(jnp.float32)))) == 0.0, name
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "fused"))
+def _routed_fwd_bwd(inputs, packed, group_sizes, sort_indices, *, top_k, fused):
+    """routed_glu_mlp (gather fused into the gate_up kernel) or permute + glu_mlp, both on the Pallas kernels."""
+
+    def mlp(x, w_gate_up, w_down, row_scale):
+        if fused:
+            return glu_mlp_api.routed_glu_mlp(
+                x, sort_indices, top_k, w_gate_up, w_down, group_sizes, row_scale=row_scale, backend="pallas"
+            )
+        rows = moe_jax.permute(x, sort_indices, top_k)
+        return moe_jax.glu_mlp(rows, w_gate_up, w_down, group_sizes, row_scale=row_scale, backend="pallas")
+
+    y, pullback = jax.vjp(mlp, inputs["x"], packed, inputs["w_down"], inputs["row_scale"])
+    return (y, *pullback(inputs["cotangent"]))
+
+
+# The gathered gate_up kernel against the same kernels on permuted rows: the products are the same arithmetic, so
+# forward and weight gradients must be bit-identical; d_x sums each token's k row gradients in another order (TOL).
+# qwen3's layer, and a gpt-oss-width one (D = 2880: not a multiple of 128, so permute/combine take XLA's path).
+@pytest.mark.parametrize("t, d, d_ff, e, top_k", [(16384, 2048, 768, 128, 8), (4096, 2880, 2880, 32, 4)])
+def test_routed_glu_mlp_matches_permuted_rows(t, d, d_ff, e, top_k):
+    inputs = _inputs(jax.random.key(9), e, t * top_k, d, d_ff)
+    inputs["x"] = inputs["x"][:t]
+    experts = jax.lax.top_k(jax.random.normal(jax.random.key(10), (t, e)), top_k)[1].reshape(-1)
+    sort_indices = jnp.argsort(experts, stable=True).astype(jnp.int32)
+    group_sizes = jnp.bincount(experts, length=e).astype(jnp.int32)
+    packed = moe_jax.pack_gate_up(inputs["w_gate_up"])
+    fused = _routed_fwd_bwd(inputs, packed, group_sizes, sort_indices, top_k=top_k, fused=True)
+    unfused = _routed_fwd_bwd(inputs, packed, group_sizes, sort_indices, top_k=top_k, fused=False)
+    for name, actual, exact in zip(("y", "d_x", "d_w_gate_up", "d_w_down", "d_row_scale"), fused, unfused, strict=True):
+        if name == "d_x":
+            assert relative_error(actual, exact) < TOL, name
+        else:
+            np.testing.assert_array_equal(np.asarray(actual), np.asarray(exact), err_msg=name)
 
 
 def _sweep_cases(count: int, seed: int = 1):

@@ -17,6 +17,7 @@ from jax.sharding import AbstractMesh
 
 import moe_jax
 from moe_jax.ops import shapes
+from moe_jax.ops.glu_mlp import api as glu_mlp_api
 
 MOSAIC_CALL = "mosaic_gpu_v2"
 H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
@@ -90,3 +91,35 @@ def test_standalone_epilogues_lower_with_their_gradients():
     with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=H200)):
         text = jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count(MOSAIC_CALL) == 6
+
+
+# routed_glu_mlp gathers the gate_up kernel's rows from the tokens (cp.async in the producer: only a real lowering
+# builds it) with each model's tuned gate_up config, 2-CTA clusters included. Its backward adds a permute (the
+# sorted rows for the gate_up wgrad) and a combine (d_x) to glu_mlp's six kernels: Pallas kernels when D is a
+# multiple of 128, XLA for gpt-oss's D = 2880.
+@pytest.mark.parametrize(
+    "model, top_k, kernels", [("qwen3-30b", 8, 8), ("gpt-oss-120b", 4, 6), ("dsv3-ep8", 8, 8), ("mixtral", 2, 8)]
+)
+def test_routed_glu_mlp_lowers_with_its_gather(model, top_k, kernels):
+    shape = shapes.GMM_SHAPES[f"{model}/gate_up"]
+    g, m, d, d_ff = shape.g, shape.m, shape.k, shape.n // 2
+    args = (
+        jax.ShapeDtypeStruct((m // top_k, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((m,), jnp.int32),
+        jax.ShapeDtypeStruct((g, d, 2 * d_ff), jnp.bfloat16),
+        jax.ShapeDtypeStruct((g, d_ff, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((g,), jnp.int32),
+        jax.ShapeDtypeStruct((m,), jnp.float32),
+    )
+
+    def loss(x, sort_indices, w_gate_up, w_down, group_sizes, scale):
+        packed = moe_jax.PackedGateUp(w_gate_up, 64)
+        y = glu_mlp_api.routed_glu_mlp(
+            x, sort_indices, top_k, packed, w_down, group_sizes, row_scale=scale, backend="pallas"
+        )
+        return jnp.sum(y.astype(jnp.float32))
+
+    step = jax.value_and_grad(loss, argnums=(0, 2, 3, 5))
+    with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=H200)):
+        text = jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(MOSAIC_CALL) == kernels

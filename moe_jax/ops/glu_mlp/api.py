@@ -41,6 +41,8 @@ from moe_jax.ops.grouped_matmul.api import (
 from moe_jax.ops.grouped_matmul.glu import glu_grad
 from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, PackedGateUp, pack_gate_up
 from moe_jax.ops.grouped_matmul.reference import ACTIVATIONS
+from moe_jax.ops.permute.api import combine, permute
+from moe_jax.ops.permute.config import supports as permute_supports
 
 # The two GEMMs' operands and dimensions as glu_mlp's caller knows them; the down projection's lhs is the hidden
 # activation, which has x's dtype.
@@ -123,23 +125,84 @@ def glu_mlp(
     group_sizes = group_sizes.astype(jnp.int32)
     if resolve_backend(backend, op="glu_mlp", has_kernel=supported) == "xla":
         return reference.glu_mlp(x, w_gate_up, w_down, group_sizes, activation=activation, row_scale=row_scale)
+    return _run_pallas(x, None, None, w_gate_up, w_down, group_sizes, row_scale, activation, recompute_gate_up)
+
+
+def routed_glu_mlp(
+    x: jax.Array,
+    sort_indices: jax.Array,
+    top_k: int,
+    w_gate_up: jax.Array | PackedGateUp,
+    w_down: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    activation: str = "swiglu",
+    row_scale: jax.Array | None = None,
+    backend: str = "auto",
+) -> jax.Array:
+    """``glu_mlp(permute(x, sort_indices, top_k), ...)`` with the permute fused into the gate_up kernel's loads.
+
+    On the Pallas path the expert-sorted rows [T * k, D] are never written: the gate_up kernel gathers row r from
+    ``x[sort_indices[r] // top_k]`` (grouped_matmul/sm90_gather.py). The backward recomputes the sorted rows for the
+    gate_up weights' gradient and sums each token's k row gradients (``combine``) for x's. Elsewhere (backend "xla",
+    or shapes without a kernel) it is the composition itself.
+
+    Args:
+      x: [T, D] tokens.
+      sort_indices: [T * k] int32 from ``Routing.sort_indices`` (or ``apply_capacity``).
+      top_k: k, the experts per token.
+      w_gate_up, w_down, group_sizes, activation, row_scale, backend: as ``glu_mlp``'s, for the T * k sorted rows.
+
+    Returns:
+      [T * k, D] in x.dtype, in expert-sorted order (what ``combine`` takes).
+    """
+    num_tokens, d_model = checks.check_rank("x", x, 2, "[T, D]")
+    checks.check_positive_int("top_k", top_k)
+    checks.check_rank("sort_indices", sort_indices, 1, "[T * k]")
+    checks.check_int32("sort_indices", sort_indices)
+    checks.check_dim("sort_indices", sort_indices.shape[0], num_tokens * top_k, "length (T * top_k)")
+    rows = jax.ShapeDtypeStruct((num_tokens * top_k, d_model), x.dtype)
+    _, _, d_ff, _ = check_glu_mlp_args(
+        rows, w_gate_up, w_down, group_sizes, activation=activation, row_scale=row_scale, backend=backend
+    )
+    supported = (
+        kernel_unsupported(x, d_model, 2 * d_ff, activation) is None and kernel_unsupported(x, d_ff, d_model) is None
+    )
+    if resolve_backend(backend, op="glu_mlp", has_kernel=supported) == "xla":
+        rows = permute(x, sort_indices, top_k, backend=backend)
+        return glu_mlp(rows, w_gate_up, w_down, group_sizes, activation=activation, row_scale=row_scale, backend="xla")
+    group_sizes = group_sizes.astype(jnp.int32)
+    return _run_pallas(x, sort_indices, top_k, w_gate_up, w_down, group_sizes, row_scale, activation, False)
+
+
+def _run_pallas(x, sort_indices, top_k, w_gate_up, w_down, group_sizes, row_scale, activation, recompute_gate_up):
     if not isinstance(w_gate_up, PackedGateUp):
         w_gate_up = pack_gate_up(w_gate_up)
     scale = None if row_scale is None else row_scale.astype(jnp.float32)
-    return _pallas_glu_mlp(x, w_gate_up.array, w_down, group_sizes, scale, activation, recompute_gate_up)
+    return _pallas_glu_mlp(
+        x, w_gate_up.array, w_down, group_sizes, scale, sort_indices, top_k, activation, recompute_gate_up
+    )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _pallas_glu_mlp(x, w_gate_up, w_down, group_sizes, row_scale, activation, recompute_gate_up):
-    """x [M, D], packed w_gate_up [G, D, 2F], w_down [G, F, D] -> [M, D] in x.dtype."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _pallas_glu_mlp(x, w_gate_up, w_down, group_sizes, row_scale, sort_indices, top_k, activation, recompute_gate_up):
+    """x [M, D] (or [T, D] tokens gathered by sort_indices // top_k), packed w_gate_up [G, D, 2F], w_down [G, F, D]
+    -> [M, D] in x.dtype."""
     del recompute_gate_up  # a backward option
-    hidden = _gate_up(x, w_gate_up, group_sizes, activation, keep_pre_activation=False)
+    hidden = _gate_up(x, w_gate_up, group_sizes, activation, _row_tokens(sort_indices, top_k), keep=False)
     return _down(hidden, w_down, group_sizes, row_scale)
 
 
-def _gate_up(x, w_gate_up, group_sizes, activation, *, keep_pre_activation: bool):
+def _row_tokens(sort_indices, top_k):
+    """The token of each sorted row (None: the rows are x's own)."""
+    return None if sort_indices is None else sort_indices // top_k
+
+
+def _gate_up(x, w_gate_up, group_sizes, activation, row_tokens, *, keep: bool):
     """hidden [M, F], or (hidden, packed pre-activation [M, 2F] rounded for the backward)."""
-    return run_forward_kernel(x, w_gate_up, group_sizes, None, activation, x.dtype, False, keep=keep_pre_activation)
+    return run_forward_kernel(
+        x, w_gate_up, group_sizes, None, activation, x.dtype, False, keep=keep, row_tokens=row_tokens
+    )
 
 
 def _down(hidden, w_down, group_sizes, row_scale):
@@ -147,13 +210,14 @@ def _down(hidden, w_down, group_sizes, row_scale):
     return run_forward_kernel(hidden, w_down, group_sizes, row_scale, None, hidden.dtype, False, keep=False)
 
 
-def _glu_mlp_fwd(x, w_gate_up, w_down, group_sizes, row_scale, activation, recompute_gate_up):
+def _glu_mlp_fwd(x, w_gate_up, w_down, group_sizes, row_scale, sort_indices, top_k, activation, recompute_gate_up):
+    row_tokens = _row_tokens(sort_indices, top_k)
     if recompute_gate_up:
-        hidden, gate_up = _gate_up(x, w_gate_up, group_sizes, activation, keep_pre_activation=False), None
+        hidden, gate_up = _gate_up(x, w_gate_up, group_sizes, activation, row_tokens, keep=False), None
     else:
-        hidden, gate_up = _gate_up(x, w_gate_up, group_sizes, activation, keep_pre_activation=True)
+        hidden, gate_up = _gate_up(x, w_gate_up, group_sizes, activation, row_tokens, keep=True)
     y = _down(hidden, w_down, group_sizes, row_scale)
-    return y, (x, w_gate_up, w_down, group_sizes, row_scale, gate_up)
+    return y, (x, w_gate_up, w_down, group_sizes, row_scale, sort_indices, gate_up)
 
 
 def run_glu_dgrad(d_y, w_down, group_sizes, gate_up, row_scale, activation: str, *, config=None):
@@ -186,17 +250,25 @@ def run_glu_dgrad(d_y, w_down, group_sizes, gate_up, row_scale, activation: str,
     )
 
 
-def _glu_mlp_bwd(activation, recompute_gate_up, residuals, d_y):
-    x, w_gate_up, w_down, group_sizes, row_scale, gate_up = residuals
+def _glu_mlp_bwd(top_k, activation, recompute_gate_up, residuals, d_y):
+    x, w_gate_up, w_down, group_sizes, row_scale, sort_indices, gate_up = residuals
     d_y = d_y.astype(x.dtype)  # wgmma multiplies equal dtypes; accumulation stays f32
     if recompute_gate_up:
         # The forward kernel again, so that the backward sees the very bits it would have kept (the hidden output
         # is written and dropped: half the pre-activation's bytes, for one kernel to maintain).
-        _, gate_up = _gate_up(x, w_gate_up, group_sizes, activation, keep_pre_activation=True)
+        row_tokens = _row_tokens(sort_indices, top_k)
+        _, gate_up = _gate_up(x, w_gate_up, group_sizes, activation, row_tokens, keep=True)
     d_gate_up, hidden_scaled, d_row_scale = run_glu_dgrad(d_y, w_down, group_sizes, gate_up, row_scale, activation)
     d_w_down = run_wgrad_kernel(hidden_scaled, d_y, group_sizes, out_dtype=w_down.dtype)
-    d_x, d_w_gate_up = gemm_grads(x, w_gate_up, group_sizes, d_gate_up, transpose_rhs=False)
-    return d_x, d_w_gate_up, d_w_down, None, d_row_scale
+    if sort_indices is None:
+        d_x, d_w_gate_up = gemm_grads(x, w_gate_up, group_sizes, d_gate_up, transpose_rhs=False)
+    else:
+        # The gate_up wgrad contracts the sorted rows: with the gather fused they exist only here, for the backward.
+        rows_backend = "pallas" if permute_supports(x.shape[1], x.dtype) else "xla"
+        rows = permute(x, sort_indices, top_k, backend=rows_backend)
+        d_rows, d_w_gate_up = gemm_grads(rows, w_gate_up, group_sizes, d_gate_up, transpose_rhs=False)
+        d_x = combine(d_rows, sort_indices, top_k, backend=rows_backend)
+    return d_x, d_w_gate_up, d_w_down, None, d_row_scale, None
 
 
 _pallas_glu_mlp.defvjp(_glu_mlp_fwd, _glu_mlp_bwd)

@@ -225,17 +225,19 @@ def run_rows_kernel(
     epilogue=sm90.PLAIN,
     row_scale=None,
     gate_up=None,
+    row_tokens=None,
 ):
     """fwd / dgrad / glu_dgrad kernel: x[M, R] · w[g] per group (w [G, R, C], or [G, C, R] when ``w_transposed``).
 
     ``config=None`` takes config.get_config's choice for the op's (G, M, K, N); the tuning script passes its own.
-    ``epilogue``, ``row_scale`` [M] f32 and ``gate_up`` [M, 2C] are sm90.grouped_matmul_rows's.
+    ``epilogue``, ``row_scale`` [M] f32, ``gate_up`` [M, 2C] and ``row_tokens`` [M] int32 are
+    sm90.grouped_matmul_rows's (with ``row_tokens``, x is [T, R] and row r is x[row_tokens[r]]).
 
     Returns:
       sm90.grouped_matmul_rows's outputs, rows past M dropped; for the GLU backward (d_gate_up [M, 2C],
       h_scaled [M, C], d_row_scale [M] f32 or None), the row-scale gradient summed from the kernel's partial sums.
     """
-    m = x.shape[0]
+    m = x.shape[0] if row_tokens is None else row_tokens.shape[0]
     num_groups, *w_dims = w.shape
     r, c = reversed(w_dims) if w_transposed else w_dims
     # The table is keyed by the op's K, N (rhs [G, K, N]): dgrad's contraction R is the op's N.
@@ -243,8 +245,12 @@ def run_rows_kernel(
     if config is None:
         itemsize = jnp.dtype(out_dtype).itemsize
         config = get_config(kind, m=m, k=k, n=n, g=num_groups, out_itemsize=itemsize, row_scale=epilogue.row_scale)
-    x = _padded_rows(x)
-    tiles, num_tiles = schedule.row_tiles(group_sizes, x.shape[0], config.block_m)
+    if row_tokens is None:
+        x = _padded_rows(x)
+    else:
+        row_tokens = _padded_rows(row_tokens)
+    padded_m = x.shape[0] if row_tokens is None else row_tokens.shape[0]
+    tiles, num_tiles = schedule.row_tiles(group_sizes, padded_m, config.block_m)
     outs = sm90.grouped_matmul_rows(
         x,
         w,
@@ -258,6 +264,7 @@ def run_rows_kernel(
         epilogue=epilogue,
         row_scale=_padded_rows(row_scale),
         gate_up=_padded_rows(gate_up),
+        row_tokens=row_tokens,
     )
     if not isinstance(outs, tuple):
         return outs[:m]
@@ -266,7 +273,7 @@ def run_rows_kernel(
     d_gate_up, hidden_scaled, *partials = outs
     d_row_scale = None
     if partials:
-        d_row_scale = schedule.gather_row_partials(partials[0], tiles, num_tiles, x.shape[0])[:m]
+        d_row_scale = schedule.gather_row_partials(partials[0], tiles, num_tiles, padded_m)[:m]
     return d_gate_up[:m], hidden_scaled[:m], d_row_scale
 
 
@@ -342,9 +349,12 @@ def forward_epilogue(activation: str | None, row_scale: bool, *, keep_dtype=None
     )
 
 
-def run_forward_kernel(lhs, rhs, group_sizes, row_scale, activation, out_dtype, transpose_rhs, *, keep: bool):
+def run_forward_kernel(
+    lhs, rhs, group_sizes, row_scale, activation, out_dtype, transpose_rhs, *, keep: bool, row_tokens=None
+):
     """The forward kernel with its epilogue (plain when neither ``activation`` nor ``row_scale``); ``keep`` also
-    returns the pre-activation [M, N], rounded for the GLU backward."""
+    returns the pre-activation [M, N], rounded for the GLU backward. With ``row_tokens`` [M], lhs is [T, K] and row r
+    of the product is lhs[row_tokens[r]]."""
     epilogue = forward_epilogue(activation, row_scale is not None, keep_dtype=out_dtype if keep else None)
     return run_rows_kernel(
         "fwd",
@@ -355,6 +365,7 @@ def run_forward_kernel(lhs, rhs, group_sizes, row_scale, activation, out_dtype, 
         out_dtype=out_dtype,
         epilogue=epilogue,
         row_scale=row_scale,
+        row_tokens=row_tokens,
     )
 
 

@@ -43,6 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from moe_jax.ops.grouped_matmul import sm90_gather as gather
 from moe_jax.ops.grouped_matmul import sm90_pipeline as pipe
 from moe_jax.ops.grouped_matmul.config import Config
 from moe_jax.ops.grouped_matmul.schedule import ROW_ALIGN, TILE_GROUP, TILE_ROW, TILE_ROWS, TILE_SKIP, ZERO_TILE
@@ -131,11 +132,12 @@ def grouped_matmul_rows(
     epilogue: Epilogue = PLAIN,
     row_scale: jax.Array | None = None,
     gate_up: jax.Array | None = None,
+    row_tokens: jax.Array | None = None,
 ):
     """out[M, C] = x[rows of g] · w[g] over the row tiles of schedule.row_tiles, through ``epilogue``.
 
     Args:
-      x: [M, R] with M a multiple of 8 and R of 64.
+      x: [M, R] with M a multiple of 8 and R of 64; with ``row_tokens``, [T, R] rows that row r gathers from.
       w: [G, R, C], or [G, C, R] with ``w_transposed``; C a multiple of 64; same dtype as x (bf16 or f16).
       tiles, num_tiles: schedule.row_tiles(group_sizes, M, config.block_m).
       w_transposed: w's last axis is the contraction.
@@ -144,13 +146,15 @@ def grouped_matmul_rows(
       epilogue: see ``Epilogue``.
       row_scale: [M] f32, with ``epilogue.row_scale``.
       gate_up: [M, 2C] packed pre-activation in x's dtype, for the GLU backward.
+      row_tokens: [M] int32 in [0, T): row r of the product is x[row_tokens[r]] (sm90_gather.py; R a multiple of
+        block_k). M a multiple of 8.
 
     Returns:
       plain: [M, C]: the rows of every tile's group, zeros for the rows of ZERO_TILE tiles. Forward: out ([M, C/2]
       with an activation, else [M, C]), or (out, acc [M, C]) with ``keep_acc``. GLU backward: (d_gate_up [M, 2C],
       h_scaled [M, C]), plus the partial sums [cdiv(C, block_n), T, block_m] f32 with ``row_scale``.
     """
-    m, r = x.shape
+    m, r = x.shape if row_tokens is None else (row_tokens.shape[0], x.shape[1])
     cols = w.shape[1] if w_transposed else w.shape[2]
     cfg, epi = config, epilogue
     epi.check(cfg)
@@ -170,8 +174,15 @@ def grouped_matmul_rows(
     ]
     loads_per_tile = len(operands)  # TMA copies a consumer issues per tile for its epilogue
     overlap = pipe.overlaps_epilogue(cfg, epi.kept_bytes(cfg, jnp.dtype(out_dtype).itemsize))
+    gathered = row_tokens is not None
+    if gathered:
+        if r % bk:
+            raise ValueError(f"gathered rows need the contraction ({r}) to be a multiple of block_k ({bk})")
+        # Tile boxes run up to block_m rows past M: those rows read token 0 and are never stored.
+        row_tokens = jnp.pad(row_tokens.astype(jnp.int32), (0, bm))
 
     def body(tiles_gmem, count_gmem, x_gmem, w_gmem, *refs):
+        row_tokens_gmem, refs = (refs[0], refs[1:]) if gathered else (None, refs)
         operand_gmem, refs = refs[: len(operands)], refs[len(operands) :]
         out_gmems, refs = refs[: len(out_types)], refs[len(out_types) :]
         x_smem, w_smem, out_smem, produced, consumed, *epi_scratch = refs
@@ -221,11 +232,27 @@ def grouped_matmul_rows(
                 def blocks(k):
                     ks, ns = pl.ds(k * bk, bk), pl.ds(ni * bn, bn)
                     w_block = w_gmem.at[group, ns, ks] if w_transposed else w_gmem.at[group, ks, ns]
-                    return x_gmem.at[pl.ds(row0, bm), ks], w_block
+                    return (None if gathered else x_gmem.at[pl.ds(row0, bm), ks]), w_block
 
                 def load(k, slot):
                     x_block, w_block = blocks(k)
-                    plgpu.copy_gmem_to_smem(x_block, x_smem.at[slot], produced.at[slot])
+                    if gathered:
+                        load_weights(w_block, slot)
+                        gather.load_rows(
+                            x_gmem,
+                            row_tokens_gmem,
+                            row0,
+                            k * bk,
+                            x_smem.at[slot],
+                            produced.at[slot],
+                            interpret=interpret,
+                        )
+                        gather.signal(carry + k, stages, produced, interpret=interpret)
+                    else:
+                        plgpu.copy_gmem_to_smem(x_block, x_smem.at[slot], produced.at[slot])
+                        load_weights(w_block, slot)
+
+                def load_weights(w_block, slot):
                     if cluster == 1:
                         plgpu.copy_gmem_to_smem(w_block, w_smem.at[slot], produced.at[slot])
                         return
@@ -242,6 +269,8 @@ def grouped_matmul_rows(
                 return carry + steps
 
             total_steps = plgpu.nd_loop(work, collective_axes="sm", init_carry=jnp.int32(0))(load_tile)
+            if gathered:
+                gather.signal_rest(total_steps, stages, produced, interpret=interpret)
             pipe.drain(total_steps, stages, consumed)
 
         @pl.when(wg < num_wgs)
@@ -306,11 +335,13 @@ def grouped_matmul_rows(
     in_dtype = x.dtype
     w_block_shape = (bn, bk) if w_transposed else (bk, bn)
     out_types = _out_types(epi, m, cols, out_dtype, x.dtype, (n_tiles, max_tiles, bm))
+    x_transforms = gather.smem_transforms(bk, in_dtype, interpret) if gathered else pipe.swizzled(bk, in_dtype)
     scratch = [
-        plgpu.SMEM((stages, bm, bk), in_dtype, transforms=pipe.swizzled(bk, in_dtype)),
+        plgpu.SMEM((stages, bm, bk), in_dtype, transforms=x_transforms),
         plgpu.SMEM((stages, *w_block_shape), in_dtype, transforms=pipe.swizzled(w_block_shape[1], in_dtype)),
         pipe.epilogue_smem(num_wgs, wg_m, epi_n, out_dtype),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # produced: the two TMA loads of a step landed
+        # produced: the two TMA loads of a step landed (gathered rows: see sm90_gather.py)
+        plgpu.Barrier(num_arrivals=gather.produced_arrivals(bm, interpret) if gathered else 2, num_barriers=stages),
         # consumed: every consumer released the buffer, in every CTA of the cluster (a multicast writes the partner's
         # buffers too).
         plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=num_wgs, num_barriers=stages)
@@ -344,7 +375,7 @@ def grouped_matmul_rows(
         compiler_params=plgpu.CompilerParams(approx_math=epi.activation is not None or epi.backward),
         interpret=interpret,
     )
-    return kernel(tiles, num_tiles, x, w, *operands)
+    return kernel(tiles, num_tiles, x, w, *([row_tokens] if gathered else []), *operands)
 
 
 def _out_types(epi: Epilogue, m: int, cols: int, out_dtype, in_dtype, partials_shape) -> list:

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax._core import checks
-from moe_jax.ops.glu_mlp.api import glu_mlp
+from moe_jax.ops.glu_mlp.api import routed_glu_mlp
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp
 from moe_jax.ops.grouped_matmul.reference import ACTIVATIONS
-from moe_jax.ops.permute.api import combine, permute
+from moe_jax.ops.permute.api import combine
 from moe_jax.ops.routing.api import (
     apply_capacity,
     check_routing_args,
@@ -127,14 +127,21 @@ def moe_ffn(
     group_sizes, sort_indices = routing.group_sizes, routing.sort_indices
     if capacity_factor is not None:
         group_sizes, sort_indices = apply_capacity(routing, capacity_factor)
-    with jax.named_scope("permute"):
-        rows = permute(x, sort_indices, top_k, backend=backend)
     with jax.named_scope("experts"):
-        # The routing weights scale the down projection's rows (its epilogue), so the combine is a plain sum. Gathered
-        # by sort_indices, which is apply_capacity's when it ran (so not Routing.sorted_weights).
+        # The permute is fused into the gate_up kernel's loads (routed_glu_mlp). The routing weights scale the down
+        # projection's rows (its epilogue), so the combine is a plain sum. Gathered by sort_indices, which is
+        # apply_capacity's when it ran (so not Routing.sorted_weights).
         row_weights = routing.weights.reshape(-1)[sort_indices]
-        out_rows = glu_mlp(
-            rows, w_gate_up, w_down, group_sizes, activation=activation, row_scale=row_weights, backend=backend
+        out_rows = routed_glu_mlp(
+            x,
+            sort_indices,
+            top_k,
+            w_gate_up,
+            w_down,
+            group_sizes,
+            activation=activation,
+            row_scale=row_weights,
+            backend=backend,
         )
     with jax.named_scope("combine"):
         y = combine(out_rows, sort_indices, top_k, backend=backend)
