@@ -8,8 +8,9 @@ Side by side at each named layer shape (``moe_jax.ops.shapes.LAYER_SHAPES``), ro
 - "moe_jax:<backend>": ``moe_jax.moe_ffn`` (backend "xla" is the reference composition over ``jax.lax.ragged_dot``).
 - "experts:pallas": the two expert kernels of moe_jax:pallas alone, ``moe_jax.glu_mlp`` on rows already sorted by the
   same routing (computed outside the timing, like its group sizes and row weights): no router, routing, permute or
-  combine. ``1 - experts / moe_jax:pallas`` is the share of the layer spent outside its expert GEMMs (issue #5's
-  "glue", including whatever the gathered gate_up loads cost over plain ones).
+  combine. With it, forward only, "router:xla": the router matmul ``router_logits(x, router_kernel)`` alone. The
+  layer's "glue" (issue #5: routing, permute, combine and the aux losses, including whatever the gathered gate_up
+  loads cost over plain ones) is ``moe_jax:pallas - experts:pallas - router:xla``.
 - "tokamax-gemms": the same composition as ``moe_ffn`` (route, permute, gate_up, activation, down, combine, aux
   losses) with tokamax's Mosaic GPU ragged dot (default config) in place of the two grouped matmuls. A benchmark-only
   baseline: moe_jax never imports tokamax.
@@ -144,7 +145,9 @@ def bench_shape(
     flops = common.moe_ffn_flops(shape.t, shape.d, shape.f, shape.e, shape.top_k, backward=backward)
     records = []
 
-    def time_it(impl: str, layer: Callable, arg_names: tuple[str, ...], ct_name: str, reference=None, sets=inputs):
+    def time_it(
+        impl: str, layer: Callable, arg_names: tuple[str, ...], ct_name: str, reference=None, sets=inputs, flops=flops
+    ):
         record = common.Record(bench, shape.name, "router", impl, flops, dims)
         if common.past_deadline(options):
             records.append(common.skip(record))
@@ -177,6 +180,11 @@ def bench_shape(
         experts = functools.partial(expert_gemms, activation=shape.activation)
         expert_names = ("expert_rows", "w_gate_up", "w_down", "group_sizes", "row_weights")
         time_it("experts:pallas", experts, expert_names, "dense_ct", sets=functools.cache(with_expert_operands))
+        if not backward:
+            router_flops = 2 * shape.t * shape.d * shape.e
+            time_it(
+                "router:xla", lambda x, w: (router_logits(x, w), ()), ("x", "router_kernel"), "", flops=router_flops
+            )
     layers = [(f"moe_jax:{backend}", _moe_ffn(shape, backend, route_kwargs)) for backend in options.backends]
     if "tokamax" in options.baselines:
         gemms = functools.partial(
