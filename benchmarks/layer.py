@@ -8,9 +8,11 @@ Side by side at each named layer shape (``moe_jax.ops.shapes.LAYER_SHAPES``), ro
 - "moe_jax:<backend>": ``moe_jax.moe_ffn`` (backend "xla" is the reference composition over ``jax.lax.ragged_dot``).
 - "experts:pallas": the two expert kernels of moe_jax:pallas alone, ``moe_jax.glu_mlp`` on rows already sorted by the
   same routing (computed outside the timing, like its group sizes and row weights): no router, routing, permute or
-  combine. With it, forward only, "router:xla": the router matmul ``router_logits(x, router_kernel)`` alone. The
-  layer's "glue" (issue #5: routing, permute, combine and the aux losses, including whatever the gathered gate_up
-  loads cost over plain ones) is ``moe_jax:pallas - experts:pallas - router:xla``.
+  combine; "experts:pallas-gathered": the same two kernels as moe_ffn runs them (``routed_glu_mlp``: the gate_up
+  kernel gathers its rows from x by the sort indices); forward only, "router:xla": the router matmul
+  ``router_logits(x, router_kernel)`` alone. The layer's "glue" (issue #5: routing, permute, combine and the aux
+  losses, including whatever the gathered gate_up loads cost over plain ones) is ``moe_jax:pallas - experts:pallas -
+  router:xla``; the gather's own cost is ``experts:pallas-gathered - experts:pallas``.
 - "tokamax-gemms": the same composition as ``moe_ffn`` (route, permute, gate_up, activation, down, combine, aux
   losses) with tokamax's Mosaic GPU ragged dot (default config) in place of the two grouped matmuls. A benchmark-only
   baseline: moe_jax never imports tokamax.
@@ -34,6 +36,7 @@ import jax.numpy as jnp
 
 import moe_jax
 from benchmarks import common, glu, tokamax_peer
+from moe_jax.ops.glu_mlp.api import routed_glu_mlp
 from moe_jax.ops.grouped_matmul.packing import gate_up_block
 from moe_jax.ops.routing.api import router_logits
 from moe_jax.ops.shapes import LayerShape
@@ -76,13 +79,34 @@ def _expert_operands(x, router_kernel, bias, *, top_k: int, route_kwargs_items: 
     routing = moe_jax.route(router_logits(x, router_kernel), backend="xla", **route_kwargs)
     rows = moe_jax.permute(x, routing.sort_indices, top_k, backend="xla")
     row_weights = routing.weights.reshape(-1)[routing.sort_indices]
-    return {"expert_rows": rows, "group_sizes": routing.group_sizes, "row_weights": row_weights}
+    return {
+        "expert_rows": rows,
+        "sort_indices": routing.sort_indices,
+        "group_sizes": routing.group_sizes,
+        "row_weights": row_weights,
+    }
 
 
 def expert_gemms(rows, w_gate_up, w_down, group_sizes, row_weights, *, activation: str):
     """moe_ffn's expert kernels alone (the "experts:pallas" baseline)."""
     y = moe_jax.glu_mlp(
         rows, w_gate_up, w_down, group_sizes, activation=activation, row_scale=row_weights, backend="pallas"
+    )
+    return y, ()
+
+
+def gathered_expert_gemms(x, sort_indices, w_gate_up, w_down, group_sizes, row_weights, *, activation: str, top_k: int):
+    """moe_ffn's expert kernels as it runs them, rows gathered from x (the "experts:pallas-gathered" baseline)."""
+    y = routed_glu_mlp(
+        x,
+        sort_indices,
+        top_k,
+        w_gate_up,
+        w_down,
+        group_sizes,
+        activation=activation,
+        row_scale=row_weights,
+        backend="pallas",
     )
     return y, ()
 
@@ -179,7 +203,11 @@ def bench_shape(
 
         experts = functools.partial(expert_gemms, activation=shape.activation)
         expert_names = ("expert_rows", "w_gate_up", "w_down", "group_sizes", "row_weights")
-        time_it("experts:pallas", experts, expert_names, "dense_ct", sets=functools.cache(with_expert_operands))
+        expert_sets = functools.cache(with_expert_operands)
+        time_it("experts:pallas", experts, expert_names, "dense_ct", sets=expert_sets)
+        gathered = functools.partial(gathered_expert_gemms, activation=shape.activation, top_k=shape.top_k)
+        gathered_names = ("x", "sort_indices", "w_gate_up", "w_down", "group_sizes", "row_weights")
+        time_it("experts:pallas-gathered", gathered, gathered_names, "dense_ct", sets=expert_sets)
         if not backward:
             router_flops = 2 * shape.t * shape.d * shape.e
             time_it(

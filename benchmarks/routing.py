@@ -10,6 +10,10 @@ selection bias ``common.selection_bias`` where the router has one), per backend,
 - "glue":     route + permute + combine + ``load_balancing_loss`` + ``z_loss`` (everything of the layer but its
               expert GEMMs)
 - "glue-bwd": "glue" and its vjp for cotangents of rows, y and the loss: gradients of logits, x and y_sorted.
+- "glue-fused": what ``moe_ffn`` runs outside its kernels now that the permute happens inside the gate_up kernel's
+              loads (``routed_glu_mlp``): route + the sorted rows' routing weights (``row_scale``) + an unweighted
+              combine + the aux losses. Issue #5's forward glue on the Pallas path is this plus the gathered gate_up
+              kernel's extra time over a plain one (the layer bench's experts:pallas-gathered - experts:pallas).
 
 ``y_sorted`` stands for the expert outputs: an input, so that XLA cannot fold combine into permute. permute and
 combine take the XLA reference's routing of the same logits. Inputs: logits ~ N(0, 4) (f32; softmax then spreads
@@ -36,7 +40,7 @@ import moe_jax
 from benchmarks import common
 from moe_jax.ops.shapes import LayerShape
 
-STAGES = ("route", "permute", "combine", "glue", "glue-bwd")
+STAGES = ("route", "permute", "combine", "glue", "glue-bwd", "glue-fused")
 REFERENCE = "xla"
 # What each stage takes, by name (``Inputs.get``); sort_indices and weights are the XLA routing of the same logits.
 STAGE_ARGS = {
@@ -45,6 +49,7 @@ STAGE_ARGS = {
     "combine": ("y_sorted", "sort_indices", "weights"),
     "glue": ("logits", "x", "y_sorted"),
     "glue-bwd": ("logits", "x", "y_sorted", "d_rows", "d_y"),
+    "glue-fused": ("logits", "y_sorted"),
 }
 _DRAWN = ("logits", "x", "y_sorted", "d_rows", "d_y")
 
@@ -65,6 +70,13 @@ def stage_functions(shape: LayerShape, backend: str, route_kwargs: dict) -> dict
         loss = moe_jax.load_balancing_loss(routing) + moe_jax.z_loss(logits)
         return {"rows": rows, "y": y, "loss": loss}
 
+    def glue_fused(logits, y_sorted):
+        routing = route(logits)
+        row_scale = routing.weights.reshape(-1)[routing.sort_indices]
+        y = moe_jax.combine(y_sorted, routing.sort_indices, k, backend=backend)
+        loss = moe_jax.load_balancing_loss(routing) + moe_jax.z_loss(logits)
+        return {"row_scale": row_scale, "y": y, "loss": loss}
+
     def glue_bwd(logits, x, y_sorted, d_rows, d_y):
         outputs, vjp = jax.vjp(glue, logits, x, y_sorted)
         d_logits, d_x, d_y_sorted = vjp({"rows": d_rows, "y": d_y, "loss": jnp.ones((), jnp.float32)})
@@ -76,6 +88,7 @@ def stage_functions(shape: LayerShape, backend: str, route_kwargs: dict) -> dict
         "combine": jax.jit(lambda y, si, w: {"y": moe_jax.combine(y, si, k, w, backend=backend)}),
         "glue": jax.jit(glue),
         "glue-bwd": jax.jit(glue_bwd),
+        "glue-fused": jax.jit(glue_fused),
     }
 
 
