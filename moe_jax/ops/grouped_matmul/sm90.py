@@ -247,7 +247,6 @@ def grouped_matmul_rows(
                             produced.at[slot],
                             interpret=interpret,
                         )
-                        gather.signal(carry + k, stages, produced, interpret=interpret)
                     else:
                         plgpu.copy_gmem_to_smem(x_block, x_smem.at[slot], produced.at[slot])
                         load_weights(w_block, slot)
@@ -269,8 +268,6 @@ def grouped_matmul_rows(
                 return carry + steps
 
             total_steps = plgpu.nd_loop(work, collective_axes="sm", init_carry=jnp.int32(0))(load_tile)
-            if gathered:
-                gather.signal_rest(total_steps, stages, produced, interpret=interpret)
             pipe.drain(total_steps, stages, consumed)
 
         @pl.when(wg < num_wgs)
@@ -309,6 +306,9 @@ def grouped_matmul_rows(
 
                 def mma(acc):
                     def issue(k, slot):
+                        if gathered:
+                            gather.acquire_rows(interpret=interpret)
+
                         @pl.when(mma_rows > 0)
                         def _():
                             x_tile = x_smem.at[slot, pl.ds(pl.multiple_of(wg * wg_m, wg_m), wg_m)]

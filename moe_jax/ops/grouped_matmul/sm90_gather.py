@@ -6,22 +6,28 @@ with cp.async, 16 bytes per thread and instruction, writing the 128-byte swizzle
     thread t: column chunk t % 8 (16 bytes) of rows t // 8 + 16 i, i < block_m / 16, for each 64-column tile
 
 so that one warp instruction moves four whole 128-byte row segments (coalesced). A cp.async completes on its own
-schedule; a thread knows its copies landed only after ``cp.async.wait_group``. The producer therefore signals a
-stage LAG steps late: after issuing step s it waits until at most LAG of its commit groups are pending, fences the
-generic-proxy writes against the tensor cores' async-proxy reads, and arrives on step s - LAG's barrier (the other
-arrival on that barrier is the weights' TMA). LAG <= stages - 2 keeps the pipeline deadlock-free: a consumer waiting
-for step j has released every step up to j - 2, so the producer can fill step j + LAG.
+schedule, so each thread then issues ``cp.async.mbarrier.arrive`` on the stage's barrier (a pending arrival that the
+hardware settles once the thread's copies landed) and arrives on it as usual: the stage completes when the weights'
+TMA bytes, the 128 arrivals and every thread's copies are in, and the producer never waits for its own copies. The
+copies write shared memory through the generic proxy and wgmma reads it through the async proxy, so a consumer
+fences the two (``fence.proxy.async``) after its wait, before its wgmma.
 
 Under the Mosaic GPU interpreter (CPU tests) the same rows arrive as one TMA copy per row into an untiled buffer,
 each counting as one arrival on the stage's barrier: the schedule, the indices and the barrier protocol of the
 kernel are what those tests check; the cp.async instructions only run on the GPU (tests/gpu).
 """
 
+import jax
 import jax.numpy as jnp
-from jax import lax
+from jax._src import core as jax_core
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, gpu, llvm, memref, nvvm
+from jax._src.pallas.mosaic_gpu import core as gpu_core
+from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
+from jax._src.pallas.mosaic_gpu import primitives as gpu_primitives
+from jax._src.state import primitives as state_primitives
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -29,11 +35,6 @@ from moe_jax.ops.grouped_matmul import sm90_pipeline as pipe
 
 CHUNK_BYTES = 16  # one cp.async
 SWIZZLE_BYTES = 128  # the wgmma operand's swizzle: 8 rows x 128 bytes per swizzle atom
-
-
-def lag(stages: int) -> int:
-    """Steps between issuing a stage's cp.async copies and signalling it (see the module docstring)."""
-    return max(stages - 2, 0)
 
 
 def smem_transforms(block_k: int, dtype, interpret) -> tuple:
@@ -47,11 +48,8 @@ def produced_arrivals(block_m: int, interpret) -> int:
 
 
 def load_rows(x_gmem, row_tokens_gmem, row0, k0, dst_smem, barrier, *, interpret) -> None:
-    """Starts copying ``x[row_tokens[row0 + r], k0 : k0 + block_k]`` into row r of ``dst_smem`` [block_m, block_k].
-
-    On the GPU the copies join this thread's next cp.async commit group (committed here); ``signal`` later tells
-    ``barrier``. Under the interpreter each row copy arrives on ``barrier`` itself.
-    """
+    """Copies ``x[row_tokens[row0 + r], k0 : k0 + block_k]`` into row r of ``dst_smem`` [block_m, block_k] and makes
+    ``barrier`` (the stage's, which the weights' TMA also arrives on) wait for the copies."""
     block_m, block_k = dst_smem.shape
     if interpret is not None:
 
@@ -64,43 +62,50 @@ def load_rows(x_gmem, row_tokens_gmem, row0, k0, dst_smem, barrier, *, interpret
     _cp_async_rows(
         x_gmem.at[:, pl.ds(k0, block_k)], row_tokens_gmem.at[pl.ds(row0, block_m)], dst_smem, x_gmem.shape[1]
     )
+    _arrive_when_copied(barrier)
+    plgpu.barrier_arrive(barrier)
 
 
-def signal(step, stages: int, produced, *, interpret) -> None:
-    """GPU, after issuing step ``step``'s copies: once step - LAG's rows landed, arrive on its barrier."""
-    if interpret is not None:
-        return
-    lagged = lag(stages)
-    _wait_own_copies(lagged)
-
-    @pl.when(step >= lagged)
-    def _():
-        plgpu.barrier_arrive(produced.at[lax.rem(step - lagged, stages)])
+def acquire_rows(*, interpret) -> None:
+    """Consumer, after waiting for a stage: orders the producer's cp.async writes before this thread's wgmma reads."""
+    if interpret is None:
+        _fence_async_shared()
 
 
-def signal_rest(total_steps, stages: int, produced, *, interpret) -> None:
-    """GPU, after the last step: arrive for the steps ``signal`` has not yet (the last LAG)."""
-    if interpret is not None:
-        return
-    lagged = lag(stages)
-    _wait_own_copies(0)
-
-    @pl.loop(jnp.maximum(total_steps - lagged, 0), total_steps)
-    def _(step):
-        plgpu.barrier_arrive(produced.at[lax.rem(step, stages)])
+@plgpu.inline_mgpu()
+def _fence_async_shared(ctx):
+    del ctx
+    nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
 
 
-def _wait_own_copies(pending: int) -> None:
-    """Waits until at most ``pending`` of this thread's cp.async groups are in flight, then makes the finished
-    copies visible to the async proxy (wgmma reads shared memory through it)."""
+# cp.async.mbarrier.arrive as a Pallas primitive: inline_mgpu cannot take a barrier, so this mirrors
+# plgpu.barrier_arrive (its ref and transforms) with the one instruction of Mosaic GPU's own cp.async path.
+_arrive_when_copied_p = jax_core.Primitive("cp_async_mbarrier_arrive")
+_arrive_when_copied_p.multiple_results = True
 
-    @plgpu.inline_mgpu()
-    def _wait(ctx):
-        del ctx
-        nvvm.cp_async_wait_group(pending)
-        nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
 
-    _wait()
+def _arrive_when_copied(barrier) -> None:
+    """Adds a pending arrival on ``barrier`` that completes when this thread's cp.async copies so far have landed."""
+    barrier, transforms = state_primitives.get_ref_and_transforms(barrier, None, "cp_async_mbarrier_arrive")
+    flat_transforms, transforms_treedef = jax.tree.flatten(transforms)
+    _arrive_when_copied_p.bind(barrier, *flat_transforms, transforms_treedef=transforms_treedef)
+
+
+@_arrive_when_copied_p.def_effectful_abstract_eval
+def _arrive_when_copied_abstract_eval(barrier, *args, **params):
+    del barrier, args, params
+    return (), {gpu_core._memory_effect}
+
+
+@mgpu_lowering.register_lowering_rule(_arrive_when_copied_p, mgpu.LoweringSemantics.Lane)
+@mgpu_lowering.register_lowering_rule(_arrive_when_copied_p, mgpu.LoweringSemantics.Warpgroup)
+def _arrive_when_copied_lowering(ctx, barrier, *flat_transforms, transforms_treedef):
+    transforms = transforms_treedef.unflatten(flat_transforms)
+    index = gpu_primitives._get_barrier_base_index(ctx.avals_in[0], transforms)
+    if index is not None:
+        barrier = barrier[index]
+    nvvm.cp_async_mbarrier_arrive(barrier.get_ptr())
+    return ()
 
 
 def _cp_async_rows(x_cols_gmem, tokens_gmem, dst_smem, row_stride: int) -> None:
