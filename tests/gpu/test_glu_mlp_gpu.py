@@ -96,7 +96,15 @@ def _routed_fwd_bwd(inputs, packed, group_sizes, sort_indices, *, top_k, fused):
     def mlp(x, w_gate_up, w_down, row_scale):
         if fused:
             return glu_mlp_api.routed_glu_mlp(
-                x, sort_indices, top_k, w_gate_up, w_down, group_sizes, row_scale=row_scale, backend="pallas"
+                x,
+                sort_indices,
+                top_k,
+                w_gate_up,
+                w_down,
+                group_sizes,
+                row_scale=row_scale,
+                fuse_gather=True,
+                backend="pallas",
             )
         rows = moe_jax.permute(x, sort_indices, top_k)
         return moe_jax.glu_mlp(rows, w_gate_up, w_down, group_sizes, row_scale=row_scale, backend="pallas")

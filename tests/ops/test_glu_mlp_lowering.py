@@ -94,9 +94,9 @@ def test_standalone_epilogues_lower_with_their_gradients():
 
 
 # routed_glu_mlp gathers the gate_up kernel's rows from the tokens (cp.async in the producer: only a real lowering
-# builds it) with each model's tuned gate_up config, 2-CTA clusters included. Its backward adds a permute (the
-# sorted rows for the gate_up wgrad) and a combine (d_x) to glu_mlp's six kernels: Pallas kernels when D is a
-# multiple of 128, XLA for gpt-oss's D = 2880.
+# builds it) with each model's tuned gate_up config, 2-CTA clusters included (fuse_gather forced: by default only
+# F <= 1024 fuses). Its backward adds a permute (the sorted rows for the gate_up wgrad) and a combine (d_x) to
+# glu_mlp's six kernels: Pallas kernels when D is a multiple of 128, XLA for gpt-oss's D = 2880.
 @pytest.mark.parametrize(
     "model, top_k, kernels", [("qwen3-30b", 8, 8), ("gpt-oss-120b", 4, 6), ("dsv3-ep8", 8, 8), ("mixtral", 2, 8)]
 )
@@ -115,7 +115,7 @@ def test_routed_glu_mlp_lowers_with_its_gather(model, top_k, kernels):
     def loss(x, sort_indices, w_gate_up, w_down, group_sizes, scale):
         packed = moe_jax.PackedGateUp(w_gate_up, 64)
         y = glu_mlp_api.routed_glu_mlp(
-            x, sort_indices, top_k, packed, w_down, group_sizes, row_scale=scale, backend="pallas"
+            x, sort_indices, top_k, packed, w_down, group_sizes, row_scale=scale, fuse_gather=True, backend="pallas"
         )
         return jnp.sum(y.astype(jnp.float32))
 

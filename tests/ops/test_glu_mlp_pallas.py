@@ -139,10 +139,12 @@ def _check_glu_mlp(activation, case, with_row_scale, recompute):
 # routed_glu_mlp gathers the gate_up kernel's rows from the tokens (no permuted copy): its output and gradients must
 # be the permute-then-MLP reference's. T = 40 tokens with k = 3 distinct experts each over G = 4 (expert 2 never
 # chosen); with "dropped", the last group is cut by 7 rows (as a capacity drop does), which must come out as zeros and
-# send no gradient to their tokens.
-@pytest.mark.parametrize("activation, dropped", [("swiglu", False), ("gpt_oss", True)])
+# send no gradient to their tokens. fuse_gather=False takes the permute-then-glu_mlp path that wide layers get.
+@pytest.mark.parametrize(
+    "activation, dropped, fuse_gather", [("swiglu", False, True), ("gpt_oss", True, True), ("swiglu", True, False)]
+)
 @pytest.mark.usefixtures("interpret")
-def test_routed_glu_mlp_matches_permuted_reference(activation, dropped):
+def test_routed_glu_mlp_matches_permuted_reference(activation, dropped, fuse_gather):
     num_tokens, top_k, d, f, num_experts = 40, 3, 64, 128, 4
     rng = np.random.default_rng(51)
     experts = np.stack([rng.choice(3, size=top_k, replace=False) for _ in range(num_tokens)]).reshape(-1)
@@ -165,7 +167,16 @@ def test_routed_glu_mlp_matches_permuted_reference(activation, dropped):
 
     kernel = vjp(
         lambda a, b, c, s: glu_mlp_api.routed_glu_mlp(
-            a, indices, top_k, b, c, group_sizes, activation=activation, row_scale=s, backend="pallas"
+            a,
+            indices,
+            top_k,
+            b,
+            c,
+            group_sizes,
+            activation=activation,
+            row_scale=s,
+            fuse_gather=fuse_gather,
+            backend="pallas",
         ),
         moe_jax.pack_gate_up(w_gate_up),
     )

@@ -138,20 +138,24 @@ def routed_glu_mlp(
     *,
     activation: str = "swiglu",
     row_scale: jax.Array | None = None,
+    fuse_gather: bool | None = None,
     backend: str = "auto",
 ) -> jax.Array:
-    """``glu_mlp(permute(x, sort_indices, top_k), ...)`` with the permute fused into the gate_up kernel's loads.
+    """``glu_mlp(permute(x, sort_indices, top_k), ...)``, on the Pallas path with the permute fused into the gate_up
+    kernel's loads where that pays.
 
-    On the Pallas path the expert-sorted rows [T * k, D] are never written: the gate_up kernel gathers row r from
-    ``x[sort_indices[r] // top_k]`` (grouped_matmul/sm90_gather.py). The backward recomputes the sorted rows for the
-    gate_up weights' gradient and sums each token's k row gradients (``combine``) for x's. Elsewhere (backend "xla",
-    or shapes without a kernel) it is the composition itself.
+    Fused, the expert-sorted rows [T * k, D] are never written: the gate_up kernel gathers row r from
+    ``x[sort_indices[r] // top_k]`` (grouped_matmul/sm90_gather.py), and the backward recomputes the sorted rows for
+    the gate_up weights' gradient and sums each token's k row gradients (``combine``) for x's. Otherwise (backend
+    "xla", shapes without a kernel, or ``fuse_gather`` off) it is the composition itself.
 
     Args:
       x: [T, D] tokens.
       sort_indices: [T * k] int32 from ``Routing.sort_indices`` (or ``apply_capacity``).
       top_k: k, the experts per token.
       w_gate_up, w_down, group_sizes, activation, row_scale, backend: as ``glu_mlp``'s, for the T * k sorted rows.
+      fuse_gather: Pallas path: gather inside the gate_up kernel (True) or permute first (False); None decides by
+        the hidden width F (``fuses_gather``).
 
     Returns:
       [T * k, D] in x.dtype, in expert-sorted order (what ``combine`` takes).
@@ -168,11 +172,32 @@ def routed_glu_mlp(
     supported = (
         kernel_unsupported(x, d_model, 2 * d_ff, activation) is None and kernel_unsupported(x, d_ff, d_model) is None
     )
-    if resolve_backend(backend, op="glu_mlp", has_kernel=supported) == "xla":
-        rows = permute(x, sort_indices, top_k, backend=backend)
-        return glu_mlp(rows, w_gate_up, w_down, group_sizes, activation=activation, row_scale=row_scale, backend="xla")
-    group_sizes = group_sizes.astype(jnp.int32)
-    return _run_pallas(x, sort_indices, top_k, w_gate_up, w_down, group_sizes, row_scale, activation, False)
+    pallas = resolve_backend(backend, op="glu_mlp", has_kernel=supported) == "pallas"
+    if pallas and (fuses_gather(d_ff) if fuse_gather is None else fuse_gather):
+        group_sizes = group_sizes.astype(jnp.int32)
+        return _run_pallas(x, sort_indices, top_k, w_gate_up, w_down, group_sizes, row_scale, activation, False)
+    rows = permute(x, sort_indices, top_k, backend=_rows_backend(x) if pallas else "xla")
+    mlp_backend = "pallas" if pallas else "xla"
+    return glu_mlp(
+        rows, w_gate_up, w_down, group_sizes, activation=activation, row_scale=row_scale, backend=mlp_backend
+    )
+
+
+# Fusing the gather costs the gate_up kernel 4-7% of its time (cp.async rows instead of TMA boxes: H200, qwen3 and
+# dsv3-ep8 gate_up, docs/kernels/routing.md) and saves the permute, whose share of that kernel's time shrinks as 1 / F
+# (bytes ~ M D against FLOPs ~ M D F): 13% at F = 768 (qwen3, a gain), ~5% at F = 2048 and 2880 (dsv3, gpt-oss: a
+# tie) and 1% at F = 14336 (mixtral: a loss).
+GATHER_MAX_D_FF = 1024
+
+
+def fuses_gather(d_ff: int) -> bool:
+    """Whether ``routed_glu_mlp`` gathers inside the gate_up kernel by default, for hidden width ``d_ff`` (F)."""
+    return d_ff <= GATHER_MAX_D_FF
+
+
+def _rows_backend(x) -> str:
+    """Where the sorted rows of x are moved: the permute/combine kernels where they take x's width, else XLA."""
+    return "pallas" if permute_supports(x.shape[1], x.dtype) else "xla"
 
 
 def _run_pallas(x, sort_indices, top_k, w_gate_up, w_down, group_sizes, row_scale, activation, recompute_gate_up):
@@ -264,10 +289,9 @@ def _glu_mlp_bwd(top_k, activation, recompute_gate_up, residuals, d_y):
         d_x, d_w_gate_up = gemm_grads(x, w_gate_up, group_sizes, d_gate_up, transpose_rhs=False)
     else:
         # The gate_up wgrad contracts the sorted rows: with the gather fused they exist only here, for the backward.
-        rows_backend = "pallas" if permute_supports(x.shape[1], x.dtype) else "xla"
-        rows = permute(x, sort_indices, top_k, backend=rows_backend)
+        rows = permute(x, sort_indices, top_k, backend=_rows_backend(x))
         d_rows, d_w_gate_up = gemm_grads(rows, w_gate_up, group_sizes, d_gate_up, transpose_rhs=False)
-        d_x = combine(d_rows, sort_indices, top_k, backend=rows_backend)
+        d_x = combine(d_rows, sort_indices, top_k, backend=_rows_backend(x))
     return d_x, d_w_gate_up, d_w_down, None, d_row_scale, None
 
 
