@@ -253,5 +253,6 @@ def markdown_table(records: list[common.Record]) -> str:
 TABLE_NOTE = (
     "routing: ms = median per call (spread = (p90 - p10) / median); vs xla = xla ms / this backend's ms; check = "
     "integer outputs (experts, group_sizes, sort_indices) equal to xla's, max relative error of the float outputs and "
-    "gradients against xla's; glue = route + permute + combine + load_balancing_loss + z_loss"
+    "gradients against xla's; glue = route + permute + combine + load_balancing_loss + z_loss; "
+    "glue-fused = the same without the permute (moe_ffn gathers in its gate_up kernel), with the rows' weights"
 )

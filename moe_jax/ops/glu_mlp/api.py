@@ -183,11 +183,12 @@ def routed_glu_mlp(
     )
 
 
-# Fusing the gather costs the gate_up kernel 4-7% of its time (cp.async rows instead of TMA boxes: H200, qwen3 and
-# dsv3-ep8 gate_up, docs/kernels/routing.md) and saves the permute, whose share of that kernel's time shrinks as 1 / F
-# (bytes ~ M D against FLOPs ~ M D F): 13% at F = 768 (qwen3, a gain), ~5% at F = 2048 and 2880 (dsv3, gpt-oss: a
-# tie) and 1% at F = 14336 (mixtral: a loss).
-GATHER_MAX_D_FF = 1024
+# Fusing the gather costs the gate_up kernel 4-7% of its time (cp.async rows instead of TMA boxes) and saves the
+# permute, whose share of that kernel's time shrinks as 1 / F (bytes ~ M D against FLOPs ~ M D F). Measured on an
+# H200 (docs/kernels/routing.md, "The gather inside the gate_up kernel"): a gain at F = 768 (qwen3), a tie at
+# F = 2048 (dsv3-ep8; at the whole deepseek-v3 layer the gathered experts were as fast or faster) and at F = 2880
+# (gpt-oss), a loss at F = 14336 (mixtral, 5%).
+GATHER_MAX_D_FF = 2048
 
 
 def fuses_gather(d_ff: int) -> bool:
