@@ -156,6 +156,5 @@ def _cp_async_rows(x_cols_gmem, tokens_gmem, dst_smem, row_stride: int) -> None:
                     CHUNK_BYTES,
                     nvvm.LoadCacheModifierKind.CG,
                 )
-        nvvm.cp_async_commit_group()
 
     _copy(x_cols_gmem, tokens_gmem, dst_smem)

@@ -128,9 +128,9 @@ def moe_ffn(
     if capacity_factor is not None:
         group_sizes, sort_indices = apply_capacity(routing, capacity_factor)
     with jax.named_scope("experts"):
-        # The permute is fused into the gate_up kernel's loads (routed_glu_mlp). The routing weights scale the down
-        # projection's rows (its epilogue), so the combine is a plain sum. Gathered by sort_indices, which is
-        # apply_capacity's when it ran (so not Routing.sorted_weights).
+        # The permute runs inside the gate_up kernel's loads where that pays (routed_glu_mlp). The routing weights
+        # scale the down projection's rows (its epilogue), so the combine is a plain sum. Gathered by sort_indices,
+        # which is apply_capacity's when it ran (so not Routing.sorted_weights).
         row_weights = routing.weights.reshape(-1)[sort_indices]
         out_rows = routed_glu_mlp(
             x,
