@@ -18,6 +18,10 @@ Qwen3-30B-A3B layer (M = 131072, D = 2048, F = 768) it is 0.4 GB written once an
 against a 0.82-TFLOP GEMM (~1.9 ms at the 430 TF/s issue #3's gate_up kernel reached). Measured on an H200
 (``python -m benchmarks --bench glu``, benchmarks/RESULTS.md): the backward with gu kept took 22-26% less time than
 with the recompute at the qwen3-30b, dsv3-ep8 and mixtral gate_up shapes.
+
+``routed_glu_mlp`` (what ``moe_ffn`` calls) takes the tokens [T, D] and the routing's sort indices instead of sorted
+rows: where that pays (F <= 2048) the gate_up kernel gathers its rows from the tokens, so the [T * k, D] permuted copy
+is never written, and the backward keeps the tokens rather than the rows.
 """
 
 import functools
