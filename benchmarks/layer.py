@@ -97,7 +97,8 @@ def expert_gemms(rows, w_gate_up, w_down, group_sizes, row_weights, *, activatio
 
 
 def gathered_expert_gemms(x, sort_indices, w_gate_up, w_down, group_sizes, row_weights, *, activation: str, top_k: int):
-    """moe_ffn's expert kernels as it runs them, rows gathered from x (the "experts:pallas-gathered" baseline)."""
+    """The expert kernels with the gate_up kernel gathering its rows from x (the "experts:pallas-gathered" baseline;
+    what moe_ffn runs where F <= 2048)."""
     y = routed_glu_mlp(
         x,
         sort_indices,
