@@ -294,9 +294,10 @@ def _glu_mlp_bwd(top_k, activation, recompute_gate_up, residuals, d_y):
         d_x, d_w_gate_up = gemm_grads(x, w_gate_up, group_sizes, d_gate_up, transpose_rhs=False)
     else:
         # The gate_up wgrad contracts the sorted rows: with the gather fused they exist only here, for the backward.
-        rows = permute(x, sort_indices, top_k, backend=_rows_backend(x))
+        rows_backend = _rows_backend(x)
+        rows = permute(x, sort_indices, top_k, backend=rows_backend)
         d_rows, d_w_gate_up = gemm_grads(rows, w_gate_up, group_sizes, d_gate_up, transpose_rhs=False)
-        d_x = combine(d_rows, sort_indices, top_k, backend=_rows_backend(x))
+        d_x = combine(d_rows, sort_indices, top_k, backend=rows_backend)
     return d_x, d_w_gate_up, d_w_down, None, d_row_scale, None
 
 

@@ -229,13 +229,9 @@ def grouped_matmul_rows(
                 group = jnp.maximum(tiles_gmem[TILE_GROUP, entry], 0)
                 row0 = pl.multiple_of(tiles_gmem[TILE_ROW, entry], ROW_ALIGN)
 
-                def blocks(k):
+                def load(k, slot):
                     ks, ns = pl.ds(k * bk, bk), pl.ds(ni * bn, bn)
                     w_block = w_gmem.at[group, ns, ks] if w_transposed else w_gmem.at[group, ks, ns]
-                    return (None if gathered else x_gmem.at[pl.ds(row0, bm), ks]), w_block
-
-                def load(k, slot):
-                    x_block, w_block = blocks(k)
                     if gathered:
                         load_weights(w_block, slot)
                         gather.load_rows(
@@ -248,7 +244,7 @@ def grouped_matmul_rows(
                             interpret=interpret,
                         )
                     else:
-                        plgpu.copy_gmem_to_smem(x_block, x_smem.at[slot], produced.at[slot])
+                        plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(row0, bm), ks], x_smem.at[slot], produced.at[slot])
                         load_weights(w_block, slot)
 
                 def load_weights(w_block, slot):
@@ -275,18 +271,11 @@ def grouped_matmul_rows(
             plgpu.set_max_registers(pipe.compute_registers(num_wgs), action="increase")
             epilogue = _epilogue(epi, cfg, cols, out_dtype, wg, out_gmems, out_smem, operand_gmem, epi_scratch, if_real)
 
-            def stores(kept):
-                """The store work of a kept tile: nothing for a phantom tile or the empty one before the first."""
-                values, tile, active = kept
-                return [functools.partial(pl.when(active != 0), store) for store in epilogue.stores(values, *tile)]
+            def stores(outputs):
+                values, tile = outputs
+                return epilogue.stores(values, *tile)
 
-            # With the overlap the loop carries the previous tile's outputs; their stores run during this tile's
-            # first steps (and an epilogue operand load that would overwrite what they read, after them).
-            no_tile = (jnp.int32(0),) * 5
-            kept = (epilogue.empty(), no_tile, jnp.int32(0)) if overlap else None
-
-            def tile_step(info, carry):
-                first_step, previous = carry
+            def tile_step(info, first_step, overlapped):
                 mi, ni, entry, steps, _ = tile_of(info.index[0])
                 group, row0 = tiles_gmem[TILE_GROUP, entry], tiles_gmem[TILE_ROW, entry]
                 skip, rows = tiles_gmem[TILE_SKIP, entry], tiles_gmem[TILE_ROWS, entry]
@@ -297,7 +286,8 @@ def grouped_matmul_rows(
                 wg_row0 = row0 + wg * wg_m
                 # No MMA for a phantom tile, or for a zero tile that runs its span's steps.
                 mma_rows = jnp.where(real & (group != ZERO_TILE), wg_rows, 0) if cluster > 1 else wg_rows
-                overlapped = stores(previous) if overlap else []
+                # With the overlap an epilogue operand load that would overwrite what the previous tile's stores read
+                # runs after them.
                 prefetch = functools.partial(if_real, real, lambda: epilogue.prefetch(wg_row0, ni))
                 if overlap and epilogue.prefetch_after_stores:
                     overlapped.append(prefetch)
@@ -319,17 +309,12 @@ def grouped_matmul_rows(
                     return acc[...]
 
                 acc = pl.run_scoped(mma, plgpu.ACC((wg_m, bn), jnp.float32))
-                tile = (epilogue.prepare(acc, real), (mi, ni, wg_row0, wg_first, wg_rows), real.astype(jnp.int32))
-                if overlap:
-                    return first_step + steps, tile
-                for store in stores(tile):
-                    store()
-                return first_step + steps, None
+                # Nothing stored for a phantom tile.
+                outputs = (epilogue.prepare(acc, real), (mi, ni, wg_row0, wg_first, wg_rows))
+                return steps, outputs, real.astype(jnp.int32)
 
-            _, last = plgpu.nd_loop(work, collective_axes="sm", init_carry=(jnp.int32(0), kept))(tile_step)
-            if overlap:
-                for store in stores(last):
-                    store()
+            empty = (epilogue.empty(), (jnp.int32(0),) * 5)
+            pipe.consume_tiles(work, tile_step, stores, empty, overlap)
             plgpu.wait_smem_to_gmem(0)
 
     in_dtype = x.dtype

@@ -105,6 +105,40 @@ def consume(first_step, num_steps, stages: int, produced, consumed, issue, overl
         plgpu.barrier_arrive(consumed.at[lax.rem(first_step + num_steps - 1, stages)])
 
 
+def consume_tiles(work, tile, stores, empty, overlap: bool) -> None:
+    """A consumer's persistent loop over the CTA's tiles, with the epilogue stored between tiles or overlapped.
+
+    Args:
+      work: the nd_loop shape of the CTA's tiles.
+      tile: ``(info, first_step, overlapped) -> (steps, outputs, active)``: runs the tile's steps (``consume``,
+        passing it ``overlapped``: the previous tile's stores, a list the tile may extend) and returns what its
+        epilogue stores; stores of a tile with ``active == 0`` do nothing.
+      stores: ``outputs -> callables`` that store them, in order.
+      empty: outputs of the right types: the loop carry before the first tile (with ``overlap``).
+      overlap: the outputs ride the loop carry and their stores run during the next tile's first steps (the last
+        tile's after the loop); otherwise each tile stores its own when its steps are done.
+    """
+
+    def gated(kept):
+        outputs, active = kept
+        return [functools.partial(pl.when(active != 0), store) for store in stores(outputs)]
+
+    def body(info, carry):
+        first_step, previous = carry
+        steps, outputs, active = tile(info, first_step, gated(previous) if overlap else [])
+        if overlap:
+            return first_step + steps, (outputs, active)
+        for store in gated((outputs, active)):
+            store()
+        return first_step + steps, None
+
+    init = (jnp.int32(0), (empty, jnp.int32(0)) if overlap else None)
+    _, last = plgpu.nd_loop(work, collective_axes="sm", init_carry=init)(body)
+    if overlap:
+        for store in gated(last):
+            store()
+
+
 def store_rows(src_smem, index, dst_gmem, row0, start, rows, col) -> None:
     """TMA-stores rows [start, start + rows) of ``src_smem.at[*index]`` [R, C] to ``dst_gmem`` rows row0 + start...
 

@@ -110,21 +110,18 @@ def grouped_matmul_wgrad(
             plgpu.set_max_registers(pipe.compute_registers(num_wgs), action="increase")
             wg_cols = pl.ds(pl.multiple_of(wg * wg_m, wg_m), wg_m)
 
-            def stores(kept):
-                """One callable per column chunk of a kept tile (none before the first tile)."""
-                chunks, (group, pi, qi), active = kept
+            def stores(outputs):
+                """One callable per column chunk of a tile's output."""
+                chunks, (group, pi, qi) = outputs
                 row0 = pi * bm + wg * wg_m
 
                 def store(c, chunk):
-                    @pl.when(active != 0)
-                    def _():
-                        col = qi * bn + c * epi_n
-                        pipe.store_chunk(c, chunk, out_smem, wg, out_gmem.at[group], row0, 0, wg_m, col, q)
+                    col = qi * bn + c * epi_n
+                    pipe.store_chunk(c, chunk, out_smem, wg, out_gmem.at[group], row0, 0, wg_m, col, q)
 
                 return [functools.partial(store, c, chunk) for c, chunk in enumerate(chunks)]
 
-            def tile_step(info, carry):
-                first_step, previous = carry
+            def tile_step(info, first_step, overlapped):
                 group, start, size, box, steps, pi, qi = tile_of(info.index[0])
 
                 def mma(acc):
@@ -144,25 +141,14 @@ def grouped_matmul_wgrad(
 
                         plgpu.wgmma(acc, x_smem.at[slot, :, wg_cols].transpose((1, 0)), y_smem.at[slot])
 
-                    overlapped = stores(previous) if overlap else []
                     pipe.consume(first_step, steps, stages, produced, consumed, issue, overlapped)
                     return acc[...]
 
                 out = pl.run_scoped(mma, plgpu.ACC((wg_m, bn), jnp.float32)).astype(out_dtype)
-                tile = (pipe.column_chunks(out, epi_n), (group, pi, qi), jnp.int32(1))
-                if overlap:
-                    return first_step + steps, tile
-                for store in stores(tile):
-                    store()
-                return first_step + steps, None
+                return steps, (pipe.column_chunks(out, epi_n), (group, pi, qi)), jnp.int32(1)
 
-            # With the overlap the loop carries the previous tile's output; it is stored during this tile's first steps.
-            kept = (pipe.empty_chunks(bn // epi_n, wg_m, epi_n, out_dtype), (jnp.int32(0),) * 3, jnp.int32(0))
-            init = (jnp.int32(0), kept if overlap else None)
-            _, last = plgpu.nd_loop(work, collective_axes="sm", init_carry=init)(tile_step)
-            if overlap:
-                for store in stores(last):
-                    store()
+            empty = (pipe.empty_chunks(bn // epi_n, wg_m, epi_n, out_dtype), (jnp.int32(0),) * 3)
+            pipe.consume_tiles(work, tile_step, stores, empty, overlap)
             plgpu.wait_smem_to_gmem(0)
 
     in_dtype = x.dtype
