@@ -8,12 +8,12 @@ Side by side at each named layer shape (``moe_jax.ops.shapes.LAYER_SHAPES``), ro
 - "moe_jax:<backend>": ``moe_jax.moe_ffn`` (backend "xla" is the reference composition over ``jax.lax.ragged_dot``).
 - "experts:pallas": the two expert kernels of moe_jax:pallas alone, ``moe_jax.glu_mlp`` on rows already sorted by the
   same routing (computed outside the timing, like its group sizes and row weights): no router, routing, permute or
-  combine; "experts:pallas-routed": the same two kernels as moe_ffn runs them, ``routed_glu_mlp`` from x [T, D] and
-  the sort indices to y [T, D] (by default the gate_up kernel gathers its rows from x where F <= 2048 and the down
-  kernel adds each row into its token's row of y); forward only, "router:xla": the router matmul
-  ``router_logits(x, router_kernel)`` alone. The layer's "glue" (issue #5: routing, permute, combine and the aux
-  losses, including whatever the fused gather and combine cost the kernels) is ``moe_jax:pallas - experts:pallas -
-  router:xla``; what the fusions cost (or save) the kernels is ``experts:pallas-routed - experts:pallas``.
+  combine; "experts:pallas-gathered": the same two kernels with the gate_up kernel gathering its rows from x by the
+  sort indices (``routed_glu_mlp(fuse_gather=True)``, what moe_ffn runs where F <= 2048); forward only,
+  "router:xla": the router matmul ``router_logits(x, router_kernel)`` alone. The layer's "glue" (issue #5: routing,
+  permute, combine and the aux losses, including whatever the gathered gate_up loads cost over plain ones) is
+  ``moe_jax:pallas - experts:pallas - router:xla``; the gather's own cost is ``experts:pallas-gathered -
+  experts:pallas``.
 - "tokamax-gemms": the same composition as ``moe_ffn`` (route, permute, gate_up, activation, down, combine, aux
   losses) with tokamax's Mosaic GPU ragged dot (default config) in place of the two grouped matmuls. A benchmark-only
   baseline: moe_jax never imports tokamax.
@@ -96,9 +96,9 @@ def expert_gemms(rows, w_gate_up, w_down, group_sizes, row_weights, *, activatio
     return y, ()
 
 
-def routed_expert_gemms(x, sort_indices, w_gate_up, w_down, group_sizes, row_weights, *, activation: str, top_k: int):
-    """The expert kernels as moe_ffn runs them, from the tokens to the combined output (the "experts:pallas-routed"
-    baseline)."""
+def gathered_expert_gemms(x, sort_indices, w_gate_up, w_down, group_sizes, row_weights, *, activation: str, top_k: int):
+    """The expert kernels with the gate_up kernel gathering its rows from x (the "experts:pallas-gathered" baseline;
+    what moe_ffn runs where F <= 2048)."""
     y = routed_glu_mlp(
         x,
         sort_indices,
@@ -108,6 +108,7 @@ def routed_expert_gemms(x, sort_indices, w_gate_up, w_down, group_sizes, row_wei
         group_sizes,
         activation=activation,
         row_scale=row_weights,
+        fuse_gather=True,
         backend="pallas",
     )
     return y, ()
@@ -207,9 +208,9 @@ def bench_shape(
         expert_names = ("expert_rows", "w_gate_up", "w_down", "group_sizes", "row_weights")
         expert_sets = functools.cache(with_expert_operands)
         time_it("experts:pallas", experts, expert_names, "dense_ct", sets=expert_sets)
-        routed = functools.partial(routed_expert_gemms, activation=shape.activation, top_k=shape.top_k)
-        routed_names = ("x", "sort_indices", "w_gate_up", "w_down", "group_sizes", "row_weights")
-        time_it("experts:pallas-routed", routed, routed_names, "ct", sets=expert_sets)
+        gathered = functools.partial(gathered_expert_gemms, activation=shape.activation, top_k=shape.top_k)
+        gathered_names = ("x", "sort_indices", "w_gate_up", "w_down", "group_sizes", "row_weights")
+        time_it("experts:pallas-gathered", gathered, gathered_names, "dense_ct", sets=expert_sets)
         if not backward:
             router_flops = 2 * shape.t * shape.d * shape.e
             time_it(

@@ -11,9 +11,9 @@ selection bias ``common.selection_bias`` where the router has one), per backend,
               expert GEMMs)
 - "glue-bwd": "glue" and its vjp for cotangents of rows, y and the loss: gradients of logits, x and y_sorted.
 - "glue-fused": what ``moe_ffn`` runs outside its kernels now that the permute happens inside the gate_up kernel's
-              loads and the combine inside the down kernel's stores (``routed_glu_mlp``): route + the sorted rows'
-              routing weights (``row_scale``) + the aux losses. Issue #5's forward glue on the Pallas path is this
-              plus what the fusions cost the kernels (the layer bench's experts:pallas-routed - experts:pallas).
+              loads (``routed_glu_mlp``): route + the sorted rows' routing weights (``row_scale``) + an unweighted
+              combine + the aux losses. Issue #5's forward glue on the Pallas path is this plus the gathered gate_up
+              kernel's extra time over a plain one (the layer bench's experts:pallas-gathered - experts:pallas).
 
 ``y_sorted`` stands for the expert outputs: an input, so that XLA cannot fold combine into permute. permute and
 combine take the XLA reference's routing of the same logits. Inputs: logits ~ N(0, 4) (f32; softmax then spreads
@@ -49,7 +49,7 @@ STAGE_ARGS = {
     "combine": ("y_sorted", "sort_indices", "weights"),
     "glue": ("logits", "x", "y_sorted"),
     "glue-bwd": ("logits", "x", "y_sorted", "d_rows", "d_y"),
-    "glue-fused": ("logits",),
+    "glue-fused": ("logits", "y_sorted"),
 }
 _DRAWN = ("logits", "x", "y_sorted", "d_rows", "d_y")
 
@@ -70,11 +70,12 @@ def stage_functions(shape: LayerShape, backend: str, route_kwargs: dict) -> dict
         loss = moe_jax.load_balancing_loss(routing) + moe_jax.z_loss(logits)
         return {"rows": rows, "y": y, "loss": loss}
 
-    def glue_fused(logits):
+    def glue_fused(logits, y_sorted):
         routing = route(logits)
         row_scale = routing.weights.reshape(-1)[routing.sort_indices]
+        y = moe_jax.combine(y_sorted, routing.sort_indices, k, backend=backend)
         loss = moe_jax.load_balancing_loss(routing) + moe_jax.z_loss(logits)
-        return {"row_scale": row_scale, "sort_indices": routing.sort_indices, "loss": loss}
+        return {"row_scale": row_scale, "y": y, "loss": loss}
 
     def glue_bwd(logits, x, y_sorted, d_rows, d_y):
         outputs, vjp = jax.vjp(glue, logits, x, y_sorted)

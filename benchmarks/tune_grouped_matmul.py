@@ -232,13 +232,8 @@ def _print_rows(kind, shape, routing, flops, medians, errors) -> list[tuple[floa
     return results
 
 
-# The tuned kernels' epilogue vectors (sm90.Epilogue.row_vectors): glu_dgrad's row scale and partial sums.
-def _row_vectors(kind: str) -> int:
-    return 2 if kind == "glu_dgrad" else 0
-
-
 def table_config(kind: str, shape) -> Config:
-    return get_config(kind, m=shape.m, k=shape.k, n=shape.n, g=shape.g, row_vectors=_row_vectors(kind))
+    return get_config(kind, m=shape.m, k=shape.k, n=shape.n, g=shape.g, row_scale=kind == "glu_dgrad")
 
 
 def candidate_configs(kind: str, shape) -> list[Config]:
@@ -267,7 +262,7 @@ def candidate_configs(kind: str, shape) -> list[Config]:
                 cluster_m=cluster,
                 overlap_epilogue=overlap,
             )
-            if config.fits(**epilogue_smem(kind, config, _row_vectors(kind))):
+            if config.fits(**epilogue_smem(kind, config, row_scale=kind == "glu_dgrad")):
                 candidates.add(config)
                 break
     return sorted(candidates, key=label)

@@ -24,7 +24,6 @@ rows: where that pays (F <= 2048) the gate_up kernel gathers its rows from the t
 is never written, and the backward keeps the tokens rather than the rows.
 """
 
-import dataclasses
 import functools
 
 import jax
@@ -32,7 +31,6 @@ import jax.numpy as jnp
 
 from moe_jax._core import checks
 from moe_jax._core.backend import resolve_backend
-from moe_jax._core.hardware import compiles_for_gpu
 from moe_jax.ops.glu_mlp import reference
 from moe_jax.ops.grouped_matmul import sm90
 from moe_jax.ops.grouped_matmul.api import (
@@ -131,7 +129,7 @@ def glu_mlp(
     group_sizes = group_sizes.astype(jnp.int32)
     if resolve_backend(backend, op="glu_mlp", has_kernel=supported) == "xla":
         return reference.glu_mlp(x, w_gate_up, w_down, group_sizes, activation=activation, row_scale=row_scale)
-    return _run_pallas(x, w_gate_up, w_down, group_sizes, row_scale, activation, recompute_gate_up)
+    return _run_pallas(x, None, None, w_gate_up, w_down, group_sizes, row_scale, activation, recompute_gate_up)
 
 
 def routed_glu_mlp(
@@ -145,19 +143,15 @@ def routed_glu_mlp(
     activation: str = "swiglu",
     row_scale: jax.Array | None = None,
     fuse_gather: bool | None = None,
-    fuse_combine: bool = True,
     backend: str = "auto",
 ) -> jax.Array:
-    """``combine(glu_mlp(permute(x, sort_indices, top_k), ...), sort_indices, top_k)``, on the Pallas path with the
-    permute fused into the gate_up kernel's loads where that pays and the combine into the down kernel's stores.
+    """``glu_mlp(permute(x, sort_indices, top_k), ...)``, on the Pallas path with the permute fused into the gate_up
+    kernel's loads where that pays.
 
-    Fused, the expert-sorted rows [T * k, D] are written neither before the experts nor after them: the gate_up
-    kernel gathers row r from ``x[sort_indices[r] // top_k]`` (grouped_matmul/sm90_gather.py), and the down kernel
-    adds its row r into ``y[sort_indices[r] // top_k]`` (a TMA reduce-add per row, ``sm90.Epilogue.scatter``: the k
-    terms of a token are summed in x.dtype, in no fixed order). The backward recomputes what it needs in sorted
-    order: the rows of x for the gate_up weights' gradient, the rows of dy for the down projection's. Otherwise
-    (backend "xla", shapes without a kernel, or ``fuse_gather`` / ``fuse_combine`` off) the permute and the combine
-    run as their own ops.
+    Fused, the expert-sorted rows [T * k, D] are never written: the gate_up kernel gathers row r from
+    ``x[sort_indices[r] // top_k]`` (grouped_matmul/sm90_gather.py), and the backward recomputes the sorted rows for
+    the gate_up weights' gradient and sums each token's k row gradients (``combine``) for x's. Otherwise (backend
+    "xla", shapes without a kernel, or ``fuse_gather`` off) it is the composition itself.
 
     Args:
       x: [T, D] tokens.
@@ -166,10 +160,9 @@ def routed_glu_mlp(
       w_gate_up, w_down, group_sizes, activation, row_scale, backend: as ``glu_mlp``'s, for the T * k sorted rows.
       fuse_gather: Pallas path: gather inside the gate_up kernel (True) or permute first (False); None decides by
         the hidden width F (``fuses_gather``).
-      fuse_combine: Pallas path: sum each token's rows in the down kernel's stores (True) or combine after it.
 
     Returns:
-      [T, D] in x.dtype: each token's sum over its k (row-scaled) expert outputs.
+      [T * k, D] in x.dtype, in expert-sorted order (what ``combine`` takes).
     """
     num_tokens, d_model = checks.check_rank("x", x, 2, "[T, D]")
     checks.check_positive_int("top_k", top_k)
@@ -183,30 +176,15 @@ def routed_glu_mlp(
     supported = (
         kernel_unsupported(x, d_model, 2 * d_ff, activation) is None and kernel_unsupported(x, d_ff, d_model) is None
     )
-    if resolve_backend(backend, op="glu_mlp", has_kernel=supported) == "xla":
-        rows = permute(x, sort_indices, top_k, backend="xla")
-        out = reference.glu_mlp(
-            rows, w_gate_up, w_down, group_sizes.astype(jnp.int32), activation=activation, row_scale=row_scale
-        )
-        return combine(out, sort_indices, top_k, backend="xla")
-    routed = _Routed(top_k, fuses_gather(d_ff) if fuse_gather is None else fuse_gather, fuse_combine)
-    if not routed.gather:
-        x = permute(x, sort_indices, top_k, backend=_rows_backend(x))
-    out = _run_pallas(
-        x, w_gate_up, w_down, group_sizes.astype(jnp.int32), row_scale, activation, False, sort_indices, routed
+    pallas = resolve_backend(backend, op="glu_mlp", has_kernel=supported) == "pallas"
+    if pallas and (fuses_gather(d_ff) if fuse_gather is None else fuse_gather):
+        group_sizes = group_sizes.astype(jnp.int32)
+        return _run_pallas(x, sort_indices, top_k, w_gate_up, w_down, group_sizes, row_scale, activation, False)
+    rows = permute(x, sort_indices, top_k, backend=_rows_backend(x) if pallas else "xla")
+    mlp_backend = "pallas" if pallas else "xla"
+    return glu_mlp(
+        rows, w_gate_up, w_down, group_sizes, activation=activation, row_scale=row_scale, backend=mlp_backend
     )
-    return out if routed.combine else combine(out, sort_indices, top_k, backend=_rows_backend(out))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Routed:
-    """How the Pallas GLU MLP meets the routing (static): x holds tokens gathered by the gate_up kernel
-    (``gather``; else x holds the sorted rows) and the down kernel sums each token's rows (``combine``; else it
-    returns the sorted rows)."""
-
-    top_k: int
-    gather: bool
-    combine: bool
 
 
 # Fusing the gather costs the gate_up kernel 4-7% of its time (cp.async rows instead of TMA boxes) and saves the
@@ -227,29 +205,27 @@ def _rows_backend(x) -> str:
     return "pallas" if permute_supports(x.shape[1], x.dtype) else "xla"
 
 
-def _run_pallas(
-    x, w_gate_up, w_down, group_sizes, row_scale, activation, recompute_gate_up, sort_indices=None, routed=None
-):
+def _run_pallas(x, sort_indices, top_k, w_gate_up, w_down, group_sizes, row_scale, activation, recompute_gate_up):
     if not isinstance(w_gate_up, PackedGateUp):
         w_gate_up = pack_gate_up(w_gate_up)
     scale = None if row_scale is None else row_scale.astype(jnp.float32)
     return _pallas_glu_mlp(
-        x, w_gate_up.array, w_down, group_sizes, scale, sort_indices, activation, recompute_gate_up, routed
+        x, w_gate_up.array, w_down, group_sizes, scale, sort_indices, top_k, activation, recompute_gate_up
     )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _pallas_glu_mlp(x, w_gate_up, w_down, group_sizes, row_scale, sort_indices, activation, recompute_gate_up, routed):
-    """x [M, D] (or [T, D] tokens gathered by sort_indices // top_k, ``routed.gather``), packed w_gate_up [G, D, 2F],
-    w_down [G, F, D] -> [M, D] sorted rows (or [T, D], each token's rows summed, ``routed.combine``) in x.dtype."""
+def _pallas_glu_mlp(x, w_gate_up, w_down, group_sizes, row_scale, sort_indices, top_k, activation, recompute_gate_up):
+    """x [M, D] (or [T, D] tokens gathered by sort_indices // top_k), packed w_gate_up [G, D, 2F], w_down [G, F, D]
+    -> [M, D] in x.dtype."""
     del recompute_gate_up  # a backward option
-    hidden = _gate_up(x, w_gate_up, group_sizes, activation, _row_tokens(sort_indices, routed), keep=False)
-    return _down(hidden, w_down, group_sizes, row_scale, sort_indices, routed)
+    hidden = _gate_up(x, w_gate_up, group_sizes, activation, _row_tokens(sort_indices, top_k), keep=False)
+    return _down(hidden, w_down, group_sizes, row_scale)
 
 
-def _row_tokens(sort_indices, routed):
-    """The token of each sorted row, where the gate_up kernel gathers them (None: x holds the rows)."""
-    return sort_indices // routed.top_k if routed is not None and routed.gather else None
+def _row_tokens(sort_indices, top_k):
+    """The token of each sorted row (None: the rows are x's own)."""
+    return None if sort_indices is None else sort_indices // top_k
 
 
 def _gate_up(x, w_gate_up, group_sizes, activation, row_tokens, *, keep: bool):
@@ -259,29 +235,18 @@ def _gate_up(x, w_gate_up, group_sizes, activation, row_tokens, *, keep: bool):
     )
 
 
-def _down(hidden, w_down, group_sizes, row_scale, sort_indices, routed):
-    """[M, D] = hidden · w_down[g], rows scaled by ``row_scale`` (if any) in the epilogue; with ``routed.combine``
-    each row added into its token's row of [T, D] instead."""
-    args = (hidden, w_down, group_sizes, row_scale, None, hidden.dtype, False)
-    if routed is None or not routed.combine:
-        return run_forward_kernel(*args, keep=False)
-    num_rows, top_k = sort_indices.shape[0], routed.top_k
-    if compiles_for_gpu():
-        tokens = sort_indices // top_k
-        return run_forward_kernel(*args, keep=False, scatter="add", dst_rows=tokens, num_out_rows=num_rows // top_k)
-    # The Mosaic GPU interpreter has no TMA reductions: there each row is stored to its assignment's row of
-    # [T * k, D] (token-major) by the same per-row copies, and the k rows of a token are summed here.
-    rows = run_forward_kernel(*args, keep=False, scatter="store", dst_rows=sort_indices, num_out_rows=num_rows)
-    return rows.reshape(num_rows // top_k, top_k, -1).sum(axis=1, dtype=jnp.float32).astype(rows.dtype)
+def _down(hidden, w_down, group_sizes, row_scale):
+    """[M, D] = hidden · w_down[g], rows scaled by ``row_scale`` (if any) in the epilogue."""
+    return run_forward_kernel(hidden, w_down, group_sizes, row_scale, None, hidden.dtype, False, keep=False)
 
 
-def _glu_mlp_fwd(x, w_gate_up, w_down, group_sizes, row_scale, sort_indices, activation, recompute_gate_up, routed):
-    row_tokens = _row_tokens(sort_indices, routed)
+def _glu_mlp_fwd(x, w_gate_up, w_down, group_sizes, row_scale, sort_indices, top_k, activation, recompute_gate_up):
+    row_tokens = _row_tokens(sort_indices, top_k)
     if recompute_gate_up:
         hidden, gate_up = _gate_up(x, w_gate_up, group_sizes, activation, row_tokens, keep=False), None
     else:
         hidden, gate_up = _gate_up(x, w_gate_up, group_sizes, activation, row_tokens, keep=True)
-    y = _down(hidden, w_down, group_sizes, row_scale, sort_indices, routed)
+    y = _down(hidden, w_down, group_sizes, row_scale)
     return y, (x, w_gate_up, w_down, group_sizes, row_scale, sort_indices, gate_up)
 
 
@@ -315,19 +280,17 @@ def run_glu_dgrad(d_y, w_down, group_sizes, gate_up, row_scale, activation: str,
     )
 
 
-def _glu_mlp_bwd(activation, recompute_gate_up, routed, residuals, d_y):
+def _glu_mlp_bwd(top_k, activation, recompute_gate_up, residuals, d_y):
     x, w_gate_up, w_down, group_sizes, row_scale, sort_indices, gate_up = residuals
     d_y = d_y.astype(x.dtype)  # wgmma multiplies equal dtypes; accumulation stays f32
-    top_k = None if routed is None else routed.top_k
-    if routed is not None and routed.combine:
-        d_y = permute(d_y, sort_indices, top_k, backend=_rows_backend(d_y))  # the combine's VJP: [T, D] -> rows
     if recompute_gate_up:
         # The forward kernel again, so that the backward sees the very bits it would have kept (the hidden output
         # is written and dropped: half the pre-activation's bytes, for one kernel to maintain).
-        _, gate_up = _gate_up(x, w_gate_up, group_sizes, activation, _row_tokens(sort_indices, routed), keep=True)
+        row_tokens = _row_tokens(sort_indices, top_k)
+        _, gate_up = _gate_up(x, w_gate_up, group_sizes, activation, row_tokens, keep=True)
     d_gate_up, hidden_scaled, d_row_scale = run_glu_dgrad(d_y, w_down, group_sizes, gate_up, row_scale, activation)
     d_w_down = run_wgrad_kernel(hidden_scaled, d_y, group_sizes, out_dtype=w_down.dtype)
-    if routed is None or not routed.gather:
+    if sort_indices is None:
         d_x, d_w_gate_up = gemm_grads(x, w_gate_up, group_sizes, d_gate_up, transpose_rhs=False)
     else:
         # The gate_up wgrad contracts the sorted rows: with the gather fused they exist only here, for the backward.

@@ -226,19 +226,15 @@ def run_rows_kernel(
     row_scale=None,
     gate_up=None,
     row_tokens=None,
-    dst_rows=None,
-    num_out_rows=None,
 ):
     """fwd / dgrad / glu_dgrad kernel: x[M, R] · w[g] per group (w [G, R, C], or [G, C, R] when ``w_transposed``).
 
     ``config=None`` takes config.get_config's choice for the op's (G, M, K, N); the tuning script passes its own.
-    ``epilogue``, ``row_scale`` [M] f32, ``gate_up`` [M, 2C], ``row_tokens`` [M] int32, ``dst_rows`` [M] int32 and
-    ``num_out_rows`` are sm90.grouped_matmul_rows's (with ``row_tokens``, x is [T, R] and row r is x[row_tokens[r]];
-    with ``epilogue.scatter``, row r goes to row dst_rows[r] of a [num_out_rows, C] output).
+    ``epilogue``, ``row_scale`` [M] f32, ``gate_up`` [M, 2C] and ``row_tokens`` [M] int32 are
+    sm90.grouped_matmul_rows's (with ``row_tokens``, x is [T, R] and row r is x[row_tokens[r]]).
 
     Returns:
-      sm90.grouped_matmul_rows's outputs, rows past M dropped (a scatter's output is returned whole); for the GLU
-      backward (d_gate_up [M, 2C],
+      sm90.grouped_matmul_rows's outputs, rows past M dropped; for the GLU backward (d_gate_up [M, 2C],
       h_scaled [M, C], d_row_scale [M] f32 or None), the row-scale gradient summed from the kernel's partial sums.
     """
     m = x.shape[0] if row_tokens is None else row_tokens.shape[0]
@@ -248,8 +244,7 @@ def run_rows_kernel(
     k, n = (c, r) if kind in ("dgrad", "glu_dgrad") else (r, c)
     if config is None:
         itemsize = jnp.dtype(out_dtype).itemsize
-        row_vectors = epilogue.row_vectors()
-        config = get_config(kind, m=m, k=k, n=n, g=num_groups, out_itemsize=itemsize, row_vectors=row_vectors)
+        config = get_config(kind, m=m, k=k, n=n, g=num_groups, out_itemsize=itemsize, row_scale=epilogue.row_scale)
     if row_tokens is None:
         x = _padded_rows(x)
     else:
@@ -270,11 +265,7 @@ def run_rows_kernel(
         row_scale=_padded_rows(row_scale),
         gate_up=_padded_rows(gate_up),
         row_tokens=row_tokens,
-        dst_rows=_padded_rows(dst_rows),
-        num_out_rows=num_out_rows,
     )
-    if epilogue.scatter:
-        return outs
     if not isinstance(outs, tuple):
         return outs[:m]
     if not epilogue.backward:
@@ -338,14 +329,14 @@ _pallas_grouped_matmul.defvjp(_pallas_fwd, _pallas_bwd)
 # ------------------------------------------------------------------- Pallas path with the GLU / row scale fused
 
 
-def forward_epilogue(activation: str | None, row_scale: bool, *, keep_dtype=None, scatter=None) -> sm90.Epilogue:
+def forward_epilogue(activation: str | None, row_scale: bool, *, keep_dtype=None) -> sm90.Epilogue:
     """The forward kernel's epilogue: GLU over packed gate/up columns and/or a row scale.
 
     ``keep_dtype``: also store the pre-activation, in this dtype (the output's), rounded as the GLU backward needs it
-    (``glu.kept_pre_activation``). ``scatter``: ``sm90.Epilogue.scatter`` (no activation).
+    (``glu.kept_pre_activation``).
     """
     if activation is None:
-        return sm90.Epilogue(row_scale=row_scale, keep_acc=keep_dtype is not None, pack=PACK_BLOCK, scatter=scatter)
+        return sm90.Epilogue(row_scale=row_scale, keep_acc=keep_dtype is not None, pack=PACK_BLOCK)
     rounding = None
     if keep_dtype is not None:
         rounding = functools.partial(kept_pre_activation, activation=activation, dtype=keep_dtype)
@@ -359,26 +350,12 @@ def forward_epilogue(activation: str | None, row_scale: bool, *, keep_dtype=None
 
 
 def run_forward_kernel(
-    lhs,
-    rhs,
-    group_sizes,
-    row_scale,
-    activation,
-    out_dtype,
-    transpose_rhs,
-    *,
-    keep: bool,
-    row_tokens=None,
-    scatter=None,
-    dst_rows=None,
-    num_out_rows=None,
+    lhs, rhs, group_sizes, row_scale, activation, out_dtype, transpose_rhs, *, keep: bool, row_tokens=None
 ):
     """The forward kernel with its epilogue (plain when neither ``activation`` nor ``row_scale``); ``keep`` also
     returns the pre-activation [M, N], rounded for the GLU backward. With ``row_tokens`` [M], lhs is [T, K] and row r
-    of the product is lhs[row_tokens[r]]. With ``scatter`` ("store" or "add"), row r goes to row ``dst_rows[r]`` of a
-    zero-initialised [num_out_rows, N] output (``sm90.Epilogue.scatter``)."""
-    keep_dtype = out_dtype if keep else None
-    epilogue = forward_epilogue(activation, row_scale is not None, keep_dtype=keep_dtype, scatter=scatter)
+    of the product is lhs[row_tokens[r]]."""
+    epilogue = forward_epilogue(activation, row_scale is not None, keep_dtype=out_dtype if keep else None)
     return run_rows_kernel(
         "fwd",
         lhs,
@@ -389,8 +366,6 @@ def run_forward_kernel(
         epilogue=epilogue,
         row_scale=row_scale,
         row_tokens=row_tokens,
-        dst_rows=dst_rows,
-        num_out_rows=num_out_rows,
     )
 
 

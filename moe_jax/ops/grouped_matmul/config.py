@@ -92,7 +92,7 @@ class Config:
           in_itemsize, out_itemsize: bytes per input / output element.
           operand_cols: columns of the [wg_block_m, operand_cols] input-dtype tile each consumer's epilogue loads
             (the GLU backward's packed gate/up rows: 2 * block_n).
-          row_vectors: [wg_block_m] 4-byte vectors per consumer (``Epilogue.row_vectors``).
+          row_vectors: [wg_block_m] f32 vectors per consumer (row_scale in, partial sums out).
         """
         stage = (self.block_m + self.block_n) * self.block_k * in_itemsize
         epilogue = self.num_compute_wgs * 2 * self.wg_block_m * self.epilogue_n * out_itemsize
@@ -149,15 +149,15 @@ TUNED: dict[tuple[str, int, int, int, int], Config] = {
 }
 
 
-def epilogue_smem(kind: str, config: Config, row_vectors: int) -> dict:
-    """smem_bytes's epilogue operands of a kernel kind with ``row_vectors`` (``Epilogue.row_vectors``)."""
+def epilogue_smem(kind: str, config: Config, row_scale: bool) -> dict:
+    """smem_bytes's epilogue operands of a kernel kind (``row_scale``: the epilogue scales rows)."""
     if kind == "glu_dgrad":
-        return dict(operand_cols=2 * config.block_n, row_vectors=row_vectors)
-    return dict(row_vectors=row_vectors)
+        return dict(operand_cols=2 * config.block_n, row_vectors=2 * row_scale)
+    return dict(row_vectors=int(row_scale))
 
 
 def heuristic_config(
-    kind: str, *, m: int, k: int, n: int, g: int, out_itemsize: int = 2, row_vectors: int = 0
+    kind: str, *, m: int, k: int, n: int, g: int, out_itemsize: int = 2, row_scale: bool = False
 ) -> Config:
     """A good config for shapes not in the table.
 
@@ -165,7 +165,7 @@ def heuristic_config(
       kind: "fwd", "dgrad", "glu_dgrad" or "wgrad".
       m, k, n, g: the op's rows, contraction, columns and groups (rhs is [G, K, N]).
       out_itemsize: bytes per output element (the epilogue buffer grows with it).
-      row_vectors: the epilogue's [wg_block_m] vectors per consumer (``sm90.Epilogue.row_vectors``).
+      row_scale: the epilogue scales rows (a row_scale vector per consumer; two for glu_dgrad).
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
@@ -179,7 +179,7 @@ def heuristic_config(
         config = Config(
             block_m=128, block_n=256 if n >= 256 else 128, block_k=64, num_stages=stages, overlap_epilogue=True
         )
-        return _fit(config, out_itemsize, kind, row_vectors)
+        return _fit(config, out_itemsize, kind, row_scale)
     block_n = 256 if out_cols >= 1024 else 128
     if kind == "glu_dgrad":
         # The epilogue loads each consumer's [64, 2 * block_n] packed gate/up rows (one TMA box: 2 * block_n <= 256)
@@ -190,19 +190,19 @@ def heuristic_config(
     n_tiles = math.ceil(out_cols / block_n)
     order = dict(grid_minor="n", grid_width=n_tiles) if n_tiles <= 16 else dict(grid_minor="m", grid_width=16)
     config = Config(block_m=128, block_n=block_n, block_k=64, num_stages=4, **order)
-    return _fit(config, out_itemsize, kind, row_vectors)
+    return _fit(config, out_itemsize, kind, row_scale)
 
 
-def _fit(config: Config, out_itemsize: int, kind: str, row_vectors: int) -> Config:
+def _fit(config: Config, out_itemsize: int, kind: str, row_scale: bool) -> Config:
     """Drops pipeline stages until the config fits in shared memory."""
-    while not config.fits(2, out_itemsize, **epilogue_smem(kind, config, row_vectors)) and config.num_stages > 2:
+    while not config.fits(2, out_itemsize, **epilogue_smem(kind, config, row_scale)) and config.num_stages > 2:
         config = dataclasses.replace(config, num_stages=config.num_stages - 1)
     return config
 
 
-def get_config(kind: str, *, m: int, k: int, n: int, g: int, out_itemsize: int = 2, row_vectors: int = 0) -> Config:
+def get_config(kind: str, *, m: int, k: int, n: int, g: int, out_itemsize: int = 2, row_scale: bool = False) -> Config:
     """The tuned config for (kind, G, M, K, N) if there is one (and it fits), else the heuristic's."""
     tuned = TUNED.get((kind, g, m, k, n))
-    if tuned is not None and tuned.fits(2, out_itemsize, **epilogue_smem(kind, tuned, row_vectors)):
+    if tuned is not None and tuned.fits(2, out_itemsize, **epilogue_smem(kind, tuned, row_scale)):
         return tuned
-    return heuristic_config(kind, m=m, k=k, n=n, g=g, out_itemsize=out_itemsize, row_vectors=row_vectors)
+    return heuristic_config(kind, m=m, k=k, n=n, g=g, out_itemsize=out_itemsize, row_scale=row_scale)

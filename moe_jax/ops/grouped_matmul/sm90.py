@@ -64,9 +64,6 @@ class Epilogue:
       keep_rounding: with keep_acc and an activation, ``(gate, up) -> (gate, up)``: f32 values exactly representable
         in the output dtype, stored in place of the accumulator (how the GLU backward wants its input rounded).
       pack: the gate/up interleave width (columns); must divide block_n / 2 (fwd) or block_n (bwd).
-      scatter: plain or row-scaled forward only: row r of the product goes to row ``dst_rows[r]`` (an operand [M]
-        int32) of a zero-initialised output [num_out_rows, C]: stored ("store") or added to it ("add", TMA
-        reduce-add in the output dtype: the sum of the rows sent to one output row, in no fixed order).
     """
 
     activation: Callable | None = None
@@ -75,7 +72,6 @@ class Epilogue:
     keep_acc: bool = False
     keep_rounding: Callable | None = None
     pack: int = 64
-    scatter: str | None = None
 
     def __post_init__(self):
         if self.activation is not None and self.activation_grad is not None:
@@ -84,10 +80,6 @@ class Epilogue:
             raise ValueError("Epilogue: keep_acc is a forward option")
         if self.keep_rounding is not None and not (self.keep_acc and self.activation is not None):
             raise ValueError("Epilogue: keep_rounding needs keep_acc and an activation")
-        if self.scatter not in (None, "store", "add"):
-            raise ValueError(f"Epilogue: scatter must be None, 'store' or 'add', got {self.scatter!r}")
-        if self.scatter and (self.activation or self.backward or self.keep_acc):
-            raise ValueError("Epilogue: scatter is for the plain or row-scaled forward (one [M, C] output)")
 
     @property
     def backward(self) -> bool:
@@ -119,13 +111,8 @@ class Epilogue:
         return config.wg_block_m * columns * itemsize
 
     def row_vectors(self) -> int:
-        """[wg_block_m] 4-byte shared-memory vectors per consumer: row_scale and dst_rows in, partial sums out."""
-        return self.row_scale * (2 if self.backward else 1) + (self.scatter is not None)
-
-    @property
-    def prefetch_after_stores(self) -> bool:
-        """Whether a tile's epilogue operands are read by the previous tile's stores (which must run first)."""
-        return self.backward or self.scatter is not None
+        """[wg_block_m] f32 shared-memory vectors per consumer: row_scale in, partial sums out."""
+        return self.row_scale * (2 if self.backward else 1)
 
 
 PLAIN = Epilogue()  # cast and store
@@ -146,8 +133,6 @@ def grouped_matmul_rows(
     row_scale: jax.Array | None = None,
     gate_up: jax.Array | None = None,
     row_tokens: jax.Array | None = None,
-    dst_rows: jax.Array | None = None,
-    num_out_rows: int | None = None,
 ):
     """out[M, C] = x[rows of g] · w[g] over the row tiles of schedule.row_tiles, through ``epilogue``.
 
@@ -163,11 +148,9 @@ def grouped_matmul_rows(
       gate_up: [M, 2C] packed pre-activation in x's dtype, for the GLU backward.
       row_tokens: [M] int32 in [0, T): row r of the product is x[row_tokens[r]] (sm90_gather.py; R a multiple of
         block_k). M a multiple of 8.
-      dst_rows, num_out_rows: with ``epilogue.scatter``, [M] int32 in [0, num_out_rows): the output row of each row.
 
     Returns:
-      plain: [M, C]: the rows of every tile's group, zeros for the rows of ZERO_TILE tiles; with ``scatter``
-      [num_out_rows, C], zero where no row went. Forward: out ([M, C/2]
+      plain: [M, C]: the rows of every tile's group, zeros for the rows of ZERO_TILE tiles. Forward: out ([M, C/2]
       with an activation, else [M, C]), or (out, acc [M, C]) with ``keep_acc``. GLU backward: (d_gate_up [M, 2C],
       h_scaled [M, C]), plus the partial sums [cdiv(C, block_n), T, block_m] f32 with ``row_scale``.
     """
@@ -187,13 +170,7 @@ def grouped_matmul_rows(
         raise ValueError(f"a cluster of {cluster} CTAs needs at least as many SMs, got num_sms={num_sms}")
     max_tiles = tiles.shape[1]
     operands = [
-        op
-        for op in (
-            row_scale if epi.row_scale else None,
-            dst_rows if epi.scatter else None,
-            gate_up if epi.backward else None,
-        )
-        if op is not None
+        op for op in (row_scale if epi.row_scale else None, gate_up if epi.backward else None) if op is not None
     ]
     loads_per_tile = len(operands)  # TMA copies a consumer issues per tile for its epilogue
     overlap = pipe.overlaps_epilogue(cfg, epi.kept_bytes(cfg, jnp.dtype(out_dtype).itemsize))
@@ -207,9 +184,7 @@ def grouped_matmul_rows(
     def body(tiles_gmem, count_gmem, x_gmem, w_gmem, *refs):
         row_tokens_gmem, refs = (refs[0], refs[1:]) if gathered else (None, refs)
         operand_gmem, refs = refs[: len(operands)], refs[len(operands) :]
-        # With a scatter the output is a zero-initialised ref among the inputs, right after the operands.
-        num_outs = 1 if epi.scatter else len(out_types)
-        out_gmems, refs = refs[:num_outs], refs[num_outs:]
+        out_gmems, refs = refs[: len(out_types)], refs[len(out_types) :]
         x_smem, w_smem, out_smem, produced, consumed, *epi_scratch = refs
         num_row_tiles = count_gmem[0]
         wg = lax.axis_index("wg")
@@ -344,7 +319,7 @@ def grouped_matmul_rows(
 
     in_dtype = x.dtype
     w_block_shape = (bn, bk) if w_transposed else (bk, bn)
-    out_types = [] if epi.scatter else _out_types(epi, m, cols, out_dtype, x.dtype, (n_tiles, max_tiles, bm))
+    out_types = _out_types(epi, m, cols, out_dtype, x.dtype, (n_tiles, max_tiles, bm))
     x_transforms = gather.smem_transforms(bk, in_dtype, interpret) if gathered else pipe.swizzled(bk, in_dtype)
     scratch = [
         plgpu.SMEM((stages, bm, bk), in_dtype, transforms=x_transforms),
@@ -363,8 +338,6 @@ def grouped_matmul_rows(
         scratch.append(plgpu.Barrier(num_arrivals=loads_per_tile, num_barriers=num_wgs))
     if epi.row_scale:
         scratch.append(plgpu.SMEM((num_wgs, wg_m), jnp.float32))  # the tile's row_scale rows
-    if epi.scatter:
-        scratch.append(plgpu.SMEM((num_wgs, wg_m), jnp.int32))  # the tile's dst_rows
     if epi.backward:
         gate_up_cols = epi.operand_cols(cfg)
         scratch.append(
@@ -374,7 +347,7 @@ def grouped_matmul_rows(
             scratch.append(plgpu.SMEM((num_wgs, wg_m), jnp.float32))  # partial sums on their way out
     kernel = plgpu.kernel(
         body,
-        out_type=tuple(out_types) if len(out_types) != 1 else out_types[0],
+        out_type=tuple(out_types) if len(out_types) > 1 else out_types[0],
         scratch_types=scratch,
         grid=(num_sms // cluster,),
         grid_names=("sm",),
@@ -387,12 +360,7 @@ def grouped_matmul_rows(
         compiler_params=plgpu.CompilerParams(approx_math=epi.activation is not None or epi.backward),
         interpret=interpret,
     )
-    inputs = (tiles, num_tiles, x, w, *([row_tokens] if gathered else []), *operands)
-    if not epi.scatter:
-        return kernel(*inputs)
-    out = jax.new_ref(jnp.zeros((num_out_rows, cols), out_dtype))
-    kernel(*inputs, out)
-    return jax.freeze(out)
+    return kernel(tiles, num_tiles, x, w, *([row_tokens] if gathered else []), *operands)
 
 
 def _out_types(epi: Epilogue, m: int, cols: int, out_dtype, in_dtype, partials_shape) -> list:
@@ -430,19 +398,14 @@ def _epilogue(
     epi: Epilogue, cfg: Config, cols: int, out_dtype, wg, out_gmems, out_smem, operand_gmem, scratch, if_real
 ) -> _EpilogueFns:
     wg_m, bn, epi_n, pack = cfg.wg_block_m, cfg.block_n, cfg.epilogue_n, epi.pack
-    has_operands = epi.row_scale or epi.scatter or epi.backward
-    loaded, *buffers = scratch if has_operands else (None,)
+    loaded, *buffers = scratch if (epi.row_scale or epi.backward) else (None,)
     buffers = iter(buffers)
     row_scale_smem = next(buffers) if epi.row_scale else None
-    dst_rows_smem = next(buffers) if epi.scatter else None
     gate_up_smem = next(buffers) if epi.backward else None
     partial_smem = next(buffers) if epi.backward and epi.row_scale else None
     operand_gmem = iter(operand_gmem)
     row_scale_gmem = next(operand_gmem) if epi.row_scale else None
-    dst_rows_gmem = next(operand_gmem) if epi.scatter else None
     gate_up_gmem = next(operand_gmem) if epi.backward else None
-    # The scatter's output rows (read by the thread issuing the copies) and its TMA reduction.
-    scatter = None if not epi.scatter else (dst_rows_smem.at[wg], "add" if epi.scatter == "add" else None)
     row_vector = plgpu.Layout.WGMMA.reduce(1)
 
     def packed_cols(f: int) -> tuple[int, int]:
@@ -451,7 +414,7 @@ def _epilogue(
         return gate, gate + pack
 
     def prefetch(wg_row0, ni):
-        if not has_operands:
+        if not (epi.row_scale or epi.backward):
             return
         # The buffers were last read by the previous tile's epilogue: every thread of the warpgroup must be done with
         # them (barrier) and those generic-proxy reads ordered before the TMA's writes (fence): commit_smem is both.
@@ -459,8 +422,6 @@ def _epilogue(
         rows = pl.ds(pl.multiple_of(wg_row0, ROW_ALIGN), wg_m)
         if epi.row_scale:
             plgpu.copy_gmem_to_smem(row_scale_gmem.at[rows], row_scale_smem.at[wg], loaded.at[wg])
-        if epi.scatter:
-            plgpu.copy_gmem_to_smem(dst_rows_gmem.at[rows], dst_rows_smem.at[wg], loaded.at[wg])
         if epi.backward:
             gate_up_tile = gate_up_gmem.at[rows, pl.ds(2 * ni * bn, 2 * bn)]
             plgpu.copy_gmem_to_smem(gate_up_tile, gate_up_smem.at[wg], loaded.at[wg])
@@ -502,9 +463,8 @@ def _epilogue(
         if epi.backward:
             return pipe.column_chunks(acc, epi_n)  # d_h before the row scale, f32
         scale = None
-        if epi.row_scale or epi.scatter:
-            if_real(real, lambda: plgpu.barrier_wait(loaded.at[wg]))
         if epi.row_scale:
+            if_real(real, lambda: plgpu.barrier_wait(loaded.at[wg]))
             scale = plgpu.load(row_scale_smem.at[wg], layout=row_vector)
         return tuple(forward_values(acc, scale))
 
@@ -512,7 +472,7 @@ def _epilogue(
         rows = (wg_row0, wg_first, wg_rows)
         if not epi.backward:
             return [
-                functools.partial(pipe.store_chunk, c, value, out_smem, wg, dst, *rows, col, num_cols, scatter)
+                functools.partial(pipe.store_chunk, c, value, out_smem, wg, dst, *rows, col, num_cols)
                 for c, (value, (dst, col, num_cols)) in enumerate(zip(values, forward_targets(ni), strict=True))
             ]
         return [functools.partial(backward_store, c, d_h, mi, ni, rows) for c, d_h in enumerate(values)]
@@ -560,7 +520,7 @@ def _epilogue(
             return pipe.empty_chunks(bn // epi_n, wg_m, epi_n, jnp.float32)
         return pipe.empty_chunks(len(forward_targets(0)), wg_m, epi_n, out_dtype)
 
-    return _EpilogueFns(prefetch, epi.prefetch_after_stores, prepare, stores, empty)
+    return _EpilogueFns(prefetch, epi.backward, prepare, stores, empty)
 
 
 def _store_partial(partial_smem, dst_gmem, wg_rows) -> None:

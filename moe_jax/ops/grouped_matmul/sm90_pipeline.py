@@ -172,37 +172,17 @@ def store_rows(src_smem, index, dst_gmem, row0, start, rows, col) -> None:
             size //= 2
 
 
-def scatter_rows(src_smem, index, dst_gmem, dst_rows, start, rows, col, reduction_op) -> None:
-    """TMA-writes row r of ``src_smem.at[*index]`` [R, C] to row ``dst_rows[r]`` of ``dst_gmem``, r in [start,
-    start + rows): one 1-row box per row (TMA boxes have static shapes; Hopper's TMA has no row scatter).
-
-    ``dst_rows``: [R] int32 in shared memory. ``reduction_op``: None stores; "add" adds the row to what dst_gmem holds
-    (in the L2, atomically per element). The copies join the caller's bulk-async group.
-    """
-    cols = src_smem.shape[-1]
-
-    @pl.loop(start, start + rows)
-    def _row(r):
-        plgpu.copy_smem_to_gmem(
-            src_smem.at[*index, pl.ds(r, 1)],
-            dst_gmem.at[pl.ds(dst_rows[r], 1), pl.ds(col, cols)],
-            commit_group=False,
-            reduction_op=reduction_op,
-        )
-
-
 def epilogue_smem(num_compute_wgs: int, rows: int, epilogue_n: int, dtype):
     """Each consumer's double buffer for the epilogue: [wgs, 2, rows, epilogue_n], 1-row tiled (see store_rows)."""
     return plgpu.SMEM((num_compute_wgs, 2, rows, epilogue_n), dtype, transforms=swizzled(epilogue_n, dtype, 1))
 
 
-def store_chunk(c: int, value, out_smem, wg, dst_gmem, row0, start, rows, col, num_cols, scatter=None) -> None:
+def store_chunk(c: int, value, out_smem, wg, dst_gmem, row0, start, rows, col, num_cols) -> None:
     """Store number c (static) of one consumer's tile epilogue: TMA-stores a register chunk through buffer c % 2.
 
     ``value`` [R, epilogue_n] in the buffer's dtype: rows [start, start + rows) of it go to dst_gmem[row0 + start..,
-    col..], or with ``scatter = (dst_rows, reduction_op)`` to dst_gmem[dst_rows[r], col..] (``scatter_rows``). A chunk
-    at or past num_cols touches nothing (its bulk group is empty); callers number their stores so that none of those
-    comes before a stored one of the same tile.
+    col..]. A chunk at or past num_cols touches nothing (its bulk group is empty); callers number their stores so
+    that none of those comes before a stored one of the same tile.
     """
     # Chunk c reuses the buffer of chunk c - 2; chunk 0 first waits for the previous tile's stores.
     # (The interpreter counts copies, not bulk groups: an empty group between two stores of one buffer would
@@ -216,11 +196,7 @@ def store_chunk(c: int, value, out_smem, wg, dst_gmem, row0, start, rows, col, n
     def _store():
         out_smem[wg, c % 2] = value
         plgpu.commit_smem()
-        if scatter is None:
-            store_rows(out_smem, (wg, c % 2), dst_gmem, row0, start, rows, col)
-        else:
-            dst_rows, reduction_op = scatter
-            scatter_rows(out_smem, (wg, c % 2), dst_gmem, dst_rows, start, rows, col, reduction_op)
+        store_rows(out_smem, (wg, c % 2), dst_gmem, row0, start, rows, col)
 
     plgpu.commit_smem_to_gmem_group()
 

@@ -9,6 +9,7 @@ from moe_jax._core import checks
 from moe_jax.ops.glu_mlp.api import routed_glu_mlp
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp
 from moe_jax.ops.grouped_matmul.reference import ACTIVATIONS
+from moe_jax.ops.permute.api import combine
 from moe_jax.ops.routing.api import (
     apply_capacity,
     check_routing_args,
@@ -127,12 +128,11 @@ def moe_ffn(
     if capacity_factor is not None:
         group_sizes, sort_indices = apply_capacity(routing, capacity_factor)
     with jax.named_scope("experts"):
-        # The permute runs inside the gate_up kernel's loads where that pays and the combine inside the down kernel's
-        # stores (routed_glu_mlp). The routing weights scale the down projection's rows (its epilogue), so the
-        # combine is a plain sum. Gathered by sort_indices, which is apply_capacity's when it ran (so not
-        # Routing.sorted_weights).
+        # The permute runs inside the gate_up kernel's loads where that pays (routed_glu_mlp). The routing weights
+        # scale the down projection's rows (its epilogue), so the combine is a plain sum. Gathered by sort_indices,
+        # which is apply_capacity's when it ran (so not Routing.sorted_weights).
         row_weights = routing.weights.reshape(-1)[sort_indices]
-        y = routed_glu_mlp(
+        out_rows = routed_glu_mlp(
             x,
             sort_indices,
             top_k,
@@ -143,6 +143,8 @@ def moe_ffn(
             row_scale=row_weights,
             backend=backend,
         )
+    with jax.named_scope("combine"):
+        y = combine(out_rows, sort_indices, top_k, backend=backend)
     aux = MoEAux(
         load_balancing_loss=load_balancing_loss(routing),
         z_loss=z_loss(logits),
