@@ -11,6 +11,7 @@ from jax.test_util import check_grads
 import moe_jax
 from moe_jax._core import testing as oracle
 from moe_jax.ops.routing import reference
+from moe_jax.ops.routing.api import router_logits
 
 WEIGHT_TOL = 1e-5  # f32 scores against float64: a few ulps
 
@@ -152,3 +153,21 @@ def test_weight_and_aux_gradients(score):
 
     with jax.enable_x64(True):
         check_grads(objective, (jnp.asarray(logits),), order=1, modes=("rev",), atol=1e-6, rtol=1e-6)
+
+
+# 16-bit operands multiply as they are (their products are exact in f32) and accumulate in f32; mixed dtypes
+# convert first. Against the float64 product of the same values; the gradients against float64 too (rounded to the
+# operands' dtypes).
+@pytest.mark.parametrize("x_dtype, kernel_dtype", [(jnp.bfloat16, jnp.bfloat16), (jnp.bfloat16, jnp.float32)])
+def test_router_logits_are_f32_products_of_the_inputs(x_dtype, kernel_dtype):
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.normal(size=(48, 256)), x_dtype)
+    kernel = jnp.asarray(rng.normal(size=(256, 24)) / 16, kernel_dtype)
+    cotangent = rng.normal(size=(48, 24)).astype(np.float32)
+    logits, pullback = jax.vjp(router_logits, x, kernel)
+    d_x, d_kernel = pullback(jnp.asarray(cotangent))
+    x64, kernel64 = np.asarray(x, np.float64), np.asarray(kernel, np.float64)
+    assert logits.dtype == jnp.float32 and d_x.dtype == x.dtype and d_kernel.dtype == kernel.dtype
+    np.testing.assert_allclose(np.asarray(logits), x64 @ kernel64, rtol=1e-5, atol=1e-5)
+    assert oracle.relative_error(d_x, cotangent @ kernel64.T) < 1e-2
+    assert oracle.relative_error(d_kernel, x64.T @ cotangent) < 1e-2
