@@ -355,12 +355,24 @@ def grouped_matmul_rows(
         cluster_names=("cluster",) if cluster > 1 else (),
         num_threads=num_wgs + 1,
         thread_name="wg",
+        kernel_name=_kernel_name(epi, gathered),
         # Approximate exp / division in the GLU epilogues only: far inside bf16 rounding, and the plain kernels keep
         # their exact code.
         compiler_params=plgpu.CompilerParams(approx_math=epi.activation is not None or epi.backward),
         interpret=interpret,
     )
     return kernel(tiles, num_tiles, x, w, *([row_tokens] if gathered else []), *operands)
+
+
+def _kernel_name(epi: Epilogue, gathered: bool) -> str:
+    """What profiles call the kernel: "moe_gmm" plus its gather and epilogue, e.g. moe_gmm_gather_glu."""
+    flags = (
+        ("gather", gathered),
+        ("glu", epi.activation is not None),
+        ("glu_bwd", epi.backward),
+        ("row_scale", epi.row_scale),
+    )
+    return "_".join(["moe_gmm"] + [part for part, present in flags if present])
 
 
 def _out_types(epi: Epilogue, m: int, cols: int, out_dtype, in_dtype, partials_shape) -> list:

@@ -168,6 +168,7 @@ def grouped_matmul_wgrad(
         grid_names=("sm",),
         num_threads=num_wgs + 1,
         thread_name="wg",
+        kernel_name="moe_gmm_wgrad",
         compiler_params=plgpu.CompilerParams(),
         interpret=interpret,
     )

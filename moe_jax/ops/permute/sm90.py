@@ -109,6 +109,7 @@ def scatter_rows(
         out_type=tuple(out_type) if with_dot else out_type[0],
         grid=(pl.cdiv(num_tokens, config.tokens_per_block),),
         grid_names=("block",),
+        kernel_name="moe_scatter_rows",
         compiler_params=_COMPILER_PARAMS,
         interpret=interpret,
     )
@@ -166,6 +167,7 @@ def gather_rows(
         out_type=jax.ShapeDtypeStruct((num_tokens, d_model), out_dtype or rows.dtype),
         grid=(pl.cdiv(num_tokens, config.tokens_per_block),),
         grid_names=("block",),
+        kernel_name="moe_gather_rows",
         compiler_params=_COMPILER_PARAMS,
         interpret=interpret,
     )

@@ -215,6 +215,7 @@ def gating(
         ],
         grid=(num_blocks,),
         grid_names=("block",),
+        kernel_name="moe_gating",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
     )

@@ -1,0 +1,189 @@
+"""Device time of the MoE layer's forward, kernel by kernel and stage by stage (``python -m benchmarks.profile_layer``).
+
+The layer bench (``layer.py``) times whole calls from the host: each sample also holds the call's dispatch, and the
+issue #5 glue it derives (layer - experts - router) is a difference of three such medians, which moved by up to
+0.2 ms between runs at the Qwen3 layer. Here ``jax.profiler`` (CUPTI) records every kernel of ``--calls`` calls of
+the jitted ``moe_ffn`` forward (backend "pallas") after a warm-up, and each kernel is put in a stage by its name
+(the Mosaic GPU kernels are named for what they do, ``moe_gating``, ``moe_gmm_gather_glu``, ...):
+
+  router     the router matmul (XLA's GEMM)             gate_up    moe_gmm[_gather]_glu
+  gating     moe_gating                                 down       moe_gmm_row_scale
+  xla-glue   XLA's other kernels: the counting sort's   permute    moe_scatter_rows (F > 2048: not gathered)
+             end, the rows' weights, the aux losses     combine    moe_gather_rows
+  other      a Mosaic GPU kernel the forward should not run (listed, never counted as glue)
+
+The same is done for the expert kernels alone on rows already sorted (``glu_mlp``, the layer bench's
+experts:pallas), so that what the gather costs the gate_up kernel is the difference of two kernel times. The layer's
+glue is then gating + xla-glue + permute + combine + that difference, and its share is over the layer's span (first
+kernel start to last kernel end of a call, which also counts any gap between kernels). Medians over the calls.
+
+Usage (GPU machine): ``python -m benchmarks.profile_layer --shapes qwen3-30b-a3b,deepseek-v3 --calls 20``.
+"""
+
+import argparse
+import collections
+import functools
+import glob
+import json
+import os
+import re
+import sys
+import tempfile
+
+import jax
+import numpy as np
+
+import moe_jax
+from benchmarks import common, layer
+from moe_jax.ops.shapes import LAYER_SHAPES
+
+GLUE_STAGES = ("gating", "xla-glue", "permute", "combine")
+STAGES = ("router", "gating", "xla-glue", "permute", "gate_up", "down", "combine", "other")
+# The Mosaic GPU kernels of the forward, by the name they run under (their kernel_name + "_mosaic_gpu_kernel").
+MOSAIC_STAGES = {
+    "moe_gating": "gating",
+    "moe_gmm_glu": "gate_up",
+    "moe_gmm_gather_glu": "gate_up",
+    "moe_gmm_row_scale": "down",
+    "moe_gmm": "down",
+    "moe_scatter_rows": "permute",
+    "moe_gather_rows": "combine",
+}
+MOSAIC_SUFFIX = "_mosaic_gpu_kernel"
+
+
+def stage_of(kernel: str) -> str:
+    """The stage of a kernel of the layer's forward, by its name (module docstring); "other" for a Mosaic GPU kernel
+    the forward does not run."""
+    if kernel.endswith(MOSAIC_SUFFIX):
+        return MOSAIC_STAGES.get(kernel.removesuffix(MOSAIC_SUFFIX), "other")
+    if re.search(r"gemm|nvjet|xmma|cutlass", kernel):
+        return "router"
+    return "xla-glue"
+
+
+def kernel_calls(fn, args, calls: int) -> list[list[tuple[str, int, int]]]:
+    """Per call of ``fn(*args)`` (after a warm-up), its device kernels as (name, start_ns, duration_ns)."""
+    for _ in range(3):
+        jax.block_until_ready(fn(*args))
+    trace_dir = tempfile.mkdtemp(prefix="moe_jax_profile_")
+    with jax.profiler.trace(trace_dir):
+        for _ in range(calls):
+            jax.block_until_ready(fn(*args))
+    [path] = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    events = []
+    for plane in jax.profiler.ProfileData.from_file(path).planes:
+        if not plane.name.startswith("/device:GPU:"):
+            continue
+        for line in plane.lines:
+            if "stream" in line.name.lower():  # CUPTI's kernel lines; the others are XLA's op and module spans
+                events += [(event.name, event.start_ns, event.duration_ns) for event in line.events]
+    events.sort(key=lambda event: event[1])
+    if not events or len(events) % calls:
+        raise RuntimeError(f"{len(events)} kernel events for {calls} calls: not the same kernels in every call")
+    per_call = len(events) // calls
+    return [events[i : i + per_call] for i in range(0, len(events), per_call)]
+
+
+def stage_times(call: list[tuple[str, int, int]]) -> dict[str, float]:
+    """Microseconds per stage in one call, plus "span" (first kernel start to last kernel end)."""
+    times = collections.defaultdict(float)
+    for name, _, duration in call:
+        times[stage_of(name)] += duration / 1e3
+    times["span"] = (max(start + duration for _, start, duration in call) - call[0][1]) / 1e3
+    return dict(times)
+
+
+def medians(calls: list[list[tuple[str, int, int]]]) -> dict[str, float]:
+    per_call = [stage_times(call) for call in calls]
+    keys = sorted({key for times in per_call for key in times})
+    return {key: float(np.median([times.get(key, 0.0) for times in per_call])) for key in keys}
+
+
+def profile_shape(shape, calls: int, seed: int) -> dict:
+    """Stage medians of the layer and of the expert kernels on sorted rows, and the glue they imply (µs)."""
+    route_kwargs = common.routing_kwargs(shape, seed)
+    inputs = layer.make_inputs(shape, seed=seed)[0]
+
+    @jax.jit
+    def forward(x, router_kernel, w_gate_up, w_down):
+        y, _ = moe_jax.moe_ffn(
+            x, router_kernel, w_gate_up, w_down, activation=shape.activation, backend="pallas", **route_kwargs
+        )
+        return y
+
+    static_kwargs = tuple(sorted((k, v) for k, v in route_kwargs.items() if k != "bias"))
+    operands = layer._expert_operands(
+        inputs["x"],
+        inputs["router_kernel"],
+        route_kwargs.get("bias"),
+        top_k=shape.top_k,
+        route_kwargs_items=static_kwargs,
+    )
+    experts = jax.jit(functools.partial(layer.expert_gemms, activation=shape.activation))
+    layer_calls = kernel_calls(forward, [inputs[n] for n in ("x", "router_kernel", "w_gate_up", "w_down")], calls)
+    expert_args = [operands["expert_rows"], inputs["w_gate_up"], inputs["w_down"]]
+    expert_args += [operands["group_sizes"], operands["row_weights"]]
+    expert_calls = kernel_calls(experts, expert_args, calls)
+    stages, sorted_rows = medians(layer_calls), medians(expert_calls)
+    gather_cost = stages.get("gate_up", 0.0) - sorted_rows.get("gate_up", 0.0)
+    glue = sum(stages.get(stage, 0.0) for stage in GLUE_STAGES) + gather_cost
+    kernels = collections.Counter(name for name, _, _ in layer_calls[-1])
+    return {
+        "shape": shape.name,
+        "stages_us": stages,
+        "sorted_rows_gate_up_us": sorted_rows.get("gate_up", 0.0),
+        "gather_cost_us": gather_cost,
+        "glue_us": glue,
+        "glue_share": glue / stages["span"],
+        "kernels": {name: {"count": count, "stage": stage_of(name)} for name, count in kernels.items()},
+    }
+
+
+def markdown(result: dict) -> str:
+    stages = result["stages_us"]
+    span = stages["span"]
+    lines = [
+        f"#### {result['shape']}: moe_ffn forward (pallas), device time per call, µs (median)",
+        "",
+        "| stage | µs | share of the span |",
+        "|---|---:|---:|",
+    ]
+    lines += [f"| {stage} | {stages[stage]:.1f} | {stages[stage] / span:.1%} |" for stage in STAGES if stage in stages]
+    lines += [
+        f"| span (first kernel start to last kernel end) | {span:.1f} | 100% |",
+        f"| gate_up on sorted rows (glu_mlp) | {result['sorted_rows_gate_up_us']:.1f} | |",
+        f"| gather cost (gate_up - gate_up on sorted rows) | {result['gather_cost_us']:.1f} | "
+        f"{result['gather_cost_us'] / span:.1%} |",
+        f"| **glue** = {' + '.join(GLUE_STAGES)} + gather cost | **{result['glue_us']:.1f}** | "
+        f"**{result['glue_share']:.1%}** |",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default="qwen3-30b-a3b,deepseek-v3", help="comma-separated layer shapes")
+    parser.add_argument("--calls", type=int, default=20, help="profiled calls per function (after 3 warm-up calls)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", help="write {meta, results} JSON here")
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.shapes.split(",") if name not in LAYER_SHAPES]
+    if unknown:
+        raise SystemExit(f"unknown layer shape(s) {unknown}; known: {', '.join(LAYER_SHAPES)}")
+    command = " ".join(["python", "-m", "benchmarks.profile_layer", *(sys.argv[1:] if argv is None else argv)])
+    meta = common.run_metadata(command, {})
+    print(f"{meta['date']} | {meta['device_kind']} | jax {meta['jax']} | git {meta['git_revision']}\n")
+    print(f"command: `{command}`\n")
+    results = []
+    for name in args.shapes.split(","):
+        results.append(profile_shape(LAYER_SHAPES[name], args.calls, args.seed))
+        print(markdown(results[-1]) + "\n", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""benchmarks.profile_layer's attribution of kernels to stages (the profiling itself needs a GPU)."""
+
+import functools
+
+import pytest
+
+from benchmarks import profile_layer
+from moe_jax.ops.grouped_matmul import glu, sm90
+
+
+def _kernel(epilogue, gathered=False) -> str:
+    return sm90._kernel_name(epilogue, gathered) + profile_layer.MOSAIC_SUFFIX
+
+
+@pytest.mark.parametrize(
+    "kernel, stage",
+    [
+        (_kernel(sm90.Epilogue(activation=functools.partial(glu.glu, activation="swiglu")), gathered=True), "gate_up"),
+        (_kernel(sm90.Epilogue(activation=functools.partial(glu.glu, activation="swiglu"))), "gate_up"),
+        (_kernel(sm90.Epilogue(row_scale=True)), "down"),
+        (_kernel(sm90.Epilogue(activation_grad=glu.glu_grad, row_scale=True)), "other"),  # a backward kernel
+        ("moe_gating_mosaic_gpu_kernel", "gating"),
+        ("moe_gather_rows_mosaic_gpu_kernel", "combine"),
+        ("moe_scatter_rows_mosaic_gpu_kernel", "permute"),
+        ("nvjet_sm90_tss_64x128_64x8_2x1_v_bz_NNN", "router"),
+        ("gemm_fusion_dot_general_1", "router"),
+        ("input_scatter_fusion", "xla-glue"),
+        ("loop_compare_gather_fusion", "xla-glue"),
+    ],
+)
+def test_stage_of_names_each_forward_kernel(kernel, stage):
+    assert profile_layer.stage_of(kernel) == stage
+
+
+def test_medians_sum_stages_per_call_and_measure_the_span():
+    # Two calls (name, start ns, duration ns): the second with a gap between its kernels, which the span counts.
+    calls = [
+        [("gemm_fusion", 0, 10_000), ("moe_gating_mosaic_gpu_kernel", 10_000, 5_000), ("loop_a", 15_000, 1_000)],
+        [
+            ("gemm_fusion", 100_000, 12_000),
+            ("moe_gating_mosaic_gpu_kernel", 112_000, 7_000),
+            ("loop_a", 129_000, 3_000),
+        ],
+    ]
+    assert profile_layer.stage_times(calls[1]) == {"router": 12.0, "gating": 7.0, "xla-glue": 3.0, "span": 32.0}
+    assert profile_layer.medians(calls) == {"router": 11.0, "gating": 6.0, "xla-glue": 2.0, "span": 24.0}
