@@ -128,22 +128,25 @@ def gating(
         return _masked(eligible, selection)
 
     def top_k_rounds(selection, scores, expert_id):
-        taken = _false(expert_id.shape, _LAYOUT)
+        # A taken expert's selection becomes -inf and its id the sentinel E_pad, so it can neither win the max nor,
+        # in a tie at -inf, the lowest id: no separate "taken" tile stays live across the rounds (the kernel is
+        # register-bound; one [64, E] tile is E / 2 registers per thread).
+        ids = expert_id
         experts, weights = [], []
         for _ in range(top_k):
-            candidates = _masked(~taken, selection)
-            best = _rows_to_tile(jnp.max(candidates, axis=1), padded_experts)
-            expert = jnp.min(jnp.where(~taken & (candidates == best), expert_id, padded_experts), axis=1)
-            hit = expert_id == _rows_to_tile(expert, padded_experts)
+            best = _rows_to_tile(jnp.max(selection, axis=1), padded_experts)
+            expert = jnp.min(jnp.where(selection == best, ids, padded_experts), axis=1)
+            hit = ids == _rows_to_tile(expert, padded_experts)
             experts.append(expert)
             weights.append(jnp.sum(jnp.where(hit, scores, 0.0), axis=1))
-            taken = taken | hit
+            selection = _masked(~hit, selection)
+            ids = jnp.where(hit, padded_experts, ids)
         if renormalize:
             total = weights[0]
             for w in weights[1:]:
                 total = total + w
             weights = [w / total for w in weights]
-        return experts, [w * scale for w in weights], taken
+        return experts, [w * scale for w in weights], ids == padded_experts
 
     def block_ranks(chosen_smem, lower_smem, experts):
         """Per slot: the earlier tokens of the block that chose the same expert (module docstring)."""
