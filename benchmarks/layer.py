@@ -74,7 +74,7 @@ def dense_ffn(x, router_kernel, rows, w_gate_up, w_down, *, activation: str):
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "route_kwargs_items"))
-def _expert_operands(x, router_kernel, bias, *, top_k: int, route_kwargs_items: tuple) -> dict:
+def expert_operands(x, router_kernel, bias, *, top_k: int, route_kwargs_items: tuple) -> dict:
     """The expert kernels' operands under moe_ffn's routing: sorted rows [M, D], group sizes, row weights [M]."""
     route_kwargs = dict(route_kwargs_items, bias=bias)
     routing = moe_jax.route(router_logits(x, router_kernel), backend="xla", **route_kwargs)
@@ -201,7 +201,7 @@ def bench_shape(
         static_kwargs = tuple(sorted((k, v) for k, v in route_kwargs.items() if k != "bias"))
 
         def with_expert_operands():
-            operands = functools.partial(_expert_operands, top_k=shape.top_k, route_kwargs_items=static_kwargs)
+            operands = functools.partial(expert_operands, top_k=shape.top_k, route_kwargs_items=static_kwargs)
             return [s | operands(s["x"], s["router_kernel"], route_kwargs.get("bias")) for s in inputs()]
 
         experts = functools.partial(expert_gemms, activation=shape.activation)

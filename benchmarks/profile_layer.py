@@ -113,7 +113,7 @@ def profile_shape(shape, calls: int, seed: int) -> dict:
         return y
 
     static_kwargs = tuple(sorted((k, v) for k, v in route_kwargs.items() if k != "bias"))
-    operands = layer._expert_operands(
+    operands = layer.expert_operands(
         inputs["x"],
         inputs["router_kernel"],
         route_kwargs.get("bias"),
