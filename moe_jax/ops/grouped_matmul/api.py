@@ -242,9 +242,12 @@ def run_rows_kernel(
     r, c = reversed(w_dims) if w_transposed else w_dims
     # The table is keyed by the op's K, N (rhs [G, K, N]): dgrad's contraction R is the op's N.
     k, n = (c, r) if kind in ("dgrad", "glu_dgrad") else (r, c)
+    num_sms = hardware.num_sms()
     if config is None:
         itemsize = jnp.dtype(out_dtype).itemsize
         config = get_config(kind, m=m, k=k, n=n, g=num_groups, out_itemsize=itemsize, row_scale=epilogue.row_scale)
+        if config.cluster_m > num_sms:  # a one-SM device (the interpreter's can be) has no 2-CTA cluster
+            config = dataclasses.replace(config, cluster_m=1)
     if row_tokens is None:
         x = _padded_rows(x)
     else:
@@ -259,7 +262,7 @@ def run_rows_kernel(
         w_transposed=w_transposed,
         out_dtype=out_dtype,
         config=config,
-        num_sms=hardware.num_sms(),
+        num_sms=num_sms,
         interpret=hardware.interpret_params(),
         epilogue=epilogue,
         row_scale=_padded_rows(row_scale),
