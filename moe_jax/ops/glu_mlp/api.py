@@ -190,7 +190,8 @@ def routed_glu_mlp(
 # Fusing the gather costs the gate_up kernel 4-7% of its time (cp.async rows instead of TMA boxes) and saves the
 # permute, whose share of that kernel's time shrinks as 1 / F (bytes ~ M D against FLOPs ~ M D F). Measured on an
 # H200 (docs/kernels/routing.md, "The gather inside the gate_up kernel"): a gain at F = 768 (qwen3), a tie at
-# F = 2048 (dsv3-ep8; at the whole deepseek-v3 layer the gathered experts were as fast or faster) and at F = 2880
+# F = 2048 (dsv3-ep8; at the whole deepseek-v3 layer the gathered experts were as fast or faster, and within ~1% of
+# sorted rows + permute once the layer's kernels were clustered: benchmarks/RESULTS.md, bfdb64f) and at F = 2880
 # (gpt-oss), a loss at F = 14336 (mixtral, 5%).
 GATHER_MAX_D_FF = 2048
 
