@@ -20,7 +20,7 @@ against a 0.82-TFLOP GEMM (~1.9 ms at the 430 TF/s issue #3's gate_up kernel rea
 with the recompute at the qwen3-30b, dsv3-ep8 and mixtral gate_up shapes.
 
 ``routed_glu_mlp`` (what ``moe_ffn`` calls) takes the tokens [T, D] and the routing's sort indices instead of sorted
-rows: where that pays (F <= 2048) the gate_up kernel gathers its rows from the tokens, so the [T * k, D] permuted copy
+rows: where that pays (F <= 1024) the gate_up kernel gathers its rows from the tokens, so the [T * k, D] permuted copy
 is never written, and the backward keeps the tokens rather than the rows.
 """
 
@@ -189,11 +189,11 @@ def routed_glu_mlp(
 
 # Fusing the gather costs the gate_up kernel 4-7% of its time (cp.async rows instead of TMA boxes) and saves the
 # permute, whose share of that kernel's time shrinks as 1 / F (bytes ~ M D against FLOPs ~ M D F). Measured on an
-# H200 (docs/kernels/routing.md, "The gather inside the gate_up kernel"): a gain at F = 768 (qwen3), a tie at
-# F = 2048 (dsv3-ep8; at the whole deepseek-v3 layer the gathered experts were as fast or faster, and within ~1% of
-# sorted rows + permute once the layer's kernels were clustered: benchmarks/RESULTS.md, bfdb64f) and at F = 2880
-# (gpt-oss), a loss at F = 14336 (mixtral, 5%).
-GATHER_MAX_D_FF = 2048
+# H200 (docs/kernels/routing.md, "The gather inside the gate_up kernel"): a gain at F = 768 (qwen3); at F = 2048
+# a tie at dsv3-ep8 and, at the whole deepseek-v3 layer, a gain while its kernels were unclustered that turned into a
+# 2-6% loss of the layer's forward once they were (device time, two alternating runs each: benchmarks/RESULTS.md,
+# 1a72dcc); a tie at F = 2880 (gpt-oss), a loss at F = 14336 (mixtral, 5%).
+GATHER_MAX_D_FF = 1024
 
 
 def fuses_gather(d_ff: int) -> bool:
