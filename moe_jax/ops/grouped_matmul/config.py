@@ -185,10 +185,6 @@ def heuristic_config(
         # The epilogue loads each consumer's [64, 2 * block_n] packed gate/up rows (one TMA box: 2 * block_n <= 256)
         # and writes three outputs; 128-wide tiles leave room for 3 pipeline stages.
         block_n = 128
-    # Wide outputs: walk a band of row tiles over all column tiles so rhs stays in L2; narrow ones: all columns of
-    # a row band are in flight at once and lhs stays in L2.
-    n_tiles = math.ceil(out_cols / block_n)
-    order = dict(grid_minor="n", grid_width=n_tiles) if n_tiles <= 16 else dict(grid_minor="m", grid_width=16)
     # 2-CTA clusters share a group's weight tile between two row tiles (the tuned table's choice at 13 of its 16
     # fwd / dgrad entries). Off the table, at the whole layers' shapes (M = T * k = 131072; H200,
     # docs/kernels/grouped_matmul.md "Clusters"), they cut the forward kernels' time by 17-22% at DeepSeek-V3 (the
@@ -196,8 +192,12 @@ def heuristic_config(
     # GLU backward's rose by 4-5%, so it stays unclustered.
     if kind == "fwd":
         order = dict(grid_minor="m", grid_width=8, cluster_m=2)
-    elif kind == "dgrad":
-        order = dict(order, cluster_m=2)
+    else:
+        # Wide outputs: walk a band of row tiles over all column tiles so rhs stays in L2; narrow ones: all columns
+        # of a row band are in flight at once and lhs stays in L2.
+        n_tiles = math.ceil(out_cols / block_n)
+        order = dict(grid_minor="n", grid_width=n_tiles) if n_tiles <= 16 else dict(grid_minor="m", grid_width=16)
+        order["cluster_m"] = 2 if kind == "dgrad" else 1
     config = Config(block_m=128, block_n=block_n, block_k=64, num_stages=4, **order)
     return _fit(config, out_itemsize, kind, row_scale)
 
