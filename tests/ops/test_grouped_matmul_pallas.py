@@ -113,10 +113,10 @@ def test_two_cta_clusters_match_reference(case, transpose_rhs):
     np.testing.assert_array_equal(np.asarray(out)[sum(sizes) :], 0.0)
 
 
-# The overlapped epilogue stores a tile's outputs during the next tile's first steps: 128-column tiles with 32-column
-# stores give four stores per consumer tile, interleaved with steps 0-3 of the next tile (K = 64 has one step only,
-# so there the rest run after it), and each CTA walks several tiles (4 simulated SMs).
-OVERLAPPED = config.Config(block_m=128, block_n=128, epilogue_n=32, overlap_epilogue=True)
+# The overlapped epilogue stores a tile's outputs during the next tile's first steps: 128-column tiles with 64-column
+# stores give two stores per consumer tile, interleaved with steps 0 and 1 of the next tile (K = 64 has one step
+# only, so there the second runs after it), and each CTA walks several tiles (4 simulated SMs).
+OVERLAPPED = config.Config(block_m=128, block_n=128, epilogue_n=64, overlap_epilogue=True)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -247,6 +247,7 @@ def test_wgrad_groups_are_largest_first():
         dict(block_k=48),
         dict(num_stages=1),
         dict(epilogue_n=100),
+        dict(epilogue_n=32),
         dict(cluster_m=3),
         dict(overlap_epilogue=True, cluster_m=2),
     ],

@@ -32,7 +32,8 @@ class Config:
       block_k: contraction step of the pipeline (64 or 128).
       num_stages: shared-memory buffers of the TMA -> wgmma pipeline.
       num_compute_wgs: consumer warpgroups; one more producer warpgroup issues every TMA load.
-      epilogue_n: columns written back per TMA store (the epilogue buffer is double-buffered per warpgroup).
+      epilogue_n: columns written back per TMA store (the epilogue buffer is double-buffered per warpgroup); a
+        multiple of 64.
       grid_minor: which output-tile axis varies fastest over the persistent grid ("m" or "n").
       grid_width: tiles along the minor axis before the major one advances (a band that stays in L2).
       cluster_m: CTAs of a cluster (1 or 2), computing consecutive row tiles of one column tile; where those tiles
@@ -67,8 +68,10 @@ class Config:
             raise ValueError(f"block_k must be 64 or 128 (one or two 128-byte swizzle widths), got {self.block_k}")
         if self.num_stages < 2:
             raise ValueError(f"num_stages must be at least 2 (load one buffer while computing on another), got {self}")
-        if self.epilogue_n % 16 or self.block_n % self.epilogue_n:
-            raise ValueError(f"epilogue_n must be a multiple of 16 dividing block_n={self.block_n}, got {self}")
+        # Narrower chunks (a 32- or 64-byte swizzle of bf16 rows) lower, and pass under the interpreter, but the H200
+        # faults on them with CUDA_ERROR_MISALIGNED_ADDRESS (jax 0.11.2; epilogue_n 16 and 32, block_m 128 and 256).
+        if self.epilogue_n % 64 or self.block_n % self.epilogue_n:
+            raise ValueError(f"epilogue_n must be a multiple of 64 dividing block_n={self.block_n}, got {self}")
         if self.grid_minor not in ("m", "n"):
             raise ValueError(f"grid_minor must be 'm' or 'n', got {self.grid_minor!r}")
         if self.grid_width < 1:
