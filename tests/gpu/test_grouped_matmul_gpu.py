@@ -13,6 +13,7 @@ and of the cotangent); ``F32_OUT_TOL`` for f32 outputs of the sweep.
 """
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,8 @@ import pytest
 import moe_jax
 from moe_jax._core.testing import GroupOracle, random_group_sizes, relative_error
 from moe_jax.ops import shapes
-from moe_jax.ops.grouped_matmul import reference
+from moe_jax.ops.grouped_matmul import api, reference
+from moe_jax.ops.grouped_matmul.config import Config
 
 pytestmark = pytest.mark.gpu
 TOL = 1e-2
@@ -104,3 +106,68 @@ def test_random_shapes_against_reference(g, m, k, n, sizes, transpose_rhs, out_d
         assert relative_error(actual, exact) < tol, what
     past = int(np.sum(sizes))
     assert float(jnp.max(jnp.abs(kernel[0][past:]), initial=0.0)) == 0.0
+
+
+# Every value of every Config field, in configs that fit in shared memory (per output dtype), at one small ragged
+# shape (M 700 off the tile, an empty group, a 1-row group, 49 rows past the sum; K 384 and N 576 off the 256-wide
+# tiles). The CPU tests run these kernels under the interpreter, which does not apply the hardware's alignment
+# rules: epilogue_n=32 passed there and faulted here (CUDA_ERROR_MISALIGNED_ADDRESS), and Config now rejects it.
+CONFIG_SPACE = [
+    Config(block_m=64, block_n=64, num_stages=2, num_compute_wgs=1, grid_minor="m"),
+    Config(block_m=64, block_n=256, num_compute_wgs=1),
+    Config(block_m=64, block_n=128, num_compute_wgs=1, grid_minor="m", cluster_m=2),
+    Config(block_m=64, block_n=256, num_compute_wgs=1, overlap_epilogue=True),
+    Config(block_m=128, block_n=64),
+    Config(block_m=128, block_n=128, num_compute_wgs=1, grid_width=3),
+    Config(block_m=128, block_n=128, grid_minor="m", grid_width=16, cluster_m=2),
+    Config(block_m=128, block_n=128, overlap_epilogue=True),
+    Config(block_m=128, block_n=192, grid_minor="m", cluster_m=2),
+    Config(block_m=128, block_n=192, epilogue_n=192, num_stages=3, overlap_epilogue=True),
+    Config(block_m=128, block_n=256, block_k=128, num_stages=2, grid_minor="m", grid_width=1),
+    Config(block_m=128, block_n=256, block_k=128, num_stages=2, cluster_m=2),
+    Config(block_m=128, block_n=256, epilogue_n=128, num_stages=3),
+    Config(block_m=256, block_n=64),
+    Config(block_m=256, block_n=128, num_stages=3, grid_minor="m", cluster_m=2),
+    Config(block_m=256, block_n=256, num_stages=2),
+]
+CONFIG_SPACE_SIZES = [0, 300, 1, 150, 200]
+
+
+def _config_id(c: Config) -> str:
+    extra = f"{'c2' if c.cluster_m > 1 else ''}{'o' if c.overlap_epilogue else ''}"
+    return f"{c.block_m}x{c.block_n}x{c.block_k}s{c.num_stages}w{c.num_compute_wgs}e{c.epilogue_n}{c.grid_minor}{extra}"
+
+
+@pytest.mark.parametrize("config", CONFIG_SPACE, ids=_config_id)
+def test_every_config_field_value_runs_on_device(config):
+    m, k, n, sizes = 700, 384, 576, CONFIG_SPACE_SIZES
+    lhs, rhs, dout = _inputs(jax.random.key(7), len(sizes), m, k, n)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    a, b = np.asarray(lhs, np.float64), np.asarray(dout, np.float64)
+    f32_product = functools.partial(reference.grouped_matmul, preferred_element_type=jnp.float32)
+    exact = {
+        "fwd": f32_product(lhs, rhs, group_sizes),
+        "dgrad": f32_product(dout, rhs, group_sizes, transpose_rhs=True),
+        "wgrad": np.stack([a[s:e].T @ b[s:e] for s, e in zip(offsets[:-1], offsets[1:], strict=True)]),
+    }
+    kernels = {
+        "fwd": functools.partial(api.run_rows_kernel, "fwd", lhs, rhs, group_sizes, w_transposed=False),
+        "dgrad": functools.partial(api.run_rows_kernel, "dgrad", dout, rhs, group_sizes, w_transposed=True),
+        "wgrad": functools.partial(api.run_wgrad_kernel, lhs, dout, group_sizes),
+    }
+    ran = 0
+    for (kind, kernel), out_dtype in itertools.product(kernels.items(), (jnp.bfloat16, jnp.float32)):
+        if not config.fits(2, jnp.dtype(out_dtype).itemsize):
+            continue
+        if kind == "wgrad" and (config.block_n // config.num_compute_wgs) % 64:
+            with pytest.raises(ValueError, match="block_n must be a multiple of"):
+                kernel(out_dtype=out_dtype, config=config)
+            continue
+        out = np.asarray(kernel(out_dtype=out_dtype, config=config), np.float32)
+        tol = F32_OUT_TOL if out_dtype == jnp.float32 else TOL
+        assert relative_error(out, exact[kind]) < tol, (kind, out_dtype)
+        zeros = out[0] if kind == "wgrad" else out[sum(sizes) :]  # the empty group's gradient; rows past the sum
+        assert np.all(zeros == 0.0), (kind, out_dtype)
+        ran += 1
+    assert ran >= 2, "every config runs at least its bf16 fwd and dgrad"

@@ -257,6 +257,15 @@ def test_config_rejects_bad_fields(fields):
         config.Config(**fields)
 
 
+def test_wgrad_rejects_a_consumer_split_off_the_swizzle():
+    """Two consumers would each zero 96 columns of a 192-wide y tile: not whole 128-byte swizzle rows."""
+    lhs, dout = jnp.ones((64, 128), jnp.bfloat16), jnp.ones((64, 192), jnp.bfloat16)
+    with pytest.raises(ValueError, match="block_n must be a multiple of 128"):
+        api.run_wgrad_kernel(
+            lhs, dout, jnp.array([64], jnp.int32), out_dtype=jnp.bfloat16, config=config.Config(block_n=192)
+        )
+
+
 @pytest.mark.parametrize("kind", config.KINDS)
 def test_heuristic_configs_fit_in_shared_memory(kind):
     for m, k, n, g in [(32768, 2048, 1536, 128), (16384, 14336, 4096, 8), (256, 64, 64, 1)]:

@@ -64,6 +64,14 @@ def grouped_matmul_wgrad(
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     wg_m, num_wgs, stages = cfg.wg_block_m, cfg.num_compute_wgs, cfg.num_stages
     wg_n = bn // num_wgs  # columns of y each consumer zeroes in a masked chunk
+    swizzle_cols = 128 // jnp.dtype(y.dtype).itemsize
+    if wg_n % swizzle_cols:
+        # A consumer's share of the y tile is a slice of its 128-byte swizzle rows: whole rows only.
+        raise ValueError(
+            f"wgrad splits block_n={bn} over {num_wgs} compute warpgroups, so each zeroes {wg_n} columns of y, which "
+            f"must be a multiple of {swizzle_cols}: block_n must be a multiple of {swizzle_cols * num_wgs} here, got "
+            f"{cfg}"
+        )
     epi_n = cfg.epilogue_n
     # The overlapped epilogue keeps the [wg_m, bn] output tile in registers across tiles where it fits.
     overlap = pipe.overlaps_epilogue(cfg, wg_m * bn * jnp.dtype(out_dtype).itemsize)
