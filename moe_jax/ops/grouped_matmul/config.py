@@ -119,6 +119,9 @@ class Config:
 # benchmarks/results/2026-11-22_h200_3ca740a_tune.md) plus the overlapped epilogue, which was faster at all 8 shapes
 # (time --configs table,table-c,table+o: benchmarks/results/2026-11-22_h200_overlap_ab.md) and won the wgrad sweep
 # with it at 7 of 8 (tune --kinds wgrad at git 0363df0: ..._0363df0_tune_wgrad.md; the 8th, mixtral gate_up, a tie).
+# The dsv3-ep8/down forward entry is from a re-sweep with the overlapped epilogue among the candidates (tune --kinds
+# fwd --rounds 4 at git be4f7b3, 2026-11-22, confirmed by `time --rounds 8`: 1.62-1.67 ms against 1.72-1.76 for the
+# 128x128 clustered config it replaced; benchmarks/results/2026-11-22_h200_be4f7b3_tune_fwd.md).
 # The fused GLU forward uses the "fwd" entry of its gate_up shape; glu_dgrad is keyed by the "<model>/down" shape.
 TUNED: dict[tuple[str, int, int, int, int], Config] = {
     ("fwd", 128, 32768, 2048, 1536): Config(grid_minor="m", cluster_m=2),
@@ -138,7 +141,7 @@ TUNED: dict[tuple[str, int, int, int, int], Config] = {
     ("fwd", 32, 32768, 7168, 4096): Config(grid_minor="m", cluster_m=2),
     ("dgrad", 32, 32768, 7168, 4096): Config(grid_minor="m"),
     ("wgrad", 32, 32768, 7168, 4096): Config(overlap_epilogue=True),
-    ("fwd", 32, 32768, 2048, 7168): Config(block_n=128, num_stages=6, grid_minor="m", grid_width=16, cluster_m=2),
+    ("fwd", 32, 32768, 2048, 7168): Config(grid_minor="m", overlap_epilogue=True),
     ("dgrad", 32, 32768, 2048, 7168): Config(cluster_m=2),
     ("glu_dgrad", 32, 32768, 2048, 7168): Config(block_n=128, num_stages=3, grid_width=16),
     ("wgrad", 32, 32768, 2048, 7168): Config(overlap_epilogue=True),
