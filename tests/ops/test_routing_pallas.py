@@ -53,6 +53,8 @@ def _normal(seed: int, shape, std: float = 2.0) -> np.ndarray:
         (64, 8, 8, dict(score="softmax", renormalize=False)),  # k = E
         (130, 20, 2, dict(score="sigmoid", renormalize=False, scale=2.5)),  # three blocks, a ragged one
         (64, 96, 5, dict(score="sigmoid", num_groups=8, top_groups=3, bias=True, scale=2.5)),  # DeepSeek-like, E = 96
+        (100, 256, 8, dict(score="sigmoid", num_groups=8, top_groups=4, bias=True, scale=2.5)),  # DeepSeek-V3's
+        (64, 40, 4, dict(score="softmax", num_groups=5, top_groups=2, bias=True)),  # 8-wide groups, E padded to 48
         (64, 512, 16, dict(score="softmax")),  # the largest E and k: two prefix-sum chunks of 256 experts
     ],
 )
@@ -74,9 +76,10 @@ def test_matches_float64_oracle():
 
 
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
-def test_ties_go_to_the_lower_expert_index(score):
+@pytest.mark.parametrize("num_experts", [12, 32])  # groups of 3 and of 8 experts
+def test_ties_go_to_the_lower_expert_index(score, num_experts):
     # Logits from three values: scores tie exactly, within groups and across them.
-    logits = np.random.default_rng(11).choice(np.array([-1.0, 0.0, 2.0], np.float32), size=(64, 12))
+    logits = np.random.default_rng(11).choice(np.array([-1.0, 0.0, 2.0], np.float32), size=(64, num_experts))
     kernel, expected = _route(logits, 3, score=score, num_groups=4, top_groups=2)
     _assert_same_routing(kernel, expected)
     kernel, expected = _route(np.zeros((3, 5), np.float32), 3, score=score)
@@ -98,12 +101,13 @@ def _adversarial_logits(seed: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
-@pytest.mark.parametrize("grouped", [False, True])
-def test_nan_and_infinite_logits_select_in_range_experts(score, grouped):
+@pytest.mark.parametrize("num_groups", [1, 8, 4])  # ungrouped; groups of 4 and of 8 experts
+def test_nan_and_infinite_logits_select_in_range_experts(score, num_groups):
     logits = _adversarial_logits(17)
     bias = _normal(18, (32,), 1.0)
     bias[4] = np.inf  # a group score of inf + (-inf) = NaN ranks as -inf
-    options = dict(score=score, num_groups=8, top_groups=3, bias=bias) if grouped else dict(score=score)
+    grouped = num_groups > 1
+    options = dict(score=score, num_groups=num_groups, top_groups=3, bias=bias) if grouped else dict(score=score)
     kernel, expected = _route(logits, 5, **options)
     np.testing.assert_array_equal(kernel.experts, expected.experts)
     np.testing.assert_array_equal(kernel.group_sizes, expected.group_sizes)
