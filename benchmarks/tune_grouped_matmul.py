@@ -9,7 +9,8 @@
       sweeps candidate configs and prints the fastest per (kind, shape) as a line to paste into config.TUNED
 
 A config on the command line is "table" (what the op would use: tuned entry or heuristic), "table-c" (the same
-without clusters), "table+o" (without clusters, with the overlapped epilogue) or
+without clusters), "table+o" (without clusters, with the overlapped epilogue), "table+oc" (clusters kept, with the
+overlapped epilogue) or
 "<block_m>x<block_n>x<block_k>s<stages>e<epilogue_n><m|n><grid_width>[c<cluster_m>][o]", e.g. "128x256x64s4e64n8",
 "128x256x64s4e64n8c2" (2-CTA clusters sharing the weight tile) or "128x256x64s4e64n8o" (the epilogue overlapped with
 the next tile's first steps). The candidates of one (kind, shape) are compiled in parallel threads (--jobs: the
@@ -48,7 +49,12 @@ SPEC = re.compile(r"(\d+)x(\d+)x(\d+)s(\d+)e(\d+)([mn])(\d+)(?:c(\d))?(o)?")
 
 def parse_config(spec: str):
     """A command-line config -> a function (kind, shape) -> Config (see the module docstring)."""
-    variants = {"table": {}, "table-c": dict(cluster_m=1), "table+o": dict(cluster_m=1, overlap_epilogue=True)}
+    variants = {
+        "table": {},
+        "table-c": dict(cluster_m=1),
+        "table+o": dict(cluster_m=1, overlap_epilogue=True),
+        "table+oc": dict(overlap_epilogue=True),
+    }
     if spec in variants:
         return lambda kind, shape: dataclasses.replace(table_config(kind, shape), **variants[spec])
     match = SPEC.fullmatch(spec)
@@ -238,8 +244,9 @@ def table_config(kind: str, shape) -> Config:
 
 def candidate_configs(kind: str, shape) -> list[Config]:
     """A small sweep around the table's choice: tile width (with the deepest pipeline that fits), grid order, 2-CTA
-    clusters (not for wgrad) and, without clusters, the overlapped epilogue. (Earlier sweeps found fewer stages, wider
-    epilogue chunks, block_k 128 and column-split tail tiles no faster: docs/kernels/grouped_matmul.md.)"""
+    clusters (not for wgrad) and the overlapped epilogue, with and without clusters. (Earlier sweeps found fewer
+    stages, wider epilogue chunks, block_k 128 and column-split tail tiles no faster: docs/kernels/grouped_matmul.md.)
+    """
     base = table_config(kind, shape)
     out_cols = shape.k if kind in ("dgrad", "glu_dgrad") else shape.n
     # wgrad walks its groups' tiles round-robin (no grid order); the others try column- and row-fastest orders.
@@ -248,8 +255,8 @@ def candidate_configs(kind: str, shape) -> list[Config]:
         orders = [("n", max(1, -(-out_cols // 256))), ("m", 8), ("m", 16)]
     # glu_dgrad's epilogue loads [gate | up] tiles of 2 * block_n <= 256 columns.
     widths = (64, 128) if kind == "glu_dgrad" else (128, 256)
-    # (cluster_m, overlap_epilogue): the overlap excludes clusters (Config).
-    pipelines = [(1, False), (1, True)] + ([] if kind == "wgrad" else [(2, False)])
+    # (cluster_m, overlap_epilogue)
+    pipelines = [(1, False), (1, True)] + ([] if kind == "wgrad" else [(2, False), (2, True)])
     candidates = {base}
     for block_n, (minor, width), (cluster, overlap) in itertools.product(widths, orders, pipelines):
         for stages in (6, 5, 4, 3):

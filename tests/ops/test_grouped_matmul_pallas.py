@@ -113,6 +113,19 @@ def test_two_cta_clusters_match_reference(case, transpose_rhs):
     np.testing.assert_array_equal(np.asarray(out)[sum(sizes) :], 0.0)
 
 
+@pytest.mark.usefixtures("interpret")
+def test_clusters_with_the_overlap_run_without_it_under_the_interpreter():
+    """The interpreter's simulated warpgroups stall on 2-CTA clusters with the overlapped epilogue, so
+    run_rows_kernel stores between the tiles there (tests/gpu runs the pair on the device)."""
+    m, k, n, sizes = CASES["ragged"]
+    lhs, rhs, group_sizes = _inputs(22, m, k, n, sizes, False)
+    both = config.Config(block_m=128, block_n=64, cluster_m=2, overlap_epilogue=True)
+    out = api.run_rows_kernel("fwd", lhs, rhs, group_sizes, w_transposed=False, out_dtype=jnp.float32, config=both)
+    expected = reference.grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+    assert oracle.relative_error(out, expected) < F32_OUT_TOL
+    np.testing.assert_array_equal(np.asarray(out)[sum(sizes) :], 0.0)
+
+
 # The overlapped epilogue stores a tile's outputs during the next tile's first steps: 128-column tiles with 64-column
 # stores give two stores per consumer tile, interleaved with steps 0 and 1 of the next tile (K = 64 has one step
 # only, so there the second runs after it), and each CTA walks several tiles (4 simulated SMs).
@@ -249,7 +262,6 @@ def test_wgrad_groups_are_largest_first():
         dict(epilogue_n=100),
         dict(epilogue_n=32),
         dict(cluster_m=3),
-        dict(overlap_epilogue=True, cluster_m=2),
     ],
 )
 def test_config_rejects_bad_fields(fields):
@@ -275,11 +287,14 @@ def test_heuristic_configs_fit_in_shared_memory(kind):
 
 def test_heuristic_clusters_the_forward_and_the_dgrad_only():
     """Off the table, fwd and dgrad share weight tiles in 2-CTA clusters (measured faster at the whole layers'
-    shapes); the GLU backward measured slower with them and wgrad has none."""
+    shapes); the GLU backward measured slower with them and wgrad has none. fwd and wgrad overlap their epilogues."""
     layer_shapes = [(131072, 2048, 1536, 128), (131072, 7168, 4096, 256), (256, 64, 64, 1)]
     for m, k, n, g in layer_shapes:
-        clusters = {kind: config.heuristic_config(kind, m=m, k=k, n=n, g=g).cluster_m for kind in config.KINDS}
+        configs = {kind: config.heuristic_config(kind, m=m, k=k, n=n, g=g) for kind in config.KINDS}
+        clusters = {kind: c.cluster_m for kind, c in configs.items()}
         assert clusters == {"fwd": 2, "dgrad": 2, "glu_dgrad": 1, "wgrad": 1}, (m, k, n, g)
+        overlaps = {kind: c.overlap_epilogue for kind, c in configs.items()}
+        assert overlaps == {"fwd": True, "dgrad": False, "glu_dgrad": False, "wgrad": True}, (m, k, n, g)
 
 
 @pytest.mark.parametrize(
