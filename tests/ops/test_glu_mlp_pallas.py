@@ -74,8 +74,8 @@ def _inputs(case):
 
 
 def _overlapped_get_config(*args, **kwargs) -> Config:
-    """config.get_config with the overlapped epilogue switched on (the small shapes here get heuristic configs; the
-    overlap excludes clusters)."""
+    """config.get_config with the overlapped epilogue switched on (the small shapes here get heuristic configs) and
+    no cluster: under the interpreter a clustered config runs without the overlap (api.run_rows_kernel)."""
     return dataclasses.replace(get_config(*args, **kwargs), overlap_epilogue=True, cluster_m=1)
 
 
