@@ -287,14 +287,15 @@ def test_heuristic_configs_fit_in_shared_memory(kind):
 
 def test_heuristic_clusters_the_forward_and_the_dgrad_only():
     """Off the table, fwd and dgrad share weight tiles in 2-CTA clusters (measured faster at the whole layers'
-    shapes); the GLU backward measured slower with them and wgrad has none. fwd and wgrad overlap their epilogues."""
+    shapes); the GLU backward measured slower with them and wgrad has none. All but the GLU backward overlap their
+    epilogues (it measured slower with the overlap)."""
     layer_shapes = [(131072, 2048, 1536, 128), (131072, 7168, 4096, 256), (256, 64, 64, 1)]
     for m, k, n, g in layer_shapes:
         configs = {kind: config.heuristic_config(kind, m=m, k=k, n=n, g=g) for kind in config.KINDS}
         clusters = {kind: c.cluster_m for kind, c in configs.items()}
         assert clusters == {"fwd": 2, "dgrad": 2, "glu_dgrad": 1, "wgrad": 1}, (m, k, n, g)
         overlaps = {kind: c.overlap_epilogue for kind, c in configs.items()}
-        assert overlaps == {"fwd": True, "dgrad": False, "glu_dgrad": False, "wgrad": True}, (m, k, n, g)
+        assert overlaps == {"fwd": True, "dgrad": True, "glu_dgrad": False, "wgrad": True}, (m, k, n, g)
 
 
 @pytest.mark.parametrize(

@@ -186,18 +186,21 @@ def heuristic_config(
             block_m=128, block_n=256 if n >= 256 else 128, block_k=64, num_stages=stages, overlap_epilogue=True
         )
         return _fit(config, out_itemsize, kind, row_scale)
-    block_n = 256 if out_cols >= 1024 else 128
+    block_n, stages = (256 if out_cols >= 1024 else 128), 4
     if kind == "glu_dgrad":
         # The epilogue loads each consumer's [64, 2 * block_n] packed gate/up rows (one TMA box: 2 * block_n <= 256)
-        # and writes three outputs; 128-wide tiles leave room for 3 pipeline stages.
-        block_n = 128
+        # and writes three outputs. 128-wide tiles leave room for 3 pipeline stages; 64-wide ones for 6, which ran
+        # 7% faster at the Qwen3 layer's F = 768 and 9% slower at DeepSeek-V3's F = 2048 (the tuned table agrees
+        # at F = 768 / 2048 / 14336).
+        block_n, stages = (64, 6) if out_cols <= 1024 else (128, 4)
     # 2-CTA clusters share a group's weight tile between two row tiles (the tuned table's choice at 13 of its 16
     # fwd / dgrad entries). Off the table, at the whole layers' shapes (M = T * k = 131072; H200,
     # docs/kernels/grouped_matmul.md "Clusters"), they cut the forward kernels' time by 17-22% at DeepSeek-V3 (the
     # forward with m-fastest bands of 8 a little more) and by 0-3% at Qwen3, the gate_up dgrad's by 20% and 2%; the
-    # GLU backward's rose by 4-5%, so it stays unclustered. The forward also overlaps its epilogue with the next
-    # tile (where the kept outputs fit: not next to a 256-wide GLU accumulator): the layers' down projections
-    # (row_scale epilogue) ran 12% (Qwen3) and 4% (DeepSeek-V3) faster with it, outputs bit-identical.
+    # GLU backward's rose by 4-5%, so it stays unclustered. The forward and the dgrad also overlap their epilogue
+    # with the next tile (where the kept outputs fit: not next to a 256-wide GLU accumulator): at the layers' shapes
+    # the down projection (row_scale epilogue) ran 12% (Qwen3) and 4% (DeepSeek-V3) faster with it and the gate_up
+    # dgrad 8% and 3%, outputs bit-identical; the GLU backward ran 14% slower with it at Qwen3, so not there.
     if kind == "fwd":
         order = dict(grid_minor="m", grid_width=8, cluster_m=2, overlap_epilogue=True)
     else:
@@ -205,8 +208,8 @@ def heuristic_config(
         # of a row band are in flight at once and lhs stays in L2.
         n_tiles = math.ceil(out_cols / block_n)
         order = dict(grid_minor="n", grid_width=n_tiles) if n_tiles <= 16 else dict(grid_minor="m", grid_width=16)
-        order["cluster_m"] = 2 if kind == "dgrad" else 1
-    config = Config(block_m=128, block_n=block_n, block_k=64, num_stages=4, **order)
+        order |= dict(cluster_m=2, overlap_epilogue=True) if kind == "dgrad" else dict(cluster_m=1)
+    config = Config(block_m=128, block_n=block_n, block_k=64, num_stages=stages, **order)
     return _fit(config, out_itemsize, kind, row_scale)
 
 
