@@ -16,14 +16,17 @@ an expert, by token; a token picks an expert at most once, so by token then slot
 
 Selection follows DESIGN §3 step by step: ``s = score + bias``; NaN becomes -inf (so a NaN never wins and an expert
 id is always in range); with groups, each group scores the sum of its two best, the ``top_groups`` best groups stay
-eligible and the rest become -inf; then k rounds of "the largest untaken value, the lowest id among equals". Every
-step compares exact f32 values, so the result is the reference's whenever the f32 scores are.
+eligible and the rest become -inf; then k rounds of "the largest untaken value, the lowest id among equals", compared
+as int32 keys in the order of the f32 values (``_order_key``) so that a taken expert can sit below -inf. Every step
+compares exact f32 values, so the result is the reference's whenever the f32 scores are.
 
 The in-block ranks are one matmul: with S[t, e] = 1 when token t chose e (bf16, exact) and L the strictly lower
 triangular [64, 64] matrix of ones, (L @ S)[t, e] counts the earlier tokens that chose e, exactly in the f32
 accumulator; wgmma does it in chunks of at most 256 experts. A block's rank of (t, j) is then row t of that product
 read at column e_tj (a masked row sum).
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +39,8 @@ from moe_jax.ops.routing.config import BLOCK_TOKENS, Config
 _LAYOUT = plgpu.Layout.WGMMA
 _ROW = _LAYOUT.reduce(1)  # [64] per-token vectors
 _COL = _LAYOUT.reduce(0)  # [E] per-expert vectors
+_LAYOUT_COLUMNS = 8  # columns of one register tile of the layout
+_TAKEN = jnp.iinfo(jnp.int32).min  # the order key of an expert already selected
 
 
 def _rows_to_tile(vector, num_cols: int):
@@ -50,6 +55,14 @@ def _cols_to_tile(vector):
 
 def _masked(mask, value):
     return jnp.where(mask, value, -jnp.inf)
+
+
+def _order_key(values):
+    """f32 -> int32 keys with the same order (-0.0 equal to +0.0); NaN must be gone. No key equals _TAKEN."""
+    # An f32's bits read as int32 order the non-negative floats; the negative ones order backwards, so their 31
+    # value bits are flipped. -inf maps to 0x807FFFFF, above _TAKEN; only a NaN could map to _TAKEN itself.
+    bits = lax.bitcast_convert_type(values + 0.0, jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
 
 
 def _false(shape, layout):
@@ -89,6 +102,7 @@ def gating(
     num_blocks = padded_tokens // BLOCK_TOKENS
     chunk = config.rank_chunk
     has_bias = bias is not None
+    group_width = num_experts // num_groups
 
     def scores_and_probs(x):
         if score == "softmax":
@@ -100,17 +114,25 @@ def gating(
         scores = jax.nn.sigmoid(x)
         return scores, scores / _rows_to_tile(jnp.sum(scores, axis=1), padded_experts)
 
+    def group_columns(selection, expert_id, g: int):
+        """Group g's selection values and expert ids: its own columns where a group is whole register tiles of the
+        layout (the slice is register renaming, and the group's reductions touch E / num_groups columns), else the
+        full tile with -inf and the id E_pad outside the group."""
+        first, end = g * group_width, (g + 1) * group_width
+        if group_width % _LAYOUT_COLUMNS == 0:
+            return selection[:, first:end], expert_id[:, first:end]
+        member = (expert_id >= first) & (expert_id < end)
+        return _masked(member, selection), jnp.where(member, expert_id, padded_experts)
+
     def restrict_to_top_groups(selection, expert_id):
-        width = num_experts // num_groups
-        members = [(expert_id >= g * width) & (expert_id < (g + 1) * width) for g in range(num_groups)]
         group_scores = []
-        for member in members:
-            values = _masked(member, selection)
+        for g in range(num_groups):
+            values, ids = group_columns(selection, expert_id, g)
             best = jnp.max(values, axis=1)
-            if width > 1:
-                at = _rows_to_tile(best, padded_experts)
-                first = jnp.min(jnp.where(member & (values == at), expert_id, padded_experts), axis=1)
-                best = best + jnp.max(_masked(expert_id != _rows_to_tile(first, padded_experts), values), axis=1)
+            if group_width > 1:
+                at = _rows_to_tile(best, values.shape[1])
+                first = jnp.min(jnp.where(values == at, ids, padded_experts), axis=1)
+                best = best + jnp.max(_masked(ids != _rows_to_tile(first, values.shape[1]), values), axis=1)
             group_scores.append(jnp.where(best != best, -jnp.inf, best))
         chosen = [_false((BLOCK_TOKENS,), _ROW)] * num_groups
         for _ in range(top_groups):
@@ -122,31 +144,36 @@ def gating(
                 pick = ~chosen[g] & ~found & (group_scores[g] == best)
                 chosen[g] = chosen[g] | pick
                 found = found | pick
+        # Eligibility from each column's group id rather than from the range masks above: reusing those would keep
+        # num_groups [64, E] bool tiles live until here (a tile is E / 2 registers per thread; the kernel spilled).
+        group_id = lax.div(expert_id, jnp.int32(group_width))
         eligible = _false(expert_id.shape, _LAYOUT)
         for g in range(num_groups):
-            eligible = eligible | (members[g] & _rows_to_tile(chosen[g], padded_experts))
+            eligible = eligible | ((group_id == g) & _rows_to_tile(chosen[g], padded_experts))
         return _masked(eligible, selection)
 
-    def top_k_rounds(selection, scores, expert_id):
-        # A taken expert's selection becomes -inf and its id the sentinel E_pad, so it can neither win the max nor,
-        # in a tie at -inf, the lowest id: no separate "taken" tile stays live across the rounds (the kernel is
-        # register-bound; one [64, E] tile is E / 2 registers per thread).
-        ids = expert_id
-        experts, weights = [], []
+    def top_k_rounds(key, expert_id):
+        # The rounds compare int32 order keys (``_order_key``): a taken expert's key becomes _TAKEN, below every
+        # other key, -inf's included, so one [64, E] tile carries both the values and what was taken (the kernel is
+        # register-bound; one such tile is E / 2 registers per thread).
+        experts = []
         for _ in range(top_k):
-            best = _rows_to_tile(jnp.max(selection, axis=1), padded_experts)
-            expert = jnp.min(jnp.where(selection == best, ids, padded_experts), axis=1)
-            hit = ids == _rows_to_tile(expert, padded_experts)
+            best = _rows_to_tile(jnp.max(key, axis=1), padded_experts)
+            expert = jnp.min(jnp.where(key == best, expert_id, padded_experts), axis=1)
+            # The constant goes in the false branch: with a constant true branch, jax 0.11.2's Mosaic GPU `select`
+            # takes its result's signedness from the (unsigned) predicate, and the next max would compare unsigned.
+            key = jnp.where(expert_id != _rows_to_tile(expert, padded_experts), key, _TAKEN)
             experts.append(expert)
-            weights.append(jnp.sum(jnp.where(hit, scores, 0.0), axis=1))
-            selection = _masked(~hit, selection)
-            ids = jnp.where(hit, padded_experts, ids)
+        return experts, key == _TAKEN
+
+    def selected_weights(scores, expert_id, experts):
+        weights = [
+            jnp.sum(jnp.where(expert_id == _rows_to_tile(e, padded_experts), scores, 0.0), axis=1) for e in experts
+        ]
         if renormalize:
-            total = weights[0]
-            for w in weights[1:]:
-                total = total + w
+            total = functools.reduce(lax.add, weights)
             weights = [w / total for w in weights]
-        return experts, [w * scale for w in weights], ids == padded_experts
+        return [w * scale for w in weights]
 
     def block_ranks(chosen_smem, lower_smem, experts):
         """Per slot: the earlier tokens of the block that chose the same expert (module docstring)."""
@@ -187,7 +214,8 @@ def gating(
         selection = _masked((selection == selection) & (expert_id < num_experts), selection)
         if num_groups > 1:
             selection = restrict_to_top_groups(selection, expert_id)
-        experts, weights, taken = top_k_rounds(selection, scores, expert_id)
+        experts, taken = top_k_rounds(_order_key(selection), expert_id)
+        weights = selected_weights(scores, expert_id, experts)
 
         # Padding tokens (rows past T) choose experts too, but are not counted.
         chosen = taken & (token < num_tokens)
