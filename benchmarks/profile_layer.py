@@ -13,8 +13,9 @@ the jitted ``moe_ffn`` forward (backend "pallas") after a warm-up, and each kern
   other      a Mosaic GPU kernel the forward should not run (listed, never counted as glue)
 
 The same is done for the expert kernels alone on rows already sorted (``glu_mlp``, the layer bench's
-experts:pallas), so that what the gather costs the gate_up kernel is the difference of two kernel times. The layer's
-glue is then gating + xla-glue + permute + combine + that difference, and its share is over the layer's span (first
+experts:pallas), so that what the gather costs the gate_up kernel is the difference of two kernel times (zero where
+the layer permutes first and gathers nothing). The layer's glue is then gating + xla-glue + permute + combine + that
+difference, and its share is over the layer's span (first
 kernel start to last kernel end of a call, which also counts any gap between kernels). Medians over the calls.
 
 Usage (GPU machine): ``python -m benchmarks.profile_layer --shapes qwen3-30b-a3b,deepseek-v3 --calls 20``.
@@ -126,7 +127,7 @@ def profile_shape(shape, calls: int, seed: int) -> dict:
     expert_args += [operands["group_sizes"], operands["row_weights"]]
     expert_calls = kernel_calls(experts, expert_args, calls)
     stages, sorted_rows = medians(layer_calls), medians(expert_calls)
-    gather_cost = stages.get("gate_up", 0.0) - sorted_rows.get("gate_up", 0.0)
+    gather_cost = gather_cost_us(stages, sorted_rows)
     glue_kernels = sum(stages.get(stage, 0.0) for stage in GLUE_STAGES)
     glue = glue_kernels + gather_cost
     kernels = collections.Counter(name for name, _, _ in layer_calls[-1])
@@ -140,6 +141,17 @@ def profile_shape(shape, calls: int, seed: int) -> dict:
         "glue_share": glue / stages["span"],
         "kernels": {name: {"count": count, "stage": stage_of(name)} for name, count in kernels.items()},
     }
+
+
+def gather_cost_us(stages: dict, sorted_rows: dict) -> float:
+    """What gathering the rows cost the layer's gate_up kernel: its time less the kernel's on sorted rows.
+
+    A layer that permutes first (F > 1024) runs the sorted-rows kernel itself: nothing to cost, and the difference of
+    two runs of one kernel would be noise counted as glue.
+    """
+    if "permute" in stages:
+        return 0.0
+    return stages.get("gate_up", 0.0) - sorted_rows.get("gate_up", 0.0)
 
 
 def markdown(result: dict) -> str:

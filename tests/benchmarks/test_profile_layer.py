@@ -44,3 +44,9 @@ def test_medians_sum_stages_per_call_and_measure_the_span():
     ]
     assert profile_layer.stage_times(calls[1]) == {"router": 12.0, "gating": 7.0, "xla-glue": 3.0, "span": 32.0}
     assert profile_layer.medians(calls) == {"router": 11.0, "gating": 6.0, "xla-glue": 2.0, "span": 24.0}
+
+
+def test_gather_cost_is_the_gate_up_difference_only_where_the_layer_gathers():
+    sorted_rows = {"gate_up": 100.0, "down": 50.0}
+    assert profile_layer.gather_cost_us({"gate_up": 107.5, "combine": 9.0}, sorted_rows) == pytest.approx(7.5)
+    assert profile_layer.gather_cost_us({"gate_up": 93.0, "permute": 20.0}, sorted_rows) == 0.0
