@@ -15,8 +15,8 @@ the jitted ``moe_ffn`` forward (backend "pallas") after a warm-up, and each kern
 The same is done for the expert kernels alone on rows already sorted (``glu_mlp``, the layer bench's
 experts:pallas), so that what the gather costs the gate_up kernel is the difference of two kernel times (zero where
 the layer permutes first and gathers nothing). The layer's glue is then gating + xla-glue + permute + combine + that
-difference, and its share is over the layer's span (first
-kernel start to last kernel end of a call, which also counts any gap between kernels). Medians over the calls.
+difference, and its share is over the layer's span (first kernel start to last kernel end of a call, which also
+counts any gap between kernels). Medians over the calls.
 
 Usage (GPU machine): ``python -m benchmarks.profile_layer --shapes qwen3-30b-a3b,deepseek-v3 --calls 20``.
 """
