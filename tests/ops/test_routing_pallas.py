@@ -14,6 +14,7 @@ import moe_jax
 from moe_jax._core import testing as oracle
 from moe_jax._core.testing import checked_interpreter
 from moe_jax.ops import shapes
+from moe_jax.ops.routing import config as routing_config
 from moe_jax.ops.routing import reference
 
 TOL = 1e-6  # f32 weights / probs: a few ulps of values in [0, scale]
@@ -56,6 +57,8 @@ def _normal(seed: int, shape, std: float = 2.0) -> np.ndarray:
         (100, 256, 8, dict(score="sigmoid", num_groups=8, top_groups=4, bias=True, scale=2.5)),  # DeepSeek-V3's
         (64, 40, 4, dict(score="softmax", num_groups=5, top_groups=2, bias=True)),  # 8-wide groups, E padded to 48
         (64, 512, 16, dict(score="softmax")),  # the largest E and k: two prefix-sum chunks of 256 experts
+        (70, 384, 8, dict(score="sigmoid", bias=True)),  # three expert chunks of 128, merged
+        (64, 320, 6, dict(score="softmax", num_groups=10, top_groups=3, bias=True)),  # chunks of 64: 2 groups each
     ],
 )
 def test_random_logits_match_reference(num_tokens, num_experts, top_k, options):
@@ -76,7 +79,7 @@ def test_matches_float64_oracle():
 
 
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
-@pytest.mark.parametrize("num_experts", [12, 32])  # groups of 3 and of 8 experts
+@pytest.mark.parametrize("num_experts", [12, 32, 512])  # groups of 3, of 8, and of 128 in four chunks of 128
 def test_ties_go_to_the_lower_expert_index(score, num_experts):
     # Logits from three values: scores tie exactly, within groups and across them.
     logits = np.random.default_rng(11).choice(np.array([-1.0, 0.0, 2.0], np.float32), size=(64, num_experts))
@@ -86,9 +89,9 @@ def test_ties_go_to_the_lower_expert_index(score, num_experts):
     np.testing.assert_array_equal(kernel.experts, [[0, 1, 2]] * 3)
 
 
-def _adversarial_logits(seed: int) -> np.ndarray:
+def _adversarial_logits(seed: int, num_experts: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
-    logits = rng.normal(size=(64, 32)).astype(np.float32)
+    logits = rng.normal(size=(64, num_experts)).astype(np.float32)
     logits[rng.random(logits.shape) < 0.2] = -np.inf  # scattered -inf
     logits[3] = -np.inf  # a row of -inf: softmax is NaN, sigmoid is 0
     logits[5, 7] = np.nan  # one NaN
@@ -101,10 +104,11 @@ def _adversarial_logits(seed: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
-@pytest.mark.parametrize("num_groups", [1, 8, 4])  # ungrouped; groups of 4 and of 8 experts
-def test_nan_and_infinite_logits_select_in_range_experts(score, num_groups):
-    logits = _adversarial_logits(17)
-    bias = _normal(18, (32,), 1.0)
+@pytest.mark.parametrize("num_groups", [1, 8, 4])  # ungrouped; groups of E / 8 and of E / 4 experts
+@pytest.mark.parametrize("num_experts", [32, 512])  # the whole row in registers; four chunks of 128 experts
+def test_nan_and_infinite_logits_select_in_range_experts(score, num_groups, num_experts):
+    logits = _adversarial_logits(17, num_experts)
+    bias = _normal(18, (num_experts,), 1.0)
     bias[4] = np.inf  # a group score of inf + (-inf) = NaN ranks as -inf
     grouped = num_groups > 1
     options = dict(score=score, num_groups=num_groups, top_groups=3, bias=bias) if grouped else dict(score=score)
@@ -113,7 +117,7 @@ def test_nan_and_infinite_logits_select_in_range_experts(score, num_groups):
     np.testing.assert_array_equal(kernel.group_sizes, expected.group_sizes)
     np.testing.assert_array_equal(kernel.sort_indices, expected.sort_indices)
     np.testing.assert_allclose(kernel.weights, expected.weights, rtol=TOL, atol=TOL, equal_nan=True)
-    assert kernel.experts.min() >= 0 and kernel.experts.max() < 32
+    assert kernel.experts.min() >= 0 and kernel.experts.max() < num_experts
     # A NaN row selects the lowest ids, as a row of -inf would (the documented definition).
     if not grouped:
         np.testing.assert_array_equal(kernel.experts[6], np.arange(5))
@@ -142,6 +146,19 @@ def test_bf16_logits_route_like_their_f32_values():
     logits = _normal(29, (64, 16)).astype(jnp.bfloat16)
     kernel, expected = _route(logits, 2)
     _assert_same_routing(kernel, expected)
+
+
+def test_heuristic_chunks_wide_expert_axes_only_where_chunks_fit():
+    assert routing_config.heuristic_config(256, top_k=8, num_groups=8).chunk_experts == 256  # the whole row
+    assert routing_config.heuristic_config(384, top_k=8).chunk_experts == 128
+    assert routing_config.heuristic_config(320, top_k=8).chunk_experts == 64
+    assert routing_config.heuristic_config(512, top_k=17).chunk_experts == 512  # k past the merge's bound
+    assert routing_config.heuristic_config(384, top_k=6, num_groups=8).chunk_experts == 384  # groups of 48 straddle
+
+
+def test_config_rejects_a_chunk_off_the_swizzle_tile():
+    with pytest.raises(ValueError, match="chunk_experts must divide"):
+        routing_config.Config(padded_experts=256, rank_chunk=256, chunk_experts=32)
 
 
 def _cuda_lowering(fn, *args) -> str:

@@ -19,10 +19,15 @@ class Config:
     Attributes:
       padded_experts: E rounded up to a multiple of 16 (padding experts are never eligible).
       rank_chunk: experts per prefix-sum wgmma (its N): divides ``padded_experts``, a multiple of 16, at most 256.
+      chunk_experts: experts whose [64, chunk_experts] tiles the kernel holds at a time. ``padded_experts`` keeps the
+        whole row in registers; a narrower chunk (a multiple of the shared-memory swizzle's column tile dividing
+        ``padded_experts``) selects each chunk's top k and merges them, reading the logits from L2 once per pass.
+        None means ``padded_experts``.
     """
 
     padded_experts: int
     rank_chunk: int
+    chunk_experts: int | None = None
 
     def __post_init__(self):
         if self.padded_experts < EXPERT_ALIGN or self.padded_experts % EXPERT_ALIGN:
@@ -32,6 +37,18 @@ class Config:
                 f"rank_chunk must be a multiple of {EXPERT_ALIGN} in [16, {MAX_WGMMA_N}] dividing "
                 f"padded_experts={self.padded_experts}, got {self.rank_chunk}"
             )
+        if self.chunk_experts is None:
+            object.__setattr__(self, "chunk_experts", self.padded_experts)
+        column_tile = self.swizzle // 2
+        if (
+            self.chunk_experts < 1
+            or self.padded_experts % self.chunk_experts
+            or (self.chunk_experts < self.padded_experts and self.chunk_experts % column_tile)
+        ):
+            raise ValueError(
+                f"chunk_experts must divide padded_experts={self.padded_experts} and, when smaller, be a multiple of "
+                f"{column_tile} (the shared-memory swizzle's column tile), got {self.chunk_experts}"
+            )
 
     @property
     def swizzle(self) -> int:
@@ -40,19 +57,43 @@ class Config:
         return next(s for s in (128, 64, 32) if row_bytes % s == 0)
 
 
-# The largest E tested on the device: the gating kernel keeps [64, E] f32 tiles in registers, so a much wider E
-# would spill; "auto" routes such layers through the XLA reference instead.
+# The largest E tested on the device (E = 512, k = 16, chunked); "pallas" takes up to this many experts.
 MAX_EXPERTS = 512
+# "auto" takes the kernel up to this many experts: route (kernel + XLA's end of the counting sort) against XLA's
+# route on an H200 at T = 16384: 2.4x at E = 128, 2.2x / 1.3x at E = 256 (grouped sigmoid / softmax), 1.2x at E = 384
+# (k = 8), but 1.03x at E = 512 (k = 10) and 0.61x at E = 512 (k = 16) (docs/kernels/routing.md).
+MAX_EXPERTS_AUTO = 384
+# Past this many (padded) experts the kernel splits the expert axis into chunks: a [64, 128] f32 tile is 64
+# registers per thread, and the tiles of one chunk fit; the whole row of 384 experts spilled 26 KB per thread. At 256
+# the whole row was as fast (two chunks: 172 against 168 µs softmax, 224 against 215 grouped sigmoid).
+MAX_WHOLE_ROW_EXPERTS = 256
+CHUNK_EXPERTS = 128
+# Chunks merge k candidates each per round of the merge: up to this k (larger k, as k = E, keeps the whole row).
+MAX_CHUNKED_TOP_K = 16
 
 
 def supports(num_experts: int) -> bool:
+    """Whether the gating kernel takes E = ``num_experts`` (backend "pallas")."""
     return num_experts <= MAX_EXPERTS
 
 
-def heuristic_config(num_experts: int) -> Config:
-    """E padded to 16, and the widest wgmma N (at most 256, a multiple of 16) that divides it."""
+def prefers_kernel(num_experts: int) -> bool:
+    """Whether backend "auto" routes E = ``num_experts`` experts with the kernel (where it measured faster)."""
+    return num_experts <= MAX_EXPERTS_AUTO
+
+
+def heuristic_config(num_experts: int, top_k: int = 1, num_groups: int = 1) -> Config:
+    """E padded to 16; the widest wgmma N (at most 256, a multiple of 16) that divides it; and past
+    MAX_WHOLE_ROW_EXPERTS, chunks of 128 or 64 experts holding whole expert groups (else the whole row)."""
     if num_experts < 1:
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    group_width = num_experts // num_groups if num_groups > 1 else 1
     padded = -(-num_experts // EXPERT_ALIGN) * EXPERT_ALIGN
-    chunk = next(n for n in range(min(padded, MAX_WGMMA_N), 0, -EXPERT_ALIGN) if padded % n == 0)
-    return Config(padded_experts=padded, rank_chunk=chunk)
+    rank_chunk = next(n for n in range(min(padded, MAX_WGMMA_N), 0, -EXPERT_ALIGN) if padded % n == 0)
+    whole = Config(padded_experts=padded, rank_chunk=rank_chunk)
+    if padded <= MAX_WHOLE_ROW_EXPERTS or top_k > MAX_CHUNKED_TOP_K:
+        return whole
+    for chunk in (CHUNK_EXPERTS, CHUNK_EXPERTS // 2):
+        if padded % chunk == 0 and chunk % group_width == 0 and chunk % (whole.swizzle // 2) == 0:
+            return Config(padded_experts=padded, rank_chunk=rank_chunk, chunk_experts=chunk)
+    return whole

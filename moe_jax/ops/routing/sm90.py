@@ -2,7 +2,10 @@
 
 One CTA (one warpgroup) gates a block of 64 tokens, reading their [64, E] logits once into registers in the wgmma
 layout (thread i holds two rows and E/4 columns of them; a reduction along E is a few in-register steps and two
-shuffles). It writes, for its block b:
+shuffles). Past a few hundred experts the row no longer fits the registers, and ``config.chunk_experts`` splits it:
+each [64, C] chunk is read again from L2 in each pass (the softmax's max and sum, the group scores, the selection,
+the selected scores), gives its own top k, and the chunks' candidates merge into the top k of the row (the top k of
+a union is the top k of the parts' top k's, under the same order). It writes, for its block b:
 
   probs   [64, E] f32  softmax probabilities, or sigmoid scores divided by their row sum
   experts [64, k]      selected experts, best first, ties to the lower id
@@ -100,40 +103,67 @@ def gating(
     """
     padded_tokens, padded_experts = logits.shape
     num_blocks = padded_tokens // BLOCK_TOKENS
-    chunk = config.rank_chunk
+    chunk = config.chunk_experts
+    num_chunks = padded_experts // chunk
     has_bias = bias is not None
     group_width = num_experts // num_groups
+    if num_chunks > 1 and (top_k > chunk or (num_groups > 1 and chunk % group_width)):
+        raise ValueError(
+            f"config.chunk_experts={chunk} must be >= top_k={top_k} and hold whole groups of {group_width} experts"
+        )
 
-    def scores_and_probs(x):
+    def chunk_columns(c: int):
+        return pl.ds(c * chunk, chunk)
+
+    def chunk_ids(c: int):
+        """[64, C] expert ids of chunk c's columns."""
+        return c * chunk + plgpu.broadcasted_iota(jnp.int32, (BLOCK_TOKENS, chunk), 1, layout=_LAYOUT)
+
+    def row_statistics(logits_chunk):
+        """Over all chunks: (peak, sum of exp(x - peak)) for softmax, (None, sum of sigmoid(x)) for sigmoid."""
+        # Generators, so that a chunk's tile dies once it is summed.
         if score == "softmax":
-            # jax.nn.softmax's arithmetic, so that the scores are the reference's bit for bit.
-            peak = jnp.max(x, axis=1)
-            unnormalized = jnp.exp(x - _rows_to_tile(peak, padded_experts))
-            scores = unnormalized / _rows_to_tile(jnp.sum(unnormalized, axis=1), padded_experts)
+            peak = functools.reduce(jnp.maximum, (jnp.max(logits_chunk(c), axis=1) for c in range(num_chunks)))
+            terms = (jnp.exp(logits_chunk(c) - _rows_to_tile(peak, chunk)) for c in range(num_chunks))
+        else:
+            peak = None
+            terms = (jax.nn.sigmoid(logits_chunk(c)) for c in range(num_chunks))
+        return peak, functools.reduce(lax.add, (jnp.sum(term, axis=1) for term in terms))
+
+    def chunk_scores(x, peak, total):
+        """(scores, probs) of one chunk's logits: jax.nn.softmax's arithmetic (max, exp, sum, divide), or sigmoid."""
+        if score == "softmax":
+            scores = jnp.exp(x - _rows_to_tile(peak, chunk)) / _rows_to_tile(total, chunk)
             return scores, scores
         scores = jax.nn.sigmoid(x)
-        return scores, scores / _rows_to_tile(jnp.sum(scores, axis=1), padded_experts)
+        return scores, scores / _rows_to_tile(total, chunk)
 
-    def group_columns(selection, expert_id, g: int):
-        """Group g's selection values and expert ids: its own columns where a group is whole register tiles of the
-        layout (the slice is register renaming, and the group's reductions touch E / num_groups columns), else the
-        full tile with -inf and the id E_pad outside the group."""
-        first, end = g * group_width, (g + 1) * group_width
+    def chunk_groups(c: int) -> range:
+        """The groups whose columns lie in chunk c (a chunk holds whole groups)."""
+        return range(c * chunk // group_width, min(num_groups, (c + 1) * chunk // group_width))
+
+    def group_columns(selection, expert_id, g: int, c: int):
+        """Group g's selection values and expert ids within chunk c: its own columns where a group is whole register
+        tiles of the layout (the slice is register renaming, and the group's reductions touch E / num_groups
+        columns), else the chunk's tile with -inf and the id E_pad outside the group."""
+        first, end = g * group_width - c * chunk, (g + 1) * group_width - c * chunk
         if group_width % _LAYOUT_COLUMNS == 0:
             return selection[:, first:end], expert_id[:, first:end]
-        member = (expert_id >= first) & (expert_id < end)
+        member = (expert_id >= g * group_width) & (expert_id < (g + 1) * group_width)
         return _masked(member, selection), jnp.where(member, expert_id, padded_experts)
 
-    def restrict_to_top_groups(selection, expert_id):
-        group_scores = []
-        for g in range(num_groups):
-            values, ids = group_columns(selection, expert_id, g)
-            best = jnp.max(values, axis=1)
-            if group_width > 1:
-                at = _rows_to_tile(best, values.shape[1])
-                first = jnp.min(jnp.where(values == at, ids, padded_experts), axis=1)
-                best = best + jnp.max(_masked(ids != _rows_to_tile(first, values.shape[1]), values), axis=1)
-            group_scores.append(jnp.where(best != best, -jnp.inf, best))
+    def group_score(selection, expert_id, g: int, c: int):
+        """Per token: the sum of group g's two best selection values (NaN -> -inf)."""
+        values, ids = group_columns(selection, expert_id, g, c)
+        best = jnp.max(values, axis=1)
+        if group_width > 1:
+            at = _rows_to_tile(best, values.shape[1])
+            first = jnp.min(jnp.where(values == at, ids, padded_experts), axis=1)
+            best = best + jnp.max(_masked(ids != _rows_to_tile(first, values.shape[1]), values), axis=1)
+        return jnp.where(best != best, -jnp.inf, best)
+
+    def top_groups_chosen(group_scores):
+        """Per group, whether it is among the token's ``top_groups`` best (ties to the lower group id)."""
         chosen = [_false((BLOCK_TOKENS,), _ROW)] * num_groups
         for _ in range(top_groups):
             best = _masked(~chosen[0], group_scores[0])
@@ -144,32 +174,49 @@ def gating(
                 pick = ~chosen[g] & ~found & (group_scores[g] == best)
                 chosen[g] = chosen[g] | pick
                 found = found | pick
-        # Eligibility from each column's group id rather than from the range masks above: reusing those would keep
-        # num_groups [64, E] bool tiles live until here (a tile is E / 2 registers per thread; the kernel spilled).
+        return chosen
+
+    def eligible(chosen_groups, expert_id, c: int):
+        # From each column's group id rather than from the masks of group_columns: reusing those would keep
+        # num_groups [64, C] bool tiles live until here (a tile is C / 2 registers per thread; the kernel spilled).
         group_id = lax.div(expert_id, jnp.int32(group_width))
-        eligible = _false(expert_id.shape, _LAYOUT)
-        for g in range(num_groups):
-            eligible = eligible | ((group_id == g) & _rows_to_tile(chosen[g], padded_experts))
-        return _masked(eligible, selection)
+        mask = _false(expert_id.shape, _LAYOUT)
+        for g in chunk_groups(c):
+            mask = mask | ((group_id == g) & _rows_to_tile(chosen_groups[g], chunk))
+        return mask
 
     def top_k_rounds(key, expert_id):
+        """(keys, experts) of the chunk's best min(k, C), best first, and the [64, C] tile of those taken."""
         # The rounds compare int32 order keys (``_order_key``): a taken expert's key becomes _TAKEN, below every
-        # other key, -inf's included, so one [64, E] tile carries both the values and what was taken (the kernel is
-        # register-bound; one such tile is E / 2 registers per thread).
-        experts = []
-        for _ in range(top_k):
-            best = _rows_to_tile(jnp.max(key, axis=1), padded_experts)
-            expert = jnp.min(jnp.where(key == best, expert_id, padded_experts), axis=1)
+        # other key, -inf's included, so one [64, C] tile carries both the values and what was taken (the kernel is
+        # register-bound; one such tile is C / 2 registers per thread).
+        keys, experts = [], []
+        for _ in range(min(top_k, chunk)):
+            best = jnp.max(key, axis=1)
+            expert = jnp.min(jnp.where(key == _rows_to_tile(best, chunk), expert_id, padded_experts), axis=1)
             # The constant goes in the false branch: with a constant true branch, jax 0.11.2's Mosaic GPU `select`
             # takes its result's signedness from the (unsigned) predicate, and the next max would compare unsigned.
-            key = jnp.where(expert_id != _rows_to_tile(expert, padded_experts), key, _TAKEN)
+            key = jnp.where(expert_id != _rows_to_tile(expert, chunk), key, _TAKEN)
+            keys.append(best)
             experts.append(expert)
-        return experts, key == _TAKEN
+        return keys, experts, key == _TAKEN
 
-    def selected_weights(scores, expert_id, experts):
-        weights = [
-            jnp.sum(jnp.where(expert_id == _rows_to_tile(e, padded_experts), scores, 0.0), axis=1) for e in experts
-        ]
+    def merge(first, second):
+        """The best k of two candidate lists (keys, experts): largest key, then lowest id (the ids are distinct).
+        The top k of all experts is the top k of the chunks' top k's."""
+        keys, experts = (a + b for a, b in zip(first, second, strict=True))
+        merged_keys, merged_experts = [], []
+        for _ in range(top_k):
+            best = functools.reduce(jnp.maximum, keys)
+            winner = functools.reduce(
+                jnp.minimum, [jnp.where(k == best, e, padded_experts) for k, e in zip(keys, experts, strict=True)]
+            )
+            keys = [jnp.where(e != winner, k, _TAKEN) for k, e in zip(keys, experts, strict=True)]
+            merged_keys.append(best)
+            merged_experts.append(winner)
+        return merged_keys, merged_experts
+
+    def final_weights(weights):
         if renormalize:
             total = functools.reduce(lax.add, weights)
             weights = [w / total for w in weights]
@@ -182,16 +229,17 @@ def gating(
         lower_smem[...] = jnp.where(col < row, 1.0, 0.0).astype(jnp.bfloat16)
         plgpu.commit_smem()
         ranks = [None] * top_k
-        for first in range(0, padded_experts, chunk):
+        rank_chunk = config.rank_chunk
+        for first in range(0, padded_experts, rank_chunk):
 
             def prefix_counts(acc_ref, first=first):
-                plgpu.wgmma(acc_ref, lower_smem, chosen_smem.at[:, pl.ds(first, chunk)])
+                plgpu.wgmma(acc_ref, lower_smem, chosen_smem.at[:, pl.ds(first, rank_chunk)])
                 return acc_ref[...]
 
-            earlier = pl.run_scoped(prefix_counts, plgpu.ACC((BLOCK_TOKENS, chunk), jnp.float32))
-            expert_id = first + plgpu.broadcasted_iota(jnp.int32, (BLOCK_TOKENS, chunk), 1, layout=_LAYOUT)
+            earlier = pl.run_scoped(prefix_counts, plgpu.ACC((BLOCK_TOKENS, rank_chunk), jnp.float32))
+            expert_id = first + plgpu.broadcasted_iota(jnp.int32, (BLOCK_TOKENS, rank_chunk), 1, layout=_LAYOUT)
             for j, expert in enumerate(experts):
-                rank = jnp.sum(jnp.where(expert_id == _rows_to_tile(expert, chunk), earlier, 0.0), axis=1)
+                rank = jnp.sum(jnp.where(expert_id == _rows_to_tile(expert, rank_chunk), earlier, 0.0), axis=1)
                 ranks[j] = rank if ranks[j] is None else ranks[j] + rank
         return [r.astype(jnp.int32) for r in ranks]
 
@@ -201,26 +249,63 @@ def gating(
         probs_gmem, experts_gmem, weights_gmem, ranks_gmem, counts_gmem, chosen_smem, lower_smem = refs
         block = lax.axis_index("block")
         rows = pl.ds(block * BLOCK_TOKENS, BLOCK_TOKENS)
-        x = plgpu.load(logits_gmem.at[rows], layout=_LAYOUT, optimized=False)
-        expert_id = plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=_LAYOUT)
-        token = block * BLOCK_TOKENS + plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=_LAYOUT)
 
-        scores, probs = scores_and_probs(x)
-        probs_gmem[rows] = probs
-        selection = scores
-        if has_bias:
-            selection = selection + _cols_to_tile(plgpu.load(bias_gmem, layout=_COL, optimized=False))
-        # NaN never wins (it becomes -inf); padding experts are never eligible.
-        selection = _masked((selection == selection) & (expert_id < num_experts), selection)
+        def load_chunk(c: int):
+            return plgpu.load(logits_gmem.at[rows, chunk_columns(c)], layout=_LAYOUT, optimized=False)
+
+        # One chunk stays in registers from its one load; several are loaded again where used (from L2), so that
+        # only one chunk's tiles are live at a time.
+        whole = load_chunk(0) if num_chunks == 1 else None
+        logits_chunk = (lambda c: whole) if num_chunks == 1 else load_chunk
+
+        def selection_of(c: int, scores, expert_id):
+            selection = scores
+            if has_bias:
+                bias_chunk = plgpu.load(bias_gmem.at[chunk_columns(c)], layout=_COL, optimized=False)
+                selection = selection + _cols_to_tile(bias_chunk)
+            # NaN never wins (it becomes -inf); padding experts are never eligible.
+            return _masked((selection == selection) & (expert_id < num_experts), selection)
+
+        peak, total = row_statistics(logits_chunk)
         if num_groups > 1:
-            selection = restrict_to_top_groups(selection, expert_id)
-        experts, taken = top_k_rounds(_order_key(selection), expert_id)
-        weights = selected_weights(scores, expert_id, experts)
+            group_scores = []
+            for c in range(num_chunks):
+                expert_id = chunk_ids(c)
+                selection = selection_of(c, chunk_scores(logits_chunk(c), peak, total)[0], expert_id)
+                group_scores += [group_score(selection, expert_id, g, c) for g in chunk_groups(c)]
+            chosen_groups = top_groups_chosen(group_scores)
+        candidates = None
+        for c in range(num_chunks):
+            expert_id = chunk_ids(c)
+            scores, probs = chunk_scores(logits_chunk(c), peak, total)
+            probs_gmem[rows, chunk_columns(c)] = probs
+            selection = selection_of(c, scores, expert_id)
+            if num_groups > 1:
+                selection = _masked(eligible(chosen_groups, expert_id, c), selection)
+            keys, experts, taken = top_k_rounds(_order_key(selection), expert_id)
+            candidates = (keys, experts) if candidates is None else merge(candidates, (keys, experts))
+        _, experts = candidates
 
-        # Padding tokens (rows past T) choose experts too, but are not counted.
-        chosen = taken & (token < num_tokens)
-        counts_gmem[block] = jnp.sum(jnp.where(chosen, 1.0, 0.0), axis=0).astype(jnp.int32)
-        chosen_smem[...] = jnp.where(chosen, 1.0, 0.0).astype(jnp.bfloat16)
+        # The selected scores and the choice per expert, chunk by chunk. With several chunks the scores are computed
+        # again from the logits (the same arithmetic, so the same bits) rather than kept live across the selection;
+        # with one they are the same values. Exactly one chunk holds each expert, so the weight sums add zeros.
+        token = block * BLOCK_TOKENS + plgpu.broadcasted_iota(jnp.int32, (BLOCK_TOKENS, chunk), 0, layout=_LAYOUT)
+        weights = [None] * top_k
+        for c in range(num_chunks):
+            expert_id = chunk_ids(c)
+            scores, _ = chunk_scores(logits_chunk(c), peak, total)
+            chunk_taken = None
+            for j, expert in enumerate(experts):
+                hit = expert_id == _rows_to_tile(expert, chunk)
+                score_j = jnp.sum(jnp.where(hit, scores, 0.0), axis=1)
+                weights[j] = score_j if weights[j] is None else weights[j] + score_j
+                if num_chunks > 1:
+                    chunk_taken = hit if chunk_taken is None else chunk_taken | hit
+            # Padding tokens (rows past T) choose experts too, but are not counted.
+            chosen = (taken if num_chunks == 1 else chunk_taken) & (token < num_tokens)
+            counts_gmem[block, chunk_columns(c)] = jnp.sum(jnp.where(chosen, 1.0, 0.0), axis=0).astype(jnp.int32)
+            chosen_smem[:, chunk_columns(c)] = jnp.where(chosen, 1.0, 0.0).astype(jnp.bfloat16)
+        weights = final_weights(weights)
         ranks = block_ranks(chosen_smem, lower_smem, experts)
         for j in range(top_k):
             experts_gmem[rows, j] = experts[j]

@@ -49,7 +49,7 @@ def _weights_and_probs(logits, experts, options: _Options):
 def _gate(logits: jax.Array, bias: jax.Array | None, options: _Options):
     """(weights [T, k], probs [T, E], experts [T, k], ranks [T, k], counts [T_pad / 64, E]) from the kernel."""
     num_tokens, num_experts = logits.shape
-    config = heuristic_config(num_experts)
+    config = heuristic_config(num_experts, options.top_k, options.num_groups)
     padded_tokens = -(-num_tokens // BLOCK_TOKENS) * BLOCK_TOKENS
     pad = ((0, padded_tokens - num_tokens), (0, config.padded_experts - num_experts))
     x = jnp.pad(logits.astype(jnp.float32), pad, constant_values=-jnp.inf)
