@@ -24,6 +24,8 @@ ROUTERS = {
         for s in shapes.layer_shapes("bench")
     },
     "e512-k16": (2048, 512, 16, dict(score="softmax")),
+    "e384-chunks": (4096, 384, 8, dict(score="sigmoid", bias=True)),  # three chunks of 128 experts
+    "e320-grouped-chunks": (2048, 320, 6, dict(score="softmax", num_groups=10, top_groups=3, bias=True)),  # of 64
     "e60": (1000, 60, 4, dict(score="sigmoid", renormalize=False)),
 }
 
@@ -55,19 +57,20 @@ def test_route_matches_reference(name):
 
 
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
-def test_route_adversarial_logits(score):
+@pytest.mark.parametrize("num_experts", [128, 512])  # the whole row; chunks of 128 experts
+def test_route_adversarial_logits(score, num_experts):
     rng = np.random.default_rng(2)
-    logits = rng.choice(np.array([-1.0, 0.0, 2.0], np.float32), size=(256, 128))  # exact ties everywhere
+    logits = rng.choice(np.array([-1.0, 0.0, 2.0], np.float32), size=(256, num_experts))  # exact ties everywhere
     logits[rng.random(logits.shape) < 0.05] = -np.inf
     logits[3] = -np.inf
     logits[5, 7] = np.nan
     logits[6] = np.nan
     logits[7, 2] = np.inf
-    logits[8] = rng.normal(size=128) * 1e30
+    logits[8] = rng.normal(size=num_experts) * 1e30
     for options in (dict(score=score), dict(score=score, num_groups=8, top_groups=4, bias=True)):
         kernel, expected = _routings(jnp.asarray(logits), 8, **options)
         _assert_same_routing(kernel, expected)
-        assert kernel.experts.min() >= 0 and kernel.experts.max() < 128
+        assert kernel.experts.min() >= 0 and kernel.experts.max() < num_experts
 
 
 @pytest.mark.parametrize("name", [s.name for s in shapes.layer_shapes("bench")])
