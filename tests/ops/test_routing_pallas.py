@@ -156,6 +156,14 @@ def test_heuristic_chunks_wide_expert_axes_only_where_chunks_fit():
     assert routing_config.heuristic_config(384, top_k=6, num_groups=8).chunk_experts == 384  # groups of 48 straddle
 
 
+def test_auto_takes_the_kernel_only_where_it_measured_faster():
+    assert routing_config.prefers_kernel(256, 8, 8)  # the whole row
+    assert routing_config.prefers_kernel(384, 8, 1)  # chunks of 128
+    assert not routing_config.prefers_kernel(384, 6, 8)  # groups of 48 straddle chunks: the (slow) whole row
+    assert not routing_config.prefers_kernel(288, 8, 1)  # no chunk of 64 or 128 divides 288
+    assert not routing_config.prefers_kernel(512, 10, 1)  # chunked, but XLA's sort was as fast
+
+
 def test_config_rejects_a_chunk_off_the_swizzle_tile():
     with pytest.raises(ValueError, match="chunk_experts must divide"):
         routing_config.Config(padded_experts=256, rank_chunk=256, chunk_experts=32)

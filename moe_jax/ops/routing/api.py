@@ -94,10 +94,10 @@ def route(
         renormalize=renormalize,
     )
     # The gating kernel takes any T and every option; it pads E, up to MAX_EXPERTS. "auto" takes it where it
-    # measured faster than XLA's route (up to MAX_EXPERTS_AUTO).
+    # measured faster than XLA's route (``prefers_kernel``).
     has_kernel = routing_config.supports(num_experts)
     if backend == "auto":
-        has_kernel = has_kernel and routing_config.prefers_kernel(num_experts)
+        has_kernel = has_kernel and routing_config.prefers_kernel(num_experts, top_k, num_groups)
     use_kernel = resolve_backend(backend, op=f"route (E={num_experts})", has_kernel=has_kernel) == "pallas"
     route_impl = sm90_vjp.route if use_kernel else reference.route
     return route_impl(

@@ -1,7 +1,8 @@
 """Shapes of the sm90 gating kernel (sm90.py): the frozen Config and its heuristic.
 
 One CTA gates ``BLOCK_TOKENS`` = 64 tokens: one warpgroup holds their [64, E] logits in the wgmma register layout
-(64 rows is the M of one wgmma, which the in-block prefix sum of the counting sort uses). E is padded to a multiple of
+(64 rows is the M of one wgmma, which the in-block prefix sum of the counting sort uses), or [64, C] chunks of them
+past MAX_WHOLE_ROW_EXPERTS. E is padded to a multiple of
 16 so that the expert axis fits the register layout and a swizzled bf16 shared-memory tile.
 """
 
@@ -77,14 +78,19 @@ def supports(num_experts: int) -> bool:
     return num_experts <= MAX_EXPERTS
 
 
-def prefers_kernel(num_experts: int) -> bool:
-    """Whether backend "auto" routes E = ``num_experts`` experts with the kernel (where it measured faster)."""
-    return num_experts <= MAX_EXPERTS_AUTO
+def prefers_kernel(num_experts: int, top_k: int, num_groups: int) -> bool:
+    """Whether backend "auto" routes with the kernel: where it measured faster than XLA, i.e. the whole row up to
+    MAX_WHOLE_ROW_EXPERTS, and chunks up to MAX_EXPERTS_AUTO (a whole row of 384 experts was 0.64x XLA's route)."""
+    config = heuristic_config(num_experts, top_k, num_groups)
+    if config.padded_experts <= MAX_WHOLE_ROW_EXPERTS:
+        return True
+    return config.chunk_experts < config.padded_experts and num_experts <= MAX_EXPERTS_AUTO
 
 
 def heuristic_config(num_experts: int, top_k: int = 1, num_groups: int = 1) -> Config:
     """E padded to 16; the widest wgmma N (at most 256, a multiple of 16) that divides it; and past
-    MAX_WHOLE_ROW_EXPERTS, chunks of 128 or 64 experts holding whole expert groups (else the whole row)."""
+    MAX_WHOLE_ROW_EXPERTS with k <= MAX_CHUNKED_TOP_K, chunks of 128 or 64 experts holding whole expert groups (else
+    the whole row)."""
     if num_experts < 1:
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
     group_width = num_experts // num_groups if num_groups > 1 else 1

@@ -1,6 +1,6 @@
 """Mosaic GPU (sm90) gating kernel: router logits -> scores, top-k selection, weights and counting-sort ranks.
 
-One CTA (one warpgroup) gates a block of 64 tokens, reading their [64, E] logits once into registers in the wgmma
+One CTA (one warpgroup) gates a block of 64 tokens, reading their [64, E] logits into registers in the wgmma
 layout (thread i holds two rows and E/4 columns of them; a reduction along E is a few in-register steps and two
 shuffles). Past a few hundred experts the row no longer fits the registers, and ``config.chunk_experts`` splits it:
 each [64, C] chunk is read again from L2 in each pass (the softmax's max and sum, the group scores, the selection,
