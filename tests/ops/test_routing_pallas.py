@@ -59,6 +59,7 @@ def _normal(seed: int, shape, std: float = 2.0) -> np.ndarray:
         (64, 512, 16, dict(score="softmax")),  # the largest E and k: two prefix-sum chunks of 256 experts
         (70, 384, 8, dict(score="sigmoid", bias=True)),  # three expert chunks of 128, merged
         (64, 320, 6, dict(score="softmax", num_groups=10, top_groups=3, bias=True)),  # chunks of 64: 2 groups each
+        (64, 448, 8, dict(score="softmax")),  # seven ungrouped chunks of 64 (128 does not divide 448)
     ],
 )
 def test_random_logits_match_reference(num_tokens, num_experts, top_k, options):
@@ -152,6 +153,7 @@ def test_heuristic_chunks_wide_expert_axes_only_where_chunks_fit():
     assert routing_config.heuristic_config(256, top_k=8, num_groups=8).chunk_experts == 256  # the whole row
     assert routing_config.heuristic_config(384, top_k=8).chunk_experts == 128
     assert routing_config.heuristic_config(320, top_k=8).chunk_experts == 64
+    assert routing_config.heuristic_config(448, top_k=8).chunk_experts == 64
     assert routing_config.heuristic_config(512, top_k=17).chunk_experts == 512  # k past the merge's bound
     assert routing_config.heuristic_config(384, top_k=6, num_groups=8).chunk_experts == 384  # groups of 48 straddle
 
@@ -183,7 +185,10 @@ SHIPPED = {
         s.name: (s.t, s.e, s.top_k, dict(s.route_options(), bias=s.selection_bias))
         for s in shapes.layer_shapes("bench")
     },
-    "e512-k16": (4096, 512, 16, dict(score="softmax")),
+    "e512-k16": (4096, 512, 16, dict(score="softmax")),  # chunks of 128, 2k merge candidates
+    "e384-k8-chunks": (4096, 384, 8, dict(score="sigmoid", bias=True)),
+    "e448-k8-chunks-of-64": (4096, 448, 8, dict(score="softmax")),
+    "e320-grouped-chunks": (4096, 320, 6, dict(score="softmax", num_groups=10, top_groups=3, bias=True)),
     "e60-k4": (1000, 60, 4, dict(score="softmax")),
 }
 
