@@ -26,6 +26,7 @@ ROUTERS = {
     "e512-k16": (2048, 512, 16, dict(score="softmax")),
     "e384-chunks": (4096, 384, 8, dict(score="sigmoid", bias=True)),  # three chunks of 128 experts
     "e320-grouped-chunks": (2048, 320, 6, dict(score="softmax", num_groups=10, top_groups=3, bias=True)),  # of 64
+    "e448-chunks-of-64": (4096, 448, 8, dict(score="softmax")),  # seven ungrouped chunks of 64 experts
     "e60": (1000, 60, 4, dict(score="sigmoid", renormalize=False)),
 }
 
