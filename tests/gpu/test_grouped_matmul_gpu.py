@@ -173,3 +173,36 @@ def test_every_config_field_value_runs_on_device(config):
         assert np.all(zeros == 0.0), (kind, out_dtype)
         ran += 1
     assert ran >= 2, "every config runs at least its bf16 fwd and dgrad"
+
+
+# Non-finite values in rows a group's chunks read but do not own: past the sum in both operands, or inside group 3
+# in y only (group 2's chunk shares it), which takes the kernel's y-masking branch and its barrier between the
+# consumers. One and two consumer warpgroups, with and without the overlapped epilogue.
+@pytest.mark.parametrize(
+    "config",
+    [
+        Config(block_m=64, block_n=128, num_compute_wgs=1),
+        Config(block_n=128, overlap_epilogue=True),
+        Config(block_n=256, num_stages=3),  # fits the f32 output tile
+    ],
+    ids=_config_id,
+)
+@pytest.mark.parametrize("poison", ["past the sum", "inside a neighbour"])
+def test_wgrad_ignores_nonfinite_neighbouring_rows(config, poison):
+    m, p, q, sizes = 1000, 256, 512, [300, 0, 5, 400, 100]
+    rng = np.random.default_rng(len(poison))
+    x = rng.normal(size=(m, p)).astype(np.float32)
+    y = rng.normal(size=(m, q)).astype(np.float32)
+    x[sum(sizes) :] = np.nan
+    if poison == "past the sum":
+        y[sum(sizes) :] = np.inf
+    else:
+        y[330, 7] = -np.inf  # group 3's row; group 2 (rows 300-304) reads rows 296-359 (block_k 64)
+    x, y = jnp.asarray(x, jnp.bfloat16), jnp.asarray(y, jnp.bfloat16)
+    out = np.asarray(api.run_wgrad_kernel(x, y, jnp.asarray(sizes, jnp.int32), out_dtype=jnp.float32, config=config))
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    xb, yb = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    clean = [0, 1, 2, 4] if poison == "inside a neighbour" else [0, 1, 2, 3, 4]  # group 3 owns its -inf
+    for g in clean:
+        s, e = offsets[g], offsets[g + 1]
+        assert relative_error(out[g], xb[s:e].T @ yb[s:e]) < F32_OUT_TOL, g

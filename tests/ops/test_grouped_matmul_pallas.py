@@ -205,24 +205,30 @@ def test_jax_grad_through_gated_activation_and_row_scale():
 
 
 # P = 64 is half of the output tile's 128 rows, Q = 192 one and a half of its columns: both edges are partial tiles.
+# Non-finite values past the sum (in x and y), or only in x, or inside group 3 in y, which group 2's chunk shares.
 @pytest.mark.parametrize("p, q", [(128, 128), (64, 192)])
+@pytest.mark.parametrize("poison", ["past the sum", "x only", "inside a neighbour"])
 @pytest.mark.usefixtures("interpret")
-def test_wgrad_masks_neighbouring_rows(p, q):
+def test_wgrad_masks_neighbouring_rows(p, q, poison):
     """Rows outside a group never reach its weight gradient, not even as 0 * NaN."""
     m, sizes = 200, [50, 0, 3, 100]
     rng = np.random.default_rng(13 + p)
     x = rng.normal(size=(m, p)).astype(np.float32)
     y = rng.normal(size=(m, q)).astype(np.float32)
     x[sum(sizes) :] = np.nan
-    y[sum(sizes) :] = np.inf
+    if poison == "past the sum":
+        y[sum(sizes) :] = np.inf
+    elif poison == "inside a neighbour":
+        y[60, 5] = -np.inf  # row 60 is group 3's; group 2 (rows 50-52) reads rows 48-111
     out = api.run_wgrad_kernel(
         jnp.asarray(x, jnp.bfloat16), jnp.asarray(y, jnp.bfloat16), jnp.asarray(sizes, jnp.int32), out_dtype=jnp.float32
     )
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     xb, yb = (np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64) for a in (x, y))
     expected = np.stack([xb[s:e].T @ yb[s:e] for s, e in zip(offsets[:-1], offsets[1:], strict=True)])
-    assert not np.isnan(np.asarray(out)).any()
-    assert oracle.relative_error(out, expected) < F32_OUT_TOL
+    clean = [0, 1, 2] if poison == "inside a neighbour" else [0, 1, 2, 3]  # group 3's own gradient holds the -inf
+    assert not np.isnan(np.asarray(out)[clean]).any()
+    assert oracle.relative_error(out[np.asarray(clean)], expected[clean]) < F32_OUT_TOL
 
 
 # ------------------------------------------------------------------------------------------------ schedule, configs
@@ -246,10 +252,33 @@ def test_row_tiles_cover_every_row_once(block_m):
 
 
 def test_wgrad_groups_are_largest_first():
-    table = np.asarray(schedule.wgrad_groups(jnp.asarray([5, 0, 9, 9, 2]), 20))
+    table = np.asarray(schedule.wgrad_groups(jnp.asarray([5, 0, 9, 9, 2]), jnp.zeros((20, 64)), 64))
     np.testing.assert_array_equal(table[schedule.GROUP_ID], [2, 3, 0, 1, 4])
     np.testing.assert_array_equal(table[schedule.GROUP_START], [5, 14, 0, 5, 20])
     np.testing.assert_array_equal(table[schedule.GROUP_SIZE], [9, 6, 5, 0, 0])  # group 3 clipped at M = 20
+    np.testing.assert_array_equal(table[schedule.GROUP_B_FINITE], [1] * 5)
+
+
+@pytest.mark.parametrize("num_rows, block_k", [(600, 64), (40, 128)])  # few rows: one pass over B instead of a gather
+def test_wgrad_groups_flag_nonfinite_foreign_rows(num_rows, block_k):
+    """GROUP_B_FINITE against a brute force over the rows each group's chunks read (kernel docstring)."""
+    rng = np.random.default_rng(num_rows)
+    sizes = rng.integers(0, 2 * num_rows // 9, size=12)
+    sizes[[2, 7]] = 0
+    y = rng.normal(size=(num_rows, 16)).astype(np.float32)
+    bad = rng.choice(num_rows, size=8, replace=False)
+    y[bad, rng.integers(0, 16, size=8)] = rng.choice([np.nan, np.inf, -np.inf], size=8)
+    table = np.asarray(schedule.wgrad_groups(jnp.asarray(sizes), jnp.asarray(y, jnp.bfloat16), block_k))
+    ends = np.minimum(np.cumsum(sizes), num_rows)
+    starts = np.concatenate([[0], ends[:-1]])
+    expected = {}
+    for g, (start, end) in enumerate(zip(starts, ends, strict=True)):
+        box = start // schedule.ROW_ALIGN * schedule.ROW_ALIGN
+        read = np.arange(box, box + -(-(end - box) // block_k) * block_k) if end > start else np.arange(0)
+        foreign = read[((read < start) | (read >= end)) & (read < num_rows)]
+        expected[g] = int(np.isfinite(y[foreign]).all())
+    assert 0 < sum(expected.values()) < len(sizes), "the draw should flag some groups and clear others"
+    np.testing.assert_array_equal(table[schedule.GROUP_B_FINITE], [expected[g] for g in table[schedule.GROUP_ID]])
 
 
 @pytest.mark.parametrize(

@@ -297,7 +297,7 @@ def run_wgrad_kernel(x, y, group_sizes, *, out_dtype, config=None, transposed=Fa
     return sm90_wgrad.grouped_matmul_wgrad(
         x,
         y,
-        schedule.wgrad_groups(group_sizes, x.shape[0]),
+        schedule.wgrad_groups(group_sizes, y, config.block_k),
         out_dtype=out_dtype,
         config=config,
         num_sms=hardware.num_sms(),

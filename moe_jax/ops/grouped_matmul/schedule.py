@@ -67,20 +67,61 @@ def row_tiles(group_sizes: jax.Array, num_rows: int, block_m: int) -> tuple[jax.
     return tiles, num_tiles.reshape(1).astype(jnp.int32)
 
 
-GROUP_ID, GROUP_START, GROUP_SIZE = range(3)  # rows of the [3, G] wgrad group table
+GROUP_ID, GROUP_START, GROUP_SIZE, GROUP_B_FINITE = range(4)  # rows of the [4, G] wgrad group table
 
 
-def wgrad_groups(group_sizes: jax.Array, num_rows: int) -> jax.Array:
-    """The wgrad kernel's group table: [3, G] int32 (group, first row, rows), largest group first.
+def wgrad_groups(group_sizes: jax.Array, b_rows: jax.Array, block_k: int) -> jax.Array:
+    """The wgrad kernel's group table, largest group first.
 
     Each group's output tiles cost time in proportion to its rows; handing out the longest first (round-robin over
-    the SMs) keeps a hot expert from finishing last. Rows past ``num_rows`` are dropped.
+    the SMs) keeps a hot expert from finishing last. Rows past M are dropped.
+
+    The kernel reads a group's rows in block_k chunks from its first row rounded down to ROW_ALIGN, so the first and
+    last chunk also hold up to ROW_ALIGN - 1 and block_k - 1 rows of other groups (or past the sum). It always zeroes
+    those rows of A, each consumer warpgroup its own columns. Zeroing them in B as well (a tile both consumers read:
+    twice the shared-memory traffic and a barrier between them) only matters when one of them is not finite, as
+    0 * inf = NaN; GROUP_B_FINITE says whether they all are. It reads two row windows of B per group, the
+    ROW_ALIGN rows at its first row rounded down and its last chunk, as contiguous slices (a gather of single rows
+    cost several times more on an H100).
+
+    Args:
+      group_sizes: [G] int32; negative sizes count as 0.
+      b_rows: [M, Q], the kernel's B operand (y); M a multiple of ROW_ALIGN.
+      block_k: rows per chunk.
+
+    Returns:
+      [4, G] int32: per group (in the order the kernel hands them out) its index, first row, rows, and 1 if every
+      row of B its chunks read outside it is finite, else 0.
     """
+    num_rows = b_rows.shape[0]
     sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
     ends = jnp.minimum(jnp.cumsum(sizes), num_rows)
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    boxes = starts // ROW_ALIGN * ROW_ALIGN
+    last_chunks = boxes + jnp.maximum(-(-(ends - boxes) // block_k) - 1, 0) * block_k
+    finite = jnp.stack(
+        [
+            _foreign_rows_finite(b_rows, window_starts, rows, starts, ends, boxes, last_chunks + block_k)
+            for window_starts, rows in ((boxes, ROW_ALIGN), (last_chunks, block_k))
+        ]
+    )
+    b_finite = jnp.all(finite, axis=0) | (ends == starts)
     order = jnp.argsort(-(ends - starts), stable=True).astype(jnp.int32)
-    return jnp.stack([order, starts[order], (ends - starts)[order]]).astype(jnp.int32)
+    return jnp.stack([order, starts[order], (ends - starts)[order], b_finite[order]]).astype(jnp.int32)
+
+
+def _foreign_rows_finite(b_rows, window_starts, rows, starts, ends, boxes, chunk_ends) -> jax.Array:
+    """[G] bool: whether the rows of ``b_rows[window_starts[g] : + rows]`` that group g reads (in [boxes[g],
+    chunk_ends[g])) but does not own (outside [starts[g], ends[g])) are all finite. A window running past M is moved
+    back to end at M; one wider than M covers all of it."""
+    num_rows = b_rows.shape[0]
+    rows = min(rows, num_rows)
+    first = jnp.minimum(window_starts, num_rows - rows)
+    windows = jax.vmap(lambda row: jax.lax.dynamic_slice_in_dim(b_rows, row, rows))(first)  # [G, rows, Q]
+    row = first[:, None] + jnp.arange(rows, dtype=jnp.int32)[None, :]
+    read = (row >= boxes[:, None]) & (row < chunk_ends[:, None])
+    foreign = read & ((row < starts[:, None]) | (row >= ends[:, None]))
+    return jnp.all(jnp.all(jnp.isfinite(windows), axis=-1) | ~foreign, axis=1)
 
 
 def gather_row_partials(partials: jax.Array, tiles: jax.Array, num_tiles: jax.Array, num_rows: int) -> jax.Array:

@@ -7,8 +7,12 @@ block_m] and wgmma reads it transposed (bf16/f16 wgmma takes a transposed A from
 Work: every group owns ceil(P / block_m) * ceil(Q / block_n) output tiles, handed out round-robin over the SMs,
 largest group first (schedule.wgrad_groups). A tile's pipeline walks the group's rows in block_k chunks from the
 group start rounded down to 8 (the TMA row alignment); the first and last chunk also hold rows of the neighbouring
-groups, so before their MMA the consumers zero those rows of both operands in shared memory (``where``, not a
-multiply, so that NaN or Inf in a neighbour cannot leak in). An empty group does no MMA and writes zeros.
+groups, so before their MMA each consumer zeroes those rows of its own x columns in shared memory (``where``, not a
+multiply, so that NaN or Inf there cannot leak in). The y tile is shared by the consumers: its foreign rows are
+zeroed too (each consumer a share, then a barrier) only for a group whose table entry says one of them is not
+finite, since 0 * finite = 0. Measured on an H100 (2026-11-25, same kernel, flag forced off or on): skipping y's
+zeroing on finite data took qwen3-30b down's wgrad from 275 to 255 us and gpt-oss-120b down's from 1567 to 1214 us.
+An empty group does no MMA and writes zeros.
 
 The pipeline (producer warpgroup + consumers splitting the tile's P rows) is sm90_pipeline's. With
 ``config.overlap_epilogue`` (the tuned default: a group's rows make short tiles, 4-5 steps at 128 experts) a
@@ -25,7 +29,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moe_jax.ops.grouped_matmul import sm90_pipeline as pipe
 from moe_jax.ops.grouped_matmul.config import Config
-from moe_jax.ops.grouped_matmul.schedule import GROUP_ID, GROUP_SIZE, GROUP_START, ROW_ALIGN
+from moe_jax.ops.grouped_matmul.schedule import GROUP_B_FINITE, GROUP_ID, GROUP_SIZE, GROUP_START, ROW_ALIGN
 
 
 def mask_rows(ref, first_row, start, end) -> None:
@@ -49,7 +53,7 @@ def grouped_matmul_wgrad(
 
     Args:
       x: [M, P] and y: [M, Q], same dtype (bf16 or f16); M a multiple of 8, P and Q multiples of 64.
-      groups: schedule.wgrad_groups(group_sizes, M).
+      groups: schedule.wgrad_groups(group_sizes, y, config.block_k).
       out_dtype: output dtype (accumulation is f32).
       config: tile shapes (block_m over P, block_n over Q, block_k over rows); num_sms: persistent CTAs;
         interpret: Mosaic GPU interpreter params or None.
@@ -83,20 +87,22 @@ def grouped_matmul_wgrad(
         work = (num_groups * tiles_per_group,)
 
         def tile_of(lin):
-            """Linear work index -> (group, first row, rows, first chunk row, chunks, p tile, q tile)."""
+            """Linear work index -> (group, first row, rows, first chunk row, chunks, p tile, q tile, whether y's
+            foreign rows are finite)."""
             gi, t = lax.div(lin, tiles_per_group), lax.rem(lin, tiles_per_group)
             group = groups_gmem[GROUP_ID, gi]
             start, size = groups_gmem[GROUP_START, gi], groups_gmem[GROUP_SIZE, gi]
             box = lax.div(start, ROW_ALIGN) * ROW_ALIGN
             steps = jnp.where(size > 0, pl.cdiv(start + size - box, bk), 0).astype(jnp.int32)
-            return group, start, size, box, steps, lax.div(t, q_tiles), lax.rem(t, q_tiles)
+            y_finite = groups_gmem[GROUP_B_FINITE, gi] != 0
+            return group, start, size, box, steps, lax.div(t, q_tiles), lax.rem(t, q_tiles), y_finite
 
         @pl.when(wg == num_wgs)
         def _producer():
             plgpu.set_max_registers(pipe.PRODUCER_REGISTERS, action="decrease")
 
             def load_tile(info, carry):
-                _, _, _, box, steps, pi, qi = tile_of(info.index[0])
+                _, _, _, box, steps, pi, qi, _ = tile_of(info.index[0])
 
                 def blocks(k):
                     rows = pl.ds(pl.multiple_of(box + k * bk, ROW_ALIGN), bk)
@@ -130,22 +136,30 @@ def grouped_matmul_wgrad(
                 return [functools.partial(store, c, chunk) for c, chunk in enumerate(chunks)]
 
             def tile_step(info, first_step, overlapped):
-                group, start, size, box, steps, pi, qi = tile_of(info.index[0])
+                group, start, size, box, steps, pi, qi, y_finite = tile_of(info.index[0])
 
                 def mma(acc):
                     def issue(k, slot):
                         first_row = box + k * bk
 
-                        # The group's first and last chunks hold rows of other groups: zero them in both operands.
-                        # Each consumer zeroes its own x columns and a share of y's, then all meet at `masked`.
+                        # The group's first and last chunks hold rows of other groups: zero them in x (each
+                        # consumer its own columns) and, where one is not finite, in y (a share each, then all
+                        # meet at `masked`).
                         @pl.when((first_row < start) | (first_row + bk > start + size))
                         def _mask():
                             mask_rows(x_smem.at[slot, :, wg_cols], first_row, start, start + size)
-                            y_cols = pl.ds(pl.multiple_of(wg * wg_n, wg_n), wg_n)
-                            mask_rows(y_smem.at[slot, :, y_cols], first_row, start, start + size)
+
+                            @pl.when(~y_finite)
+                            def _mask_y():
+                                y_cols = pl.ds(pl.multiple_of(wg * wg_n, wg_n), wg_n)
+                                mask_rows(y_smem.at[slot, :, y_cols], first_row, start, start + size)
+
                             plgpu.commit_smem()
-                            plgpu.barrier_arrive(masked.at[0])
-                            plgpu.barrier_wait(masked.at[0])
+
+                            @pl.when(~y_finite)
+                            def _meet():
+                                plgpu.barrier_arrive(masked.at[0])
+                                plgpu.barrier_wait(masked.at[0])
 
                         plgpu.wgmma(acc, x_smem.at[slot, :, wg_cols].transpose((1, 0)), y_smem.at[slot])
 
