@@ -80,9 +80,8 @@ def wgrad_groups(group_sizes: jax.Array, b_rows: jax.Array, block_k: int) -> jax
     last chunk also hold up to ROW_ALIGN - 1 and block_k - 1 rows of other groups (or past the sum). It always zeroes
     those rows of A, each consumer warpgroup its own columns. Zeroing them in B as well (a tile both consumers read:
     twice the shared-memory traffic and a barrier between them) only matters when one of them is not finite, as
-    0 * inf = NaN; GROUP_B_FINITE says whether they all are. It reads two row windows of B per group, the
-    ROW_ALIGN rows at its first row rounded down and its last chunk, as contiguous slices (a gather of single rows
-    cost several times more on an H100).
+    0 * inf = NaN; GROUP_B_FINITE says whether they all are, from two row windows of B per group (the ROW_ALIGN
+    rows at its first row rounded down, and its last chunk): G * (ROW_ALIGN + block_k) rows, not all M.
 
     Args:
       group_sizes: [G] int32; negative sizes count as 0.
