@@ -116,7 +116,7 @@ def _foreign_rows_finite(b_rows, window_starts, rows, starts, ends, boxes, chunk
     num_rows = b_rows.shape[0]
     rows = min(rows, num_rows)
     first = jnp.minimum(window_starts, num_rows - rows)
-    windows = jax.vmap(lambda row: jax.lax.dynamic_slice_in_dim(b_rows, row, rows))(first)  # [G, rows, Q]
+    windows = jax.vmap(lambda at: jax.lax.dynamic_slice_in_dim(b_rows, at, rows))(first)  # [G, rows, Q]
     row = first[:, None] + jnp.arange(rows, dtype=jnp.int32)[None, :]
     read = (row >= boxes[:, None]) & (row < chunk_ends[:, None])
     foreign = read & ((row < starts[:, None]) | (row >= ends[:, None]))
