@@ -10,7 +10,8 @@
 
 A config on the command line is "table" (what the op would use: tuned entry or heuristic), "table-c" (the same
 without clusters), "table+o" (without clusters, with the overlapped epilogue), "table+oc" (clusters kept, with the
-overlapped epilogue) or
+overlapped epilogue), the table's config with fields replaced, "table/<field>=<value>[/<field>=<value>...]" (e.g.
+"table/cluster_m=2/grid_minor=m/grid_width=16"), or
 "<block_m>x<block_n>x<block_k>s<stages>e<epilogue_n><m|n><grid_width>[c<cluster_m>][o]", e.g. "128x256x64s4e64n8",
 "128x256x64s4e64n8c2" (2-CTA clusters sharing the weight tile) or "128x256x64s4e64n8o" (the epilogue overlapped with
 the next tile's first steps). The candidates of one (kind, shape) are compiled in parallel threads (--jobs: the
@@ -57,6 +58,9 @@ def parse_config(spec: str):
     }
     if spec in variants:
         return lambda kind, shape: dataclasses.replace(table_config(kind, shape), **variants[spec])
+    if spec.startswith("table/"):
+        fields = dict(_field(assignment, spec) for assignment in spec.split("/")[1:])
+        return lambda kind, shape: dataclasses.replace(table_config(kind, shape), **fields)
     match = SPEC.fullmatch(spec)
     if not match:
         raise SystemExit(f"bad config {spec!r}: expected one of {list(variants)} or e.g. 128x256x64s4e64n8")
@@ -65,6 +69,18 @@ def parse_config(spec: str):
         int(bm), int(bn), int(bk), int(stages), 2, int(epi), minor, int(width), int(cluster or 1), overlap == "o"
     )
     return lambda kind, shape: config
+
+
+def _field(assignment: str, spec: str) -> tuple[str, object]:
+    """``name=value`` -> (name, value) of a Config field, the value converted to the field's type."""
+    name, _, value = assignment.partition("=")
+    defaults = {f.name: getattr(Config(), f.name) for f in dataclasses.fields(Config)}
+    if name not in defaults or not value:
+        raise SystemExit(f"bad config {spec!r}: {assignment!r} is not <Config field>=<value> ({', '.join(defaults)})")
+    kind = type(defaults[name])
+    if kind is bool:
+        return name, value in ("1", "true", "True")
+    return name, kind(value)
 
 
 def config_source(config: Config) -> str:
@@ -244,19 +260,20 @@ def table_config(kind: str, shape) -> Config:
 
 def candidate_configs(kind: str, shape) -> list[Config]:
     """A small sweep around the table's choice: tile width (with the deepest pipeline that fits), grid order, 2-CTA
-    clusters (not for wgrad) and the overlapped epilogue, with and without clusters. (Earlier sweeps found fewer
-    stages, wider epilogue chunks, block_k 128 and column-split tail tiles no faster: docs/kernels/grouped_matmul.md.)
+    clusters and the overlapped epilogue, with and without clusters. (Earlier sweeps found fewer stages, wider
+    epilogue chunks, block_k 128 and column-split tail tiles no faster: docs/kernels/grouped_matmul.md.)
     """
     base = table_config(kind, shape)
     out_cols = shape.k if kind in ("dgrad", "glu_dgrad") else shape.n
-    # wgrad walks its groups' tiles round-robin (no grid order); the others try column- and row-fastest orders.
-    orders = [(base.grid_minor, base.grid_width)]
-    if kind != "wgrad":
-        orders = [("n", max(1, -(-out_cols // 256))), ("m", 8), ("m", 16)]
+    # Column- and row-fastest orders (for wgrad, of a group's [K, N] output tiles; "n" over all columns is the order
+    # it walked before it had one).
+    orders = [("n", max(1, -(-out_cols // 256))), ("m", 8), ("m", 16)]
+    if kind == "wgrad":
+        orders.append(("n", 8))
     # glu_dgrad's epilogue loads [gate | up] tiles of 2 * block_n <= 256 columns.
     widths = (64, 128) if kind == "glu_dgrad" else (128, 256)
     # (cluster_m, overlap_epilogue)
-    pipelines = [(1, False), (1, True)] + ([] if kind == "wgrad" else [(2, False), (2, True)])
+    pipelines = [(1, False), (1, True), (2, False), (2, True)]
     candidates = {base}
     for block_n, (minor, width), (cluster, overlap) in itertools.product(widths, orders, pipelines):
         for stages in (6, 5, 4, 3):

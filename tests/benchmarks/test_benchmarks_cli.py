@@ -375,5 +375,9 @@ def test_tuner_config_specs_round_trip_and_table_variants():
     table, no_cluster, overlapped = (tune.parse_config(s)("fwd", shape) for s in ("table", "table-c", "table+o"))
     assert table.cluster_m == 2 and no_cluster == Config(**{**vars(table), "cluster_m": 1})
     assert overlapped == Config(**{**vars(no_cluster), "overlap_epilogue": True})
-    with pytest.raises(SystemExit, match="bad config"):
-        tune.parse_config("128x256x64s4e64")
+    replaced = tune.parse_config("table/grid_minor=n/grid_width=3/cluster_m=1/overlap_epilogue=false")("fwd", shape)
+    changed = {"grid_minor": "n", "grid_width": 3, "cluster_m": 1, "overlap_epilogue": False}
+    assert table.overlap_epilogue and replaced == Config(**{**vars(table), **changed})
+    for spec in ("128x256x64s4e64", "table/block_q=64", "table/block_n"):
+        with pytest.raises(SystemExit, match="bad config"):
+            tune.parse_config(spec)

@@ -231,6 +231,46 @@ def test_wgrad_masks_neighbouring_rows(p, q, poison):
     assert oracle.relative_error(out[np.asarray(clean)], expected[clean]) < F32_OUT_TOL
 
 
+# wgrad tile orders and 2-CTA clusters (a cluster's CTAs take consecutive P tiles of one Q tile and share y's block).
+# P = 192 on 64-row tiles is 3 P tiles: spans of two tiles and one with a phantom second tile; Q = 192 on 64-column
+# tiles is 3 Q tiles, so both snake orders turn round. The groups: an empty one, a 3-row one inside its neighbours'
+# chunk, sizes off 8, rows past the sum; x and y past the sum and y inside group 3 are non-finite, so a chunk's foreign
+# rows must be masked in the clustered kernel too (each CTA zeroes its own copy of the multicast y block).
+WGRAD_LAYOUTS = [
+    config.Config(block_m=64, block_n=64, num_compute_wgs=1, cluster_m=2),
+    config.Config(block_m=64, block_n=64, num_compute_wgs=1, grid_minor="m", grid_width=2, cluster_m=2),
+    config.Config(block_m=64, block_n=64, num_compute_wgs=1, grid_minor="m", grid_width=2),
+    config.Config(block_m=128, block_n=128, grid_width=2, cluster_m=2, overlap_epilogue=True),
+]
+
+
+@pytest.mark.parametrize(
+    "layout", WGRAD_LAYOUTS, ids=lambda c: f"{c.block_m}{c.grid_minor}{c.grid_width}c{c.cluster_m}"
+)
+@pytest.mark.usefixtures("interpret")
+def test_wgrad_orders_and_clusters_match_reference(layout):
+    m, p, q, sizes = 232, 192, 192, [70, 0, 3, 90, 41]
+    rng = np.random.default_rng(41)
+    x = rng.normal(size=(m, p)).astype(np.float32)
+    y = rng.normal(size=(m, q)).astype(np.float32)
+    x[sum(sizes) :], y[sum(sizes) :] = np.nan, np.inf
+    y[100, 9] = -np.inf  # group 3's row (73-162); group 2 (rows 70-72) reads rows 64-127
+    out = api.run_wgrad_kernel(
+        jnp.asarray(x, jnp.bfloat16),
+        jnp.asarray(y, jnp.bfloat16),
+        jnp.asarray(sizes, jnp.int32),
+        out_dtype=jnp.float32,
+        config=layout,
+    )
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    xb, yb = (np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64) for a in (x, y))
+    expected = np.stack([xb[s:e].T @ yb[s:e] for s, e in zip(offsets[:-1], offsets[1:], strict=True)])
+    clean = [0, 1, 2, 4]  # group 3's own gradient holds the -inf
+    assert not np.isnan(np.asarray(out)[clean]).any()
+    assert oracle.relative_error(out[np.asarray(clean)], expected[clean]) < F32_OUT_TOL
+    np.testing.assert_array_equal(np.asarray(out[1]), 0.0)
+
+
 # ------------------------------------------------------------------------------------------------ schedule, configs
 
 
@@ -316,7 +356,7 @@ def test_heuristic_configs_fit_in_shared_memory(kind):
 
 def test_heuristic_clusters_the_forward_and_the_dgrad_only():
     """Off the table, fwd and dgrad share weight tiles in 2-CTA clusters (measured faster at the whole layers'
-    shapes); the GLU backward measured slower with them and wgrad has none. All but the GLU backward overlap their
+    shapes); the GLU backward measured slower with them, and so did wgrad. All but the GLU backward overlap their
     epilogues (it measured slower with the overlap)."""
     layer_shapes = [(131072, 2048, 1536, 128), (131072, 7168, 4096, 256), (256, 64, 64, 1)]
     for m, k, n, g in layer_shapes:
@@ -325,6 +365,18 @@ def test_heuristic_clusters_the_forward_and_the_dgrad_only():
         assert clusters == {"fwd": 2, "dgrad": 2, "glu_dgrad": 1, "wgrad": 1}, (m, k, n, g)
         overlaps = {kind: c.overlap_epilogue for kind, c in configs.items()}
         assert overlaps == {"fwd": True, "dgrad": True, "glu_dgrad": False, "wgrad": True}, (m, k, n, g)
+
+
+@pytest.mark.parametrize(
+    "m, g, width",
+    [(32768, 128, 16), (16384, 8, 16), (16384, 1, 4), (262144, 1, 1), (64, 1, 16)],
+)
+def test_heuristic_wgrad_bands_fit_the_l2(m, g, width):
+    """wgrad walks each group's tiles in bands of row tiles (K blocks) whose x blocks stay in L2: up to 16 of them,
+    fewer where a group's rows make the band larger than WGRAD_BAND_BYTES."""
+    c = config.heuristic_config("wgrad", m=m, k=4096, n=28672, g=g)
+    assert (c.grid_minor, c.grid_width) == ("m", width)
+    assert width == 1 or width * (m // g) * c.block_m * 2 <= config.WGRAD_BAND_BYTES
 
 
 @pytest.mark.parametrize(

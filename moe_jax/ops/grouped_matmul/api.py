@@ -242,17 +242,12 @@ def run_rows_kernel(
     r, c = reversed(w_dims) if w_transposed else w_dims
     # The table is keyed by the op's K, N (rhs [G, K, N]): dgrad's contraction R is the op's N.
     k, n = (c, r) if kind in ("dgrad", "glu_dgrad") else (r, c)
-    num_sms = hardware.num_sms()
+    num_sms, interpret = hardware.num_sms(), hardware.interpret_params()
     if config is None:
         itemsize = jnp.dtype(out_dtype).itemsize
         config = get_config(kind, m=m, k=k, n=n, g=num_groups, out_itemsize=itemsize, row_scale=epilogue.row_scale)
-        if config.cluster_m > num_sms:  # a one-SM device (the interpreter's can be) has no 2-CTA cluster
-            config = dataclasses.replace(config, cluster_m=1)
-    interpret = hardware.interpret_params()
-    if interpret is not None and config.cluster_m > 1 and config.overlap_epilogue:
-        # The interpreter's simulated warpgroups stall on this pair (not the hardware: tests/gpu runs it), so under
-        # the interpreter the stores run between the tiles; the arithmetic is the same.
-        config = dataclasses.replace(config, overlap_epilogue=False)
+        config = _fit_device(config, num_sms)
+    config = _fit_interpreter(config, interpret)
     if row_tokens is None:
         x = _padded_rows(x)
     else:
@@ -290,9 +285,11 @@ def run_wgrad_kernel(x, y, group_sizes, *, out_dtype, config=None, transposed=Fa
     ``transposed``, which only matters for the config lookup)."""
     m, p, q = x.shape[0], x.shape[1], y.shape[1]
     k, n = (q, p) if transposed else (p, q)
+    num_sms, interpret = hardware.num_sms(), hardware.interpret_params()
     if config is None:
         itemsize = jnp.dtype(out_dtype).itemsize
-        config = get_config("wgrad", m=m, k=k, n=n, g=group_sizes.shape[0], out_itemsize=itemsize)
+        config = _fit_device(get_config("wgrad", m=m, k=k, n=n, g=group_sizes.shape[0], out_itemsize=itemsize), num_sms)
+    config = _fit_interpreter(config, interpret)
     x, y = _padded_rows(x), _padded_rows(y)
     return sm90_wgrad.grouped_matmul_wgrad(
         x,
@@ -300,9 +297,22 @@ def run_wgrad_kernel(x, y, group_sizes, *, out_dtype, config=None, transposed=Fa
         schedule.wgrad_groups(group_sizes, y, config.block_k),
         out_dtype=out_dtype,
         config=config,
-        num_sms=hardware.num_sms(),
-        interpret=hardware.interpret_params(),
+        num_sms=num_sms,
+        interpret=interpret,
     )
+
+
+def _fit_device(config, num_sms: int):
+    """A table or heuristic config for this device: a one-SM device (the interpreter's can be) has no 2-CTA cluster."""
+    return dataclasses.replace(config, cluster_m=1) if config.cluster_m > num_sms else config
+
+
+def _fit_interpreter(config, interpret):
+    """Under the interpreter a clustered config stores between its tiles: its simulated warpgroups stall on 2-CTA
+    clusters with the overlapped epilogue (not the hardware: tests/gpu runs the pair). The arithmetic is the same."""
+    if interpret is not None and config.cluster_m > 1 and config.overlap_epilogue:
+        return dataclasses.replace(config, overlap_epilogue=False)
+    return config
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))

@@ -20,6 +20,8 @@ SMEM_BYTES = 227 * 1024  # dynamic shared memory one H100/H200 block can have
 # Registers per consumer thread an overlapped epilogue may hold across tiles: with a [64, 256] f32 accumulator (128
 # registers) and the addresses, more would spill under the 232-register budget of two consumers.
 OVERLAP_REGISTERS = 64
+# L2 bytes a band of wgrad x blocks may hold (a third of an H100's 50 MB): the named shapes' bands of 16 take 1-8 MB.
+WGRAD_BAND_BYTES = 16 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,10 +36,12 @@ class Config:
       num_compute_wgs: consumer warpgroups; one more producer warpgroup issues every TMA load.
       epilogue_n: columns written back per TMA store (the epilogue buffer is double-buffered per warpgroup); a
         multiple of 64.
-      grid_minor: which output-tile axis varies fastest over the persistent grid ("m" or "n").
+      grid_minor: which output-tile axis varies fastest over the persistent grid ("m" or "n"); for wgrad, over
+        one group's [K, N] output tiles.
       grid_width: tiles along the minor axis before the major one advances (a band that stays in L2).
-      cluster_m: CTAs of a cluster (1 or 2), computing consecutive row tiles of one column tile; where those tiles
-        belong to one group their weight tile is multicast (fwd / dgrad / glu_dgrad; wgrad has no clusters).
+      cluster_m: CTAs of a cluster (1 or 2), computing consecutive row tiles of one column tile. fwd / dgrad /
+        glu_dgrad: where those tiles belong to one group their weight tile is multicast. wgrad: the two tiles always
+        share their group's rows, and the y block of every step is multicast.
       overlap_epilogue: a consumer keeps its tile's outputs in registers and stores them while the tensor cores run
         the first steps of its next tile, instead of between the two tiles. Applies where the kept outputs fit in
         OVERLAP_REGISTERS registers per thread (so not to f32 outputs of 256-column tiles, nor to a forward that
@@ -122,36 +126,41 @@ class Config:
 # of qwen3 (both), gpt-oss (both) and mixtral gate_up add the overlapped epilogue to the config they had: faster at
 # all five in two calls with the order of the pair swapped (1-9%; `time --configs table,table+oc` at git 7050f30 with
 # clusters + overlap admitted: benchmarks/results/2026-11-22_h200_7050f30_overlap_clusters.md).
+# The wgrad entries walk each group's output tiles in bands of 16 row tiles (grid_minor "m"), since 2026-11-25:
+# against the whole-row order they had before (which the wgrad kernel then hard-coded), on an H100, mixtral gate_up
+# 9.21 -> 5.96 ms, dsv3-ep8 down 1.67 -> 1.50, the other six within -4% .. +5% (3 interleaved rounds, outputs
+# bit-identical; 2-CTA clusters no faster at any of the 8: benchmarks/results/2026-11-25_h100_wgrad_order.md).
 # The fused GLU forward uses the "fwd" entry of its gate_up shape; glu_dgrad is keyed by the "<model>/down" shape.
+WGRAD_BANDS = Config(grid_minor="m", grid_width=16, overlap_epilogue=True)
 TUNED: dict[tuple[str, int, int, int, int], Config] = {
     ("fwd", 128, 32768, 2048, 1536): Config(grid_minor="m", cluster_m=2, overlap_epilogue=True),
     ("dgrad", 128, 32768, 2048, 1536): Config(cluster_m=2),
-    ("wgrad", 128, 32768, 2048, 1536): Config(overlap_epilogue=True),
+    ("wgrad", 128, 32768, 2048, 1536): WGRAD_BANDS,
     ("fwd", 128, 32768, 768, 2048): Config(overlap_epilogue=True),
     ("dgrad", 128, 32768, 768, 2048): Config(grid_width=3, cluster_m=2),
     ("glu_dgrad", 128, 32768, 768, 2048): Config(block_n=64, num_stages=6, grid_minor="m"),
-    ("wgrad", 128, 32768, 768, 2048): Config(overlap_epilogue=True),
+    ("wgrad", 128, 32768, 768, 2048): WGRAD_BANDS,
     ("fwd", 128, 32768, 2880, 5760): Config(grid_minor="m", cluster_m=2, overlap_epilogue=True),
     ("dgrad", 128, 32768, 2880, 5760): Config(grid_width=12, cluster_m=2),
-    ("wgrad", 128, 32768, 2880, 5760): Config(overlap_epilogue=True),
+    ("wgrad", 128, 32768, 2880, 5760): WGRAD_BANDS,
     ("fwd", 128, 32768, 2880, 2880): Config(grid_minor="m", cluster_m=2, overlap_epilogue=True),
     ("dgrad", 128, 32768, 2880, 2880): Config(grid_width=12, cluster_m=2),
     ("glu_dgrad", 128, 32768, 2880, 2880): Config(block_n=64, num_stages=6, grid_width=12),
-    ("wgrad", 128, 32768, 2880, 2880): Config(overlap_epilogue=True),
+    ("wgrad", 128, 32768, 2880, 2880): WGRAD_BANDS,
     ("fwd", 32, 32768, 7168, 4096): Config(grid_minor="m", cluster_m=2),
     ("dgrad", 32, 32768, 7168, 4096): Config(grid_minor="m"),
-    ("wgrad", 32, 32768, 7168, 4096): Config(overlap_epilogue=True),
+    ("wgrad", 32, 32768, 7168, 4096): WGRAD_BANDS,
     ("fwd", 32, 32768, 2048, 7168): Config(grid_minor="m", overlap_epilogue=True),
     ("dgrad", 32, 32768, 2048, 7168): Config(cluster_m=2),
     ("glu_dgrad", 32, 32768, 2048, 7168): Config(block_n=128, num_stages=3, grid_width=16),
-    ("wgrad", 32, 32768, 2048, 7168): Config(overlap_epilogue=True),
+    ("wgrad", 32, 32768, 2048, 7168): WGRAD_BANDS,
     ("fwd", 8, 16384, 4096, 28672): Config(grid_minor="m", cluster_m=2, overlap_epilogue=True),
     ("dgrad", 8, 16384, 4096, 28672): Config(grid_width=16, cluster_m=2),
-    ("wgrad", 8, 16384, 4096, 28672): Config(overlap_epilogue=True),
+    ("wgrad", 8, 16384, 4096, 28672): WGRAD_BANDS,
     ("fwd", 8, 16384, 14336, 4096): Config(grid_width=16),
     ("dgrad", 8, 16384, 14336, 4096): Config(grid_minor="m", cluster_m=2),
     ("glu_dgrad", 8, 16384, 14336, 4096): Config(block_n=128, num_stages=3, grid_minor="m"),
-    ("wgrad", 8, 16384, 14336, 4096): Config(overlap_epilogue=True),
+    ("wgrad", 8, 16384, 14336, 4096): WGRAD_BANDS,
 }
 
 
@@ -181,9 +190,19 @@ def heuristic_config(
         rows_per_group = max(m // max(g, 1), 1)
         stages = 4 if rows_per_group >= 256 else 3
         # Its tiles are short (a group's rows), so storing one while the next one's first steps run pays: 8-17% at
-        # every named shape (docs/kernels/grouped_matmul.md, "Overlapped epilogue").
+        # every named shape (docs/kernels/grouped_matmul.md, "Overlapped epilogue"). A group's tiles go in bands of
+        # row tiles (K blocks) over each column tile: the band's x blocks stay in L2 while y streams past once per
+        # band (mixtral gate_up's wgrad 1.55x faster than in whole rows: TUNED's note), as many as keep the band
+        # within WGRAD_BAND_BYTES and at most 16, the width measured.
+        band_bytes = rows_per_group * 128 * 2
         config = Config(
-            block_m=128, block_n=256 if n >= 256 else 128, block_k=64, num_stages=stages, overlap_epilogue=True
+            block_m=128,
+            block_n=256 if n >= 256 else 128,
+            block_k=64,
+            num_stages=stages,
+            grid_minor="m",
+            grid_width=max(1, min(16, WGRAD_BAND_BYTES // band_bytes)),
+            overlap_epilogue=True,
         )
         return _fit(config, out_itemsize, kind, row_scale)
     block_n, stages = (256 if out_cols >= 1024 else 128), 4
