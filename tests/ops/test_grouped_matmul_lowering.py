@@ -5,6 +5,8 @@ The abstract GPU device makes ``hardware.interpret_params()`` return None (compi
 persistent grid an H100/H200's 132 SMs. Lowering stops before the CUDA compiler, so it needs no GPU.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -13,7 +15,7 @@ from jax.sharding import AbstractMesh
 
 import moe_jax
 from moe_jax.ops import shapes
-from moe_jax.ops.grouped_matmul import config
+from moe_jax.ops.grouped_matmul import api, config
 
 MOSAIC_CALL = "mosaic_gpu_v2"
 H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
@@ -70,3 +72,22 @@ def test_heuristic_configs_lower(g, m, k, n, out_dtype):
     """Shapes off the table (small, wide, tiny) get heuristic configs that lower within shared memory."""
     assert all((kind, g, m, k, n) not in config.TUNED for kind in config.KINDS)
     assert _lowered_fwd_bwd(g, m, k, n, out_dtype=out_dtype).count(MOSAIC_CALL) == 3
+
+
+@pytest.mark.parametrize(
+    "wgrad_config",
+    [
+        config.Config(grid_minor="m", grid_width=16, cluster_m=2, overlap_epilogue=True),  # 23 K blocks: a phantom
+        config.Config(block_n=128, grid_width=3, cluster_m=2),
+    ],
+)
+def test_clustered_wgrad_lowers(wgrad_config):
+    """The wgrad kernel's 2-CTA clusters (a tuner option: y multicast, phantom tiles) lower for CUDA at gpt-oss's
+    K = 2880 (23 row tiles of 128)."""
+    x = jax.ShapeDtypeStruct((32768, 2880), jnp.bfloat16)
+    y = jax.ShapeDtypeStruct((32768, 5760), jnp.bfloat16)
+    group_sizes = jax.ShapeDtypeStruct((128,), jnp.int32)
+    wgrad = functools.partial(api.run_wgrad_kernel, out_dtype=jnp.bfloat16, config=wgrad_config)
+    with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=H200)):
+        text = jax.jit(wgrad).trace(x, y, group_sizes).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(MOSAIC_CALL) == 1
