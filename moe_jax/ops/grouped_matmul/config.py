@@ -194,9 +194,10 @@ def heuristic_config(
         # row tiles (K blocks) over each column tile: the band's x blocks stay in L2 while y streams past once per
         # band (mixtral gate_up's wgrad 1.55x faster than in whole rows: TUNED's note), as many as keep the band
         # within WGRAD_BAND_BYTES and at most 16, the width measured.
-        band_bytes = rows_per_group * 128 * 2
+        block_m = 128
+        band_bytes = rows_per_group * block_m * 2  # one x block [rows, block_m] of 16-bit elements
         config = Config(
-            block_m=128,
+            block_m=block_m,
             block_n=256 if n >= 256 else 128,
             block_k=64,
             num_stages=stages,

@@ -11,13 +11,15 @@ streams past it once. With ``config.cluster_m == 2`` the two CTAs of a cluster c
 Q tile of one group: they read the same y block at every step, which each loads half of and multicasts to both, so
 the pair reads it from L2 once (the y block is the larger operand of a 128x256 tile: 2/3 of the step's bytes). Both
 run the group's steps; a phantom second tile (an odd P tile count) only loads its half and computes and stores
-nothing. A tile's pipeline walks the group's rows in block_k chunks from the
-group start rounded down to 8 (the TMA row alignment); the first and last chunk also hold rows of the neighbouring
-groups, so before their MMA each consumer zeroes those rows of its own x columns in shared memory (``where``, not a
-multiply, so that NaN or Inf there cannot leak in). The y tile is shared by the consumers: its foreign rows are
-zeroed too (each consumer a share, then a barrier) only for a group whose table entry says one of them is not
-finite, since 0 * finite = 0. Measured on an H100 (2026-11-25, same kernel, flag forced off or on): skipping y's
-zeroing on finite data took qwen3-30b down's wgrad from 275 to 255 us and gpt-oss-120b down's from 1567 to 1214 us.
+nothing.
+
+A tile's pipeline walks the group's rows in block_k chunks from the group start rounded down to 8 (the TMA row
+alignment); the first and last chunk also hold rows of the neighbouring groups, so before their MMA each consumer
+zeroes those rows of its own x columns in shared memory (``where``, not a multiply, so that NaN or Inf there cannot
+leak in). The y tile is shared by the consumers: its foreign rows are zeroed too (each consumer a share, then a
+barrier) only for a group whose table entry says one of them is not finite, since 0 * finite = 0. Measured on an
+H100 (2026-11-25, same kernel, flag forced off or on): skipping y's zeroing on finite data took qwen3-30b down's
+wgrad from 275 to 255 us and gpt-oss-120b down's from 1567 to 1214 us.
 An empty group does no MMA and writes zeros.
 
 The pipeline (producer warpgroup + consumers splitting the tile's P rows) is sm90_pipeline's. With
