@@ -204,6 +204,16 @@ def test_jax_grad_through_gated_activation_and_row_scale():
         assert oracle.relative_error(actual, exact) < GRAD_TOL
 
 
+def _wgrad_and_oracle(x, y, sizes, wgrad_config=None):
+    """The wgrad kernel on x [M, P], y [M, Q] (f32, rounded to bf16) and its exact per-group oracle [G, P, Q] f64."""
+    xb, yb = (jnp.asarray(a, jnp.bfloat16) for a in (x, y))
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    out = api.run_wgrad_kernel(xb, yb, group_sizes, out_dtype=jnp.float32, config=wgrad_config)
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    a, b = (np.asarray(v, np.float64) for v in (xb, yb))
+    return out, np.stack([a[s:e].T @ b[s:e] for s, e in zip(offsets[:-1], offsets[1:], strict=True)])
+
+
 # P = 64 is half of the output tile's 128 rows, Q = 192 one and a half of its columns: both edges are partial tiles.
 # Non-finite values past the sum (in x and y), or only in x, or inside group 3 in y, which group 2's chunk shares.
 @pytest.mark.parametrize("p, q", [(128, 128), (64, 192)])
@@ -220,12 +230,7 @@ def test_wgrad_masks_neighbouring_rows(p, q, poison):
         y[sum(sizes) :] = np.inf
     elif poison == "inside a neighbour":
         y[60, 5] = -np.inf  # row 60 is group 3's; group 2 (rows 50-52) reads rows 48-111
-    out = api.run_wgrad_kernel(
-        jnp.asarray(x, jnp.bfloat16), jnp.asarray(y, jnp.bfloat16), jnp.asarray(sizes, jnp.int32), out_dtype=jnp.float32
-    )
-    offsets = np.concatenate([[0], np.cumsum(sizes)])
-    xb, yb = (np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64) for a in (x, y))
-    expected = np.stack([xb[s:e].T @ yb[s:e] for s, e in zip(offsets[:-1], offsets[1:], strict=True)])
+    out, expected = _wgrad_and_oracle(x, y, sizes)
     clean = [0, 1, 2] if poison == "inside a neighbour" else [0, 1, 2, 3]  # group 3's own gradient holds the -inf
     assert not np.isnan(np.asarray(out)[clean]).any()
     assert oracle.relative_error(out[np.asarray(clean)], expected[clean]) < F32_OUT_TOL
@@ -255,16 +260,7 @@ def test_wgrad_orders_and_clusters_match_reference(layout):
     y = rng.normal(size=(m, q)).astype(np.float32)
     x[sum(sizes) :], y[sum(sizes) :] = np.nan, np.inf
     y[100, 9] = -np.inf  # group 3's row (73-162); group 2 (rows 70-72) reads rows 64-127
-    out = api.run_wgrad_kernel(
-        jnp.asarray(x, jnp.bfloat16),
-        jnp.asarray(y, jnp.bfloat16),
-        jnp.asarray(sizes, jnp.int32),
-        out_dtype=jnp.float32,
-        config=layout,
-    )
-    offsets = np.concatenate([[0], np.cumsum(sizes)])
-    xb, yb = (np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64) for a in (x, y))
-    expected = np.stack([xb[s:e].T @ yb[s:e] for s, e in zip(offsets[:-1], offsets[1:], strict=True)])
+    out, expected = _wgrad_and_oracle(x, y, sizes, layout)
     clean = [0, 1, 2, 4]  # group 3's own gradient holds the -inf
     assert not np.isnan(np.asarray(out)[clean]).any()
     assert oracle.relative_error(out[np.asarray(clean)], expected[clean]) < F32_OUT_TOL

@@ -20,7 +20,10 @@ SMEM_BYTES = 227 * 1024  # dynamic shared memory one H100/H200 block can have
 # Registers per consumer thread an overlapped epilogue may hold across tiles: with a [64, 256] f32 accumulator (128
 # registers) and the addresses, more would spill under the 232-register budget of two consumers.
 OVERLAP_REGISTERS = 64
-# L2 bytes a band of wgrad x blocks may hold (a third of an H100's 50 MB): the named shapes' bands of 16 take 1-8 MB.
+# wgrad walks a group's output tiles in bands of up to WGRAD_BAND_TILES row tiles (the width measured on 2026-11-25:
+# TUNED's note), narrower where the band's x blocks would hold more than WGRAD_BAND_BYTES of L2 (a third of an H100's
+# 50 MB; the named shapes' bands take 1-8 MB).
+WGRAD_BAND_TILES = 16
 WGRAD_BAND_BYTES = 16 * 2**20
 
 
@@ -131,7 +134,7 @@ class Config:
 # 9.21 -> 5.96 ms, dsv3-ep8 down 1.67 -> 1.50, the other six within -4% .. +5% (3 interleaved rounds, outputs
 # bit-identical; 2-CTA clusters no faster at any of the 8: benchmarks/results/2026-11-25_h100_wgrad_order.md).
 # The fused GLU forward uses the "fwd" entry of its gate_up shape; glu_dgrad is keyed by the "<model>/down" shape.
-WGRAD_BANDS = Config(grid_minor="m", grid_width=16, overlap_epilogue=True)
+WGRAD_BANDS = Config(grid_minor="m", grid_width=WGRAD_BAND_TILES, overlap_epilogue=True)
 TUNED: dict[tuple[str, int, int, int, int], Config] = {
     ("fwd", 128, 32768, 2048, 1536): Config(grid_minor="m", cluster_m=2, overlap_epilogue=True),
     ("dgrad", 128, 32768, 2048, 1536): Config(cluster_m=2),
@@ -192,8 +195,7 @@ def heuristic_config(
         # Its tiles are short (a group's rows), so storing one while the next one's first steps run pays: 8-17% at
         # every named shape (docs/kernels/grouped_matmul.md, "Overlapped epilogue"). A group's tiles go in bands of
         # row tiles (K blocks) over each column tile: the band's x blocks stay in L2 while y streams past once per
-        # band (mixtral gate_up's wgrad 1.55x faster than in whole rows: TUNED's note), as many as keep the band
-        # within WGRAD_BAND_BYTES and at most 16, the width measured.
+        # band (mixtral gate_up's wgrad 1.55x faster than in whole rows: TUNED's note).
         block_m = 128
         band_bytes = rows_per_group * block_m * 2  # one x block [rows, block_m] of 16-bit elements
         config = Config(
@@ -202,7 +204,7 @@ def heuristic_config(
             block_k=64,
             num_stages=stages,
             grid_minor="m",
-            grid_width=max(1, min(16, WGRAD_BAND_BYTES // band_bytes)),
+            grid_width=max(1, min(WGRAD_BAND_TILES, WGRAD_BAND_BYTES // band_bytes)),
             overlap_epilogue=True,
         )
         return _fit(config, out_itemsize, kind, row_scale)

@@ -166,8 +166,7 @@ def grouped_matmul_rows(
     # span's tiles belong to one group they need the same weight tile, which is then multicast: each CTA loads a
     # 1/cluster slice of it for all, so the span reads it from L2 once, in step.
     cluster = cfg.cluster_m
-    if num_sms < cluster:
-        raise ValueError(f"a cluster of {cluster} CTAs needs at least as many SMs, got num_sms={num_sms}")
+    grid = pipe.cluster_grid(num_sms, cluster)
     max_tiles = tiles.shape[1]
     operands = [
         op for op in (row_scale if epi.row_scale else None, gate_up if epi.backward else None) if op is not None
@@ -188,7 +187,7 @@ def grouped_matmul_rows(
         x_smem, w_smem, out_smem, produced, consumed, *epi_scratch = refs
         num_row_tiles = count_gmem[0]
         wg = lax.axis_index("wg")
-        cta = lax.axis_index("cluster") if cluster > 1 else 0
+        cta = pipe.cluster_rank(cluster)
         num_spans = (num_row_tiles + cluster - 1) // cluster
         work = (num_spans * n_tiles,)
 
@@ -212,12 +211,7 @@ def grouped_matmul_rows(
             steps = jnp.where(all_zero, 0, k_steps).astype(jnp.int32)
             return mi, ni, entry, steps, shared
 
-        def if_real(real, f):
-            """Runs f unless the tile is a span's phantom (only a cluster's span can have one)."""
-            if cluster > 1:
-                pl.when(real)(f)
-            else:
-                f()
+        if_real = functools.partial(pipe.unless_phantom, cluster)
 
         @pl.when(wg == num_wgs)
         def _producer():
@@ -327,11 +321,7 @@ def grouped_matmul_rows(
         pipe.epilogue_smem(num_wgs, wg_m, epi_n, out_dtype),
         # produced: the two TMA loads of a step landed (gathered rows: see sm90_gather.py)
         plgpu.Barrier(num_arrivals=gather.produced_arrivals(bm, interpret) if gathered else 2, num_barriers=stages),
-        # consumed: every consumer released the buffer, in every CTA of the cluster (a multicast writes the partner's
-        # buffers too).
-        plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=num_wgs, num_barriers=stages)
-        if cluster > 1
-        else plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages),
+        pipe.consumed_barriers(num_wgs, stages, cluster),
     ]
     if loads_per_tile:
         # loaded[w]: consumer w's epilogue operands of its current tile landed.
@@ -349,10 +339,7 @@ def grouped_matmul_rows(
         body,
         out_type=tuple(out_types) if len(out_types) > 1 else out_types[0],
         scratch_types=scratch,
-        grid=(num_sms // cluster,),
-        grid_names=("sm",),
-        cluster=(cluster,) if cluster > 1 else (),
-        cluster_names=("cluster",) if cluster > 1 else (),
+        **grid,
         num_threads=num_wgs + 1,
         thread_name="wg",
         kernel_name=_kernel_name(epi, gathered),

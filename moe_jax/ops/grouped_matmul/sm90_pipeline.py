@@ -46,6 +46,40 @@ def compute_registers(num_compute_wgs: int) -> int:
     return min(256, (512 - PRODUCER_REGISTERS) // num_compute_wgs) // 8 * 8
 
 
+def cluster_grid(num_sms: int, cluster: int) -> dict:
+    """``plgpu.kernel`` arguments of a persistent grid of ``cluster``-CTA clusters (axis "sm"; "cluster" within)."""
+    if num_sms < cluster:
+        raise ValueError(f"a cluster of {cluster} CTAs needs at least as many SMs, got num_sms={num_sms}")
+    clustered = cluster > 1
+    return dict(
+        grid=(num_sms // cluster,),
+        grid_names=("sm",),
+        cluster=(cluster,) if clustered else (),
+        cluster_names=("cluster",) if clustered else (),
+    )
+
+
+def cluster_rank(cluster: int):
+    """This CTA's index within its cluster (0 without clusters)."""
+    return lax.axis_index("cluster") if cluster > 1 else 0
+
+
+def unless_phantom(cluster: int, real, f) -> None:
+    """Runs f unless the tile is a cluster span's phantom (``real`` false); without clusters there is none."""
+    if cluster > 1:
+        pl.when(real)(f)
+    else:
+        f()
+
+
+def consumed_barriers(num_wgs: int, stages: int, cluster: int):
+    """The "consumed" barrier of every pipeline buffer: all consumers released it, in every CTA of the cluster (a
+    multicast load writes the partner's buffer too)."""
+    if cluster > 1:
+        return plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=num_wgs, num_barriers=stages)
+    return plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages)
+
+
 def produce(first_step, num_steps, stages: int, consumed, load) -> None:
     """Producer side of one tile: ``load(k, slot)`` issues the TMA copies of step k into buffer ``slot``."""
 

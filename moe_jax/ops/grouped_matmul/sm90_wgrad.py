@@ -92,15 +92,14 @@ def grouped_matmul_wgrad(
     # A cluster's CTAs compute `cluster` consecutive P tiles (a "span") of one Q tile: the work items of a group are
     # its (span, Q tile) pairs.
     cluster = cfg.cluster_m
-    if num_sms < cluster:
-        raise ValueError(f"a cluster of {cluster} CTAs needs at least as many SMs, got num_sms={num_sms}")
+    grid = pipe.cluster_grid(num_sms, cluster)
     p_spans = pl.cdiv(p_tiles, cluster)
     items_per_group = p_spans * q_tiles
     minor_dim = 0 if cfg.grid_minor == "m" else 1
 
     def body(groups_gmem, x_gmem, y_gmem, out_gmem, x_smem, y_smem, out_smem, produced, consumed, masked):
         wg = lax.axis_index("wg")
-        cta = lax.axis_index("cluster") if cluster > 1 else 0
+        cta = pipe.cluster_rank(cluster)
         work = (num_groups * items_per_group,)
 
         def tile_of(lin):
@@ -185,10 +184,7 @@ def grouped_matmul_wgrad(
                         def product():
                             plgpu.wgmma(acc, x_smem.at[slot, :, wg_cols].transpose((1, 0)), y_smem.at[slot])
 
-                        if cluster > 1:
-                            pl.when(real)(product)
-                        else:
-                            product()
+                        pipe.unless_phantom(cluster, real, product)
 
                     pipe.consume(first_step, steps, stages, produced, consumed, issue, overlapped)
                     return acc[...]
@@ -207,21 +203,14 @@ def grouped_matmul_wgrad(
         plgpu.SMEM((stages, bk, bn), in_dtype, transforms=pipe.swizzled(bn, in_dtype)),
         pipe.epilogue_smem(num_wgs, wg_m, cfg.epilogue_n, out_dtype),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # produced: the two TMA loads of a step landed
-        # consumed: every consumer released the buffer, in every CTA of the cluster (the y multicast writes the
-        # partner's buffer too).
-        plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=num_wgs, num_barriers=stages)
-        if cluster > 1
-        else plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages),
+        pipe.consumed_barriers(num_wgs, stages, cluster),
         plgpu.Barrier(num_arrivals=num_wgs, num_barriers=1),  # masked: every consumer zeroed its share
     ]
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((num_groups, p, q), out_dtype),
         scratch_types=scratch,
-        grid=(num_sms // cluster,),
-        grid_names=("sm",),
-        cluster=(cluster,) if cluster > 1 else (),
-        cluster_names=("cluster",) if cluster > 1 else (),
+        **grid,
         num_threads=num_wgs + 1,
         thread_name="wg",
         kernel_name="moe_gmm_wgrad",
