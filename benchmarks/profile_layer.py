@@ -131,6 +131,7 @@ def profile_shape(shape, calls: int, seed: int) -> dict:
     glue_kernels = sum(stages.get(stage, 0.0) for stage in GLUE_STAGES)
     glue = glue_kernels + gather_cost
     kernels = collections.Counter(name for name, _, _ in layer_calls[-1])
+    kernel_us = kernel_medians(layer_calls)
     return {
         "shape": shape.name,
         "stages_us": stages,
@@ -139,8 +140,21 @@ def profile_shape(shape, calls: int, seed: int) -> dict:
         "glue_kernels_us": glue_kernels,
         "glue_us": glue,
         "glue_share": glue / stages["span"],
-        "kernels": {name: {"count": count, "stage": stage_of(name)} for name, count in kernels.items()},
+        "kernels": {
+            name: {"count": count, "stage": stage_of(name), "us": kernel_us[name]} for name, count in kernels.items()
+        },
     }
+
+
+def kernel_medians(calls: list[list[tuple[str, int, int]]]) -> dict[str, float]:
+    """Microseconds per kernel name in a call (all its launches summed), median over the calls."""
+    per_call = []
+    for call in calls:
+        times = collections.defaultdict(float)
+        for name, _, duration in call:
+            times[name] += duration / 1e3
+        per_call.append(times)
+    return {name: float(np.median([times[name] for times in per_call])) for name in per_call[0]}
 
 
 def gather_cost_us(stages: dict, sorted_rows: dict) -> float:
@@ -172,6 +186,14 @@ def markdown(result: dict) -> str:
         f"| glue kernels = {' + '.join(GLUE_STAGES)} | {result['glue_kernels_us']:.1f} | "
         f"{result['glue_kernels_us'] / span:.1%} |",
         f"| **glue** = glue kernels + gather cost | **{result['glue_us']:.1f}** | **{result['glue_share']:.1%}** |",
+        "",
+        "| glue kernel | launches | µs |",
+        "|---|---:|---:|",
+    ]
+    glue_kernels = [(name, k) for name, k in result["kernels"].items() if k["stage"] in GLUE_STAGES]
+    lines += [
+        f"| {name} ({k['stage']}) | {k['count']} | {k['us']:.1f} |"
+        for name, k in sorted(glue_kernels, key=lambda item: -item[1]["us"])
     ]
     return "\n".join(lines)
 

@@ -46,6 +46,14 @@ def test_medians_sum_stages_per_call_and_measure_the_span():
     assert profile_layer.medians(calls) == {"router": 11.0, "gating": 6.0, "xla-glue": 2.0, "span": 24.0}
 
 
+def test_kernel_medians_sum_a_kernels_launches_per_call():
+    calls = [
+        [("loop_a", 0, 1_000), ("loop_b", 1_000, 4_000), ("loop_a", 5_000, 2_000)],
+        [("loop_a", 9_000, 5_000), ("loop_b", 14_000, 6_000), ("loop_a", 20_000, 1_000)],
+    ]
+    assert profile_layer.kernel_medians(calls) == {"loop_a": 4.5, "loop_b": 5.0}
+
+
 def test_gather_cost_is_the_gate_up_difference_only_where_the_layer_gathers():
     sorted_rows = {"gate_up": 100.0, "down": 50.0}
     assert profile_layer.gather_cost_us({"gate_up": 107.5, "combine": 9.0}, sorted_rows) == pytest.approx(7.5)

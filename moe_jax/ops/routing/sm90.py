@@ -185,21 +185,28 @@ def gating(
             mask = mask | ((group_id == g) & _rows_to_tile(chosen_groups[g], chunk))
         return mask
 
-    def top_k_rounds(key, expert_id):
-        """(keys, experts) of the chunk's best min(k, C), best first, and the [64, C] tile of those taken."""
+    def top_k_rounds(key, expert_id, picks, pick_keys):
+        """Writes the chunk's best k experts, best first, to ``picks`` [k, 64] (and their keys to ``pick_keys``
+        unless it is None); returns the key tile with those experts taken (_TAKEN)."""
         # The rounds compare int32 order keys (``_order_key``): a taken expert's key becomes _TAKEN, below every
         # other key, -inf's included, so one [64, C] tile carries both the values and what was taken (the kernel is
-        # register-bound; one such tile is C / 2 registers per thread).
-        keys, experts = [], []
-        for _ in range(min(top_k, chunk)):
+        # register-bound; one such tile is C / 2 registers per thread). A loop, not k unrolled copies: unrolled, the
+        # kernel's straight-line code overflowed the instruction cache and its warps mostly waited for instructions.
+
+        def one_round(j, key):
             best = jnp.max(key, axis=1)
             expert = jnp.min(jnp.where(key == _rows_to_tile(best, chunk), expert_id, padded_experts), axis=1)
+            picks[j] = expert
+            if pick_keys is not None:
+                pick_keys[j] = best
             # The constant goes in the false branch: with a constant true branch, jax 0.11.2's Mosaic GPU `select`
             # takes its result's signedness from the (unsigned) predicate, and the next max would compare unsigned.
-            key = jnp.where(expert_id != _rows_to_tile(expert, chunk), key, _TAKEN)
-            keys.append(best)
-            experts.append(expert)
-        return keys, experts, key == _TAKEN
+            return jnp.where(expert_id != _rows_to_tile(expert, chunk), key, _TAKEN)
+
+        return lax.fori_loop(0, top_k, one_round, key)
+
+    def load_row(ref):
+        return plgpu.load(ref, layout=_ROW, optimized=False)
 
     def merge(first, second):
         """The best k of two candidate lists (keys, experts): largest key, then lowest id (the ids are distinct).
@@ -216,19 +223,25 @@ def gating(
             merged_experts.append(winner)
         return merged_keys, merged_experts
 
-    def final_weights(weights):
-        if renormalize:
-            total = functools.reduce(lax.add, weights)
-            weights = [w / total for w in weights]
-        return [w * scale for w in weights]
+    def selected_scores(scores, expert_id, picks, slot_weights, first_chunk: bool):
+        """Adds each slot's selected score within this chunk to ``slot_weights`` [k, 64] (exactly one chunk holds
+        each expert, so the others add zeros); returns the chunk's [64, C] tile of chosen experts, 1.0 or 0.0."""
 
-    def block_ranks(chosen_smem, lower_smem, experts):
-        """Per slot: the earlier tokens of the block that chose the same expert (module docstring)."""
+        def slot(j, chosen):
+            hit = expert_id == _rows_to_tile(load_row(picks.at[j]), chunk)
+            score = jnp.sum(jnp.where(hit, scores, 0.0), axis=1)
+            slot_weights[j] = score if first_chunk else load_row(slot_weights.at[j]) + score
+            return jnp.where(hit, 1.0, chosen)
+
+        return lax.fori_loop(0, top_k, slot, plgpu.layout_cast(jnp.zeros((BLOCK_TOKENS, chunk), jnp.float32), _LAYOUT))
+
+    def block_ranks(chosen_smem, lower_smem, picks, slot_ranks):
+        """Writes per slot the earlier tokens of the block that chose the same expert (module docstring) to
+        ``slot_ranks`` [k, 64] f32 (exact integers)."""
         row = plgpu.broadcasted_iota(jnp.int32, (BLOCK_TOKENS, BLOCK_TOKENS), 0, layout=_LAYOUT)
         col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_TOKENS, BLOCK_TOKENS), 1, layout=_LAYOUT)
         lower_smem[...] = jnp.where(col < row, 1.0, 0.0).astype(jnp.bfloat16)
         plgpu.commit_smem()
-        ranks = [None] * top_k
         rank_chunk = config.rank_chunk
         for first in range(0, padded_experts, rank_chunk):
 
@@ -238,15 +251,34 @@ def gating(
 
             earlier = pl.run_scoped(prefix_counts, plgpu.ACC((BLOCK_TOKENS, rank_chunk), jnp.float32))
             expert_id = first + plgpu.broadcasted_iota(jnp.int32, (BLOCK_TOKENS, rank_chunk), 1, layout=_LAYOUT)
-            for j, expert in enumerate(experts):
-                rank = jnp.sum(jnp.where(expert_id == _rows_to_tile(expert, rank_chunk), earlier, 0.0), axis=1)
-                ranks[j] = rank if ranks[j] is None else ranks[j] + rank
-        return [r.astype(jnp.int32) for r in ranks]
+
+            def slot(j, carry, first=first, earlier=earlier, expert_id=expert_id):
+                hit = expert_id == _rows_to_tile(load_row(picks.at[j]), rank_chunk)
+                rank = jnp.sum(jnp.where(hit, earlier, 0.0), axis=1)
+                slot_ranks[j] = rank if first == 0 else load_row(slot_ranks.at[j]) + rank
+                return carry
+
+            lax.fori_loop(0, top_k, slot, None)
+
+    def write_slots(rows, picks, slot_weights, slot_ranks, experts_gmem, weights_gmem, ranks_gmem):
+        """Renormalises and scales the weights (summed in slot order) and writes the block's [64, k] outputs."""
+        zeros = plgpu.layout_cast(jnp.zeros((BLOCK_TOKENS,), jnp.float32), _ROW)
+        total = lax.fori_loop(0, top_k, lambda j, total: total + load_row(slot_weights.at[j]), zeros)
+
+        def slot(j, carry):
+            weight = load_row(slot_weights.at[j])
+            experts_gmem[rows, j] = load_row(picks.at[j])
+            weights_gmem[rows, j] = (weight / total if renormalize else weight) * scale
+            ranks_gmem[rows, j] = load_row(slot_ranks.at[j]).astype(jnp.int32)
+            return carry
+
+        lax.fori_loop(0, top_k, slot, None)
 
     def body(logits_gmem, *refs):
         refs = list(refs)
         bias_gmem = refs.pop(0) if has_bias else None
-        probs_gmem, experts_gmem, weights_gmem, ranks_gmem, counts_gmem, chosen_smem, lower_smem = refs
+        probs_gmem, experts_gmem, weights_gmem, ranks_gmem, counts_gmem = refs[:5]
+        chosen_smem, lower_smem, picks_smem, slot_weights, slot_ranks, *pick_keys_smem = refs[5:]
         block = lax.axis_index("block")
         rows = pl.ds(block * BLOCK_TOKENS, BLOCK_TOKENS)
 
@@ -274,6 +306,7 @@ def gating(
                 selection = selection_of(c, chunk_scores(logits_chunk(c), peak, total)[0], expert_id)
                 group_scores += [group_score(selection, expert_id, g, c) for g in chunk_groups(c)]
             chosen_groups = top_groups_chosen(group_scores)
+        # The final picks go to picks_smem[0]: chunk 0's own with one chunk, else the merge of every chunk's.
         candidates = None
         for c in range(num_chunks):
             expert_id = chunk_ids(c)
@@ -282,35 +315,30 @@ def gating(
             selection = selection_of(c, scores, expert_id)
             if num_groups > 1:
                 selection = _masked(eligible(chosen_groups, expert_id, c), selection)
-            keys, experts, taken = top_k_rounds(_order_key(selection), expert_id)
-            candidates = (keys, experts) if candidates is None else merge(candidates, (keys, experts))
-        _, experts = candidates
+            pick_keys = pick_keys_smem[0].at[c] if num_chunks > 1 else None
+            top_k_rounds(_order_key(selection), expert_id, picks_smem.at[c], pick_keys)
+            if num_chunks > 1:
+                found = tuple([load_row(ref.at[j]) for j in range(top_k)] for ref in (pick_keys, picks_smem.at[c]))
+                candidates = found if candidates is None else merge(candidates, found)
+        if num_chunks > 1:
+            for j, expert in enumerate(candidates[1]):
+                picks_smem[0, j] = expert
+        picks = picks_smem.at[0]
 
         # The selected scores and the choice per expert, chunk by chunk. With several chunks the scores are computed
         # again from the logits (the same arithmetic, so the same bits) rather than kept live across the selection;
-        # with one they are the same values. Exactly one chunk holds each expert, so the weight sums add zeros.
+        # with one they are the same values.
         token = block * BLOCK_TOKENS + plgpu.broadcasted_iota(jnp.int32, (BLOCK_TOKENS, chunk), 0, layout=_LAYOUT)
-        weights = [None] * top_k
         for c in range(num_chunks):
             expert_id = chunk_ids(c)
             scores, _ = chunk_scores(logits_chunk(c), peak, total)
-            chunk_taken = None
-            for j, expert in enumerate(experts):
-                hit = expert_id == _rows_to_tile(expert, chunk)
-                score_j = jnp.sum(jnp.where(hit, scores, 0.0), axis=1)
-                weights[j] = score_j if weights[j] is None else weights[j] + score_j
-                if num_chunks > 1:
-                    chunk_taken = hit if chunk_taken is None else chunk_taken | hit
+            chosen = selected_scores(scores, expert_id, picks, slot_weights, first_chunk=c == 0)
             # Padding tokens (rows past T) choose experts too, but are not counted.
-            chosen = (taken if num_chunks == 1 else chunk_taken) & (token < num_tokens)
-            counts_gmem[block, chunk_columns(c)] = jnp.sum(jnp.where(chosen, 1.0, 0.0), axis=0).astype(jnp.int32)
-            chosen_smem[:, chunk_columns(c)] = jnp.where(chosen, 1.0, 0.0).astype(jnp.bfloat16)
-        weights = final_weights(weights)
-        ranks = block_ranks(chosen_smem, lower_smem, experts)
-        for j in range(top_k):
-            experts_gmem[rows, j] = experts[j]
-            weights_gmem[rows, j] = weights[j]
-            ranks_gmem[rows, j] = ranks[j]
+            chosen = jnp.where(token < num_tokens, chosen, 0.0)
+            counts_gmem[block, chunk_columns(c)] = jnp.sum(chosen, axis=0).astype(jnp.int32)
+            chosen_smem[:, chunk_columns(c)] = chosen.astype(jnp.bfloat16)
+        block_ranks(chosen_smem, lower_smem, picks, slot_ranks)
+        write_slots(rows, picks, slot_weights, slot_ranks, experts_gmem, weights_gmem, ranks_gmem)
 
     def swizzled(swizzle: int):
         return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
@@ -328,6 +356,11 @@ def gating(
         scratch_types=[
             plgpu.SMEM((BLOCK_TOKENS, padded_experts), jnp.bfloat16, transforms=swizzled(config.swizzle)),
             plgpu.SMEM((BLOCK_TOKENS, BLOCK_TOKENS), jnp.bfloat16, transforms=swizzled(config.swizzle)),
+            plgpu.SMEM((num_chunks, top_k, BLOCK_TOKENS), jnp.int32),  # per chunk: its picks, best first
+            plgpu.SMEM((top_k, BLOCK_TOKENS), jnp.float32),  # per slot: the selected score
+            plgpu.SMEM((top_k, BLOCK_TOKENS), jnp.float32),  # per slot: the in-block rank
+            # per chunk: its picks' keys, for the merge
+            *([plgpu.SMEM((num_chunks, top_k, BLOCK_TOKENS), jnp.int32)] if num_chunks > 1 else []),
         ],
         grid=(num_blocks,),
         grid_names=("block",),
