@@ -12,13 +12,17 @@ the jitted ``moe_ffn`` forward (backend "pallas") after a warm-up, and each kern
              end, the rows' weights, the aux losses     combine    moe_gather_rows
   other      a Mosaic GPU kernel the forward should not run (listed, never counted as glue)
 
+With ``--glue`` it also profiles the routing bench's glue functions (``routing.stage_functions``: "glue" with the
+permute, "glue-fused" without) on both backends, so that issue #5's "glue >= 2x XLA's" can be read in device time as
+well as in the bench's wall clock, which holds each call's dispatch and host sync.
+
 The same is done for the expert kernels alone on rows already sorted (``glu_mlp``, the layer bench's
 experts:pallas), so that what the gather costs the gate_up kernel is the difference of two kernel times (zero where
 the layer permutes first and gathers nothing). The layer's glue is then gating + xla-glue + permute + combine + that
 difference, and its share is over the layer's span (first kernel start to last kernel end of a call, which also
 counts any gap between kernels). Medians over the calls.
 
-Usage (GPU machine): ``python -m benchmarks.profile_layer --shapes qwen3-30b-a3b,deepseek-v3 --calls 20``.
+Usage (GPU machine): ``python -m benchmarks.profile_layer --shapes qwen3-30b-a3b,deepseek-v3 --calls 20 [--glue]``.
 """
 
 import argparse
@@ -35,7 +39,7 @@ import jax
 import numpy as np
 
 import moe_jax
-from benchmarks import common, layer
+from benchmarks import common, layer, routing
 from moe_jax.ops.shapes import LAYER_SHAPES
 
 GLUE_STAGES = ("gating", "xla-glue", "permute", "combine")
@@ -91,7 +95,7 @@ def stage_times(call: list[tuple[str, int, int]]) -> dict[str, float]:
     times = collections.defaultdict(float)
     for name, _, duration in call:
         times[stage_of(name)] += duration / 1e3
-    times["span"] = (max(start + duration for _, start, duration in call) - call[0][1]) / 1e3
+    times["span"] = call_span_us(call)
     return dict(times)
 
 
@@ -157,6 +161,49 @@ def kernel_medians(calls: list[list[tuple[str, int, int]]]) -> dict[str, float]:
     return {name: float(np.median([times[name] for times in per_call])) for name in per_call[0]}
 
 
+GLUE_FUNCTIONS = ("glue", "glue-fused")
+GLUE_BACKENDS = ("xla", "pallas")
+
+
+def call_span_us(call: list[tuple[str, int, int]]) -> float:
+    """First kernel start to last kernel end of one call, µs."""
+    return (max(start + duration for _, start, duration in call) - call[0][1]) / 1e3
+
+
+def profile_glue(shape, calls: int, seed: int) -> dict:
+    """Per glue function and backend: the median span of a call's kernels and the median sum of their times (µs)."""
+    route_kwargs = common.routing_kwargs(shape, seed)
+    inputs = routing.Inputs(shape, seed, route_kwargs)
+    result = {}
+    for stage in GLUE_FUNCTIONS:
+        args = inputs.arg_sets(stage)[0]
+        for backend in GLUE_BACKENDS:
+            per_call = kernel_calls(routing.stage_functions(shape, backend, route_kwargs)[stage], args, calls)
+            result[f"{stage}:{backend}"] = {
+                "span_us": float(np.median([call_span_us(call) for call in per_call])),
+                "kernels_us": float(np.median([sum(d for _, _, d in call) / 1e3 for call in per_call])),
+                "launches": len(per_call[0]),
+            }
+    return result
+
+
+def glue_markdown(shape_name: str, glue: dict) -> str:
+    lines = [
+        f"#### {shape_name}: the routing bench's glue functions, device time per call, µs (median)",
+        "",
+        "| function | xla span | xla kernels (launches) | pallas span | pallas kernels (launches) | xla / pallas |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for stage in GLUE_FUNCTIONS:
+        xla, pallas = glue[f"{stage}:xla"], glue[f"{stage}:pallas"]
+        lines.append(
+            f"| {stage} | {xla['span_us']:.1f} | {xla['kernels_us']:.1f} ({xla['launches']}) | "
+            f"{pallas['span_us']:.1f} | {pallas['kernels_us']:.1f} ({pallas['launches']}) | "
+            f"{xla['span_us'] / pallas['span_us']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
 def gather_cost_us(stages: dict, sorted_rows: dict) -> float:
     """What gathering the rows cost the layer's gate_up kernel: its time less the kernel's on sorted rows.
 
@@ -203,6 +250,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--shapes", default="qwen3-30b-a3b,deepseek-v3", help="comma-separated layer shapes")
     parser.add_argument("--calls", type=int, default=20, help="profiled calls per function (after 3 warm-up calls)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--glue", action="store_true", help="also profile the routing bench's glue, xla and pallas")
     parser.add_argument("--out", help="write {meta, results} JSON here")
     args = parser.parse_args(argv)
     unknown = [name for name in args.shapes.split(",") if name not in LAYER_SHAPES]
@@ -216,6 +264,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name in args.shapes.split(","):
         results.append(profile_shape(LAYER_SHAPES[name], args.calls, args.seed))
         print(markdown(results[-1]) + "\n", flush=True)
+        if args.glue:
+            results[-1]["glue_functions"] = profile_glue(LAYER_SHAPES[name], args.calls, args.seed)
+            print(glue_markdown(name, results[-1]["glue_functions"]) + "\n", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1)

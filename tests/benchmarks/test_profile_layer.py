@@ -58,3 +58,14 @@ def test_gather_cost_is_the_gate_up_difference_only_where_the_layer_gathers():
     sorted_rows = {"gate_up": 100.0, "down": 50.0}
     assert profile_layer.gather_cost_us({"gate_up": 107.5, "combine": 9.0}, sorted_rows) == pytest.approx(7.5)
     assert profile_layer.gather_cost_us({"gate_up": 93.0, "permute": 20.0}, sorted_rows) == 0.0
+
+
+def test_glue_markdown_compares_spans():
+    glue = {
+        f"{stage}:{backend}": {"span_us": span, "kernels_us": span - 1.0, "launches": 3}
+        for stage, spans in (("glue", (300.0, 150.0)), ("glue-fused", (90.0, 60.0)))
+        for backend, span in zip(profile_layer.GLUE_BACKENDS, spans)
+    }
+    table = profile_layer.glue_markdown("demo", glue)
+    assert "| glue | 300.0 | 299.0 (3) | 150.0 | 149.0 (3) | 2.00x |" in table
+    assert "| glue-fused | 90.0 | 89.0 (3) | 60.0 | 59.0 (3) | 1.50x |" in table
