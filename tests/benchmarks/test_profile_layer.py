@@ -64,7 +64,7 @@ def test_glue_markdown_compares_spans():
     glue = {
         f"{stage}:{backend}": {"span_us": span, "kernels_us": span - 1.0, "launches": 3}
         for stage, spans in (("glue", (300.0, 150.0)), ("glue-fused", (90.0, 60.0)))
-        for backend, span in zip(profile_layer.GLUE_BACKENDS, spans)
+        for backend, span in zip(profile_layer.GLUE_BACKENDS, spans, strict=True)
     }
     table = profile_layer.glue_markdown("demo", glue)
     assert "| glue | 300.0 | 299.0 (3) | 150.0 | 149.0 (3) | 2.00x |" in table

@@ -163,7 +163,9 @@ def test_auto_takes_the_kernel_only_where_it_measured_faster():
     assert routing_config.prefers_kernel(384, 8, 1)  # chunks of 128
     assert not routing_config.prefers_kernel(384, 6, 8)  # groups of 48 straddle chunks: the (slow) whole row
     assert not routing_config.prefers_kernel(288, 8, 1)  # no chunk of 64 or 128 divides 288
-    assert not routing_config.prefers_kernel(512, 10, 1)  # chunked, but XLA's sort was as fast
+    assert routing_config.prefers_kernel(512, 10, 1)  # chunks of 128 at a wide k: 1.8x XLA's route
+    assert not routing_config.prefers_kernel(512, 16, 1)  # chunked, but the merge of 2k candidates lost to XLA's sort
+    assert not routing_config.prefers_kernel(512, 17, 1)  # past the merge's bound: the (slow) whole row
 
 
 def test_config_rejects_a_chunk_off_the_swizzle_tile():

@@ -60,10 +60,14 @@ class Config:
 
 # The largest E tested on the device (E = 512, k = 16, chunked); "pallas" takes up to this many experts.
 MAX_EXPERTS = 512
-# "auto" takes the kernel up to this many experts: route (kernel + XLA's end of the counting sort) against XLA's
-# route on an H200 at T = 16384: 2.4x at E = 128, 2.2x / 1.3x at E = 256 (grouped sigmoid / softmax), 1.2x at E = 384
-# (k = 8), but 1.03x at E = 512 (k = 10) and 0.61x at E = 512 (k = 16) (docs/kernels/routing.md).
-MAX_EXPERTS_AUTO = 384
+# Where "auto" takes the kernel: route (kernel + XLA's end of the counting sort) against XLA's route, device time at
+# T = 16384 on an H100 with the looped kernel (bd631fd): 4.8x at E = 160 (k 6), 3.4x at E = 256 (softmax, k 8), 2.4x
+# at E = 384 (k 8, three chunks), 2.0x / 1.8x at E = 512 with k = 8 / 10, but 0.70x at E = 512 with k = 16 (the
+# unrolled merge of 2k candidates per chunk); docs/kernels/routing.md. Up to MAX_EXPERTS_AUTO_ANY_K experts every
+# k that chunks takes the kernel (1.2x at E = 384 before the loops); past it, up to MAX_TOP_K_AUTO_WIDE.
+MAX_EXPERTS_AUTO = 512
+MAX_EXPERTS_AUTO_ANY_K = 384
+MAX_TOP_K_AUTO_WIDE = 10
 # Past this many (padded) experts the kernel splits the expert axis into chunks: a [64, 128] f32 tile is 64
 # registers per thread, and the tiles of one chunk fit; the whole row of 384 experts spilled 26 KB per thread. At 256
 # the whole row was as fast (two chunks: 172 against 168 µs softmax, 224 against 215 grouped sigmoid).
@@ -80,11 +84,14 @@ def supports(num_experts: int) -> bool:
 
 def prefers_kernel(num_experts: int, top_k: int, num_groups: int) -> bool:
     """Whether backend "auto" routes with the kernel: where it measured faster than XLA, i.e. the whole row up to
-    MAX_WHOLE_ROW_EXPERTS, and chunks up to MAX_EXPERTS_AUTO (a whole row of 384 experts was 0.64x XLA's route)."""
+    MAX_WHOLE_ROW_EXPERTS, and chunks up to MAX_EXPERTS_AUTO_ANY_K experts, or up to MAX_EXPERTS_AUTO with k at most
+    MAX_TOP_K_AUTO_WIDE (a whole row of 384 experts was 0.64x XLA's route)."""
     config = heuristic_config(num_experts, top_k, num_groups)
     if config.padded_experts <= MAX_WHOLE_ROW_EXPERTS:
         return True
-    return config.chunk_experts < config.padded_experts and num_experts <= MAX_EXPERTS_AUTO
+    if config.chunk_experts == config.padded_experts:
+        return False
+    return num_experts <= MAX_EXPERTS_AUTO_ANY_K or (num_experts <= MAX_EXPERTS_AUTO and top_k <= MAX_TOP_K_AUTO_WIDE)
 
 
 def heuristic_config(num_experts: int, top_k: int = 1, num_groups: int = 1) -> Config:
