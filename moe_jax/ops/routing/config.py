@@ -22,7 +22,8 @@ class Config:
       rank_chunk: experts per prefix-sum wgmma (its N): divides ``padded_experts``, a multiple of 16, at most 256.
       chunk_experts: experts whose [64, chunk_experts] tiles the kernel holds at a time. ``padded_experts`` keeps the
         whole row in registers; a narrower chunk (a multiple of the shared-memory swizzle's column tile dividing
-        ``padded_experts``) selects each chunk's top k and merges them, reading the logits from L2 once per pass.
+        ``padded_experts``) selects each chunk's top k and then the top k of their candidates, reading the logits from
+        L2 once per pass.
         None means ``padded_experts``.
     """
 
@@ -62,8 +63,9 @@ class Config:
 MAX_EXPERTS = 512
 # Where "auto" takes the kernel: route (kernel + XLA's end of the counting sort) against XLA's route, device time at
 # T = 16384 on an H100 with the looped kernel (bd631fd): 4.8x at E = 160 (k 6), 3.4x at E = 256 (softmax, k 8), 2.4x
-# at E = 384 (k 8, three chunks), 2.0x / 1.8x at E = 512 with k = 8 / 10, but 0.70x at E = 512 with k = 16 (the
-# unrolled merge of 2k candidates per chunk); docs/kernels/routing.md. Up to MAX_EXPERTS_AUTO_ANY_K experts every
+# at E = 384 (k 8, three chunks), 2.0x / 1.8x at E = 512 with k = 8 / 10, 0.70x at E = 512 with k = 16; with the
+# chunks' candidates selected by the same looped rounds (2026-11-25): 2.7x at E = 384, 2.2x at E = 512 / k = 10 and
+# 1.02x at E = 512 / k = 16 (a tie, left to XLA); docs/kernels/routing.md. Up to MAX_EXPERTS_AUTO_ANY_K experts every
 # k that chunks takes the kernel (1.2x at E = 384 before the loops); past it, up to MAX_TOP_K_AUTO_WIDE.
 MAX_EXPERTS_AUTO = 512
 MAX_EXPERTS_AUTO_ANY_K = 384
@@ -73,7 +75,8 @@ MAX_TOP_K_AUTO_WIDE = 10
 # the whole row was as fast (two chunks: 172 against 168 µs softmax, 224 against 215 grouped sigmoid).
 MAX_WHOLE_ROW_EXPERTS = 256
 CHUNK_EXPERTS = 128
-# Chunks merge k candidates each per round of the merge: up to this k (larger k, as k = E, keeps the whole row).
+# Each chunk passes k candidates to the final rounds over all chunks' candidates ([64, chunks * k] keys and ids):
+# up to this k (larger k, as k = E, keeps the whole row).
 MAX_CHUNKED_TOP_K = 16
 
 

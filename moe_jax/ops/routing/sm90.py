@@ -4,8 +4,8 @@ One CTA (one warpgroup) gates a block of 64 tokens, reading their [64, E] logits
 layout (thread i holds two rows and E/4 columns of them; a reduction along E is a few in-register steps and two
 shuffles). Past a few hundred experts the row no longer fits the registers, and ``config.chunk_experts`` splits it:
 each [64, C] chunk is read again from L2 in each pass (the softmax's max and sum, the group scores, the selection,
-the selected scores), gives its own top k, and the chunks' candidates merge into the top k of the row (the top k of
-a union is the top k of the parts' top k's, under the same order). It writes, for its block b:
+the selected scores) and gives its own top k; the same top-k rounds over all chunks' candidates then give the top k
+of the row (the top k of a union is the top k of the parts' top k's, under the same order). It writes, for block b:
 
   probs   [64, E] f32  softmax probabilities, or sigmoid scores divided by their row sum
   experts [64, k]      selected experts, best first, ties to the lower id
@@ -112,6 +112,8 @@ def gating(
             f"config.chunk_experts={chunk} must be >= top_k={top_k} and hold whole groups of {group_width} experts"
         )
 
+    candidate_columns = -(-num_chunks * top_k // _LAYOUT_COLUMNS) * _LAYOUT_COLUMNS
+
     def chunk_columns(c: int):
         return pl.ds(c * chunk, chunk)
 
@@ -185,43 +187,30 @@ def gating(
             mask = mask | ((group_id == g) & _rows_to_tile(chosen_groups[g], chunk))
         return mask
 
-    def top_k_rounds(key, expert_id, picks, pick_keys):
-        """Writes the chunk's best k experts, best first, to ``picks`` [k, 64] (and their keys to ``pick_keys``
-        unless it is None); returns the key tile with those experts taken (_TAKEN)."""
+    def top_k_rounds(key, expert_id, write):
+        """k rounds over a [64, N] tile of order keys and the ids of their experts: round j passes its best key and
+        that key's expert (the lowest id among equal keys) to ``write(j, best, expert)``."""
         # The rounds compare int32 order keys (``_order_key``): a taken expert's key becomes _TAKEN, below every
-        # other key, -inf's included, so one [64, C] tile carries both the values and what was taken (the kernel is
-        # register-bound; one such tile is C / 2 registers per thread). A loop, not k unrolled copies: unrolled, the
+        # other key, -inf's included, so one [64, N] tile carries both the values and what was taken (the kernel is
+        # register-bound; one such tile is N / 2 registers per thread). A loop, not k unrolled copies: unrolled, the
         # kernel's straight-line code overflowed the instruction cache and its warps mostly waited for instructions.
+        width = key.shape[1]
 
         def one_round(j, key):
             best = jnp.max(key, axis=1)
-            expert = jnp.min(jnp.where(key == _rows_to_tile(best, chunk), expert_id, padded_experts), axis=1)
-            picks[j] = expert
-            if pick_keys is not None:
-                pick_keys[j] = best
+            expert = jnp.min(jnp.where(key == _rows_to_tile(best, width), expert_id, padded_experts), axis=1)
+            write(j, best, expert)
             # The constant goes in the false branch: with a constant true branch, jax 0.11.2's Mosaic GPU `select`
             # takes its result's signedness from the (unsigned) predicate, and the next max would compare unsigned.
-            return jnp.where(expert_id != _rows_to_tile(expert, chunk), key, _TAKEN)
+            return jnp.where(expert_id != _rows_to_tile(expert, width), key, _TAKEN)
 
-        return lax.fori_loop(0, top_k, one_round, key)
+        lax.fori_loop(0, top_k, one_round, key)
 
     def load_row(ref):
         return plgpu.load(ref, layout=_ROW, optimized=False)
 
-    def merge(first, second):
-        """The best k of two candidate lists (keys, experts): largest key, then lowest id (the ids are distinct).
-        The top k of all experts is the top k of the chunks' top k's."""
-        keys, experts = (a + b for a, b in zip(first, second, strict=True))
-        merged_keys, merged_experts = [], []
-        for _ in range(top_k):
-            best = functools.reduce(jnp.maximum, keys)
-            winner = functools.reduce(
-                jnp.minimum, [jnp.where(k == best, e, padded_experts) for k, e in zip(keys, experts, strict=True)]
-            )
-            keys = [jnp.where(e != winner, k, _TAKEN) for k, e in zip(keys, experts, strict=True)]
-            merged_keys.append(best)
-            merged_experts.append(winner)
-        return merged_keys, merged_experts
+    def row_of(value):
+        return plgpu.layout_cast(jnp.full((BLOCK_TOKENS,), value, jnp.int32), _ROW)
 
     def selected_scores(scores, expert_id, picks, slot_weights, first_chunk: bool):
         """Adds each slot's selected score within this chunk to ``slot_weights`` [k, 64] (exactly one chunk holds
@@ -278,7 +267,7 @@ def gating(
         refs = list(refs)
         bias_gmem = refs.pop(0) if has_bias else None
         probs_gmem, experts_gmem, weights_gmem, ranks_gmem, counts_gmem = refs[:5]
-        chosen_smem, lower_smem, picks_smem, slot_weights, slot_ranks, *pick_keys_smem = refs[5:]
+        chosen_smem, lower_smem, picks, slot_weights, slot_ranks, *candidates = refs[5:]
         block = lax.axis_index("block")
         rows = pl.ds(block * BLOCK_TOKENS, BLOCK_TOKENS)
 
@@ -306,8 +295,11 @@ def gating(
                 selection = selection_of(c, chunk_scores(logits_chunk(c), peak, total)[0], expert_id)
                 group_scores += [group_score(selection, expert_id, g, c) for g in chunk_groups(c)]
             chosen_groups = top_groups_chosen(group_scores)
-        # The final picks go to picks_smem[0]: chunk 0's own with one chunk, else the merge of every chunk's.
-        candidates = None
+
+        def write_pick(j, best, expert):
+            del best
+            picks[j] = expert
+
         for c in range(num_chunks):
             expert_id = chunk_ids(c)
             scores, probs = chunk_scores(logits_chunk(c), peak, total)
@@ -315,15 +307,23 @@ def gating(
             selection = selection_of(c, scores, expert_id)
             if num_groups > 1:
                 selection = _masked(eligible(chosen_groups, expert_id, c), selection)
-            pick_keys = pick_keys_smem[0].at[c] if num_chunks > 1 else None
-            top_k_rounds(_order_key(selection), expert_id, picks_smem.at[c], pick_keys)
-            if num_chunks > 1:
-                found = tuple([load_row(ref.at[j]) for j in range(top_k)] for ref in (pick_keys, picks_smem.at[c]))
-                candidates = found if candidates is None else merge(candidates, found)
+            if num_chunks == 1:
+                top_k_rounds(_order_key(selection), expert_id, write_pick)
+                continue
+
+            def write_candidate(j, best, expert, c=c):
+                candidates[0][:, c * top_k + j] = best
+                candidates[1][:, c * top_k + j] = expert
+
+            top_k_rounds(_order_key(selection), expert_id, write_candidate)
         if num_chunks > 1:
-            for j, expert in enumerate(candidates[1]):
-                picks_smem[0, j] = expert
-        picks = picks_smem.at[0]
+            # The top k of all experts is the top k of the chunks' top k's: the same rounds over the [64, chunks * k]
+            # candidates (padded to whole register tiles with taken keys), their ids read back with them.
+            for column in range(num_chunks * top_k, candidates[0].shape[1]):
+                candidates[0][:, column] = row_of(_TAKEN)
+                candidates[1][:, column] = row_of(padded_experts)
+            keys, ids = (plgpu.load(ref, layout=_LAYOUT, optimized=False) for ref in candidates)
+            top_k_rounds(keys, ids, write_pick)
 
         # The selected scores and the choice per expert, chunk by chunk. With several chunks the scores are computed
         # again from the logits (the same arithmetic, so the same bits) rather than kept live across the selection;
@@ -356,11 +356,11 @@ def gating(
         scratch_types=[
             plgpu.SMEM((BLOCK_TOKENS, padded_experts), jnp.bfloat16, transforms=swizzled(config.swizzle)),
             plgpu.SMEM((BLOCK_TOKENS, BLOCK_TOKENS), jnp.bfloat16, transforms=swizzled(config.swizzle)),
-            plgpu.SMEM((num_chunks, top_k, BLOCK_TOKENS), jnp.int32),  # per chunk: its picks, best first
+            plgpu.SMEM((top_k, BLOCK_TOKENS), jnp.int32),  # per slot: the expert
             plgpu.SMEM((top_k, BLOCK_TOKENS), jnp.float32),  # per slot: the selected score
             plgpu.SMEM((top_k, BLOCK_TOKENS), jnp.float32),  # per slot: the in-block rank
-            # per chunk: its picks' keys, for the merge
-            *([plgpu.SMEM((num_chunks, top_k, BLOCK_TOKENS), jnp.int32)] if num_chunks > 1 else []),
+            # with several chunks, their candidates: keys and experts, [64, chunks * k] padded to whole register tiles
+            *([plgpu.SMEM((BLOCK_TOKENS, candidate_columns), jnp.int32)] * 2 if num_chunks > 1 else []),
         ],
         grid=(num_blocks,),
         grid_names=("block",),
