@@ -43,6 +43,8 @@ from benchmarks import common, layer, routing
 from moe_jax.ops.shapes import LAYER_SHAPES
 
 GLUE_STAGES = ("gating", "xla-glue", "permute", "combine")
+GLUE_FUNCTIONS = ("glue", "glue-fused")  # routing.stage_functions profiled by --glue
+GLUE_BACKENDS = ("xla", "pallas")
 STAGES = ("router", "gating", "xla-glue", "permute", "gate_up", "down", "combine", "other")
 # The Mosaic GPU kernels of the forward, by the name they run under (their kernel_name + "_mosaic_gpu_kernel").
 MOSAIC_STAGES = {
@@ -159,10 +161,6 @@ def kernel_medians(calls: list[list[tuple[str, int, int]]]) -> dict[str, float]:
             times[name] += duration / 1e3
         per_call.append(times)
     return {name: float(np.median([times[name] for times in per_call])) for name in per_call[0]}
-
-
-GLUE_FUNCTIONS = ("glue", "glue-fused")
-GLUE_BACKENDS = ("xla", "pallas")
 
 
 def call_span_us(call: list[tuple[str, int, int]]) -> float:
