@@ -101,10 +101,14 @@ def stage_times(call: list[tuple[str, int, int]]) -> dict[str, float]:
     return dict(times)
 
 
-def medians(calls: list[list[tuple[str, int, int]]]) -> dict[str, float]:
-    per_call = [stage_times(call) for call in calls]
+def _medians(per_call: list[dict[str, float]]) -> dict[str, float]:
+    """Per key, the median over the calls (0 in a call that lacks the key)."""
     keys = sorted({key for times in per_call for key in times})
     return {key: float(np.median([times.get(key, 0.0) for times in per_call])) for key in keys}
+
+
+def medians(calls: list[list[tuple[str, int, int]]]) -> dict[str, float]:
+    return _medians([stage_times(call) for call in calls])
 
 
 def profile_shape(shape, calls: int, seed: int) -> dict:
@@ -152,15 +156,17 @@ def profile_shape(shape, calls: int, seed: int) -> dict:
     }
 
 
+def kernel_times(call: list[tuple[str, int, int]]) -> dict[str, float]:
+    """Microseconds per kernel name in one call (all its launches summed)."""
+    times = collections.defaultdict(float)
+    for name, _, duration in call:
+        times[name] += duration / 1e3
+    return dict(times)
+
+
 def kernel_medians(calls: list[list[tuple[str, int, int]]]) -> dict[str, float]:
-    """Microseconds per kernel name in a call (all its launches summed), median over the calls."""
-    per_call = []
-    for call in calls:
-        times = collections.defaultdict(float)
-        for name, _, duration in call:
-            times[name] += duration / 1e3
-        per_call.append(times)
-    return {name: float(np.median([times[name] for times in per_call])) for name in per_call[0]}
+    """Microseconds per kernel name in a call, median over the calls."""
+    return _medians([kernel_times(call) for call in calls])
 
 
 def call_span_us(call: list[tuple[str, int, int]]) -> float:

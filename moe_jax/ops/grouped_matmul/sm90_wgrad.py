@@ -127,11 +127,12 @@ def grouped_matmul_wgrad(
                 def load(k, slot):
                     rows = pl.ds(pl.multiple_of(box + k * bk, ROW_ALIGN), bk)
                     plgpu.copy_gmem_to_smem(x_gmem.at[rows, x_cols], x_smem.at[slot], produced.at[slot])
-                    y_block = y_gmem.at[rows, pl.ds(qi * bn, bn)]
-                    if cluster > 1:
-                        plgpu.copy_gmem_to_smem(y_block, y_smem.at[slot], produced.at[slot], collective_axes="cluster")
-                    else:
-                        plgpu.copy_gmem_to_smem(y_block, y_smem.at[slot], produced.at[slot])
+                    plgpu.copy_gmem_to_smem(
+                        y_gmem.at[rows, pl.ds(qi * bn, bn)],
+                        y_smem.at[slot],
+                        produced.at[slot],
+                        collective_axes="cluster" if cluster > 1 else None,  # multicast to the cluster's pair
+                    )
 
                 pipe.produce(carry, steps, stages, consumed, load)
                 return carry + steps

@@ -251,8 +251,9 @@ def gating(
 
     def write_slots(rows, picks, slot_weights, slot_ranks, experts_gmem, weights_gmem, ranks_gmem):
         """Renormalises and scales the weights (summed in slot order) and writes the block's [64, k] outputs."""
-        zeros = plgpu.layout_cast(jnp.zeros((BLOCK_TOKENS,), jnp.float32), _ROW)
-        total = lax.fori_loop(0, top_k, lambda j, total: total + load_row(slot_weights.at[j]), zeros)
+        if renormalize:
+            zeros = plgpu.layout_cast(jnp.zeros((BLOCK_TOKENS,), jnp.float32), _ROW)
+            total = lax.fori_loop(0, top_k, lambda j, total: total + load_row(slot_weights.at[j]), zeros)
 
         def slot(j, carry):
             weight = load_row(slot_weights.at[j])
