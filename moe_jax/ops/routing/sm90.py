@@ -212,17 +212,21 @@ def gating(
     def row_of(value):
         return plgpu.layout_cast(jnp.full((BLOCK_TOKENS,), value, jnp.int32), _ROW)
 
-    def selected_scores(scores, expert_id, picks, slot_weights, first_chunk: bool):
-        """Adds each slot's selected score within this chunk to ``slot_weights`` [k, 64] (exactly one chunk holds
-        each expert, so the others add zeros); returns the chunk's [64, C] tile of chosen experts, 1.0 or 0.0."""
+    def add_slot_sums(tile, expert_id, picks, sums, first: bool, mark_picked: bool):
+        """For each slot j, adds to ``sums[j]`` [64] the row sums of ``tile`` [64, C] at the column of the slot's
+        expert (zero where ``expert_id``, the tile's column ids, does not hold it; ``first`` starts the sums).
 
-        def slot(j, chosen):
-            hit = expert_id == _rows_to_tile(load_row(picks.at[j]), chunk)
-            score = jnp.sum(jnp.where(hit, scores, 0.0), axis=1)
-            slot_weights[j] = score if first_chunk else load_row(slot_weights.at[j]) + score
-            return jnp.where(hit, 1.0, chosen)
+        Returns, with ``mark_picked``, the [64, C] tile of picked columns (1.0 or 0.0), else None."""
+        width = tile.shape[1]
 
-        return lax.fori_loop(0, top_k, slot, plgpu.layout_cast(jnp.zeros((BLOCK_TOKENS, chunk), jnp.float32), _LAYOUT))
+        def slot(j, picked):
+            hit = expert_id == _rows_to_tile(load_row(picks.at[j]), width)
+            row_sum = jnp.sum(jnp.where(hit, tile, 0.0), axis=1)
+            sums[j] = row_sum if first else load_row(sums.at[j]) + row_sum
+            return jnp.where(hit, 1.0, picked) if mark_picked else picked
+
+        no_picks = plgpu.layout_cast(jnp.zeros(tile.shape, jnp.float32), _LAYOUT) if mark_picked else None
+        return lax.fori_loop(0, top_k, slot, no_picks)
 
     def block_ranks(chosen_smem, lower_smem, picks, slot_ranks):
         """Writes per slot the earlier tokens of the block that chose the same expert (module docstring) to
@@ -240,14 +244,7 @@ def gating(
 
             earlier = pl.run_scoped(prefix_counts, plgpu.ACC((BLOCK_TOKENS, rank_chunk), jnp.float32))
             expert_id = first + plgpu.broadcasted_iota(jnp.int32, (BLOCK_TOKENS, rank_chunk), 1, layout=_LAYOUT)
-
-            def slot(j, carry, first=first, earlier=earlier, expert_id=expert_id):
-                hit = expert_id == _rows_to_tile(load_row(picks.at[j]), rank_chunk)
-                rank = jnp.sum(jnp.where(hit, earlier, 0.0), axis=1)
-                slot_ranks[j] = rank if first == 0 else load_row(slot_ranks.at[j]) + rank
-                return carry
-
-            lax.fori_loop(0, top_k, slot, None)
+            add_slot_sums(earlier, expert_id, picks, slot_ranks, first=first == 0, mark_picked=False)
 
     def write_slots(rows, picks, slot_weights, slot_ranks, experts_gmem, weights_gmem, ranks_gmem):
         """Renormalises and scales the weights (summed in slot order) and writes the block's [64, k] outputs."""
@@ -333,7 +330,8 @@ def gating(
         for c in range(num_chunks):
             expert_id = chunk_ids(c)
             scores, _ = chunk_scores(logits_chunk(c), peak, total)
-            chosen = selected_scores(scores, expert_id, picks, slot_weights, first_chunk=c == 0)
+            # Each slot's selected score: exactly one chunk holds its expert, the others add zeros.
+            chosen = add_slot_sums(scores, expert_id, picks, slot_weights, first=c == 0, mark_picked=True)
             # Padding tokens (rows past T) choose experts too, but are not counted.
             chosen = jnp.where(token < num_tokens, chosen, 0.0)
             counts_gmem[block, chunk_columns(c)] = jnp.sum(chosen, axis=0).astype(jnp.int32)
