@@ -6,7 +6,8 @@
 # Why parallel: a test's time there is mostly compiling (each Mosaic GPU kernel at a new shape takes seconds of CPU),
 # and the machine has 16 cores and one GPU. Each process allocates GPU memory on demand so that they fit side by side.
 # Memory: each full-size GLU MLP test holds several GB; on an 80 GB H100, JOBS=8 ran out of memory in
-# tests/gpu/test_glu_mlp_gpu.py and JOBS=3 did not.
+# tests/gpu/test_glu_mlp_gpu.py and JOBS=3 did not; over all of tests/gpu, JOBS=6 left two full-size grouped-matmul
+# tests out of memory (2026-11-25): re-run what fails that way with fewer jobs.
 # Logs go to $OUT (the device tool's folder) or ./gpu_test_logs; the exit status is non-zero if any shard failed.
 set -uo pipefail
 jobs=${JOBS:-4}
