@@ -21,22 +21,37 @@ def token_positions(sort_indices: jax.Array, top_k: int) -> jax.Array:
     return reference.inverse_permutation(sort_indices).reshape(-1, top_k)
 
 
-@jax.custom_vjp
-def _permute(x: jax.Array, positions: jax.Array) -> jax.Array:
-    config = heuristic_config(x.shape[1], x.dtype)
-    return sm90.scatter_rows(x, positions, config=config, interpret=interpret_params())
+def _scatter(rows, positions, weights=None, dot_rows=None):
+    """``sm90.scatter_rows`` at the heuristic config of ``rows``' width and dtype."""
+    config = heuristic_config(rows.shape[1], rows.dtype)
+    return sm90.scatter_rows(rows, positions, weights, dot_rows, config=config, interpret=interpret_params())
 
 
-def _permute_fwd(x, positions):
-    return _permute(x, positions), positions
+def _gather(rows, positions, weights=None):
+    """``sm90.gather_rows`` at the heuristic config of ``rows``' width and dtype."""
+    config = heuristic_config(rows.shape[1], rows.dtype)
+    return sm90.gather_rows(rows, positions, weights, config=config, interpret=interpret_params())
 
 
-def _permute_bwd(positions, d_rows):
-    config = heuristic_config(d_rows.shape[1], d_rows.dtype)
-    return sm90.gather_rows(d_rows, positions, config=config, interpret=interpret_params()), None
+def _row_move(move, transpose):
+    """``move(rows, positions)`` as a ``custom_vjp`` whose backward is the linear map's transpose, the other kernel."""
+
+    @jax.custom_vjp
+    def moved(rows, positions):
+        return move(rows, positions)
+
+    def moved_fwd(rows, positions):
+        return move(rows, positions), positions
+
+    def moved_bwd(positions, d_moved):
+        return transpose(d_moved, positions), None
+
+    moved.defvjp(moved_fwd, moved_bwd)
+    return moved
 
 
-_permute.defvjp(_permute_fwd, _permute_bwd)
+_permute = _row_move(_scatter, _gather)
+_combine = _row_move(_gather, _scatter)
 
 
 def permute(x: jax.Array, sort_indices: jax.Array, top_k: int) -> jax.Array:
@@ -45,29 +60,8 @@ def permute(x: jax.Array, sort_indices: jax.Array, top_k: int) -> jax.Array:
 
 
 @jax.custom_vjp
-def _combine(y_sorted: jax.Array, positions: jax.Array) -> jax.Array:
-    config = heuristic_config(y_sorted.shape[1], y_sorted.dtype)
-    return sm90.gather_rows(y_sorted, positions, config=config, interpret=interpret_params())
-
-
-def _combine_fwd(y_sorted, positions):
-    return _combine(y_sorted, positions), positions
-
-
-def _combine_bwd(positions, dy):
-    config = heuristic_config(dy.shape[1], dy.dtype)
-    return sm90.scatter_rows(dy, positions, config=config, interpret=interpret_params()), None
-
-
-_combine.defvjp(_combine_fwd, _combine_bwd)
-
-
-@jax.custom_vjp
 def _combine_weighted(y_sorted: jax.Array, positions: jax.Array, weights: jax.Array) -> jax.Array:
-    config = heuristic_config(y_sorted.shape[1], y_sorted.dtype)
-    return sm90.gather_rows(
-        y_sorted, positions, weights.astype(jnp.float32), config=config, interpret=interpret_params()
-    )
+    return _gather(y_sorted, positions, weights.astype(jnp.float32))
 
 
 def _combine_weighted_fwd(y_sorted, positions, weights):
@@ -76,10 +70,7 @@ def _combine_weighted_fwd(y_sorted, positions, weights):
 
 def _combine_weighted_bwd(residuals, dy):
     y_sorted, positions, weights = residuals
-    config = heuristic_config(dy.shape[1], dy.dtype)
-    d_sorted, d_weights = sm90.scatter_rows(
-        dy, positions, weights.astype(jnp.float32), dot_rows=y_sorted, config=config, interpret=interpret_params()
-    )
+    d_sorted, d_weights = _scatter(dy, positions, weights.astype(jnp.float32), dot_rows=y_sorted)
     return d_sorted, None, d_weights.astype(weights.dtype)
 
 
