@@ -15,8 +15,6 @@ import numpy as np
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # the interpreter's race state has no public API
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from moe_jax.ops.grouped_matmul import reference as jax_reference
-
 # The checking interpreter: races detected, uninitialised memory (shared and output buffers) poisoned with NaN.
 CHECKING_INTERPRETER = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
 
@@ -167,19 +165,22 @@ def capacity_keep(experts, selected_scores, capacity: int) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------------------- matmul
 
 
-def gated_activation(gate, up, activation: str) -> np.ndarray:
-    gate = np.asarray(gate, np.float64)
-    up = np.asarray(up, np.float64)
+def _gated_activation(gate, up, activation: str, xp):
+    """DESIGN §3's GLUs with their constants written out, in the array module ``xp`` (numpy or jax.numpy)."""
     if activation == "swiglu":
-        return gate / (1.0 + np.exp(-gate)) * up
+        return gate / (1.0 + xp.exp(-gate)) * up
     if activation == "geglu":
         inner = math.sqrt(2.0 / math.pi) * (gate + 0.044715 * gate**3)
-        return 0.5 * gate * (1.0 + np.tanh(inner)) * up
+        return 0.5 * gate * (1.0 + xp.tanh(inner)) * up
     if activation == "gpt_oss":
-        gate = np.minimum(gate, 7.0)
-        up = np.clip(up, -7.0, 7.0)
-        return (up + 1.0) * gate / (1.0 + np.exp(-1.702 * gate))
+        gate = xp.minimum(gate, 7.0)
+        up = xp.clip(up, -7.0, 7.0)
+        return (up + 1.0) * gate / (1.0 + xp.exp(-1.702 * gate))
     raise ValueError(activation)
+
+
+def gated_activation(gate, up, activation: str) -> np.ndarray:
+    return _gated_activation(np.asarray(gate, np.float64), np.asarray(up, np.float64), activation, np)
 
 
 def grouped_matmul(lhs, rhs, group_sizes, *, activation=None, row_scale=None, transpose_rhs=False) -> np.ndarray:
@@ -310,7 +311,7 @@ class GroupOracle(_ProbedGroupsOracle):
             x, w = lhs[rows].astype(jnp.float32), rhs[g].astype(jnp.float32)
             out = dot(x, w)
             if activation is not None:
-                out = jax_reference.gated_activation(*jnp.split(out, 2, axis=1), activation)
+                out = _gated_activation(*jnp.split(out, 2, axis=1), activation, jnp)
             self.expected[g] = [out]
             if self.backward:
                 dy = ct[rows].astype(jnp.float32)
@@ -352,4 +353,4 @@ class MLPGroupOracle(_ProbedGroupsOracle):
 def _f32_glu_mlp(x, w_gate_up, w_down, row_scale, *, activation: str):
     dot = functools.partial(jnp.dot, precision=jax.lax.Precision.HIGHEST)
     gate, up = jnp.split(dot(x, w_gate_up), 2, axis=1)
-    return dot(jax_reference.gated_activation(gate, up, activation), w_down) * row_scale[:, None]
+    return dot(_gated_activation(gate, up, activation, jnp), w_down) * row_scale[:, None]
