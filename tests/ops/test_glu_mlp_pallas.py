@@ -11,8 +11,10 @@ The interpreter's time grows with the simulated SMs (``hardware.num_sms`` reads 
 cases with a row scale run on 2 (more than one CTA sharing the persistent tile loop, half the time of the default 4),
 those without on 1.
 
-Tolerances (relative-norm error against the f32-accumulating reference on the same bf16 inputs): OUT_TOL for bf16
-outputs; GRAD_TOL for gradients (the cotangent and the kept pre-activation are rounded to bf16).
+Tolerances (relative-norm error against the f32-accumulating reference on the same bf16 inputs): Y_TOL for the MLP's
+output, where both sides round the same f32 values to bf16 at the same points (measured 0-1e-7; the margin is for
+the odd rounding flip of h); OUT_TOL for the GLU backward's bf16 h; GRAD_TOL for gradients (the cotangent and the kept
+pre-activation are rounded to bf16).
 """
 
 import dataclasses
@@ -39,6 +41,7 @@ def _cpu_with(num_sms: int) -> AbstractMesh:
     return AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="cpu", num_cores=num_sms, platform="cpu"))
 
 
+Y_TOL = 1e-3
 OUT_TOL = 5e-3
 GRAD_TOL = 1e-2
 
@@ -126,7 +129,7 @@ def _check_glu_mlp(activation, case, with_row_scale, recompute):
             assert actual is None, name
             continue
         assert actual.shape == exact.shape and actual.dtype == exact.dtype, name
-        assert oracle.relative_error(actual, exact) < (OUT_TOL if name == "y" else GRAD_TOL), name
+        assert oracle.relative_error(actual, exact) < (Y_TOL if name == "y" else GRAD_TOL), name
     past = int(np.sum(CASES[case][3]))
     for name, value in (("y", kernel[0]), ("d_x", kernel[1])):
         np.testing.assert_array_equal(np.asarray(value, np.float32)[past:], 0.0, err_msg=name)
@@ -192,7 +195,7 @@ def test_routed_glu_mlp_matches_permuted_reference(activation, dropped, fuse_gat
         ("y", "d_x", "d_w_gate_up", "d_w_down", "d_row_scale"), kernel, expected, strict=True
     ):
         assert actual.shape == exact.shape and actual.dtype == exact.dtype, name
-        assert oracle.relative_error(actual, exact) < (OUT_TOL if name == "y" else GRAD_TOL), name
+        assert oracle.relative_error(actual, exact) < (Y_TOL if name == "y" else GRAD_TOL), name
     np.testing.assert_array_equal(np.asarray(kernel[0], np.float32)[int(sizes.sum()) :], 0.0)
 
 
@@ -221,11 +224,12 @@ def test_glu_backward_epilogue_without_row_scale(activation, config):
     expected_d_gate_up = jnp.concatenate(pullback(d_h), axis=1)
     assert d_row_scale is None
     past = int(np.sum(CASES["ragged"][3]))
-    rows = slice(0, past)  # rows past the sum: d_h = 0, so every output there is 0 whatever the pre-activation
     d_gate_up = jnp.concatenate(split_gate_up(d_gate_up, PACK_BLOCK), axis=1)
-    assert oracle.relative_error(d_gate_up[rows], expected_d_gate_up[rows]) < GRAD_TOL
-    assert oracle.relative_error(hidden[rows], expected_hidden[rows]) < OUT_TOL
+    assert oracle.relative_error(d_gate_up[:past], expected_d_gate_up[:past]) < GRAD_TOL
+    # Past the sum the product d_h is 0, so d_gate_up is exactly 0; h depends on the pre-activation alone and is
+    # written for every row (run_glu_dgrad's docstring).
     np.testing.assert_array_equal(np.asarray(d_gate_up, np.float32)[past:], 0.0)
+    assert oracle.relative_error(hidden, expected_hidden) < OUT_TOL
 
 
 @pytest.mark.usefixtures("interpret")

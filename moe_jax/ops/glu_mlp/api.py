@@ -260,7 +260,9 @@ def run_glu_dgrad(d_y, w_down, group_sizes, gate_up, row_scale, activation: str,
       config: the tile config (None: the table's or the heuristic's).
 
     Returns:
-      (d_gate_up [M, 2F] packed, h * row_scale [M, F], d_row_scale [M] f32 or None), in d_y's dtype.
+      (d_gate_up [M, 2F] packed, h * row_scale [M, F], d_row_scale [M] f32 or None), in d_y's dtype. Rows past
+      sum(group_sizes) have no product (it is 0 there), so their d_gate_up and d_row_scale are 0; h * row_scale is
+      computed from ``gate_up`` on every row (zero in ``glu_mlp``, whose forward writes zero pre-activations there).
     """
     epilogue = sm90.Epilogue(
         activation_grad=functools.partial(glu_grad, activation=activation),
