@@ -44,6 +44,13 @@ def test_negative_group_sizes_count_as_zero():
     np.testing.assert_array_equal(np.asarray(out)[35:], 0.0)
 
 
+def test_rows_past_m_are_dropped():
+    lhs, rhs, _ = _problem(3, 40, 24, 16, 3, "uniform")
+    out = moe_jax.grouped_matmul(jnp.asarray(lhs), jnp.asarray(rhs), jnp.array([10, 25, 30], jnp.int32), backend="xla")
+    expected = oracle.grouped_matmul(lhs, rhs, np.array([10, 25, 5]))  # group 2 keeps the 5 rows left of M = 40
+    assert oracle.relative_error(out, expected) < F32_TOL
+
+
 @pytest.mark.parametrize("activation", ["swiglu", "geglu", "gpt_oss"])
 @pytest.mark.parametrize("with_row_scale", [False, True])
 def test_gated_activations_and_row_scale(activation, with_row_scale):
