@@ -7,12 +7,14 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from train import configs, main
 from train.metrics import training_flops_per_token
-from train.model import parameter_counts
+from train.model import Transformer, parameter_counts
 from train.train import train
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -98,6 +100,12 @@ def test_configs_validate_their_fields():
         configs.get_config("huge")
     with pytest.raises(SystemExit):
         main.parse_args(["--backend", "cuda"])
+
+
+def test_parameter_count_is_the_models():
+    model = Transformer(SMALL.model, backend="xla", rngs=nnx.Rngs(0))
+    params = jax.tree.leaves(nnx.state(model, nnx.Param))
+    assert parameter_counts(SMALL.model)["total"] == sum(p.size for p in params)
 
 
 def test_parameter_and_flop_counts_follow_the_formulas():
