@@ -8,6 +8,9 @@ Side by side at each named shape (``moe_jax.ops.shapes.GMM_SHAPES``):
   (G times the FLOPs and a G-times temporary), so it is slow and may run out of memory: reported, not hidden.
 - "tokamax", "tokamax[<config>]": tokamax's Mosaic GPU ragged dot, its default and the sweep of ``tokamax_peer``.
 - "moe_jax:<backend>": our ``moe_jax.grouped_matmul``; a backend without a kernel yet is reported "n/a".
+- "hbm-floor" (with "dense"): not an implementation but the memory roofline, the least bytes the op moves
+  (``hbm_floor_bytes``) at the device's copy rate measured in the same run. Where its "vs dense" is below a target,
+  no kernel can meet that target on this device.
 
 Every ragged implementation's output (and gradients) is checked against ``moe_jax._core.testing.GroupOracle``: exact
 f32 products of a few groups computed from their slices, independent of every implementation timed (ragged_dot may run
@@ -82,6 +85,34 @@ def make_inputs(shape: GroupedMatmulShape, *, backward: bool, seed: int) -> list
     return common.input_sets(functools.partial(_input_set, **dims), seed)
 
 
+COPY_BYTES_CAP = 512 * 2**20  # bytes the copy-rate measurement moves at most (read + write): far past the 50-MB L2
+
+
+def hbm_floor_bytes(shape: GroupedMatmulShape, *, backward: bool) -> int:
+    """The bf16 bytes a grouped matmul moves at least: the weights [G, K, N], x [M, K] and the output [M, N] once each.
+    With the backward three times that: the dgrad reads d out and the weights and writes d x, the wgrad reads x and
+    d out and writes the weights' gradient."""
+    elements = shape.g * shape.k * shape.n + shape.m * shape.k + shape.m * shape.n
+    return 2 * elements * (3 if backward else 1)
+
+
+def measure_hbm_floor(record: common.Record, num_bytes: int, options: common.Options) -> None:
+    """Times an elementwise pass over a bf16 buffer (it reads and writes every byte) and records ``num_bytes`` at the
+    rate it reached; the note says the bytes and the rate."""
+    moved = max(min(num_bytes, COPY_BYTES_CAP) // 4, 256) * 4
+    buffer = jnp.zeros((moved // 4,), jnp.bfloat16)
+    common.measure(record, jax.jit(lambda a: a + 1), [(buffer,)], options)
+    if record.timing is None:
+        return
+    rate = moved / record.timing.median_s
+    scale = num_bytes / moved
+    t = record.timing
+    record.timing = dataclasses.replace(
+        t, median_s=t.median_s * scale, p10_s=t.p10_s * scale, p90_s=t.p90_s * scale, min_s=t.min_s * scale
+    )
+    record.note = f"{num_bytes / 1e9:.3g} GB at {rate / 1e12:.3g} TB/s, the copy rate over {moved / 2**20:.3g} MiB"
+
+
 def bench_shape(
     bench: str,
     shape: GroupedMatmulShape,
@@ -104,7 +135,8 @@ def bench_shape(
         return common.Record(bench, shape.name, row_routing, impl, flops, dims, config=config)
 
     if common.past_deadline(options):
-        rows = [("dense", "-", None)] * with_dense + [(c.impl, routing, c.config) for c in candidates]
+        rows = [("dense", "-", None), ("hbm-floor", "-", None)] * with_dense
+        rows += [(c.impl, routing, c.config) for c in candidates]
         for impl, row_routing, config in rows:
             records.append(common.skip(new_record(impl, row_routing, config)))
             emit(records[-1])
@@ -120,6 +152,10 @@ def bench_shape(
         arg_sets = [(s["lhs"], s["dense_rhs"], *([s["ct"]] if backward else [])) for s in sets]
         record = new_record("dense", "-")
         common.measure(record, fn, arg_sets, options)
+        records.append(record)
+        emit(record)
+        record = new_record("hbm-floor", "-")
+        measure_hbm_floor(record, hbm_floor_bytes(shape, backward=backward), options)
         records.append(record)
         emit(record)
 

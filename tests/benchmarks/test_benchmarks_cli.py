@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import pytest
 
 import moe_jax
-from benchmarks import common, routing
+from benchmarks import common, grouped_matmul, routing
+from moe_jax.ops.shapes import GMM_SHAPES, GroupedMatmulShape
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FLOP_BENCHES = {"gmm", "gmm-bwd", "skew", "layer", "layer-bwd", "glu", "glu-bwd", "glu-mlp"}
@@ -167,6 +168,22 @@ def test_routing_check_names_unequal_integer_outputs():
     assert routing.compare(expected, expected)[2] == ""
 
 
+def test_hbm_floor_is_the_bytes_at_the_measured_copy_rate(tiny_run):
+    _, data, _ = tiny_run
+    floors = [r for r in data["records"] if r["impl"] == "hbm-floor"]
+    assert {r["bench"] for r in floors} == {"gmm", "gmm-bwd", "skew"}
+    for r in floors:
+        assert r["status"] == "ok" and r["timing"]["median_s"] > 0, r
+        shape = GMM_SHAPES[r["shape"]]
+        num_bytes = grouped_matmul.hbm_floor_bytes(shape, backward=r["bench"] == "gmm-bwd")
+        gigabytes, rate = re.match(r"([\d.e+-]+) GB at ([\d.e+-]+) TB/s", r["note"]).groups()
+        assert float(gigabytes) == pytest.approx(num_bytes / 1e9, rel=1e-2)
+        assert r["timing"]["median_s"] == pytest.approx(num_bytes / (float(rate) * 1e12), rel=1e-2)
+    shape = GroupedMatmulShape("floor", g=2, m=8, k=16, n=32, tag="ci")
+    assert grouped_matmul.hbm_floor_bytes(shape, backward=False) == 2 * (2 * 16 * 32 + 8 * 16 + 8 * 32)
+    assert grouped_matmul.hbm_floor_bytes(shape, backward=True) == 3 * 2 * (2 * 16 * 32 + 8 * 16 + 8 * 32)
+
+
 def test_flop_model():
     assert common.gmm_flops(8, 16, 32, backward=False) == 2 * 8 * 16 * 32
     assert common.gmm_flops(8, 16, 32, backward=True) == 3 * 2 * 8 * 16 * 32
@@ -311,14 +328,16 @@ def test_layer_composition_matches_moe_ffn_on_packed_weights():
     trace (a plain [gate | up] array would be repacked there on every call)."""
     from benchmarks import layer
     from moe_jax.ops import shapes
-    from moe_jax.ops.grouped_matmul.reference import grouped_matmul
+    from moe_jax.ops.grouped_matmul import reference as gmm_reference
 
     shape = shapes.LAYER_SHAPES["ci/layer"]
     inputs = layer.make_inputs(shape, seed=3)[0]
     args = [inputs[name] for name in ("x", "router_kernel", "w_gate_up", "w_down")]
     assert isinstance(inputs["w_gate_up"], moe_jax.PackedGateUp)
     route_kwargs = common.routing_kwargs(shape, seed=3)
-    composed = layer.moe_ffn_with_gmm(grouped_matmul, *args, activation=shape.activation, route_kwargs=route_kwargs)
+    composed = layer.moe_ffn_with_gmm(
+        gmm_reference.grouped_matmul, *args, activation=shape.activation, route_kwargs=route_kwargs
+    )
     layer_fn = layer._moe_ffn(shape, "xla", route_kwargs)
     expected = layer_fn(*args)
     for actual, exact in zip(jax.tree.leaves(composed), jax.tree.leaves(expected), strict=True):
@@ -339,7 +358,6 @@ def test_layer_composition_matches_moe_ffn_on_packed_weights():
 def test_best_tokamax_config_comes_from_the_forward_sweep_of_that_shape():
     """gmm-bwd and skew time tokamax with its best *forward* config: a faster fwd+bwd record or another shape's
     sweep must not be picked."""
-    from benchmarks import grouped_matmul
 
     def record(bench, shape, config, median_s):
         timing = common.Timing(median_s, median_s, median_s, median_s, samples=3, reps=1, first_call_s=1.0)
