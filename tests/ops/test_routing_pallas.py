@@ -57,7 +57,7 @@ def _normal(seed: int, shape, std: float = 2.0) -> np.ndarray:
         (100, 256, 8, dict(score="sigmoid", num_groups=8, top_groups=4, bias=True, scale=2.5)),  # DeepSeek-V3's
         (64, 40, 4, dict(score="softmax", num_groups=5, top_groups=2, bias=True)),  # 8-wide groups, E padded to 48
         (64, 512, 16, dict(score="softmax")),  # the largest E and k: two prefix-sum chunks of 256 experts
-        (70, 384, 8, dict(score="sigmoid", bias=True)),  # three expert chunks of 128, merged
+        (70, 384, 8, dict(score="sigmoid", bias=True)),  # three expert chunks of 128, their candidates ranked again
         (64, 320, 6, dict(score="softmax", num_groups=10, top_groups=3, bias=True)),  # chunks of 64: 2 groups each
         (64, 448, 8, dict(score="softmax")),  # seven ungrouped chunks of 64 (128 does not divide 448)
     ],
@@ -154,7 +154,7 @@ def test_heuristic_chunks_wide_expert_axes_only_where_chunks_fit():
     assert routing_config.heuristic_config(384, top_k=8).chunk_experts == 128
     assert routing_config.heuristic_config(320, top_k=8).chunk_experts == 64
     assert routing_config.heuristic_config(448, top_k=8).chunk_experts == 64
-    assert routing_config.heuristic_config(512, top_k=17).chunk_experts == 512  # k past the merge's bound
+    assert routing_config.heuristic_config(512, top_k=17).chunk_experts == 512  # k past MAX_CHUNKED_TOP_K
     assert routing_config.heuristic_config(384, top_k=6, num_groups=8).chunk_experts == 384  # groups of 48 straddle
 
 
@@ -164,8 +164,8 @@ def test_auto_takes_the_kernel_only_where_it_measured_faster():
     assert not routing_config.prefers_kernel(384, 6, 8)  # groups of 48 straddle chunks: the (slow) whole row
     assert not routing_config.prefers_kernel(288, 8, 1)  # no chunk of 64 or 128 divides 288
     assert routing_config.prefers_kernel(512, 10, 1)  # chunks of 128 at a wide k: 1.8x XLA's route
-    assert not routing_config.prefers_kernel(512, 16, 1)  # chunked, but the merge of 2k candidates lost to XLA's sort
-    assert not routing_config.prefers_kernel(512, 17, 1)  # past the merge's bound: the (slow) whole row
+    assert not routing_config.prefers_kernel(512, 16, 1)  # chunked, but a tie with XLA's route (1.02x): left to XLA
+    assert not routing_config.prefers_kernel(512, 17, 1)  # past MAX_CHUNKED_TOP_K: the (slow) whole row
 
 
 def test_config_rejects_a_chunk_off_the_swizzle_tile():
@@ -187,7 +187,7 @@ SHIPPED = {
         s.name: (s.t, s.e, s.top_k, dict(s.route_options(), bias=s.selection_bias))
         for s in shapes.layer_shapes("bench")
     },
-    "e512-k16": (4096, 512, 16, dict(score="softmax")),  # chunks of 128, 2k merge candidates
+    "e512-k16": (4096, 512, 16, dict(score="softmax")),  # chunks of 128: 4 x 16 candidates ranked again
     "e384-k8-chunks": (4096, 384, 8, dict(score="sigmoid", bias=True)),
     "e448-k8-chunks-of-64": (4096, 448, 8, dict(score="softmax")),
     "e320-grouped-chunks": (4096, 320, 6, dict(score="softmax", num_groups=10, top_groups=3, bias=True)),
