@@ -8,6 +8,8 @@
 # Memory: each full-size GLU MLP test holds several GB; on an 80 GB H100, JOBS=8 ran out of memory in
 # tests/gpu/test_glu_mlp_gpu.py and JOBS=3 did not; over all of tests/gpu, JOBS=6 left two full-size grouped-matmul
 # tests out of memory (2026-11-25): re-run what fails that way with fewer jobs.
+# Time: the grouped-matmul and GLU MLP files (54 tests) need more than one 600-s device call even with JOBS=5 (48 done
+# at 570 s, H100): split a selection over two calls.
 # Logs go to $OUT (the device tool's folder) or ./gpu_test_logs; the exit status is non-zero if any shard failed.
 set -uo pipefail
 jobs=${JOBS:-4}
