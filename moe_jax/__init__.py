@@ -1,8 +1,9 @@
 """moe_jax: fused Mixture-of-Experts layers for JAX on NVIDIA Hopper.
 
-The public surface (re-exports only): ``route``, ``grouped_matmul`` (with ``pack_gate_up`` / ``unpack_gate_up`` /
-``PackedGateUp`` for the GLU weight layout), ``glu_mlp``, ``permute``, ``combine``, ``moe_ffn`` and the Flax NNX modules
-in ``moe_jax.nn``.
+The public surface (re-exports only): ``route`` (with ``Routing``, ``apply_capacity``, ``load_balancing_loss`` and
+``z_loss``), ``grouped_matmul`` (with ``pack_gate_up`` / ``unpack_gate_up`` / ``PackedGateUp`` for the GLU weight
+layout), ``glu_mlp``, ``permute``, ``combine``, ``moe_ffn`` (with ``MoEAux``) and the Flax NNX modules in
+``moe_jax.nn``.
 """
 
 from moe_jax._core.hardware import serialize_interpreted_kernels

@@ -152,7 +152,8 @@ class MoE(nnx.Module):
     Parameters: ``router.kernel`` [D, E], ``w_gate_up`` [E, D, 2F], ``w_down`` [E, F, D]; the expert axis carries the
     sharding name "expert". ``w_gate_up`` is stored in the packed layout the kernels read (``moe_jax.pack_gate_up``:
     blocks of 64 gate columns, each followed by the matching 64 up columns), so no step repacks it;
-    ``unpack_gate_up(PackedGateUp(w, gate_up_block(F)))`` gives the ``[gate | up]`` view (e.g. to export weights).
+    ``moe_jax.unpack_gate_up(moe_jax.PackedGateUp(w, gate_up_block(F)))`` gives the ``[gate | up]`` view (e.g. to
+    export weights), with ``gate_up_block`` from ``moe_jax.ops.grouped_matmul.packing``.
     """
 
     def __init__(

@@ -94,7 +94,8 @@ def moe_ffn(
       top_k, score, renormalize, num_groups, top_groups, bias, scale: routing, as in ``moe_jax.route``.
       activation: "swiglu", "geglu" or "gpt_oss".
       capacity_factor: None (dropless) or > 0: each expert keeps at most ``ceil(cf * T * k / E)`` rows, dropping
-        its lowest-weight assignments (a dropped assignment contributes zero).
+        its lowest-score assignments (``Routing.selected_scores``, as ``apply_capacity``; a dropped assignment
+        contributes zero).
       backend: "auto", "xla" or "pallas", for every op of the layer.
 
     Returns:
