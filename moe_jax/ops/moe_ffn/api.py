@@ -11,6 +11,7 @@ from moe_jax.ops.grouped_matmul.packing import PackedGateUp
 from moe_jax.ops.grouped_matmul.reference import ACTIVATIONS
 from moe_jax.ops.permute.api import combine
 from moe_jax.ops.routing.api import (
+    Routing,
     apply_capacity,
     check_routing_args,
     load_balancing_loss,
@@ -36,7 +37,7 @@ class MoEAux:
     expert_counts: jax.Array
 
 
-def _check_moe_args(x, router_kernel, w_gate_up, w_down, activation, capacity_factor) -> tuple[int, int, int, int]:
+def check_moe_args(x, router_kernel, w_gate_up, w_down, activation, capacity_factor) -> tuple[int, int, int, int]:
     num_tokens, d_model = checks.check_rank("x", x, 2, "[T, D]")
     router_d, num_experts = checks.check_rank("router_kernel", router_kernel, 2, "[D, E]")
     checks.check_dim("router_kernel", router_d, d_model, "shape[0] (D, from x [T, D])")
@@ -101,33 +102,40 @@ def moe_ffn(
     Returns:
       (y [T, D] in x.dtype, MoEAux).
     """
-    _, _, num_experts, _ = _check_moe_args(x, router_kernel, w_gate_up, w_down, activation, capacity_factor)
-    check_routing_args(
-        num_experts,
-        top_k,
-        score=score,
-        num_groups=num_groups,
-        top_groups=top_groups,
-        bias=bias,
-        scale=scale,
-        renormalize=renormalize,
+    _, _, num_experts, _ = check_moe_args(x, router_kernel, w_gate_up, w_down, activation, capacity_factor)
+    routing_options = dict(
+        score=score, renormalize=renormalize, num_groups=num_groups, top_groups=top_groups, bias=bias, scale=scale
     )
+    check_routing_args(num_experts, top_k, **routing_options)
+    logits, routing = route_tokens(x, router_kernel, top_k=top_k, backend=backend, **routing_options)
+    group_sizes, sort_indices = expert_rows(routing, capacity_factor)
+    y = routed_experts(x, routing, group_sizes, sort_indices, w_gate_up, w_down, activation=activation, backend=backend)
+    aux = MoEAux(
+        load_balancing_loss=load_balancing_loss(routing),
+        z_loss=z_loss(logits),
+        expert_counts=routing.group_sizes,
+    )
+    return y, aux
+
+
+def route_tokens(x, router_kernel, *, top_k: int, backend: str, **routing_options) -> tuple[jax.Array, Routing]:
+    """(logits [T, E] f32, Routing) of tokens x [T, D] under router_kernel [D, E]; options as in ``moe_jax.route``."""
     with jax.named_scope("router"):
         logits = router_logits(x, router_kernel)
-        routing = route(
-            logits,
-            top_k,
-            score=score,
-            renormalize=renormalize,
-            num_groups=num_groups,
-            top_groups=top_groups,
-            bias=bias,
-            scale=scale,
-            backend=backend,
-        )
-    group_sizes, sort_indices = routing.group_sizes, routing.sort_indices
-    if capacity_factor is not None:
-        group_sizes, sort_indices = apply_capacity(routing, capacity_factor)
+        return logits, route(logits, top_k, backend=backend, **routing_options)
+
+
+def expert_rows(routing: Routing, capacity_factor: float | None) -> tuple[jax.Array, jax.Array]:
+    """(group_sizes [E], sort_indices [T*k]) of the rows the experts compute: all of them, or what a capacity keeps."""
+    if capacity_factor is None:
+        return routing.group_sizes, routing.sort_indices
+    return apply_capacity(routing, capacity_factor)
+
+
+def routed_experts(x, routing, group_sizes, sort_indices, w_gate_up, w_down, *, activation, backend) -> jax.Array:
+    """y [T, D] = the routing-weighted sum of each token's expert outputs, over the expert-sorted rows
+    ``sort_indices`` [T*k] whose first ``sum(group_sizes)`` belong to the G experts of w_gate_up [G, D, 2F] /
+    w_down [G, F, D] in order; rows past that sum contribute nothing."""
     with jax.named_scope("experts"):
         # The permute runs inside the gate_up kernel's loads where that pays (routed_glu_mlp). The routing weights
         # scale the down projection's rows (its epilogue), so the combine is a plain sum. Gathered by sort_indices,
@@ -136,7 +144,7 @@ def moe_ffn(
         out_rows = routed_glu_mlp(
             x,
             sort_indices,
-            top_k,
+            routing.top_k,
             w_gate_up,
             w_down,
             group_sizes,
@@ -145,10 +153,4 @@ def moe_ffn(
             backend=backend,
         )
     with jax.named_scope("combine"):
-        y = combine(out_rows, sort_indices, top_k, backend=backend)
-    aux = MoEAux(
-        load_balancing_loss=load_balancing_loss(routing),
-        z_loss=z_loss(logits),
-        expert_counts=routing.group_sizes,
-    )
-    return y, aux
+        return combine(out_rows, sort_indices, routing.top_k, backend=backend)

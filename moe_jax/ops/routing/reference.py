@@ -140,10 +140,16 @@ def load_balancing_loss(routing: Routing) -> jax.Array:
 
     Gradients flow through P only (f counts discrete choices).
     """
-    num_experts = routing.probs.shape[-1]
     assignment_share = routing.group_sizes.astype(routing.probs.dtype) / routing.sort_indices.shape[0]
-    mean_prob = routing.probs.mean(0)
-    return num_experts * jnp.sum(jax.lax.stop_gradient(assignment_share) * mean_prob)
+    return load_balancing_loss_from(assignment_share, routing.probs.mean(0))
+
+
+def load_balancing_loss_from(assignment_share: jax.Array, mean_prob: jax.Array) -> jax.Array:
+    """f32 scalar ``E * sum_e f_e * P_e`` from f [E] and P [E] (e.g. each averaged over a sharded batch first).
+
+    Gradients flow through P only.
+    """
+    return assignment_share.shape[0] * jnp.sum(jax.lax.stop_gradient(assignment_share) * mean_prob)
 
 
 def z_loss(logits: jax.Array) -> jax.Array:
