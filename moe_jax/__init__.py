@@ -2,15 +2,15 @@
 
 The public surface (re-exports only): ``route`` (with ``Routing``, ``apply_capacity``, ``load_balancing_loss`` and
 ``z_loss``), ``grouped_matmul`` (with ``pack_gate_up`` / ``unpack_gate_up`` / ``PackedGateUp`` for the GLU weight
-layout), ``glu_mlp``, ``permute``, ``combine``, ``moe_ffn`` (with ``MoEAux``) and the Flax NNX modules in
-``moe_jax.nn``.
+layout), ``glu_mlp``, ``permute``, ``combine``, ``moe_ffn`` (with ``MoEAux``), the Flax NNX modules in ``moe_jax.nn``
+and expert parallelism in ``moe_jax.parallel``.
 """
 
 from moe_jax._core.hardware import serialize_interpreted_kernels
 
 serialize_interpreted_kernels()  # before any backend exists: see its docstring
 
-from moe_jax import nn  # noqa: E402
+from moe_jax import nn, parallel  # noqa: E402
 from moe_jax.ops.glu_mlp.api import glu_mlp  # noqa: E402
 from moe_jax.ops.grouped_matmul.api import grouped_matmul  # noqa: E402
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp, pack_gate_up, unpack_gate_up  # noqa: E402
@@ -29,6 +29,7 @@ __all__ = [
     "load_balancing_loss",
     "moe_ffn",
     "nn",
+    "parallel",
     "pack_gate_up",
     "permute",
     "route",
