@@ -98,7 +98,8 @@ class TrainConfig:
       log_every: steps between metric fetches (the only host syncs of the loop); one JSONL record each.
       ckpt_every: steps between checkpoints (when a checkpoint directory is given).
       seed: parameter initialisation and the training data stream.
-      expert_parallelism: size of the mesh's "expert" axis (1 today; the rest of the devices form the "data" axis).
+      expert_parallelism: size of the mesh's "expert" axis (the rest of the devices form the "data" axis); above 1
+        the MoE layers run expert-parallel (``moe_jax.nn.MoE(expert_parallel=True)``).
     """
 
     model: ModelConfig

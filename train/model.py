@@ -6,6 +6,8 @@ weights are sharded over the mesh's "expert" axis (``moe_jax.nn.moe.EXPERT_AXIS`
 Shapes: B batch, S sequence, D model, H heads, Dh head size, V vocabulary.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -62,7 +64,7 @@ class Attention(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, config: ModelConfig, *, backend: str, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, backend: str, expert_parallel: bool, rngs: nnx.Rngs):
         self.attention_norm = RMSNorm(config.d_model, param_dtype=config.params_dtype)
         self.attention = Attention(config, rngs=rngs)
         self.moe_norm = RMSNorm(config.d_model, param_dtype=config.params_dtype)
@@ -79,6 +81,7 @@ class Block(nnx.Module):
             dtype=config.compute_dtype,
             param_dtype=config.params_dtype,
             backend=backend,
+            expert_parallel=expert_parallel,
             rngs=rngs,
         )
 
@@ -93,12 +96,13 @@ class Transformer(nnx.Module):
     Each MoE layer sows its ``MoEAux`` (collect with ``nnx.capture(model, nnx.Intermediate)``; see ``layer_aux``).
     """
 
-    def __init__(self, config: ModelConfig, *, backend: str = "auto", rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, backend: str = "auto", expert_parallel: bool = False, rngs: nnx.Rngs):
         dtype = config.params_dtype
         self.embed = replicated_param(
             nnx.initializers.normal(1.0)(rngs.params(), (config.vocab_size, config.d_model), dtype)
         )
-        self.blocks = nnx.List([Block(config, backend=backend, rngs=rngs) for _ in range(config.num_layers)])
+        block = functools.partial(Block, config, backend=backend, expert_parallel=expert_parallel, rngs=rngs)
+        self.blocks = nnx.List([block() for _ in range(config.num_layers)])
         self.final_norm = RMSNorm(config.d_model, param_dtype=dtype)
         head_init = nnx.initializers.normal(config.d_model**-0.5)
         self.head = replicated_param(head_init(rngs.params(), (config.d_model, config.vocab_size), dtype))

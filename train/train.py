@@ -2,8 +2,9 @@
 inside; metrics stay on the device and are fetched every ``log_every`` steps, evaluation and checkpoints happen
 between steps.
 
-The mesh is (data, expert). The expert axis (``TrainConfig.expert_parallelism``, 1 today) carries the stacked expert
-weights (``moe_jax.nn.moe.EXPERT_AXIS``); the batch is split over both axes; everything else is replicated.
+The mesh is (data, expert). The expert axis (``TrainConfig.expert_parallelism``) carries the stacked expert weights
+(``moe_jax.nn.moe.EXPERT_AXIS``); the batch is split over both axes; everything else is replicated. With an expert
+axis of more than one device the MoE layers run expert-parallel (``moe_jax.parallel``, under ``jax.shard_map``).
 """
 
 import dataclasses
@@ -211,7 +212,9 @@ def train(
     sharding = batch_sharding(mesh)
 
     with jax.set_mesh(mesh):
-        model = Transformer(config.model, backend=backend, rngs=nnx.Rngs(config.seed))
+        # With an expert axis the MoE layers run expert-parallel (moe_jax.parallel), not as one XLA-partitioned op.
+        expert_parallel = config.expert_parallelism > 1
+        model = Transformer(config.model, backend=backend, expert_parallel=expert_parallel, rngs=nnx.Rngs(config.seed))
         optimizer = nnx.Optimizer(model, make_optimizer(config), wrt=nnx.Param)
         checkpointer = Checkpointer(ckpt_dir) if ckpt_dir else None
         start = data_position = 0

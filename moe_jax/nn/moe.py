@@ -4,6 +4,8 @@ Auxiliary values are *sown* as ``nnx.Intermediate`` under the name ``"moe_aux"``
 ``y, intermediates = nnx.capture(model, nnx.Intermediate)(x)`` (also inside ``nnx.jit`` / ``nnx.grad``).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -12,6 +14,7 @@ from moe_jax.ops.glu_mlp.api import glu_mlp
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp, gate_up_block, pack_gate_up
 from moe_jax.ops.moe_ffn.api import MoEAux, moe_ffn
 from moe_jax.ops.routing.api import Routing, balancing_bias_update, route, router_logits
+from moe_jax.parallel.expert_parallel import moe_ffn_expert_parallel
 
 # Experts are stacked on axis 0; "expert" is the mesh axis expert parallelism shards them over.
 EXPERT_AXIS = "expert"
@@ -147,6 +150,9 @@ class MoE(nnx.Module):
       num_shared_experts: width, in units of d_ff, of an always-on shared expert MLP (0: none).
       dtype: compute dtype (None: the input's).  param_dtype: dtype of the parameters.
       backend: "auto", "xla" or "pallas".
+      expert_parallel: run the routed experts split over the current mesh's "expert" axis
+        (``moe_jax.parallel.moe_ffn_expert_parallel``: all-gather dispatch, reduce-scatter combine under
+        ``jax.shard_map``); call the layer under ``jax.set_mesh``. False: one ``moe_ffn`` that XLA partitions.
       rngs: ``nnx.Rngs`` with a ``params`` stream.
 
     Parameters: ``router.kernel`` [D, E], ``w_gate_up`` [E, D, 2F], ``w_down`` [E, F, D]; the expert axis carries the
@@ -175,6 +181,7 @@ class MoE(nnx.Module):
         dtype=None,
         param_dtype=jnp.float32,
         backend: str = "auto",
+        expert_parallel: bool = False,
         rngs: nnx.Rngs,
     ):
         self.router = Router(
@@ -213,12 +220,14 @@ class MoE(nnx.Module):
         self.capacity_factor = capacity_factor
         self.dtype = dtype
         self.backend = backend
+        self.expert_parallel = expert_parallel
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [..., D] -> [..., D] in the compute dtype; sows a ``MoEAux`` as ``nnx.Intermediate`` "moe_aux"."""
         dtype = self.dtype or x.dtype
         tokens = x.reshape(-1, x.shape[-1]).astype(dtype)
-        y, aux = moe_ffn(
+        layer = functools.partial(moe_ffn_expert_parallel, expert_axis=EXPERT_AXIS) if self.expert_parallel else moe_ffn
+        y, aux = layer(
             tokens,
             self.router.kernel[...],
             _gate_up(self.w_gate_up, dtype),

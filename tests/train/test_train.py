@@ -138,7 +138,8 @@ print(json.dumps({"devices": jax.device_count(), "expert_weight_spec": list(spec
 
 
 def test_two_device_mesh_matches_one_device():
-    """(data=2, expert=1) and (data=1, expert=2) meshes on 2 virtual CPU devices train like one device."""
+    """(data=2, expert=1) and (data=1, expert=2) meshes on 2 virtual CPU devices train like one device; the second
+    runs the MoE layers expert-parallel (shard_map)."""
     config = dataclasses.replace(SMALL, steps=4, eval_every=4, eval_batches=1, log_every=2)
     single = train(config, backend="xla", progress_bar=False).step_losses
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
