@@ -8,6 +8,10 @@ against T * k * D * (P - 1) / P for an all-to-all of the routed rows: no more fo
 exchange. The expert kernels see the whole group's T * k rows with only the local experts' at the front (a rotation
 of the expert-sorted order); the rest lie past ``sum(group_sizes)``, which the grouped matmul skips and writes as
 zeros, and which therefore add nothing in the combine.
+
+What that costs (not yet measured on GPUs): besides the collectives, each device writes zero rows for, and its
+combine reads, all T_group * k expert-sorted rows where only about 1 / P of them are its own; the MMAs and the
+weight reads are the local ones only. A combine over the local rows alone would remove that traffic.
 """
 
 import functools
