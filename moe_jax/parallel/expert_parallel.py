@@ -18,13 +18,14 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp
 from moe_jax.ops.moe_ffn.api import MoEAux, check_moe_args, expert_rows, route_tokens, routed_experts
-from moe_jax.ops.routing.api import check_routing_args, z_loss
+from moe_jax.ops.routing.api import z_loss
 from moe_jax.ops.routing.reference import load_balancing_loss_from
 
 
@@ -39,9 +40,9 @@ def local_expert_rows(group_sizes, sort_indices, first_expert, num_local_experts
       (local_sizes [num_local_experts] int32, local_indices [T*k] int32): ``sort_indices`` rotated so that the local
       experts' rows come first, in order; every other row lies past ``sum(local_sizes)``.
     """
-    first_row = lax.dynamic_slice_in_dim(jax.numpy.cumsum(group_sizes) - group_sizes, first_expert, 1)[0]
+    first_row = lax.dynamic_slice_in_dim(jnp.cumsum(group_sizes) - group_sizes, first_expert, 1)[0]
     local_sizes = lax.dynamic_slice_in_dim(group_sizes, first_expert, num_local_experts)
-    return local_sizes, jax.numpy.roll(sort_indices, -first_row)
+    return local_sizes, jnp.roll(sort_indices, -first_row)
 
 
 def moe_ffn_expert_parallel(
@@ -81,11 +82,19 @@ def moe_ffn_expert_parallel(
     Returns:
       (y [T, D] sharded like x, MoEAux replicated).
     """
-    _, _, num_experts, _ = check_moe_args(x, router_kernel, w_gate_up, w_down, activation, capacity_factor)
     routing_options = dict(
         score=score, renormalize=renormalize, num_groups=num_groups, top_groups=top_groups, bias=bias, scale=scale
     )
-    check_routing_args(num_experts, top_k, **routing_options)
+    num_experts = check_moe_args(
+        x,
+        router_kernel,
+        w_gate_up,
+        w_down,
+        top_k=top_k,
+        activation=activation,
+        capacity_factor=capacity_factor,
+        routing_options=routing_options,
+    )
     mesh = jax.sharding.get_abstract_mesh()
     if expert_axis not in mesh.axis_names:
         raise ValueError(

@@ -37,8 +37,10 @@ class MoEAux:
     expert_counts: jax.Array
 
 
-def check_moe_args(x, router_kernel, w_gate_up, w_down, activation, capacity_factor) -> tuple[int, int, int, int]:
-    num_tokens, d_model = checks.check_rank("x", x, 2, "[T, D]")
+def check_moe_args(x, router_kernel, w_gate_up, w_down, *, top_k, activation, capacity_factor, routing_options) -> int:
+    """Checks one MoE layer call: the arrays' shapes and dtypes, the activation, the capacity and the routing
+    options (``moe_jax.route``'s keywords, as a dict); returns E."""
+    _, d_model = checks.check_rank("x", x, 2, "[T, D]")
     router_d, num_experts = checks.check_rank("router_kernel", router_kernel, 2, "[D, E]")
     checks.check_dim("router_kernel", router_d, d_model, "shape[0] (D, from x [T, D])")
     if isinstance(w_gate_up, PackedGateUp) and w_gate_up.transposed:
@@ -64,7 +66,8 @@ def check_moe_args(x, router_kernel, w_gate_up, w_down, activation, capacity_fac
     checks.check_choice("activation", activation, ACTIVATIONS)
     if capacity_factor is not None and checks.check_static_float("capacity_factor", capacity_factor) <= 0:
         raise ValueError(f"capacity_factor must be > 0 (or None for dropless), got {capacity_factor}")
-    return num_tokens, d_model, num_experts, d_ff
+    check_routing_args(num_experts, top_k, **routing_options)
+    return num_experts
 
 
 def moe_ffn(
@@ -102,11 +105,19 @@ def moe_ffn(
     Returns:
       (y [T, D] in x.dtype, MoEAux).
     """
-    _, _, num_experts, _ = check_moe_args(x, router_kernel, w_gate_up, w_down, activation, capacity_factor)
     routing_options = dict(
         score=score, renormalize=renormalize, num_groups=num_groups, top_groups=top_groups, bias=bias, scale=scale
     )
-    check_routing_args(num_experts, top_k, **routing_options)
+    check_moe_args(
+        x,
+        router_kernel,
+        w_gate_up,
+        w_down,
+        top_k=top_k,
+        activation=activation,
+        capacity_factor=capacity_factor,
+        routing_options=routing_options,
+    )
     logits, routing = route_tokens(x, router_kernel, top_k=top_k, backend=backend, **routing_options)
     group_sizes, sort_indices = expert_rows(routing, capacity_factor)
     y = routed_experts(x, routing, group_sizes, sort_indices, w_gate_up, w_down, activation=activation, backend=backend)
