@@ -6,6 +6,7 @@ Examples:
   python -m benchmarks --bench all --out bench_out/all.json     # the RESULTS.md table (GPU machine)
   python -m benchmarks --bench routing --routing-shapes deepseek-v3 --routing-stages glue,glue-bwd
   python -m benchmarks --bench glu --glu-activations swiglu,gpt_oss --backends pallas   # issue #4's targets
+  python -m benchmarks --bench ep --backends pallas     # expert vs data parallel over all local GPUs
 """
 
 import argparse
@@ -15,12 +16,12 @@ import shlex
 import sys
 import time
 
-from benchmarks import common, glu, grouped_matmul, layer, routing, tokamax_peer
+from benchmarks import common, expert_parallel, glu, grouped_matmul, layer, routing, tokamax_peer
 from moe_jax.ops import shapes as shape_registry
 from moe_jax.ops.grouped_matmul.reference import ACTIVATIONS
 
 # Run in this order of priority, so that a --time-limit leaves out the least needed.
-BENCHES = ("gmm", "layer", "skew", "gmm-bwd", "routing", "glu")
+BENCHES = ("gmm", "layer", "skew", "gmm-bwd", "routing", "glu", "ep")
 TITLES = {
     "gmm": "Grouped matmul, forward",
     "gmm-bwd": "Grouped matmul, forward + backward (gradients of lhs and rhs)",
@@ -31,8 +32,14 @@ TITLES = {
     "glu": "Gate_up grouped matmul + GLU, forward (fused epilogue vs GEMM, GEMM + XLA GLU)",
     "glu-bwd": "GLU MLP (gate_up, GLU, down, row scale), backward alone from the forward's residuals",
     "glu-mlp": "GLU MLP (gate_up, GLU, down, row scale), forward + backward",
+    "ep": "moe_ffn layer over all local devices (expert and data parallel), forward",
+    "ep-bwd": "moe_ffn layer over all local devices (expert and data parallel), forward + backward",
 }
-TABLES = {"routing": routing.markdown_table}  # benches without a FLOP model have their own table
+TABLES = {  # benches without a FLOP model (routing) or with a baseline of their own (ep) have their own table
+    "routing": routing.markdown_table,
+    "ep": expert_parallel.scaling_table,
+    "ep-bwd": expert_parallel.scaling_table,
+}
 DEFAULT_SKEW_SHAPE = {"bench": "qwen3-30b/gate_up", "ci": "ci/gate_up"}
 # --tiny times the routing kernels under the (slow) GPU interpreter: one ci layer, the one with a group-limited router.
 DEFAULT_ROUTING_SHAPES = {"bench": None, "ci": "ci/grouped"}
@@ -60,7 +67,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--bench", default="all", help=f"comma-separated from {BENCHES}, or 'all' (default)")
     parser.add_argument("--shapes", help="grouped-matmul shapes for gmm/gmm-bwd (default: every 'bench' shape)")
     parser.add_argument("--skew-shapes", help=f"shapes for skew (default: {DEFAULT_SKEW_SHAPE['bench']})")
-    parser.add_argument("--layer-shapes", help="layer shapes (default: every 'bench' layer shape)")
+    parser.add_argument(
+        "--layer-shapes",
+        help="layer shapes for layer and ep (default: every 'bench' layer shape; ep: the first)",
+    )
     parser.add_argument(
         "--routing-shapes",
         help="layer shapes for routing (default: every 'bench' layer shape; with --tiny: "
@@ -218,6 +228,10 @@ def main(argv: list[str] | None = None) -> list[common.Record]:
             )
         elif bench == "layer":
             records += layer.run(layer_shapes, options, emit=emit)
+        elif bench == "ep":
+            records += expert_parallel.run(
+                layer_shapes[:1] if args.layer_shapes is None else layer_shapes, options, emit=emit
+            )
         elif bench == "glu":
             records += glu.run(glu_shapes, options, activations=glu_activations, routing=args.routing, emit=emit)
         else:

@@ -17,14 +17,15 @@ from moe_jax.ops.shapes import GMM_SHAPES, GroupedMatmulShape
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FLOP_BENCHES = {"gmm", "gmm-bwd", "skew", "layer", "layer-bwd", "glu", "glu-bwd", "glu-mlp"}
-BENCHES = FLOP_BENCHES | {"routing"}
+BENCHES = FLOP_BENCHES | {"routing", "ep", "ep-bwd"}  # routing: no FLOP model; ep: a table of its own
 
 
-def run_cli(out_dir, *args: str) -> tuple[str, dict, list[dict]]:
-    """Runs ``python -m benchmarks --tiny ARGS`` as a user would; returns stdout, the JSON and the JSONL lines."""
+def run_cli(out_dir, *args: str, env: dict | None = None) -> tuple[str, dict, list[dict]]:
+    """Runs ``python -m benchmarks --tiny ARGS`` as a user would (``env`` added to the environment); returns stdout,
+    the JSON and the JSONL lines."""
     json_path, jsonl_path = str(out_dir / "run.json"), str(out_dir / "run.jsonl")
     command = [sys.executable, "-m", "benchmarks", "--tiny", *args, "--out", json_path, "--jsonl", jsonl_path]
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     with open(json_path) as f:
@@ -133,6 +134,26 @@ def test_pallas_backend_is_picked_up(tmp_path):
     (record,) = [r for r in data["records"] if r["impl"] == "moe_jax:pallas"]
     assert record["status"] == "ok" and record["tflops"] > 0, record
     assert record["rel_err"] < 1e-2, record
+
+
+def test_expert_parallel_bench_over_two_devices(tmp_path):
+    """--bench ep on two virtual CPU devices: one device, data and expert parallel, collectives; checked and tabled."""
+    stdout, data, _ = run_cli(
+        tmp_path, "--bench", "ep", "--backends", "xla", env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    )
+    impls = ("moe_jax:xla", "dp2:xla", "ep2:xla", "ep2:collectives")
+    assert sorted((r["bench"], r["impl"]) for r in data["records"]) == sorted(
+        (bench, impl) for bench in ("ep", "ep-bwd") for impl in impls
+    )
+    for r in data["records"]:
+        assert r["status"] == "ok" and r["timing"]["median_s"] > 0, r
+        assert r["dims"]["devices"] == 2
+        if r["impl"] in ("dp2:xla", "ep2:xla"):
+            assert r["checked_against"] == "moe_jax:xla", r
+            # forward + backward: y and 4 gradients, bf16 (summed in another order on two devices).
+            assert len(r["rel_err_leaves"]) == (5 if r["bench"] == "ep-bwd" else 1) and r["rel_err"] < 1e-2, r
+    assert "| shape | devices | impl | ms | spread | speed-up vs one device | rel err |" in stdout
+    assert "| ci/layer | 2 | ep2:xla |" in stdout and "| ci/layer | 2 | moe_jax:xla |" in stdout
 
 
 def test_routing_kernels_side_by_side_with_xla(tmp_path):
