@@ -6,12 +6,12 @@ E / P experts on the rows routed to them, combines those into a partial [T, D] a
 partials and hands each device back its own tokens. Per device that moves T * D * (P - 1) / P elements each way,
 against T * k * D * (P - 1) / P for an all-to-all of the routed rows: no more for any k >= 1, and no ragged
 exchange. The expert kernels see the whole group's T * k rows with only the local experts' at the front (a rotation
-of the expert-sorted order); the rest lie past ``sum(group_sizes)``, which the grouped matmul skips and writes as
-zeros, and which therefore add nothing in the combine.
-
-What that costs (not yet measured on GPUs): besides the collectives, each device writes zero rows for, and its
-combine reads, all T_group * k expert-sorted rows where only about 1 / P of them are its own; the MMAs and the
-weight reads are the local ones only. A combine over the local rows alone would remove that traffic.
+of the expert-sorted order); the rest lie past ``sum(group_sizes)``, where ``moe_ffn``'s stages neither compute nor
+write (``zero_tail=False``) and the combine does not read (``num_rows``), in the backward as in the forward. So a
+device's kernels move about 1 / P of the group's rows, and their MMAs and weight reads are the local experts' only.
+What every device still does for the whole group: the router matmul and the routing, and (backward) the combine's
+transpose, which writes a gradient row, zero for another device's experts, for each of the T_group * k rows.
+Measured on two H100s: ``benchmarks/RESULTS.md`` ("ep" bench).
 """
 
 import functools

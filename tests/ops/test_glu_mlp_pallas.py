@@ -82,30 +82,35 @@ def _overlapped_get_config(*args, **kwargs) -> Config:
     return dataclasses.replace(get_config(*args, **kwargs), overlap_epilogue=True, cluster_m=1)
 
 
+# zero_tail=False: the rows past the sum are left unwritten (compared before it only), every backward kernel skips
+# them, and the gradients must not see what is there.
 # overlap: every kernel of the MLP with the overlapped epilogue (all six keep their outputs in registers at these
 # tile shapes): the GLU forward's kept pre-activation, the row-scale forward, the GLU backward's three outputs and
 # its partial sums accumulated over the column chunks of a tile that is stored during the next one.
 @pytest.mark.parametrize(
-    "activation, case, with_row_scale, recompute, num_sms, overlap",
+    "activation, case, with_row_scale, recompute, num_sms, overlap, zero_tail",
     [
-        ("swiglu", "ragged", True, False, 2, False),
-        ("geglu", "hot expert", True, True, 2, False),
-        ("gpt_oss", "beyond the clamp", True, False, 2, False),
-        ("swiglu", "single group", False, True, 1, False),
-        ("swiglu", "ragged", True, False, 2, True),
-        ("gpt_oss", "beyond the clamp", True, False, 2, True),
+        ("swiglu", "ragged", True, False, 2, False, True),
+        ("geglu", "hot expert", True, True, 2, False, True),
+        ("gpt_oss", "beyond the clamp", True, False, 2, False, True),
+        ("swiglu", "single group", False, True, 1, False, True),
+        ("swiglu", "ragged", True, False, 2, True, True),
+        ("gpt_oss", "beyond the clamp", True, False, 2, True, True),
+        ("geglu", "ragged", True, True, 2, False, False),
     ],
 )
 @pytest.mark.usefixtures("interpret")
-def test_glu_mlp_forward_and_gradients_match_reference(activation, case, with_row_scale, recompute, num_sms, overlap):
+def test_glu_mlp_forward_and_gradients_match_reference(
+    activation, case, with_row_scale, recompute, num_sms, overlap, zero_tail
+):
     if overlap:
         with mock.patch.object(gmm_api, "get_config", _overlapped_get_config):
-            _check_glu_mlp(activation, case, with_row_scale, recompute)
+            _check_glu_mlp(activation, case, with_row_scale, recompute, zero_tail)
     else:
-        _check_glu_mlp(activation, case, with_row_scale, recompute)
+        _check_glu_mlp(activation, case, with_row_scale, recompute, zero_tail)
 
 
-def _check_glu_mlp(activation, case, with_row_scale, recompute):
+def _check_glu_mlp(activation, case, with_row_scale, recompute, zero_tail):
     inputs = _inputs(case)
     x, w_gate_up, w_down, group_sizes = (inputs[k] for k in ("x", "w_gate_up", "w_down", "group_sizes"))
     row_scale = inputs["row_scale"] if with_row_scale else None
@@ -117,12 +122,19 @@ def _check_glu_mlp(activation, case, with_row_scale, recompute):
 
     kernel = vjp(
         lambda *a: moe_jax.glu_mlp(
-            *a[:4], activation=activation, row_scale=a[4], recompute_gate_up=recompute, backend="pallas"
+            *a[:4],
+            activation=activation,
+            row_scale=a[4],
+            recompute_gate_up=recompute,
+            zero_tail=zero_tail,
+            backend="pallas",
         ),
         packed,
     )
     expected = vjp(lambda *a: mlp_reference.glu_mlp(*a[:4], activation=activation, row_scale=a[4]), w_gate_up)
-    kernel = (kernel[0], kernel[1], moe_jax.unpack_gate_up(kernel[2]), *kernel[3:])
+    past = int(np.sum(CASES[case][3]))
+    kernel = (kernel[0] if zero_tail else kernel[0][:past], kernel[1], moe_jax.unpack_gate_up(kernel[2]), *kernel[3:])
+    expected = (expected[0] if zero_tail else expected[0][:past], *expected[1:])
     names = ("y", "d_x", "d_w_gate_up", "d_w_down", "d_row_scale")
     for name, actual, exact in zip(names, kernel, expected, strict=True):
         if exact is None:
@@ -130,8 +142,9 @@ def _check_glu_mlp(activation, case, with_row_scale, recompute):
             continue
         assert actual.shape == exact.shape and actual.dtype == exact.dtype, name
         assert oracle.relative_error(actual, exact) < (Y_TOL if name == "y" else GRAD_TOL), name
-    past = int(np.sum(CASES[case][3]))
-    for name, value in (("y", kernel[0]), ("d_x", kernel[1])):
+    # x's rows past the sum get zero gradients either way; y's are zeros only when written.
+    zero_rows = {"y": kernel[0], "d_x": kernel[1]} if zero_tail else {"d_x": kernel[1]}
+    for name, value in zero_rows.items():
         np.testing.assert_array_equal(np.asarray(value, np.float32)[past:], 0.0, err_msg=name)
     if with_row_scale:
         np.testing.assert_array_equal(np.asarray(kernel[4])[past:], 0.0)
@@ -144,11 +157,19 @@ def _check_glu_mlp(activation, case, with_row_scale, recompute):
 # be the permute-then-MLP reference's. T = 40 tokens with k = 3 distinct experts each over G = 4 (expert 2 never
 # chosen); with "dropped", the last group is cut by 7 rows (as a capacity drop does), which must come out as zeros and
 # send no gradient to their tokens. fuse_gather=False takes the permute-then-glu_mlp path that wide layers get.
+# zero_tail=False (what moe_ffn runs): the dropped rows are left unwritten, compared before the sum only.
 @pytest.mark.parametrize(
-    "activation, dropped, fuse_gather", [("swiglu", False, True), ("gpt_oss", True, True), ("swiglu", True, False)]
+    "activation, dropped, fuse_gather, zero_tail",
+    [
+        ("swiglu", False, True, True),
+        ("gpt_oss", True, True, True),
+        ("swiglu", True, False, True),
+        ("geglu", True, True, False),
+        ("swiglu", True, False, False),
+    ],
 )
 @pytest.mark.usefixtures("interpret")
-def test_routed_glu_mlp_matches_permuted_reference(activation, dropped, fuse_gather):
+def test_routed_glu_mlp_matches_permuted_reference(activation, dropped, fuse_gather, zero_tail):
     num_tokens, top_k, d, f, num_experts = 40, 3, 64, 128, 4
     rng = np.random.default_rng(51)
     experts = np.stack([rng.choice(3, size=top_k, replace=False) for _ in range(num_tokens)]).reshape(-1)
@@ -180,6 +201,7 @@ def test_routed_glu_mlp_matches_permuted_reference(activation, dropped, fuse_gat
             activation=activation,
             row_scale=s,
             fuse_gather=fuse_gather,
+            zero_tail=zero_tail,
             backend="pallas",
         ),
         moe_jax.pack_gate_up(w_gate_up),
@@ -190,13 +212,34 @@ def test_routed_glu_mlp_matches_permuted_reference(activation, dropped, fuse_gat
         ),
         w_gate_up,
     )
-    kernel = (kernel[0], kernel[1], moe_jax.unpack_gate_up(kernel[2]), *kernel[3:])
+    past = int(sizes.sum())
+    kernel = (kernel[0] if zero_tail else kernel[0][:past], kernel[1], moe_jax.unpack_gate_up(kernel[2]), *kernel[3:])
+    expected = (expected[0] if zero_tail else expected[0][:past], *expected[1:])
     for name, actual, exact in zip(
         ("y", "d_x", "d_w_gate_up", "d_w_down", "d_row_scale"), kernel, expected, strict=True
     ):
         assert actual.shape == exact.shape and actual.dtype == exact.dtype, name
         assert oracle.relative_error(actual, exact) < (Y_TOL if name == "y" else GRAD_TOL), name
-    np.testing.assert_array_equal(np.asarray(kernel[0], np.float32)[int(sizes.sum()) :], 0.0)
+    if zero_tail:
+        np.testing.assert_array_equal(np.asarray(kernel[0], np.float32)[past:], 0.0)
+
+
+@pytest.mark.usefixtures("interpret")
+def test_glu_mlp_without_rows_and_zero_tail_off_gives_zero_gradients():
+    """No group has a row (an expert-parallel device none of whose experts was chosen): with zero_tail=False no
+    kernel computes anything, and every gradient is exactly zero, whatever the unwritten output holds."""
+    inputs = _inputs("ragged")
+    group_sizes = jnp.zeros_like(inputs["group_sizes"])
+
+    def mlp(x, w_gate_up, w_down, row_scale):
+        return moe_jax.glu_mlp(
+            x, w_gate_up, w_down, group_sizes, row_scale=row_scale, zero_tail=False, backend="pallas"
+        )
+
+    args = (inputs["x"], moe_jax.pack_gate_up(inputs["w_gate_up"]), inputs["w_down"], inputs["row_scale"])
+    _, pullback = jax.vjp(mlp, *args)
+    for gradient in jax.tree.leaves(pullback(inputs["cotangent"])):
+        np.testing.assert_array_equal(np.asarray(gradient, np.float32), 0.0)
 
 
 # None: the table's / heuristic's config. The 2-CTA cluster (spans of two row tiles; "ragged" has a span of two

@@ -301,20 +301,25 @@ def test_wgrad_orders_and_clusters_match_reference(layout):
 
 
 @pytest.mark.parametrize("block_m", [64, 128])
-def test_row_tiles_cover_every_row_once(block_m):
+@pytest.mark.parametrize("zero_tail", [True, False])
+def test_row_tiles_cover_every_row_once(block_m, zero_tail):
+    """Every row of a group stored once by a tile of its group; the rows past the sum by ZERO_TILE tiles, or (without
+    zero_tail) by none, except row 0 when no group has a row."""
     rng = np.random.default_rng(14)
-    for num_groups, num_rows in [(7, 500), (1, 64), (16, 1000)]:
-        sizes = oracle.random_group_sizes(rng, num_groups, num_rows * 3 // 4, "uniform")
-        tiles, count = schedule.row_tiles(jnp.asarray(sizes), num_rows, block_m)
+    for num_groups, num_rows, fill in [(7, 500, 3 / 4), (1, 64, 3 / 4), (16, 1000, 3 / 4), (5, 96, 0)]:
+        sizes = oracle.random_group_sizes(rng, num_groups, int(num_rows * fill), "uniform")
+        tiles, count = schedule.row_tiles(jnp.asarray(sizes), num_rows, block_m, zero_tail=zero_tail)
         tiles = np.asarray(tiles)[:, : int(count[0])]
         owner = np.full(num_rows, -2)
         for group, box, skip, rows in tiles.T:
             assert box % schedule.ROW_ALIGN == 0 and rows > 0 and skip + rows <= block_m
             assert (owner[box + skip : box + skip + rows] == -2).all(), "a row stored twice"
             owner[box + skip : box + skip + rows] = group
-        expected = np.concatenate([np.repeat(np.arange(num_groups), sizes), np.full(num_rows - sizes.sum(), -1)])
-        np.testing.assert_array_equal(owner, expected)
-        assert count[0] <= schedule.max_row_tiles(num_rows, num_groups, block_m)
+        tail = np.full(num_rows - sizes.sum(), -1 if zero_tail else -2)
+        if not zero_tail and sizes.sum() == 0:
+            tail[0] = -1
+        np.testing.assert_array_equal(owner, np.concatenate([np.repeat(np.arange(num_groups), sizes), tail]))
+        assert 1 <= count[0] <= schedule.max_row_tiles(num_rows, num_groups, block_m)
 
 
 def test_wgrad_groups_are_largest_first():

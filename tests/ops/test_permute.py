@@ -47,6 +47,44 @@ def test_combine_sums_each_tokens_rows(weighted):
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("num_rows", [0, 13, 33])
+def test_combine_of_the_first_rows_ignores_the_rest(num_rows):
+    """num_rows: rows at or past it add nothing, even NaN / Inf ones, and get a zero gradient."""
+    top_k = 3
+    routing = _routing(8, 11, 5, top_k)
+    rng = np.random.default_rng(num_rows)
+    y_sorted = rng.normal(size=(33, 4)).astype(np.float32)
+    y_sorted[num_rows:] = np.where(rng.uniform(size=(33 - num_rows, 4)) < 0.5, np.nan, np.inf)
+    weights = np.asarray(routing.weights)
+
+    def combined(y, w):
+        return moe_jax.combine(y, routing.sort_indices, top_k, w, num_rows=jnp.int32(num_rows))
+
+    y = combined(jnp.asarray(y_sorted), routing.weights)
+    expected = np.zeros((11, 4))
+    for position, assignment in enumerate(np.asarray(routing.sort_indices)[:num_rows]):
+        t, j = divmod(int(assignment), top_k)
+        expected[t] += weights[t, j] * y_sorted[position]
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
+
+    d_y = jnp.asarray(rng.normal(size=(11, 4)), jnp.float32)
+    d_sorted, d_weights = jax.vjp(combined, jnp.asarray(y_sorted), routing.weights)[1](d_y)
+    assert np.all(np.asarray(d_sorted)[num_rows:] == 0)
+    absent = np.zeros(33, bool)
+    absent[np.asarray(routing.sort_indices)[num_rows:]] = True
+    assert np.all(np.asarray(d_weights).reshape(-1)[absent] == 0)
+    assert np.all(np.isfinite(d_sorted)) and np.all(np.isfinite(d_weights))
+
+
+def test_combine_rejects_a_num_rows_that_is_not_an_integer_scalar():
+    routing = _routing(9, 4, 3, 2)
+    y_sorted = jnp.zeros((8, 2))
+    with pytest.raises(ValueError, match="num_rows must be an integer scalar"):
+        moe_jax.combine(y_sorted, routing.sort_indices, 2, num_rows=jnp.array([3]))
+    with pytest.raises(ValueError, match="num_rows must be an integer scalar"):
+        moe_jax.combine(y_sorted, routing.sort_indices, 2, num_rows=2.5)
+
+
 def test_combine_inverts_permute():
     top_k = 2
     routing = _routing(4, 9, 4, top_k)

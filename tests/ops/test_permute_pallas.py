@@ -109,6 +109,37 @@ def test_gradients_match_reference(dtype):
         assert relative_error(g, e) < tol, name
 
 
+@pytest.mark.parametrize("weighted", [True, False])
+def test_combine_of_the_first_rows_matches_reference(weighted):
+    """num_rows (traced): the kernels skip the later rows, filled here with NaN / Inf, and give them zero gradients."""
+    num_tokens, d_model, top_k = 13, 256, 3
+    routing = _routing(12, num_tokens, 5, top_k)
+    num_rows = int(np.random.default_rng().integers(0, num_tokens * top_k + 1))
+    y_sorted = np.array(_rows(13, (num_tokens * top_k, d_model), jnp.float32))
+    y_sorted[num_rows:] = np.where(np.arange(d_model) % 2, np.nan, np.inf)
+    y_sorted = jnp.asarray(y_sorted, jnp.bfloat16)
+    d_y = _rows(14, (num_tokens, d_model), jnp.bfloat16)
+    weights = routing.weights if weighted else None
+
+    def combined(combine):
+        @jax.jit
+        def run(y, w, n):
+            return jax.vjp(lambda y, w: combine(y, routing.sort_indices, top_k, w, num_rows=n), y, w)
+
+        y, pullback = run(y_sorted, weights, jnp.int32(num_rows))
+        return y, *pullback(d_y)
+
+    with checked_interpreter():
+        got = jax.block_until_ready(combined(lambda *a, **kw: moe_jax.combine(*a, **kw, backend="pallas")))
+    expected = combined(reference.combine)
+    for name, g, e in zip(("y", "dy_sorted", "dweights"), got, expected, strict=True):
+        if e is None:
+            continue
+        assert np.all(np.isfinite(np.asarray(g, np.float32))), f"{name} (num_rows={num_rows})"
+        assert relative_error(g, e) < TOL[jnp.bfloat16], f"{name} (num_rows={num_rows})"
+    np.testing.assert_array_equal(np.asarray(got[1], np.float32)[num_rows:], 0)
+
+
 def test_unsupported_width_falls_back_or_raises():
     routing = _routing(10, 8, 4, 2)
     x = _rows(11, (8, 100), jnp.float32)  # D = 100: not a multiple of 128

@@ -98,6 +98,7 @@ def glu_mlp(
     activation: str = "swiglu",
     row_scale: jax.Array | None = None,
     recompute_gate_up: bool = False,
+    zero_tail: bool = True,
     backend: str = "auto",
 ) -> jax.Array:
     """Grouped gated MLP: ``y_r = row_scale_r * (act(x_r W_gate[g]) * (x_r W_up[g])) W_down[g]`` for rows r of group g.
@@ -115,6 +116,9 @@ def glu_mlp(
       row_scale: optional [M] float (the routing weights); gets a gradient.
       recompute_gate_up: backend="pallas": recompute the [M, 2F] pre-activation in the backward instead of keeping
         it (less activation memory, one more GEMM).
+      zero_tail: False lets the Pallas path leave the result's rows past ``sum(group_sizes)`` unwritten (their
+        values unspecified) and skip them in every kernel of the backward: for callers that never read those rows,
+        e.g. ``combine(..., num_rows=sum(group_sizes))``. Gradients stay exact.
       backend: "auto", "xla" or "pallas" ("pallas" needs bf16/f16, D and F multiples of 64).
 
     Returns:
@@ -129,7 +133,9 @@ def glu_mlp(
     group_sizes = group_sizes.astype(jnp.int32)
     if resolve_backend(backend, op="glu_mlp", has_kernel=supported) == "xla":
         return reference.glu_mlp(x, w_gate_up, w_down, group_sizes, activation=activation, row_scale=row_scale)
-    return _run_pallas(x, None, None, w_gate_up, w_down, group_sizes, row_scale, activation, recompute_gate_up)
+    return _run_pallas(
+        x, None, None, w_gate_up, w_down, group_sizes, row_scale, activation, recompute_gate_up, zero_tail
+    )
 
 
 def routed_glu_mlp(
@@ -143,6 +149,7 @@ def routed_glu_mlp(
     activation: str = "swiglu",
     row_scale: jax.Array | None = None,
     fuse_gather: bool | None = None,
+    zero_tail: bool = True,
     backend: str = "auto",
 ) -> jax.Array:
     """``glu_mlp(permute(x, sort_indices, top_k), ...)``, on the Pallas path with the permute fused into the gate_up
@@ -157,7 +164,8 @@ def routed_glu_mlp(
       x: [T, D] tokens.
       sort_indices: [T * k] int32 from ``Routing.sort_indices`` (or ``apply_capacity``).
       top_k: k, the experts per token.
-      w_gate_up, w_down, group_sizes, activation, row_scale, backend: as ``glu_mlp``'s, for the T * k sorted rows.
+      w_gate_up, w_down, group_sizes, activation, row_scale, zero_tail, backend: as ``glu_mlp``'s, for the T * k
+        sorted rows.
       fuse_gather: Pallas path: gather inside the gate_up kernel (True) or permute first (False); None decides by
         the hidden width F (``fuses_gather``).
 
@@ -179,11 +187,20 @@ def routed_glu_mlp(
     pallas = resolve_backend(backend, op="glu_mlp", has_kernel=supported) == "pallas"
     if pallas and (fuses_gather(d_ff) if fuse_gather is None else fuse_gather):
         group_sizes = group_sizes.astype(jnp.int32)
-        return _run_pallas(x, sort_indices, top_k, w_gate_up, w_down, group_sizes, row_scale, activation, False)
+        return _run_pallas(
+            x, sort_indices, top_k, w_gate_up, w_down, group_sizes, row_scale, activation, False, zero_tail
+        )
     rows = permute(x, sort_indices, top_k, backend=_rows_backend(x) if pallas else "xla")
     mlp_backend = "pallas" if pallas else "xla"
     return glu_mlp(
-        rows, w_gate_up, w_down, group_sizes, activation=activation, row_scale=row_scale, backend=mlp_backend
+        rows,
+        w_gate_up,
+        w_down,
+        group_sizes,
+        activation=activation,
+        row_scale=row_scale,
+        zero_tail=zero_tail,
+        backend=mlp_backend,
     )
 
 
@@ -206,22 +223,26 @@ def _rows_backend(x) -> str:
     return "pallas" if permute_supports(x.shape[1], x.dtype) else "xla"
 
 
-def _run_pallas(x, sort_indices, top_k, w_gate_up, w_down, group_sizes, row_scale, activation, recompute_gate_up):
+def _run_pallas(
+    x, sort_indices, top_k, w_gate_up, w_down, group_sizes, row_scale, activation, recompute_gate_up, zero_tail
+):
     if not isinstance(w_gate_up, PackedGateUp):
         w_gate_up = pack_gate_up(w_gate_up)
     scale = None if row_scale is None else row_scale.astype(jnp.float32)
-    return _pallas_glu_mlp(
-        x, w_gate_up.array, w_down, group_sizes, scale, sort_indices, top_k, activation, recompute_gate_up
-    )
+    args = (x, w_gate_up.array, w_down, group_sizes, scale, sort_indices)
+    return _pallas_glu_mlp(*args, top_k, activation, recompute_gate_up, zero_tail)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _pallas_glu_mlp(x, w_gate_up, w_down, group_sizes, row_scale, sort_indices, top_k, activation, recompute_gate_up):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _pallas_glu_mlp(
+    x, w_gate_up, w_down, group_sizes, row_scale, sort_indices, top_k, activation, recompute_gate_up, zero_tail
+):
     """x [M, D] (or [T, D] tokens gathered by sort_indices // top_k), packed w_gate_up [G, D, 2F], w_down [G, F, D]
-    -> [M, D] in x.dtype."""
+    -> [M, D] in x.dtype (rows past the sum unwritten unless ``zero_tail``)."""
     del recompute_gate_up  # a backward option
-    hidden = _gate_up(x, w_gate_up, group_sizes, activation, _row_tokens(sort_indices, top_k), keep=False)
-    return _down(hidden, w_down, group_sizes, row_scale)
+    row_tokens = _row_tokens(sort_indices, top_k)
+    hidden = _gate_up(x, w_gate_up, group_sizes, activation, row_tokens, keep=False, zero_tail=zero_tail)
+    return _down(hidden, w_down, group_sizes, row_scale, zero_tail)
 
 
 def _row_tokens(sort_indices, top_k):
@@ -229,47 +250,67 @@ def _row_tokens(sort_indices, top_k):
     return None if sort_indices is None else sort_indices // top_k
 
 
-def _gate_up(x, w_gate_up, group_sizes, activation, row_tokens, *, keep: bool):
+def _gate_up(x, w_gate_up, group_sizes, activation, row_tokens, *, keep: bool, zero_tail: bool):
     """hidden [M, F], or (hidden, packed pre-activation [M, 2F] rounded for the backward)."""
     return run_forward_kernel(
-        x, w_gate_up, group_sizes, None, activation, x.dtype, False, keep=keep, row_tokens=row_tokens
+        x,
+        w_gate_up,
+        group_sizes,
+        None,
+        activation,
+        x.dtype,
+        False,
+        keep=keep,
+        row_tokens=row_tokens,
+        zero_tail=zero_tail,
     )
 
 
-def _down(hidden, w_down, group_sizes, row_scale):
+def _down(hidden, w_down, group_sizes, row_scale, zero_tail: bool):
     """[M, D] = hidden · w_down[g], rows scaled by ``row_scale`` (if any) in the epilogue."""
-    return run_forward_kernel(hidden, w_down, group_sizes, row_scale, None, hidden.dtype, False, keep=False)
+    return run_forward_kernel(
+        hidden, w_down, group_sizes, row_scale, None, hidden.dtype, False, keep=False, zero_tail=zero_tail
+    )
 
 
-def _glu_mlp_fwd(x, w_gate_up, w_down, group_sizes, row_scale, sort_indices, top_k, activation, recompute_gate_up):
+def _glu_mlp_fwd(
+    x, w_gate_up, w_down, group_sizes, row_scale, sort_indices, top_k, activation, recompute_gate_up, zero_tail
+):
     row_tokens = _row_tokens(sort_indices, top_k)
+    gate_up_args = (x, w_gate_up, group_sizes, activation, row_tokens)
     if recompute_gate_up:
-        hidden, gate_up = _gate_up(x, w_gate_up, group_sizes, activation, row_tokens, keep=False), None
+        hidden, gate_up = _gate_up(*gate_up_args, keep=False, zero_tail=zero_tail), None
     else:
-        hidden, gate_up = _gate_up(x, w_gate_up, group_sizes, activation, row_tokens, keep=True)
-    y = _down(hidden, w_down, group_sizes, row_scale)
+        hidden, gate_up = _gate_up(*gate_up_args, keep=True, zero_tail=zero_tail)
+    y = _down(hidden, w_down, group_sizes, row_scale, zero_tail)
     return y, (x, w_gate_up, w_down, group_sizes, row_scale, sort_indices, gate_up)
 
 
-def run_glu_dgrad(d_y, w_down, group_sizes, gate_up, row_scale, activation: str, *, config=None):
+def _rows_in_groups(group_sizes, num_rows: int) -> jax.Array:
+    """int32 scalar: the rows of the M = ``num_rows`` that belong to a group, ``sum(group_sizes)`` clipped to M."""
+    return jnp.minimum(jnp.sum(jnp.maximum(group_sizes, 0)), num_rows).astype(jnp.int32)
+
+
+def run_glu_dgrad(d_y, w_down, group_sizes, gate_up, row_scale, activation: str, *, config=None, zero_tail=True):
     """The down projection's dgrad with the GLU backward in its epilogue (the "glu_dgrad" kernel).
 
     Args:
       d_y: [M, D]; w_down: [G, F, D], read transposed (the kernel's output columns are F); group_sizes: [G] int32;
       gate_up: [M, 2F] packed pre-activation in d_y's dtype; row_scale: [M] f32 or None; activation: the GLU's;
-      config: the tile config (None: the table's or the heuristic's).
+      config: the tile config (None: the table's or the heuristic's); zero_tail: run_rows_kernel's.
 
     Returns:
       (d_gate_up [M, 2F] packed, h * row_scale [M, F], d_row_scale [M] f32 or None), in d_y's dtype. Rows past
       sum(group_sizes) have no product (it is 0 there), so their d_gate_up and d_row_scale are 0; h * row_scale is
       computed from ``gate_up`` on every row (zero in ``glu_mlp``, whose forward writes zero pre-activations there).
+      With ``zero_tail=False`` the first two are left unwritten there and d_row_scale is still 0.
     """
     epilogue = sm90.Epilogue(
         activation_grad=functools.partial(glu_grad, activation=activation),
         row_scale=row_scale is not None,
         pack=PACK_BLOCK,
     )
-    return run_rows_kernel(
+    d_gate_up, hidden_scaled, d_row_scale = run_rows_kernel(
         "glu_dgrad",
         d_y,
         w_down,
@@ -280,18 +321,31 @@ def run_glu_dgrad(d_y, w_down, group_sizes, gate_up, row_scale, activation: str,
         epilogue=epilogue,
         row_scale=row_scale,
         gate_up=gate_up,
+        zero_tail=zero_tail,
     )
+    if zero_tail or d_row_scale is None:
+        return d_gate_up, hidden_scaled, d_row_scale
+    # The row sums of rows without a tile are read from other tiles' partials: select them away.
+    rows = jnp.arange(d_y.shape[0], dtype=jnp.int32)
+    d_row_scale = jnp.where(rows < _rows_in_groups(group_sizes, d_y.shape[0]), d_row_scale, 0)
+    return d_gate_up, hidden_scaled, d_row_scale
 
 
-def _glu_mlp_bwd(top_k, activation, recompute_gate_up, residuals, d_y):
+def _glu_mlp_bwd(top_k, activation, recompute_gate_up, zero_tail, residuals, d_y):
+    """The GLU MLP's VJP. Without ``zero_tail`` (d_y's rows past the sum are not the result's: ignored) the kernels
+    skip those rows and what is left unwritten there never reaches a gradient: the wgrad kernels mask rows outside
+    a group, d_row_scale is selected, and x's gradient comes from rows the caller reads (the dgrad writes zeros past
+    the sum for an x of rows; a gathered x sums only the rows before it)."""
     x, w_gate_up, w_down, group_sizes, row_scale, sort_indices, gate_up = residuals
     d_y = d_y.astype(x.dtype)  # wgmma multiplies equal dtypes; accumulation stays f32
     if recompute_gate_up:
         # The forward kernel again, so that the backward sees the very bits it would have kept (the hidden output
         # is written and dropped: half the pre-activation's bytes, for one kernel to maintain).
         row_tokens = _row_tokens(sort_indices, top_k)
-        _, gate_up = _gate_up(x, w_gate_up, group_sizes, activation, row_tokens, keep=True)
-    d_gate_up, hidden_scaled, d_row_scale = run_glu_dgrad(d_y, w_down, group_sizes, gate_up, row_scale, activation)
+        _, gate_up = _gate_up(x, w_gate_up, group_sizes, activation, row_tokens, keep=True, zero_tail=zero_tail)
+    d_gate_up, hidden_scaled, d_row_scale = run_glu_dgrad(
+        d_y, w_down, group_sizes, gate_up, row_scale, activation, zero_tail=zero_tail
+    )
     d_w_down = run_wgrad_kernel(hidden_scaled, d_y, group_sizes, out_dtype=w_down.dtype)
     if sort_indices is None:
         d_x, d_w_gate_up = gemm_grads(x, w_gate_up, group_sizes, d_gate_up, transpose_rhs=False)
@@ -299,8 +353,11 @@ def _glu_mlp_bwd(top_k, activation, recompute_gate_up, residuals, d_y):
         # The gate_up wgrad contracts the sorted rows: with the gather fused they exist only here, for the backward.
         rows_backend = _rows_backend(x)
         rows = permute(x, sort_indices, top_k, backend=rows_backend)
-        d_rows, d_w_gate_up = gemm_grads(rows, w_gate_up, group_sizes, d_gate_up, transpose_rhs=False)
-        d_x = combine(d_rows, sort_indices, top_k, backend=rows_backend)
+        d_rows, d_w_gate_up = gemm_grads(
+            rows, w_gate_up, group_sizes, d_gate_up, transpose_rhs=False, zero_tail=zero_tail
+        )
+        num_rows = None if zero_tail else _rows_in_groups(group_sizes, d_rows.shape[0])
+        d_x = combine(d_rows, sort_indices, top_k, num_rows=num_rows, backend=rows_backend)
     return d_x, d_w_gate_up, d_w_down, None, d_row_scale, None
 
 

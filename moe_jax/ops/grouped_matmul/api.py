@@ -226,12 +226,14 @@ def run_rows_kernel(
     row_scale=None,
     gate_up=None,
     row_tokens=None,
+    zero_tail=True,
 ):
     """fwd / dgrad / glu_dgrad kernel: x[M, R] · w[g] per group (w [G, R, C], or [G, C, R] when ``w_transposed``).
 
     ``config=None`` takes config.get_config's choice for the op's (G, M, K, N); the tuning script passes its own.
     ``epilogue``, ``row_scale`` [M] f32, ``gate_up`` [M, 2C] and ``row_tokens`` [M] int32 are
-    sm90.grouped_matmul_rows's (with ``row_tokens``, x is [T, R] and row r is x[row_tokens[r]]).
+    sm90.grouped_matmul_rows's (with ``row_tokens``, x is [T, R] and row r is x[row_tokens[r]]). ``zero_tail``:
+    schedule.row_tiles's (False: the outputs' rows past sum(group_sizes) are left unwritten).
 
     Returns:
       sm90.grouped_matmul_rows's outputs, rows past M dropped; for the GLU backward (d_gate_up [M, 2C],
@@ -253,7 +255,7 @@ def run_rows_kernel(
     else:
         row_tokens = _padded_rows(row_tokens)
     padded_m = x.shape[0] if row_tokens is None else row_tokens.shape[0]
-    tiles, num_tiles = schedule.row_tiles(group_sizes, padded_m, config.block_m)
+    tiles, num_tiles = schedule.row_tiles(group_sizes, padded_m, config.block_m, zero_tail=zero_tail)
     outs = sm90.grouped_matmul_rows(
         x,
         w,
@@ -325,11 +327,15 @@ def _pallas_fwd(lhs, rhs, group_sizes, out_dtype, transpose_rhs):
     return _pallas_grouped_matmul(lhs, rhs, group_sizes, out_dtype, transpose_rhs), (lhs, rhs, group_sizes)
 
 
-def gemm_grads(lhs, rhs, group_sizes, d_out, *, transpose_rhs: bool) -> tuple[jax.Array, jax.Array]:
+def gemm_grads(
+    lhs, rhs, group_sizes, d_out, *, transpose_rhs: bool, zero_tail: bool = True
+) -> tuple[jax.Array, jax.Array]:
     """(d lhs, d rhs) of lhs · rhs[g]: d lhs = d_out · rhs[g]^T (the rows kernel reading rhs the other way round);
-    d rhs = lhs_g^T · d_out_g (the wgrad kernel)."""
+    d rhs = lhs_g^T · d_out_g (the wgrad kernel). ``zero_tail=False`` leaves d lhs's rows past the sum unwritten."""
     d_out = d_out.astype(lhs.dtype)  # wgmma multiplies equal dtypes; accumulation stays f32
-    d_lhs = run_rows_kernel("dgrad", d_out, rhs, group_sizes, w_transposed=not transpose_rhs, out_dtype=lhs.dtype)
+    d_lhs = run_rows_kernel(
+        "dgrad", d_out, rhs, group_sizes, w_transposed=not transpose_rhs, out_dtype=lhs.dtype, zero_tail=zero_tail
+    )
     # [G, N, K] weights get their gradient in the same layout: d_out_g^T · lhs_g.
     x, y = (d_out, lhs) if transpose_rhs else (lhs, d_out)
     d_rhs = run_wgrad_kernel(x, y, group_sizes, out_dtype=rhs.dtype, transposed=transpose_rhs)
@@ -368,11 +374,21 @@ def forward_epilogue(activation: str | None, row_scale: bool, *, keep_dtype=None
 
 
 def run_forward_kernel(
-    lhs, rhs, group_sizes, row_scale, activation, out_dtype, transpose_rhs, *, keep: bool, row_tokens=None
+    lhs,
+    rhs,
+    group_sizes,
+    row_scale,
+    activation,
+    out_dtype,
+    transpose_rhs,
+    *,
+    keep: bool,
+    row_tokens=None,
+    zero_tail: bool = True,
 ):
     """The forward kernel with its epilogue (plain when neither ``activation`` nor ``row_scale``); ``keep`` also
     returns the pre-activation [M, N], rounded for the GLU backward. With ``row_tokens`` [M], lhs is [T, K] and row r
-    of the product is lhs[row_tokens[r]]."""
+    of the product is lhs[row_tokens[r]]. ``zero_tail=False`` leaves the outputs' rows past the sum unwritten."""
     epilogue = forward_epilogue(activation, row_scale is not None, keep_dtype=out_dtype if keep else None)
     return run_rows_kernel(
         "fwd",
@@ -384,6 +400,7 @@ def run_forward_kernel(
         epilogue=epilogue,
         row_scale=row_scale,
         row_tokens=row_tokens,
+        zero_tail=zero_tail,
     )
 
 

@@ -31,13 +31,18 @@ def max_row_tiles(num_rows: int, num_groups: int, block_m: int) -> int:
     return (num_rows + (num_groups + 1) * (block_m - 1 + ROW_ALIGN - 1)) // block_m
 
 
-def row_tiles(group_sizes: jax.Array, num_rows: int, block_m: int) -> tuple[jax.Array, jax.Array]:
+def row_tiles(
+    group_sizes: jax.Array, num_rows: int, block_m: int, *, zero_tail: bool = True
+) -> tuple[jax.Array, jax.Array]:
     """The fwd/dgrad row-tile table.
 
     Args:
       group_sizes: [G] int32; negative sizes count as 0 and rows beyond ``num_rows`` are dropped.
       num_rows: M.
       block_m: rows per tile.
+      zero_tail: give the rows past the sum ZERO_TILE tiles (True) or none (False: those rows are never written, for
+        callers that never read them). Without any row the table still holds one ZERO_TILE tile, for row 0, so that
+        the kernel always has a tile to read.
 
     Returns:
       tiles: [4, T] int32 with T = max_row_tiles(M, G, block_m): per tile (group or ZERO_TILE, first row of the box,
@@ -47,7 +52,8 @@ def row_tiles(group_sizes: jax.Array, num_rows: int, block_m: int) -> tuple[jax.
     sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
     ends = jnp.minimum(jnp.cumsum(sizes), num_rows)
     # The zero segment [sum, M) is one more "group", so that one table drives both kinds of tile.
-    seg_ends = jnp.concatenate([ends, jnp.full((1,), num_rows, jnp.int32)])
+    tail_end = num_rows if zero_tail else jnp.maximum(ends[-1], min(num_rows, 1))
+    seg_ends = jnp.concatenate([ends, jnp.full((1,), tail_end, jnp.int32)])
     seg_starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), seg_ends[:-1]])
     seg_ids = jnp.concatenate([jnp.arange(sizes.shape[0], dtype=jnp.int32), jnp.full((1,), ZERO_TILE, jnp.int32)])
     seg_boxes = seg_starts // ROW_ALIGN * ROW_ALIGN

@@ -152,6 +152,8 @@ def routed_experts(x, routing, group_sizes, sort_indices, w_gate_up, w_down, *, 
         # scale the down projection's rows (its epilogue), so the combine is a plain sum. Gathered by sort_indices,
         # which is apply_capacity's when it ran (so not Routing.sorted_weights).
         row_weights = routing.weights.reshape(-1)[sort_indices]
+        # The rows past the sum (a capacity's drops, another device's experts) are neither written by the kernels
+        # nor read by the combine.
         out_rows = routed_glu_mlp(
             x,
             sort_indices,
@@ -161,7 +163,9 @@ def routed_experts(x, routing, group_sizes, sort_indices, w_gate_up, w_down, *, 
             group_sizes,
             activation=activation,
             row_scale=row_weights,
+            zero_tail=False,
             backend=backend,
         )
     with jax.named_scope("combine"):
-        return combine(out_rows, sort_indices, routing.top_k, backend=backend)
+        num_rows = jnp.minimum(jnp.sum(group_sizes), sort_indices.shape[0]).astype(jnp.int32)
+        return combine(out_rows, sort_indices, routing.top_k, num_rows=num_rows, backend=backend)

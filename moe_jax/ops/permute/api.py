@@ -1,6 +1,7 @@
 """``permute`` / ``combine``: move token rows into expert order and back."""
 
 import jax
+import jax.numpy as jnp
 
 from moe_jax._core import checks
 from moe_jax._core.backend import resolve_backend
@@ -51,6 +52,7 @@ def combine(
     top_k: int,
     weights: jax.Array | None = None,
     *,
+    num_rows: jax.Array | int | None = None,
     backend: str = "auto",
 ) -> jax.Array:
     """Sums each token's k expert outputs, weighted by ``weights`` when given.
@@ -60,21 +62,29 @@ def combine(
       sort_indices: [T * k] int32 from ``Routing.sort_indices``.
       top_k: k, the experts per token.
       weights: optional [T, k] routing weights (omit when they were folded in, e.g. by ``row_scale``).
+      num_rows: optional int32 scalar (may be traced): only the first ``num_rows`` rows of y_sorted hold outputs
+        (e.g. ``sum(group_sizes)`` of a grouped matmul that left the rest unwritten); an assignment at a later row
+        adds zero, whatever that row holds, and its row gets a zero gradient. The Pallas kernel does not read those
+        rows.
       backend: "auto", "xla" or "pallas".
 
     Returns:
       [T, D] in ``y_sorted.dtype`` (accumulated in f32).
     """
-    num_rows, _ = checks.check_rank("y_sorted", y_sorted, 2, "[T * k, D]")
+    total_rows, _ = checks.check_rank("y_sorted", y_sorted, 2, "[T * k, D]")
     checks.check_positive_int("top_k", top_k)
-    if num_rows % top_k:
-        raise ValueError(f"y_sorted: rows must be T * top_k (a multiple of top_k={top_k}), got {num_rows}")
-    _check_sort_indices(sort_indices, num_rows, "length (rows of y_sorted)")
+    if total_rows % top_k:
+        raise ValueError(f"y_sorted: rows must be T * top_k (a multiple of top_k={top_k}), got {total_rows}")
+    _check_sort_indices(sort_indices, total_rows, "length (rows of y_sorted)")
     if weights is not None:
         shape = checks.check_rank("weights", weights, 2, "[T, k]")
-        if shape != (num_rows // top_k, top_k):
-            raise ValueError(f"weights must have shape [T, k] = {(num_rows // top_k, top_k)}, got {shape}")
+        if shape != (total_rows // top_k, top_k):
+            raise ValueError(f"weights must have shape [T, k] = {(total_rows // top_k, top_k)}, got {shape}")
         checks.check_float("weights", weights)
+    if num_rows is not None:
+        num_rows = jnp.asarray(num_rows)
+        if num_rows.shape != () or not jnp.issubdtype(num_rows.dtype, jnp.integer):
+            raise ValueError(f"num_rows must be an integer scalar, got {num_rows.dtype}{list(num_rows.shape)}")
     if _resolve(backend, "combine", y_sorted) == "pallas":
-        return sm90_vjp.combine(y_sorted, sort_indices, top_k, weights)
-    return reference.combine(y_sorted, sort_indices, top_k, weights)
+        return sm90_vjp.combine(y_sorted, sort_indices, top_k, weights, num_rows)
+    return reference.combine(y_sorted, sort_indices, top_k, weights, num_rows)

@@ -24,16 +24,22 @@ def inverse_permutation(sort_indices: jax.Array) -> jax.Array:
     return jnp.zeros_like(positions).at[sort_indices].set(positions, unique_indices=True, mode="drop")
 
 
-def combine(y_sorted: jax.Array, sort_indices: jax.Array, top_k: int, weights: jax.Array | None = None) -> jax.Array:
+def combine(
+    y_sorted: jax.Array, sort_indices: jax.Array, top_k: int, weights: jax.Array | None = None, num_rows=None
+) -> jax.Array:
     """[M, D] expert-sorted outputs -> [T, D] with ``y_t = sum_j w_tj * y_sorted[pos(t, j)]``.
 
-    Without ``weights`` ([T, k]) the k rows of a token are summed as they are (weights already folded in).
+    Without ``weights`` ([T, k]) the k rows of a token are summed as they are (weights already folded in). With
+    ``num_rows``, assignments at rows ``pos >= num_rows`` add zero (selected away, whatever those rows hold).
     Accumulates in f32 and returns ``y_sorted.dtype``.
     """
-    num_rows, d_model = y_sorted.shape
+    total_rows, d_model = y_sorted.shape
     acc_dtype = accumulation_dtype(y_sorted.dtype)
-    per_assignment = y_sorted[inverse_permutation(sort_indices)].astype(acc_dtype)
-    per_assignment = per_assignment.reshape(num_rows // top_k, top_k, d_model)
+    positions = inverse_permutation(sort_indices)
+    per_assignment = y_sorted[positions].astype(acc_dtype)
+    if num_rows is not None:
+        per_assignment = jnp.where((positions < num_rows)[:, None], per_assignment, 0)
+    per_assignment = per_assignment.reshape(total_rows // top_k, top_k, d_model)
     if weights is not None:
         per_assignment = per_assignment * weights.astype(acc_dtype)[..., None]
     return per_assignment.sum(1).astype(y_sorted.dtype)

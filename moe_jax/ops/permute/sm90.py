@@ -8,6 +8,10 @@ once, whichever way the data flows:
                 (optionally dw[t, j] = <x[t], dot_rows[positions[t, j]]>: the weight gradient of combine)
   gather_rows   out[t] = sum_j w[t, j] * rows[positions[t, j]]  combine and the backward of permute (w = 1)
 
+A position may be *absent* (``combine`` over the first ``num_rows`` rows only): it is stored as ``-1 - p`` for row p.
+gather_rows adds zero for it and reads row 0 in its place (one cached row, not row p); scatter_rows writes zeros to
+row p and a zero dot product (reading row 0 for it), so that the gradient of an absent row is exactly zero.
+
 A CTA owns ``tokens_per_block`` consecutive tokens (the last CTA repeats token T - 1 instead of branching: it rewrites
 the same rows with the same values). A row is moved as register chunks of ``128 * vec_size`` columns in the
 warpgroup-strided layout: lane l holds columns [l * vec_size, (l + 1) * vec_size) of the chunk, so each access is
@@ -50,6 +54,11 @@ def _store_chunk(ref, row, chunk: int, value, config: Config) -> None:
     ref[row, pl.ds(chunk * config.chunk, config.chunk)] = value.astype(ref.dtype)
 
 
+def _present(value, position):
+    """``value`` where ``position`` is present (>= 0), zeros where it is absent (a select: NaN or Inf cannot leak)."""
+    return jnp.where(position >= 0, value, jnp.zeros_like(value))
+
+
 def scatter_rows(
     x: jax.Array,
     positions: jax.Array,
@@ -63,7 +72,8 @@ def scatter_rows(
 
     Args:
       x: [T, D] token rows.
-      positions: [T, k] int32, a permutation of [0, T * k) (every output row is written exactly once).
+      positions: [T, k] int32, a permutation of [0, T * k) (every output row is written exactly once); an absent
+        row p given as ``-1 - p`` is written as zeros.
       weights: optional [T, k] f32 row scales (the product is rounded once to x.dtype).
       dot_rows: optional [T * k, D] expert-sorted rows.
       config: see ``Config``; ``128 * vec_size`` must divide D.
@@ -91,15 +101,17 @@ def scatter_rows(
                 chunks = [chunk.astype(jnp.float32) for chunk in chunks]
             for j in range(top_k):
                 position = pos_gmem[t, j]
+                row = jnp.where(position >= 0, position, -1 - position)
                 scale = w_gmem[t, j] if weighted else None
                 for c, chunk in enumerate(chunks):
-                    _store_chunk(out_gmem, position, c, chunk if scale is None else chunk * scale, config)
+                    value = _present(chunk if scale is None else chunk * scale, position)
+                    _store_chunk(out_gmem, row, c, value, config)
                 if with_dot:
                     products = [
-                        chunk * _load_chunk(dot_gmem, position, c, config).astype(jnp.float32)
+                        chunk * _load_chunk(dot_gmem, jnp.maximum(position, 0), c, config).astype(jnp.float32)
                         for c, chunk in enumerate(chunks)
                     ]
-                    dw_gmem[t, j] = jnp.sum(functools.reduce(lax.add, products))
+                    dw_gmem[t, j] = _present(jnp.sum(functools.reduce(lax.add, products)), position)
 
     out_type = [jax.ShapeDtypeStruct((num_tokens * top_k, d_model), x.dtype)]
     if with_dot:
@@ -130,7 +142,8 @@ def gather_rows(
 
     Args:
       rows: [T * k, D] expert-sorted rows.
-      positions: [T, k] int32 row of each assignment (rows in [0, T * k); any may repeat).
+      positions: [T, k] int32 row of each assignment (rows in [0, T * k); any may repeat); ``-1 - p``: absent,
+        adds zero.
       weights: optional [T, k] f32.
       out_dtype: result dtype (default rows.dtype).
       config: see ``Config``; ``128 * vec_size`` must divide D.
@@ -151,13 +164,14 @@ def gather_rows(
         w_gmem = refs.pop(0) if weighted else None
         (out_gmem,) = refs
         for t in _block_tokens(num_tokens, config):
-            sources = [pos_gmem[t, j] for j in range(top_k)]
+            positions = [pos_gmem[t, j] for j in range(top_k)]
+            sources = [jnp.maximum(p, 0) for p in positions]
             scales = [w_gmem[t, j] for j in range(top_k)] if weighted else None
             for first in range(0, num_chunks, batch):
                 chunk_ids = range(first, min(first + batch, num_chunks))
                 loaded = [[_load_chunk(rows_gmem, p, c, config) for p in sources] for c in chunk_ids]
                 for c, per_slot in zip(chunk_ids, loaded, strict=True):
-                    terms = [v.astype(jnp.float32) for v in per_slot]
+                    terms = [_present(v.astype(jnp.float32), p) for v, p in zip(per_slot, positions, strict=True)]
                     if weighted:
                         terms = [v * s for v, s in zip(terms, scales, strict=True)]
                     _store_chunk(out_gmem, t, c, functools.reduce(lax.add, terms), config)

@@ -6,6 +6,9 @@ routing inside one jit. The backward of one op is the other kernel:
 
   permute   fwd scatter_rows(x)               bwd dx = gather_rows(dout)             (a plain sum of the k rows)
   combine   fwd gather_rows(y_sorted, w)      bwd dy_sorted, dw = scatter_rows(dy, w, dot_rows=y_sorted)
+
+A combine over the first ``num_rows`` rows marks the other assignments absent in ``positions``: its forward does not
+read their rows, its backward writes them zero gradients.
 """
 
 import jax
@@ -16,9 +19,11 @@ from moe_jax.ops.permute import reference, sm90
 from moe_jax.ops.permute.config import heuristic_config
 
 
-def token_positions(sort_indices: jax.Array, top_k: int) -> jax.Array:
-    """[T, k] int32: the expert-sorted row of each assignment (``reference.inverse_permutation``, by token)."""
-    return reference.inverse_permutation(sort_indices).reshape(-1, top_k)
+def token_positions(sort_indices: jax.Array, top_k: int, num_rows=None) -> jax.Array:
+    """[T, k] int32: the expert-sorted row of each assignment (``reference.inverse_permutation``, by token); with
+    ``num_rows``, a row p at or past it is absent, ``-1 - p`` (sm90.py)."""
+    positions = reference.inverse_permutation(sort_indices).reshape(-1, top_k)
+    return positions if num_rows is None else jnp.where(positions < num_rows, positions, -1 - positions)
 
 
 def _scatter(rows, positions, weights=None, dot_rows=None):
@@ -77,9 +82,12 @@ def _combine_weighted_bwd(residuals, dy):
 _combine_weighted.defvjp(_combine_weighted_fwd, _combine_weighted_bwd)
 
 
-def combine(y_sorted: jax.Array, sort_indices: jax.Array, top_k: int, weights: jax.Array | None = None) -> jax.Array:
-    """[T * k, D] -> [T, D]: ``y_t = sum_j w_tj * y_sorted[pos(t, j)]`` (see ``moe_jax.ops.permute.api.combine``)."""
-    positions = token_positions(sort_indices, top_k)
+def combine(
+    y_sorted: jax.Array, sort_indices: jax.Array, top_k: int, weights: jax.Array | None = None, num_rows=None
+) -> jax.Array:
+    """[T * k, D] -> [T, D]: ``y_t = sum_j w_tj * y_sorted[pos(t, j)]`` over the rows before ``num_rows`` (see
+    ``moe_jax.ops.permute.api.combine``)."""
+    positions = token_positions(sort_indices, top_k, num_rows)
     if weights is None:
         return _combine(y_sorted, positions)
     return _combine_weighted(y_sorted, positions, weights)
