@@ -34,7 +34,7 @@ ARG_NAMES = ("x", "router_kernel", "w_gate_up", "w_down")
 AXES = ("data", "expert")
 
 
-def _layer(shape: LayerShape, backend: str, route_kwargs: dict, *, parallel: bool) -> Callable:
+def layer_fn(shape: LayerShape, backend: str, route_kwargs: dict, *, parallel: bool) -> Callable:
     """``(x, router_kernel, w_gate_up, w_down) -> y`` through ``moe_ffn`` or its expert-parallel form."""
     ffn = moe_ffn_expert_parallel if parallel else moe_jax.moe_ffn
 
@@ -49,7 +49,7 @@ def _collectives(x):
     return lax.psum_scatter(lax.all_gather(x, "expert", tiled=True), "expert", tiled=True)
 
 
-def _placements(mesh: jax.sharding.Mesh) -> dict:
+def placements(mesh: jax.sharding.Mesh) -> dict:
     """Where each operand lives on ``mesh``: tokens over every axis, experts over "expert", the router replicated."""
     tokens = NamedSharding(mesh, P(AXES))
     experts = NamedSharding(mesh, P("expert"))
@@ -62,7 +62,7 @@ def _placements(mesh: jax.sharding.Mesh) -> dict:
     }
 
 
-def _on_mesh(fn: Callable, mesh: jax.sharding.Mesh) -> Callable:
+def on_mesh(fn: Callable, mesh: jax.sharding.Mesh) -> Callable:
     """``fn`` jitted, traced and run under ``mesh`` (the expert-parallel layer reads the mesh from the context)."""
     jitted = jax.jit(fn)
 
@@ -89,14 +89,14 @@ def bench_shape(
     route_kwargs = common.routing_kwargs(shape, options.seed)
     records = []
 
-    def time_it(impl: str, fn: Callable, placements: dict, names=ARG_NAMES, reference=None, flops=flops):
+    def time_it(impl: str, fn: Callable, shardings: dict, names=ARG_NAMES, reference=None, flops=flops):
         record = common.Record(bench, shape.name, "router", impl, flops, dims)
         if common.past_deadline(options):
             records.append(common.skip(record))
             emit(record)
             return None
         names += ("ct",) if backward else ()
-        arg_sets = [tuple(jax.device_put(s[name], placements[name]) for name in names) for s in inputs()]
+        arg_sets = [tuple(jax.device_put(s[name], shardings[name]) for name in names) for s in inputs()]
         output = common.measure(record, fn, arg_sets, options)
         if output is not None:
             output = jax.device_get(output)  # host copies: the rows' outputs live on different devices
@@ -116,19 +116,17 @@ def bench_shape(
         f"ep{num_devices}": jax.make_mesh((1, num_devices), AXES, axis_types=(AxisType.Explicit,) * 2),
     }
     for backend in options.backends:
-        layer = _layer(shape, backend, route_kwargs, parallel=False)
+        layer = layer_fn(shape, backend, route_kwargs, parallel=False)
         output = time_it(f"moe_jax:{backend}", jax.jit(differentiated(layer)), single)
         reference = (f"moe_jax:{backend}", output) if output is not None else None
-        parallel = _layer(shape, backend, route_kwargs, parallel=True)
+        parallel = layer_fn(shape, backend, route_kwargs, parallel=True)
         for name, mesh in meshes.items():
-            time_it(
-                f"{name}:{backend}", _on_mesh(differentiated(parallel), mesh), _placements(mesh), reference=reference
-            )
+            time_it(f"{name}:{backend}", on_mesh(differentiated(parallel), mesh), placements(mesh), reference=reference)
     ep_mesh = meshes[f"ep{num_devices}"]
     collectives = jax.shard_map(_collectives, mesh=ep_mesh, in_specs=P(AXES), out_specs=P(AXES))
     if backward:
         collectives = common.forward_backward(collectives)
-    time_it(f"ep{num_devices}:collectives", jax.jit(collectives), _placements(ep_mesh), names=("x",), flops=0)
+    time_it(f"ep{num_devices}:collectives", jax.jit(collectives), placements(ep_mesh), names=("x",), flops=0)
     return records
 
 

@@ -10,6 +10,7 @@
 # tests out of memory (2026-11-25): re-run what fails that way with fewer jobs.
 # Time: the grouped-matmul and GLU MLP files (54 tests) need more than one 600-s device call even with JOBS=5 (48 done
 # at 570 s, H100): split a selection over two calls.
+# flax: the nn.MoE test needs flax >= 0.12.12 (the machine's may be older): carry its wheel (train/README.md).
 # Logs go to $OUT (the device tool's folder) or ./gpu_test_logs; the exit status is non-zero if any shard failed.
 set -uo pipefail
 jobs=${JOBS:-4}
