@@ -9,6 +9,8 @@ left unwritten and unread ("new": ``zero_tail=False`` kernels, ``combine(num_row
 Each variant is its own function: two ``jax.jit`` of one function share jax's trace cache, so the second would run
 the first's program. Rounds alternate old and new (``common.time_fn``, 10 samples, 1 warm-up); the table shows the
 median of the round medians; ``$OUT/zero_tail_ab_<part>.json`` keeps every round. Results: benchmarks/RESULTS.md.
+Since the commit after 144a8bc, moe_ffn without a capacity runs the old program (nothing lies past the sum there):
+its "one device" rows then time one program twice.
 """
 
 import contextlib

@@ -6,11 +6,12 @@ E / P experts on the rows routed to them, combines those into a partial [T, D] a
 partials and hands each device back its own tokens. Per device that moves T * D * (P - 1) / P elements each way,
 against T * k * D * (P - 1) / P for an all-to-all of the routed rows: no more for any k >= 1, and no ragged
 exchange. The expert kernels see the whole group's T * k rows with only the local experts' at the front (a rotation
-of the expert-sorted order); the rest lie past ``sum(group_sizes)``, where ``moe_ffn``'s stages neither compute nor
-write (``zero_tail=False``) and the combine does not read (``num_rows``), in the backward as in the forward. So a
+of the expert-sorted order); the rest lie past ``sum(group_sizes)``, where the expert kernels neither compute nor write
+(``zero_tail=False``) and the combine does not read (``num_rows``), in the backward as in the forward. So a
 device's kernels move about 1 / P of the group's rows, and their MMAs and weight reads are the local experts' only.
 What every device still does for the whole group: the router matmul and the routing, and (backward) the combine's
-transpose, which writes a gradient row, zero for another device's experts, for each of the T_group * k rows.
+transpose, which writes a gradient row, zero for another device's experts, for each of the T_group * k rows, and,
+where the gather is fused into the gate_up kernel, the permuted copy of x that its weight gradient reads.
 Measured on two H100s: ``benchmarks/RESULTS.md`` ("ep" bench).
 """
 
@@ -157,7 +158,15 @@ def _expert_parallel_body(
         group_sizes, sort_indices, lax.axis_index(expert_axis) * num_local, num_local
     )
     partial_y = routed_experts(
-        group_x, routing, local_sizes, local_indices, w_gate_up, w_down, activation=activation, backend=backend
+        group_x,
+        routing,
+        local_sizes,
+        local_indices,
+        w_gate_up,
+        w_down,
+        activation=activation,
+        rows_past_sum=True,  # the other devices' experts' rows
+        backend=backend,
     )
     y = lax.psum_scatter(partial_y, expert_axis, tiled=True)
 

@@ -120,7 +120,17 @@ def moe_ffn(
     )
     logits, routing = route_tokens(x, router_kernel, top_k=top_k, backend=backend, **routing_options)
     group_sizes, sort_indices = expert_rows(routing, capacity_factor)
-    y = routed_experts(x, routing, group_sizes, sort_indices, w_gate_up, w_down, activation=activation, backend=backend)
+    y = routed_experts(
+        x,
+        routing,
+        group_sizes,
+        sort_indices,
+        w_gate_up,
+        w_down,
+        activation=activation,
+        rows_past_sum=capacity_factor is not None,
+        backend=backend,
+    )
     aux = MoEAux(
         load_balancing_loss=load_balancing_loss(routing),
         z_loss=z_loss(logits),
@@ -143,17 +153,23 @@ def expert_rows(routing: Routing, capacity_factor: float | None) -> tuple[jax.Ar
     return apply_capacity(routing, capacity_factor)
 
 
-def routed_experts(x, routing, group_sizes, sort_indices, w_gate_up, w_down, *, activation, backend) -> jax.Array:
+def routed_experts(
+    x, routing, group_sizes, sort_indices, w_gate_up, w_down, *, activation, rows_past_sum: bool, backend
+) -> jax.Array:
     """y [T, D] = the routing-weighted sum of each token's expert outputs, over the expert-sorted rows
     ``sort_indices`` [T*k] whose first ``sum(group_sizes)`` belong to the G experts of w_gate_up [G, D, 2F] /
-    w_down [G, F, D] in order; rows past that sum contribute nothing."""
+    w_down [G, F, D] in order; rows past that sum contribute nothing.
+
+    ``rows_past_sum``: whether there can be such rows (a capacity's drops, another device's experts). Then the
+    kernels skip them and the combine does not read them. Without (every row routed), the kernels keep their zero
+    tail, which is empty: two A/Bs of the whole layer measured the skipping program's forward + backward 2.5% (H100)
+    and 5% (H200) slower there, with rounds alternating between two speeds (benchmarks/RESULTS.md, 2026-11-25).
+    """
     with jax.named_scope("experts"):
         # The permute runs inside the gate_up kernel's loads where that pays (routed_glu_mlp). The routing weights
         # scale the down projection's rows (its epilogue), so the combine is a plain sum. Gathered by sort_indices,
         # which is apply_capacity's when it ran (so not Routing.sorted_weights).
         row_weights = routing.weights.reshape(-1)[sort_indices]
-        # The rows past the sum (a capacity's drops, another device's experts) are neither written by the kernels
-        # nor read by the combine.
         out_rows = routed_glu_mlp(
             x,
             sort_indices,
@@ -163,9 +179,11 @@ def routed_experts(x, routing, group_sizes, sort_indices, w_gate_up, w_down, *, 
             group_sizes,
             activation=activation,
             row_scale=row_weights,
-            zero_tail=False,
+            zero_tail=not rows_past_sum,
             backend=backend,
         )
     with jax.named_scope("combine"):
-        num_rows = jnp.minimum(jnp.sum(group_sizes), sort_indices.shape[0]).astype(jnp.int32)
+        num_rows = None
+        if rows_past_sum:
+            num_rows = jnp.minimum(jnp.sum(group_sizes), sort_indices.shape[0]).astype(jnp.int32)
         return combine(out_rows, sort_indices, routing.top_k, num_rows=num_rows, backend=backend)
