@@ -286,7 +286,7 @@ def _glu_mlp_fwd(
     return y, (x, w_gate_up, w_down, group_sizes, row_scale, sort_indices, gate_up)
 
 
-def _rows_in_groups(group_sizes, num_rows: int) -> jax.Array:
+def rows_in_groups(group_sizes, num_rows: int) -> jax.Array:
     """int32 scalar: the rows of the M = ``num_rows`` that belong to a group, ``sum(group_sizes)`` clipped to M."""
     return jnp.minimum(jnp.sum(jnp.maximum(group_sizes, 0)), num_rows).astype(jnp.int32)
 
@@ -327,7 +327,7 @@ def run_glu_dgrad(d_y, w_down, group_sizes, gate_up, row_scale, activation: str,
         return d_gate_up, hidden_scaled, d_row_scale
     # The row sums of rows without a tile are read from other tiles' partials: select them away.
     rows = jnp.arange(d_y.shape[0], dtype=jnp.int32)
-    d_row_scale = jnp.where(rows < _rows_in_groups(group_sizes, d_y.shape[0]), d_row_scale, 0)
+    d_row_scale = jnp.where(rows < rows_in_groups(group_sizes, d_y.shape[0]), d_row_scale, 0)
     return d_gate_up, hidden_scaled, d_row_scale
 
 
@@ -356,7 +356,7 @@ def _glu_mlp_bwd(top_k, activation, recompute_gate_up, zero_tail, residuals, d_y
         d_rows, d_w_gate_up = gemm_grads(
             rows, w_gate_up, group_sizes, d_gate_up, transpose_rhs=False, zero_tail=zero_tail
         )
-        num_rows = None if zero_tail else _rows_in_groups(group_sizes, d_rows.shape[0])
+        num_rows = None if zero_tail else rows_in_groups(group_sizes, d_rows.shape[0])
         d_x = combine(d_rows, sort_indices, top_k, num_rows=num_rows, backend=rows_backend)
     return d_x, d_w_gate_up, d_w_down, None, d_row_scale, None
 

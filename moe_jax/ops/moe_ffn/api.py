@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax._core import checks
-from moe_jax.ops.glu_mlp.api import routed_glu_mlp
+from moe_jax.ops.glu_mlp.api import routed_glu_mlp, rows_in_groups
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp
 from moe_jax.ops.grouped_matmul.reference import ACTIVATIONS
 from moe_jax.ops.permute.api import combine
@@ -185,5 +185,5 @@ def routed_experts(
     with jax.named_scope("combine"):
         num_rows = None
         if rows_past_sum:
-            num_rows = jnp.minimum(jnp.sum(group_sizes), sort_indices.shape[0]).astype(jnp.int32)
+            num_rows = rows_in_groups(group_sizes, sort_indices.shape[0])
         return combine(out_rows, sort_indices, routing.top_k, num_rows=num_rows, backend=backend)
