@@ -110,3 +110,44 @@ def test_permute_combine_and_gradients(name):
     for (name, tol), g, e in zip(tolerances.items(), got, expected, strict=True):
         assert np.all(np.isfinite(np.asarray(g, np.float32))), name
         assert relative_error(g, e) <= tol, name
+
+
+# Issue #5's largest sizes: T = 256k tokens, E up to 512, k up to 16 (E = 512, k = 16 runs four chunks of 128).
+LARGE_ROUTERS = {
+    "t256k-e128-k8": (262144, 128, 8, dict(score="softmax")),
+    "t256k-e256-k8-grouped": (262144, 256, 8, dict(score="sigmoid", num_groups=8, top_groups=4, bias=True)),
+    "t256k-e512-k16": (262144, 512, 16, dict(score="softmax")),
+}
+
+
+@pytest.mark.parametrize("name", list(LARGE_ROUTERS))
+def test_route_at_256k_tokens(name):
+    num_tokens, num_experts, top_k, options = LARGE_ROUTERS[name]
+    logits = jax.random.normal(jax.random.key(5), (num_tokens, num_experts), jnp.float32) * 2
+    kernel, expected = _routings(logits, top_k, **options)
+    _assert_same_routing(kernel, expected)
+    assert kernel.group_sizes.sum() == num_tokens * top_k
+
+
+def test_permute_combine_at_256k_tokens():
+    # T * k = 2M rows: row indices past 2**21 / k, a [T * k, D] array of 2 GiB.
+    num_tokens, num_experts, top_k, d_model = 262144, 128, 8, 512
+    keys = jax.random.split(jax.random.key(6), 4)
+    logits = jax.random.normal(keys[0], (num_tokens, num_experts), jnp.float32)
+    routing = jax.jit(lambda x: moe_jax.route(x, top_k, backend="xla"))(logits)
+    x = jax.random.normal(keys[1], (num_tokens, d_model), jnp.bfloat16)
+    y_sorted = jax.random.normal(keys[2], (num_tokens * top_k, d_model), jnp.bfloat16)
+    num_rows = num_tokens * top_k - 12345
+
+    def glue(backend):
+        def apply(x, y_sorted, weights):
+            rows = moe_jax.permute(x, routing.sort_indices, top_k, backend=backend)
+            y = moe_jax.combine(y_sorted, routing.sort_indices, top_k, weights, num_rows=num_rows, backend=backend)
+            return rows, y
+
+        return jax.jit(apply)
+
+    got = glue("pallas")(x, y_sorted, routing.weights)
+    expected = glue("xla")(x, y_sorted, routing.weights)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(expected[0]))
+    assert relative_error(got[1], expected[1]) <= 8e-3
