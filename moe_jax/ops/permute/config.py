@@ -16,10 +16,6 @@ ACCESS_BYTES = 16  # the widest global load / store of one lane
 # 16 chunks of 16 bytes per lane are 64 registers, which leaves room for several CTAs per SM.
 MAX_CHUNKS_IN_FLIGHT = 16
 MAX_TOKENS_PER_BLOCK = 8
-# The TMA row copy (sm90.copy_rows): a TMA box spans at most 256 elements along each axis, and one CTA's rows in
-# shared memory stay small enough that several CTAs share an SM (one's loads overlap another's stores).
-MAX_BOX = 256
-COPY_SMEM_BYTES = 64 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,31 +48,6 @@ class Config:
         return d_model // self.chunk
 
 
-@dataclasses.dataclass(frozen=True)
-class CopyConfig:
-    """How the TMA row copy (``sm90.copy_rows``) walks the rows.
-
-    Attributes:
-      box_cols: a row of D elements moves as one TMA box of [D / box_cols, box_cols] (both at most MAX_BOX).
-      tokens_per_block: tokens one CTA loads with one TMA copy; the grid is ``ceil(T / tokens_per_block)``.
-    """
-
-    box_cols: int
-    tokens_per_block: int
-
-    def __post_init__(self):
-        if not 1 <= self.box_cols <= MAX_BOX:
-            raise ValueError(f"box_cols must be in [1, {MAX_BOX}], got {self.box_cols}")
-        if not 1 <= self.tokens_per_block <= MAX_BOX:
-            raise ValueError(f"tokens_per_block must be in [1, {MAX_BOX}], got {self.tokens_per_block}")
-
-    def boxes(self, d_model: int) -> int:
-        """Rows of a token's [boxes, box_cols] TMA box."""
-        if d_model % self.box_cols or d_model // self.box_cols > MAX_BOX:
-            raise ValueError(f"D={d_model} must be box_cols={self.box_cols} times at most {MAX_BOX}")
-        return d_model // self.box_cols
-
-
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
@@ -95,16 +66,3 @@ def heuristic_config(d_model: int, dtype) -> Config:
     num_chunks = d_model // (LANES * vec_size)
     tokens = max(1, min(MAX_TOKENS_PER_BLOCK, MAX_CHUNKS_IN_FLIGHT // num_chunks))
     return Config(vec_size=vec_size, tokens_per_block=tokens)
-
-
-def copy_config(d_model: int, dtype) -> CopyConfig | None:
-    """The TMA row copy's config for rows of ``d_model`` elements, or None where it has none: a row must split into
-    a [<= 256, 128 or 256] box, and two rows (a token's and the zero row of absent positions) must fit
-    COPY_SMEM_BYTES. As many tokens per CTA as fit, up to MAX_TOKENS_PER_BLOCK."""
-    if not supports(d_model, dtype):
-        return None
-    box_cols = next((cols for cols in (MAX_BOX, LANES) if d_model % cols == 0 and d_model // cols <= MAX_BOX), None)
-    row_bytes = d_model * jnp.dtype(dtype).itemsize
-    if box_cols is None or 2 * row_bytes > COPY_SMEM_BYTES:
-        return None
-    return CopyConfig(box_cols=box_cols, tokens_per_block=min(MAX_TOKENS_PER_BLOCK, COPY_SMEM_BYTES // row_bytes - 1))

@@ -19,10 +19,6 @@ warpgroup-strided layout: lane l holds columns [l * vec_size, (l + 1) * vec_size
 differs per (token, slot), and plain vector loads and stores need no descriptor per row. Latency is hidden by issuing
 all of a CTA's loads before its stores (the compiler cannot hoist a load above a store to another buffer) and by
 running many small CTAs per SM. Sums are in f32.
-
-copy_rows is scatter_rows without weights or dot products (permute, and the backward of an unweighted combine) as
-TMA copies: a CTA loads its tokens' rows into shared memory with one copy and sends each row to its k positions
-with one copy each, the row viewed as a [D / box_cols, box_cols] box. No register touches the data.
 """
 
 import functools
@@ -33,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from moe_jax.ops.permute.config import MAX_CHUNKS_IN_FLIGHT, Config, CopyConfig
+from moe_jax.ops.permute.config import MAX_CHUNKS_IN_FLIGHT, Config
 
 # No thread reads what another wrote (no shared memory), so the warpgroup barriers Mosaic puts around every store
 # would only serialise the stores.
@@ -131,67 +127,6 @@ def scatter_rows(
     )
     operands = [x, positions] + ([weights] if weighted else []) + ([dot_rows] if with_dot else [])
     return kernel(*operands)
-
-
-def copy_rows(x: jax.Array, positions: jax.Array, *, config: CopyConfig, interpret=None) -> jax.Array:
-    """``out[positions[t, j]] = x[t]`` by TMA copies (``scatter_rows`` without weights or dot products).
-
-    Args:
-      x: [T, D] token rows.
-      positions: [T, k] int32, a permutation of [0, T * k) (every output row is written exactly once); an absent
-        row p given as ``-1 - p`` is written as zeros.
-      config: see ``CopyConfig``; D must be ``box_cols`` times at most 256.
-      interpret: Mosaic GPU interpreter parameters, or None on a GPU.
-
-    Returns:
-      [T * k, D] in x.dtype.
-    """
-    num_tokens, d_model = x.shape
-    top_k = positions.shape[1]
-    box_cols, boxes = config.box_cols, config.boxes(d_model)
-    tokens = min(config.tokens_per_block, num_tokens)
-
-    def body(x_gmem, pos_gmem, out_gmem, rows_smem, loaded):
-        # The last CTA loads from T - tokens, overlapping its neighbour, and sends only the rows of its own tokens.
-        own_first = lax.axis_index("block") * tokens
-        first = jnp.minimum(own_first, num_tokens - tokens)
-        plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(first, tokens)], rows_smem.at[pl.ds(0, tokens)], loaded)
-        # Row ``tokens`` of the buffer is the zero row that absent positions receive.
-        layout = plgpu.Layout.WG_STRIDED((boxes, box_cols), vec_size=_zero_row_vec_size(boxes * box_cols))
-        rows_smem[tokens] = plgpu.layout_cast(jnp.zeros((boxes, box_cols), x.dtype), layout)
-        plgpu.commit_smem()  # the zero row's stores, before the TMA engine reads it
-        # Every position first: a load issued after a copy would wait for the copy's issue.
-        positions = [pos_gmem[first + u, j] for u in range(tokens) for j in range(top_k)]
-        plgpu.barrier_wait(loaded)
-        for i, position in enumerate(positions):
-            token = i // top_k
-            source = jnp.where(position >= 0, token, tokens)
-            row = jnp.where(position >= 0, position, -1 - position)
-            send = functools.partial(plgpu.copy_smem_to_gmem, rows_smem.at[source], out_gmem.at[row])
-            pl.when(first + token >= own_first)(functools.partial(send, commit_group=False))
-        plgpu.commit_smem_to_gmem_group()
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the buffer lives until the last copy has read it
-
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((num_tokens * top_k, boxes, box_cols), x.dtype),
-        scratch_types=[plgpu.SMEM((tokens + 1, boxes, box_cols), x.dtype), plgpu.Barrier()],
-        grid=(pl.cdiv(num_tokens, tokens),),
-        grid_names=("block",),
-        kernel_name="moe_copy_rows",
-        compiler_params=_COMPILER_PARAMS,
-        interpret=interpret,
-    )
-    out = kernel(x.reshape(num_tokens, boxes, box_cols), positions)
-    return out.reshape(num_tokens * top_k, d_model)
-
-
-def _zero_row_vec_size(elements: int) -> int:
-    """Elements per lane of the zero row's register store: up to 8, dividing the row evenly over 128 lanes."""
-    vec_size = 8
-    while elements % (128 * vec_size):
-        vec_size //= 2
-    return vec_size
 
 
 def gather_rows(

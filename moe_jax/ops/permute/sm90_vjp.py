@@ -7,8 +7,6 @@ routing inside one jit. The backward of one op is the other kernel:
   permute   fwd scatter_rows(x)               bwd dx = gather_rows(dout)             (a plain sum of the k rows)
   combine   fwd gather_rows(y_sorted, w)      bwd dy_sorted, dw = scatter_rows(dy, w, dot_rows=y_sorted)
 
-A scatter without weights (permute; the backward of a combine without weights) runs as copy_rows, TMA copies.
-
 A combine over the first ``num_rows`` rows marks the other assignments absent in ``positions``: its forward does not
 read their rows, its backward writes them zero gradients.
 """
@@ -18,7 +16,7 @@ import jax.numpy as jnp
 
 from moe_jax._core.hardware import interpret_params
 from moe_jax.ops.permute import reference, sm90
-from moe_jax.ops.permute.config import copy_config, heuristic_config
+from moe_jax.ops.permute.config import heuristic_config
 
 
 def token_positions(sort_indices: jax.Array, top_k: int, num_rows=None) -> jax.Array:
@@ -29,11 +27,7 @@ def token_positions(sort_indices: jax.Array, top_k: int, num_rows=None) -> jax.A
 
 
 def _scatter(rows, positions, weights=None, dot_rows=None):
-    """``sm90.scatter_rows`` at the heuristic config of ``rows``' width and dtype; a plain copy (no weights or dot
-    products) by ``sm90.copy_rows`` where the rows fit its boxes."""
-    plain_copy = weights is None and dot_rows is None
-    if plain_copy and (copy := copy_config(rows.shape[1], rows.dtype)) is not None:
-        return sm90.copy_rows(rows, positions, config=copy, interpret=interpret_params())
+    """``sm90.scatter_rows`` at the heuristic config of ``rows``' width and dtype."""
     config = heuristic_config(rows.shape[1], rows.dtype)
     return sm90.scatter_rows(rows, positions, weights, dot_rows, config=config, interpret=interpret_params())
 
