@@ -33,7 +33,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -45,7 +44,6 @@ _ROW = _LAYOUT.reduce(1)  # [64] per-token vectors
 _COL = _LAYOUT.reduce(0)  # [E] per-expert vectors
 _LAYOUT_COLUMNS = 8  # columns of one register tile of the layout
 _TAKEN = jnp.iinfo(jnp.int32).min  # the order key of an expert already selected
-_WORD_BITS = 32  # groups per int32 word of a token's chosen-groups bitmask
 
 
 def _rows_to_tile(vector, num_cols: int):
@@ -68,11 +66,6 @@ def _order_key(values):
     # value bits are flipped. -inf maps to 0x807FFFFF, above _TAKEN; only a NaN could map to _TAKEN itself.
     bits = lax.bitcast_convert_type(values + 0.0, jnp.int32)
     return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
-
-
-def _bit(position: int):
-    """The int32 with only bit ``position`` (0..31) set."""
-    return int(np.uint32(1 << position).view(np.int32))
 
 
 def _false(shape, layout):
@@ -188,20 +181,10 @@ def gating(
     def eligible(chosen_groups, expert_id, c: int):
         # From each column's group id rather than from the masks of group_columns: reusing those would keep
         # num_groups [64, C] bool tiles live until here (a tile is C / 2 registers per thread; the kernel spilled).
-        # A token's chosen groups are bits of int32 words (group g: bit g % 32 of word g // 32), so a column costs a
-        # shift and a mask per word rather than a compare and a select per group.
         group_id = lax.div(expert_id, jnp.int32(group_width))
-        groups = chunk_groups(c)
-        words = range(groups.start // _WORD_BITS, (groups.stop - 1) // _WORD_BITS + 1)
         mask = _false(expert_id.shape, _LAYOUT)
-        for word in words:
-            bits = row_of(0)
-            for g in range(max(groups.start, word * _WORD_BITS), min(groups.stop, (word + 1) * _WORD_BITS)):
-                bits = bits | jnp.where(chosen_groups[g], row_of(_bit(g % _WORD_BITS)), row_of(0))
-            # Clamped, so that no column shifts by 32 or more (LLVM's result would be poison).
-            shift = jnp.clip(group_id - word * _WORD_BITS, 0, _WORD_BITS - 1)
-            chosen = (lax.shift_right_logical(_rows_to_tile(bits, chunk), shift) & 1) != 0
-            mask = mask | (chosen if len(words) == 1 else chosen & (group_id // _WORD_BITS == word))
+        for g in chunk_groups(c):
+            mask = mask | ((group_id == g) & _rows_to_tile(chosen_groups[g], chunk))
         return mask
 
     def top_k_rounds(key, expert_id, write):
