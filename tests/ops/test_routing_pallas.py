@@ -60,7 +60,6 @@ def _normal(seed: int, shape, std: float = 2.0) -> np.ndarray:
         (70, 384, 8, dict(score="sigmoid", bias=True)),  # three expert chunks of 128, their candidates ranked again
         (64, 320, 6, dict(score="softmax", num_groups=10, top_groups=3, bias=True)),  # chunks of 64: 2 groups each
         (64, 448, 8, dict(score="softmax")),  # seven ungrouped chunks of 64 (128 does not divide 448)
-        (64, 80, 6, dict(score="sigmoid", num_groups=40, top_groups=9, bias=True)),  # 40 groups of 2 experts
     ],
 )
 def test_random_logits_match_reference(num_tokens, num_experts, top_k, options):
