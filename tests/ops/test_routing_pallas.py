@@ -150,7 +150,11 @@ def test_bf16_logits_route_like_their_f32_values():
 
 
 def test_heuristic_chunks_wide_expert_axes_only_where_chunks_fit():
-    assert routing_config.heuristic_config(256, top_k=8, num_groups=8).chunk_experts == 256  # the whole row
+    assert routing_config.heuristic_config(128, top_k=8).chunk_experts == 128  # the whole row
+    assert routing_config.heuristic_config(256, top_k=8, num_groups=8).chunk_experts == 128
+    assert routing_config.heuristic_config(192, top_k=8).chunk_experts == 64
+    assert routing_config.heuristic_config(256, top_k=17).chunk_experts == 256  # k past MAX_CHUNKED_TOP_K
+    assert routing_config.heuristic_config(160, top_k=6).chunk_experts == 160  # no chunk of 64 or 128 divides 160
     assert routing_config.heuristic_config(384, top_k=8).chunk_experts == 128
     assert routing_config.heuristic_config(320, top_k=8).chunk_experts == 64
     assert routing_config.heuristic_config(448, top_k=8).chunk_experts == 64
@@ -159,7 +163,8 @@ def test_heuristic_chunks_wide_expert_axes_only_where_chunks_fit():
 
 
 def test_auto_takes_the_kernel_only_where_it_measured_faster():
-    assert routing_config.prefers_kernel(256, 8, 8)  # the whole row
+    assert routing_config.prefers_kernel(256, 8, 8)  # chunks of 128
+    assert routing_config.prefers_kernel(256, 17, 1)  # the whole row
     assert routing_config.prefers_kernel(384, 8, 1)  # chunks of 128
     assert not routing_config.prefers_kernel(384, 6, 8)  # groups of 48 straddle chunks: the (slow) whole row
     assert not routing_config.prefers_kernel(288, 8, 1)  # no chunk of 64 or 128 divides 288

@@ -2,8 +2,8 @@
 
 One CTA gates ``BLOCK_TOKENS`` = 64 tokens: one warpgroup holds their [64, E] logits in the wgmma register layout
 (64 rows is the M of one wgmma, which the in-block prefix sum of the counting sort uses), or [64, C] chunks of them
-past MAX_WHOLE_ROW_EXPERTS. E is padded to a multiple of
-16 so that the expert axis fits the register layout and a swizzled bf16 shared-memory tile.
+past CHUNK_PAST_EXPERTS. E is padded to a multiple of 16 so that the expert axis fits the register layout and a
+swizzled bf16 shared-memory tile.
 """
 
 import dataclasses
@@ -71,10 +71,14 @@ MAX_EXPERTS_AUTO = 512
 MAX_EXPERTS_AUTO_ANY_K = 384
 MAX_TOP_K_AUTO_WIDE = 10
 # Past this many (padded) experts the kernel splits the expert axis into chunks: a [64, 128] f32 tile is 64
-# registers per thread, and the tiles of one chunk fit; the whole row of 384 experts spilled 26 KB per thread. At 256
-# the whole row was as fast (two chunks: 172 against 168 µs softmax, 224 against 215 grouped sigmoid).
-MAX_WHOLE_ROW_EXPERTS = 256
+# registers per thread, and the tiles of one chunk fit; the whole row of 384 experts spilled 26 KB per thread, and the
+# whole row of 256 ran at 255 registers. Kernel alone, T = 16384, H200 (2026-11-26, RESULTS.md), whole row against
+# chunks: E 128 softmax k 8 22.8 µs against 27.5 (chunks of 64); E 192 49.8 against 40.0 (64); E 256 softmax 58.2
+# against 46.7 (128); E 256 sigmoid, 8 groups / top 4, bias 77.5 against 60.0 (128).
+CHUNK_PAST_EXPERTS = 128
 CHUNK_EXPERTS = 128
+# backend "auto" takes the whole-row kernel up to this many experts (where k is too large to chunk).
+MAX_WHOLE_ROW_EXPERTS = 256
 # Each chunk passes k candidates to the final rounds over all chunks' candidates ([64, chunks * k] keys and ids):
 # up to this k (larger k, as k = E, keeps the whole row).
 MAX_CHUNKED_TOP_K = 16
@@ -86,9 +90,9 @@ def supports(num_experts: int) -> bool:
 
 
 def prefers_kernel(num_experts: int, top_k: int, num_groups: int) -> bool:
-    """Whether backend "auto" routes with the kernel: where it measured faster than XLA, i.e. the whole row up to
-    MAX_WHOLE_ROW_EXPERTS, and chunks up to MAX_EXPERTS_AUTO_ANY_K experts, or up to MAX_EXPERTS_AUTO with k at most
-    MAX_TOP_K_AUTO_WIDE (a whole row of 384 experts was 0.64x XLA's route)."""
+    """Whether backend "auto" routes with the kernel: where it measured faster than XLA, i.e. up to
+    MAX_WHOLE_ROW_EXPERTS (whole row or chunks), and chunks up to MAX_EXPERTS_AUTO_ANY_K experts, or up to
+    MAX_EXPERTS_AUTO with k at most MAX_TOP_K_AUTO_WIDE (a whole row of 384 experts was 0.64x XLA's route)."""
     config = heuristic_config(num_experts, top_k, num_groups)
     if config.padded_experts <= MAX_WHOLE_ROW_EXPERTS:
         return True
@@ -99,7 +103,7 @@ def prefers_kernel(num_experts: int, top_k: int, num_groups: int) -> bool:
 
 def heuristic_config(num_experts: int, top_k: int = 1, num_groups: int = 1) -> Config:
     """E padded to 16; the widest wgmma N (at most 256, a multiple of 16) that divides it; and past
-    MAX_WHOLE_ROW_EXPERTS with k <= MAX_CHUNKED_TOP_K, chunks of 128 or 64 experts holding whole expert groups (else
+    CHUNK_PAST_EXPERTS with k <= MAX_CHUNKED_TOP_K, chunks of 128 or 64 experts holding whole expert groups (else
     the whole row)."""
     if num_experts < 1:
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
@@ -107,7 +111,7 @@ def heuristic_config(num_experts: int, top_k: int = 1, num_groups: int = 1) -> C
     padded = -(-num_experts // EXPERT_ALIGN) * EXPERT_ALIGN
     rank_chunk = next(n for n in range(min(padded, MAX_WGMMA_N), 0, -EXPERT_ALIGN) if padded % n == 0)
     whole = Config(padded_experts=padded, rank_chunk=rank_chunk)
-    if padded <= MAX_WHOLE_ROW_EXPERTS or top_k > MAX_CHUNKED_TOP_K:
+    if padded <= CHUNK_PAST_EXPERTS or top_k > MAX_CHUNKED_TOP_K:
         return whole
     for chunk in (CHUNK_EXPERTS, CHUNK_EXPERTS // 2):
         if padded % chunk == 0 and chunk % group_width == 0 and chunk % (whole.swizzle // 2) == 0:
