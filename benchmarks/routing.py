@@ -8,7 +8,7 @@ selection bias ``common.selection_bias`` where the router has one), per backend,
 - "permute":  ``moe_jax.permute(x [T, D], sort_indices, k) -> rows [T * k, D]``
 - "combine":  ``moe_jax.combine(y_sorted [T * k, D], sort_indices, k, weights) -> y [T, D]``
 - "glue":     route + permute + combine + ``load_balancing_loss`` + ``z_loss`` (everything of the layer but its
-              expert GEMMs)
+              expert GEMMs); permute and combine take the routing's ``positions`` (no inverse of ``sort_indices``)
 - "glue-bwd": "glue" and its vjp for cotangents of rows, y and the loss: gradients of logits, x and y_sorted.
 - "glue-fused": what ``moe_ffn`` runs outside its kernels now that the permute happens inside the gate_up kernel's
               loads (``routed_glu_mlp``): route + the sorted rows' routing weights (``row_scale``) + an unweighted
@@ -65,15 +65,17 @@ def stage_functions(shape: LayerShape, backend: str, route_kwargs: dict) -> dict
 
     def glue(logits, x, y_sorted):
         routing = route(logits)
-        rows = moe_jax.permute(x, routing.sort_indices, k, backend=backend)
-        y = moe_jax.combine(y_sorted, routing.sort_indices, k, routing.weights, backend=backend)
+        rows = moe_jax.permute(x, routing.sort_indices, k, positions=routing.positions, backend=backend)
+        y = moe_jax.combine(
+            y_sorted, routing.sort_indices, k, routing.weights, positions=routing.positions, backend=backend
+        )
         loss = moe_jax.load_balancing_loss(routing) + moe_jax.z_loss(logits)
         return {"rows": rows, "y": y, "loss": loss}
 
     def glue_fused(logits, y_sorted):
         routing = route(logits)
         row_scale = routing.weights.reshape(-1)[routing.sort_indices]
-        y = moe_jax.combine(y_sorted, routing.sort_indices, k, backend=backend)
+        y = moe_jax.combine(y_sorted, routing.sort_indices, k, positions=routing.positions, backend=backend)
         loss = moe_jax.load_balancing_loss(routing) + moe_jax.z_loss(logits)
         return {"row_scale": row_scale, "y": y, "loss": loss}
 

@@ -119,6 +119,18 @@ BAD_INPUTS = {
         TypeError,
         "weights must have dtype",
     ),
+    "permute positions shape": (
+        lambda: moe_jax.permute(_ok()["x"], routing.sort_indices, K, positions=routing.positions.T),
+        ValueError,
+        r"positions must have shape \[T, k\]",
+    ),
+    "combine float positions": (
+        lambda: moe_jax.combine(
+            jnp.ones((T * K, D)), routing.sort_indices, K, positions=routing.positions.astype(jnp.float32)
+        ),
+        TypeError,
+        "positions must be an integer array",
+    ),
     "capacity without a routing": (
         lambda: moe_jax.apply_capacity(None, 1.0),
         TypeError,

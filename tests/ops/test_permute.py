@@ -93,6 +93,18 @@ def test_combine_inverts_permute():
     np.testing.assert_allclose(moe_jax.combine(rows, routing.sort_indices, top_k), top_k * x, rtol=1e-6)
 
 
+@pytest.mark.parametrize("num_rows", [None, 10])
+def test_combine_by_the_routings_positions_is_combine_by_sort_indices(num_rows):
+    top_k = 3
+    routing = _routing(9, 8, 5, top_k)
+    y_sorted = jnp.asarray(np.random.default_rng(10).normal(size=(24, 4)), jnp.float32)
+    by_positions = moe_jax.combine(
+        y_sorted, routing.sort_indices, top_k, routing.weights, num_rows=num_rows, positions=routing.positions
+    )
+    expected = moe_jax.combine(y_sorted, routing.sort_indices, top_k, routing.weights, num_rows=num_rows)
+    np.testing.assert_array_equal(by_positions, expected)
+
+
 def test_gradients():
     top_k = 2
     routing = _routing(6, 7, 4, top_k)

@@ -4,6 +4,8 @@ Permute moves rows without arithmetic: exactly the reference. Combine sums k row
 one rounding of the output dtype. Gradients against ``jax.vjp`` of the reference.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,6 +74,32 @@ def test_combine_after_capacity_drops():
     assert relative_error(y, reference.combine(y_sorted, sort_indices, 2, routing.weights)) < TOL[jnp.bfloat16]
     rows = _interpreted(lambda y: moe_jax.permute(y, sort_indices, 2, backend="pallas"), y)
     np.testing.assert_array_equal(rows, reference.permute(y, sort_indices, 2))
+
+
+def test_the_routings_positions_move_the_same_rows_without_a_scatter():
+    num_tokens, d_model, top_k = 19, 256, 3
+    routing = _routing(6, num_tokens, 6, top_k)
+    x = _rows(7, (num_tokens, d_model), jnp.bfloat16)
+    y_sorted = _rows(8, (num_tokens * top_k, d_model), jnp.bfloat16)
+
+    def moved(x, y_sorted, positions):
+        rows = moe_jax.permute(x, routing.sort_indices, top_k, positions=positions, backend="pallas")
+        y = moe_jax.combine(
+            y_sorted, routing.sort_indices, top_k, routing.weights, positions=positions, backend="pallas"
+        )
+        return rows, y
+
+    rows, y = _interpreted(moved, x, y_sorted, routing.positions)
+    np.testing.assert_array_equal(rows, reference.permute(x, routing.sort_indices, top_k))
+    assert (
+        relative_error(y, reference.combine(y_sorted, routing.sort_indices, top_k, routing.weights)) < TOL[jnp.bfloat16]
+    )
+
+    # Given positions, neither op inverts sort_indices (the scatter they save).
+    def scatters(positions) -> int:
+        return len(re.findall(r"\bscatter\[", str(jax.make_jaxpr(moved)(x, y_sorted, positions))))
+
+    assert scatters(routing.positions) == 0 and scatters(None) == 2
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -27,6 +27,11 @@ def _assert_routing_equal(routing, expected) -> None:
     np.testing.assert_allclose(routing.weights, expected["weights"], rtol=WEIGHT_TOL, atol=WEIGHT_TOL)
     np.testing.assert_allclose(routing.probs, expected["probs"], rtol=WEIGHT_TOL, atol=1e-7)
     np.testing.assert_allclose(routing.selected_scores, expected["selected_scores"], rtol=WEIGHT_TOL, atol=1e-7)
+    # positions inverts sort_indices: assignment t * k + j sits at expert-sorted row positions[t, j].
+    assert routing.positions.shape == routing.experts.shape and routing.positions.dtype == jnp.int32
+    num_assignments = routing.experts.size
+    sorted_assignments = np.asarray(expected["sort_indices"])[np.asarray(routing.positions).reshape(-1)]
+    np.testing.assert_array_equal(sorted_assignments, np.arange(num_assignments))
 
 
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])

@@ -37,6 +37,8 @@ def _assert_same_routing(kernel, expected) -> None:
     np.testing.assert_array_equal(kernel.experts, expected.experts)
     np.testing.assert_array_equal(kernel.group_sizes, expected.group_sizes)
     np.testing.assert_array_equal(kernel.sort_indices, expected.sort_indices)
+    assert kernel.positions.dtype == np.int32
+    np.testing.assert_array_equal(kernel.positions, expected.positions)
     np.testing.assert_allclose(kernel.weights, expected.weights, rtol=TOL, atol=TOL)
     np.testing.assert_allclose(kernel.probs, expected.probs, rtol=TOL, atol=1e-8)
     np.testing.assert_allclose(kernel.selected_scores, expected.selected_scores, rtol=TOL, atol=1e-8)
@@ -117,6 +119,8 @@ def test_nan_and_infinite_logits_select_in_range_experts(score, num_groups, num_
     np.testing.assert_array_equal(kernel.experts, expected.experts)
     np.testing.assert_array_equal(kernel.group_sizes, expected.group_sizes)
     np.testing.assert_array_equal(kernel.sort_indices, expected.sort_indices)
+    assert kernel.positions.dtype == np.int32
+    np.testing.assert_array_equal(kernel.positions, expected.positions)
     np.testing.assert_allclose(kernel.weights, expected.weights, rtol=TOL, atol=TOL, equal_nan=True)
     assert kernel.experts.min() >= 0 and kernel.experts.max() < num_experts
     # A NaN row selects the lowest ids, as a row of -inf would (the documented definition).

@@ -150,6 +150,7 @@ def routed_glu_mlp(
     row_scale: jax.Array | None = None,
     fuse_gather: bool | None = None,
     zero_tail: bool = True,
+    positions: jax.Array | None = None,
     backend: str = "auto",
 ) -> jax.Array:
     """``glu_mlp(permute(x, sort_indices, top_k), ...)``, on the Pallas path with the permute fused into the gate_up
@@ -168,6 +169,7 @@ def routed_glu_mlp(
         sorted rows.
       fuse_gather: Pallas path: gather inside the gate_up kernel (True) or permute first (False); None decides by
         the hidden width F (``fuses_gather``).
+      positions: optional [T, k] int32, the inverse of ``sort_indices`` (``Routing.positions``), for ``permute``.
 
     Returns:
       [T * k, D] in x.dtype, in expert-sorted order (what ``combine`` takes).
@@ -190,7 +192,7 @@ def routed_glu_mlp(
         return _run_pallas(
             x, sort_indices, top_k, w_gate_up, w_down, group_sizes, row_scale, activation, False, zero_tail
         )
-    rows = permute(x, sort_indices, top_k, backend=_rows_backend(x) if pallas else "xla")
+    rows = permute(x, sort_indices, top_k, positions=positions, backend=_rows_backend(x) if pallas else "xla")
     mlp_backend = "pallas" if pallas else "xla"
     return glu_mlp(
         rows,

@@ -129,6 +129,7 @@ def moe_ffn(
         w_down,
         activation=activation,
         rows_past_sum=capacity_factor is not None,
+        positions=routing.positions if capacity_factor is None else None,
         backend=backend,
     )
     aux = MoEAux(
@@ -154,11 +155,22 @@ def expert_rows(routing: Routing, capacity_factor: float | None) -> tuple[jax.Ar
 
 
 def routed_experts(
-    x, routing, group_sizes, sort_indices, w_gate_up, w_down, *, activation, rows_past_sum: bool, backend
+    x,
+    routing,
+    group_sizes,
+    sort_indices,
+    w_gate_up,
+    w_down,
+    *,
+    activation,
+    rows_past_sum: bool,
+    positions=None,
+    backend,
 ) -> jax.Array:
     """y [T, D] = the routing-weighted sum of each token's expert outputs, over the expert-sorted rows
     ``sort_indices`` [T*k] whose first ``sum(group_sizes)`` belong to the G experts of w_gate_up [G, D, 2F] /
-    w_down [G, F, D] in order; rows past that sum contribute nothing.
+    w_down [G, F, D] in order; rows past that sum contribute nothing. ``positions`` [T, k]: the inverse of
+    ``sort_indices`` where the caller has it (``Routing.positions`` when every row is routed), else None.
 
     ``rows_past_sum``: whether there can be such rows (a capacity's drops, another device's experts). Then the
     kernels skip them and the combine does not read them. Without (every row routed), the kernels keep their zero
@@ -180,10 +192,11 @@ def routed_experts(
             activation=activation,
             row_scale=row_weights,
             zero_tail=not rows_past_sum,
+            positions=positions,
             backend=backend,
         )
     with jax.named_scope("combine"):
         num_rows = None
         if rows_past_sum:
             num_rows = rows_in_groups(group_sizes, sort_indices.shape[0])
-        return combine(out_rows, sort_indices, routing.top_k, num_rows=num_rows, backend=backend)
+        return combine(out_rows, sort_indices, routing.top_k, num_rows=num_rows, positions=positions, backend=backend)

@@ -26,13 +26,32 @@ def _check_sort_indices(sort_indices, num_rows: int, what: str) -> None:
     checks.check_dim("sort_indices", sort_indices.shape[0], num_rows, what)
 
 
-def permute(x: jax.Array, sort_indices: jax.Array, top_k: int, *, backend: str = "auto") -> jax.Array:
+def _check_positions(positions, num_tokens: int, top_k: int) -> None:
+    if positions is None:
+        return
+    shape = checks.check_rank("positions", positions, 2, "[T, k]")
+    checks.check_int32("positions", positions)
+    if shape != (num_tokens, top_k):
+        raise ValueError(f"positions must have shape [T, k] = {(num_tokens, top_k)}, got {shape}")
+
+
+def permute(
+    x: jax.Array,
+    sort_indices: jax.Array,
+    top_k: int,
+    *,
+    positions: jax.Array | None = None,
+    backend: str = "auto",
+) -> jax.Array:
     """Gathers token rows into expert order.
 
     Args:
       x: [T, D] tokens.
       sort_indices: [T * k] int32 from ``Routing.sort_indices``.
       top_k: k, the experts per token.
+      positions: optional [T, k] int32, the inverse of ``sort_indices`` (``Routing.positions``): the Pallas kernel
+        moves rows by it and does not invert ``sort_indices`` (one scatter of T * k int32 less). It must be that
+        inverse; entries outside [0, T * k) are clamped into it.
       backend: "auto", "xla" or "pallas".
 
     Returns:
@@ -41,8 +60,9 @@ def permute(x: jax.Array, sort_indices: jax.Array, top_k: int, *, backend: str =
     num_tokens, _ = checks.check_rank("x", x, 2, "[T, D]")
     checks.check_positive_int("top_k", top_k)
     _check_sort_indices(sort_indices, num_tokens * top_k, "length (T * top_k)")
+    _check_positions(positions, num_tokens, top_k)
     if _resolve(backend, "permute", x) == "pallas":
-        return sm90_vjp.permute(x, sort_indices, top_k)
+        return sm90_vjp.permute(x, sort_indices, top_k, positions)
     return reference.permute(x, sort_indices, top_k)
 
 
@@ -53,6 +73,7 @@ def combine(
     weights: jax.Array | None = None,
     *,
     num_rows: jax.Array | int | None = None,
+    positions: jax.Array | None = None,
     backend: str = "auto",
 ) -> jax.Array:
     """Sums each token's k expert outputs, weighted by ``weights`` when given.
@@ -66,6 +87,9 @@ def combine(
         (e.g. ``sum(group_sizes)`` of a grouped matmul that left the rest unwritten); an assignment at a later row
         adds zero, whatever that row holds, and its row gets a zero gradient. The Pallas kernel does not read those
         rows.
+      positions: optional [T, k] int32, the inverse of ``sort_indices`` (``Routing.positions``): used instead of
+        inverting ``sort_indices`` (one scatter of T * k int32 less). It must be that inverse; on the Pallas path
+        entries outside [0, T * k) are clamped into it.
       backend: "auto", "xla" or "pallas".
 
     Returns:
@@ -85,6 +109,7 @@ def combine(
         num_rows = jnp.asarray(num_rows)
         if num_rows.shape != () or not jnp.issubdtype(num_rows.dtype, jnp.integer):
             raise ValueError(f"num_rows must be an integer scalar, got {num_rows.dtype}{list(num_rows.shape)}")
+    _check_positions(positions, total_rows // top_k, top_k)
     if _resolve(backend, "combine", y_sorted) == "pallas":
-        return sm90_vjp.combine(y_sorted, sort_indices, top_k, weights, num_rows)
-    return reference.combine(y_sorted, sort_indices, top_k, weights, num_rows)
+        return sm90_vjp.combine(y_sorted, sort_indices, top_k, weights, num_rows, positions)
+    return reference.combine(y_sorted, sort_indices, top_k, weights, num_rows, positions)

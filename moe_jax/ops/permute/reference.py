@@ -25,17 +25,23 @@ def inverse_permutation(sort_indices: jax.Array) -> jax.Array:
 
 
 def combine(
-    y_sorted: jax.Array, sort_indices: jax.Array, top_k: int, weights: jax.Array | None = None, num_rows=None
+    y_sorted: jax.Array,
+    sort_indices: jax.Array,
+    top_k: int,
+    weights: jax.Array | None = None,
+    num_rows=None,
+    positions=None,
 ) -> jax.Array:
     """[M, D] expert-sorted outputs -> [T, D] with ``y_t = sum_j w_tj * y_sorted[pos(t, j)]``.
 
     Without ``weights`` ([T, k]) the k rows of a token are summed as they are (weights already folded in). With
     ``num_rows``, assignments at rows ``pos >= num_rows`` add zero (selected away, whatever those rows hold).
-    Accumulates in f32 and returns ``y_sorted.dtype``.
+    ``positions`` [T, k], when given, is ``pos`` (the inverse of ``sort_indices``). Accumulates in f32 and returns
+    ``y_sorted.dtype``.
     """
     total_rows, d_model = y_sorted.shape
     acc_dtype = accumulation_dtype(y_sorted.dtype)
-    positions = inverse_permutation(sort_indices)
+    positions = inverse_permutation(sort_indices) if positions is None else positions.reshape(-1)
     per_assignment = y_sorted[positions].astype(acc_dtype)
     if num_rows is not None:
         per_assignment = jnp.where((positions < num_rows)[:, None], per_assignment, 0)

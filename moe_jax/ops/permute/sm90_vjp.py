@@ -1,8 +1,8 @@
 """``permute`` / ``combine`` on the sm90 kernels, with their backward passes as ``custom_vjp``.
 
-The kernels address rows by token through ``positions`` (the inverse of ``sort_indices``), so each op first inverts
-the permutation: one scatter of T * k int32 in XLA, which XLA shares between a permute and a combine of the same
-routing inside one jit. The backward of one op is the other kernel:
+The kernels address rows by token through ``positions`` (the inverse of ``sort_indices``): an op takes them from the
+caller (``Routing.positions``) or first inverts the permutation, one scatter of T * k int32 in XLA, which XLA shares
+between a permute and a combine of the same routing inside one jit. The backward of one op is the other kernel:
 
   permute   fwd scatter_rows(x)               bwd dx = gather_rows(dout)             (a plain sum of the k rows)
   combine   fwd gather_rows(y_sorted, w)      bwd dy_sorted, dw = scatter_rows(dy, w, dot_rows=y_sorted)
@@ -19,10 +19,15 @@ from moe_jax.ops.permute import reference, sm90
 from moe_jax.ops.permute.config import heuristic_config
 
 
-def token_positions(sort_indices: jax.Array, top_k: int, num_rows=None) -> jax.Array:
-    """[T, k] int32: the expert-sorted row of each assignment (``reference.inverse_permutation``, by token); with
-    ``num_rows``, a row p at or past it is absent, ``-1 - p`` (sm90.py)."""
-    positions = reference.inverse_permutation(sort_indices).reshape(-1, top_k)
+def token_positions(sort_indices: jax.Array, top_k: int, num_rows=None, positions=None) -> jax.Array:
+    """[T, k] int32: the expert-sorted row of each assignment (``reference.inverse_permutation``, by token), or the
+    caller's ``positions`` [T, k] (``Routing.positions``) clamped into [0, T * k) (the kernels address memory with
+    them; the clamp fuses into the op that made them); with ``num_rows``, a row p at or past it is absent, ``-1 - p``
+    (sm90.py)."""
+    if positions is None:
+        positions = reference.inverse_permutation(sort_indices).reshape(-1, top_k)
+    else:
+        positions = jnp.clip(positions, 0, sort_indices.shape[0] - 1)
     return positions if num_rows is None else jnp.where(positions < num_rows, positions, -1 - positions)
 
 
@@ -59,9 +64,9 @@ _permute = _row_move(_scatter, _gather)
 _combine = _row_move(_gather, _scatter)
 
 
-def permute(x: jax.Array, sort_indices: jax.Array, top_k: int) -> jax.Array:
+def permute(x: jax.Array, sort_indices: jax.Array, top_k: int, positions=None) -> jax.Array:
     """[T, D] -> [T * k, D]: row p is ``x[sort_indices[p] // top_k]`` (see ``moe_jax.ops.permute.api.permute``)."""
-    return _permute(x, token_positions(sort_indices, top_k))
+    return _permute(x, token_positions(sort_indices, top_k, positions=positions))
 
 
 @jax.custom_vjp
@@ -83,11 +88,16 @@ _combine_weighted.defvjp(_combine_weighted_fwd, _combine_weighted_bwd)
 
 
 def combine(
-    y_sorted: jax.Array, sort_indices: jax.Array, top_k: int, weights: jax.Array | None = None, num_rows=None
+    y_sorted: jax.Array,
+    sort_indices: jax.Array,
+    top_k: int,
+    weights: jax.Array | None = None,
+    num_rows=None,
+    positions=None,
 ) -> jax.Array:
     """[T * k, D] -> [T, D]: ``y_t = sum_j w_tj * y_sorted[pos(t, j)]`` over the rows before ``num_rows`` (see
     ``moe_jax.ops.permute.api.combine``)."""
-    positions = token_positions(sort_indices, top_k, num_rows)
+    positions = token_positions(sort_indices, top_k, num_rows, positions)
     if weights is None:
         return _combine(y_sorted, positions)
     return _combine_weighted(y_sorted, positions, weights)

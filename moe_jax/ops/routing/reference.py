@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax._core.checks import accumulation_dtype
+from moe_jax.ops.permute.reference import inverse_permutation
 
 
 @jax.tree_util.register_dataclass
@@ -28,6 +29,9 @@ class Routing:
         divided by their sum); what the load-balancing loss averages.
       selected_scores: [T, k] f32 — the unbiased scores of the selected experts, before renormalisation and scale:
         the routing score by which a capacity limit drops assignments (comparable across tokens, unlike weights).
+      positions: [T, k] int32 — the expert-sorted row of each assignment, the inverse of ``sort_indices``
+        (``sort_indices[positions[t, j]] == t * k + j``); ``permute`` and ``combine`` take it to skip inverting
+        ``sort_indices`` themselves.
     """
 
     weights: jax.Array
@@ -36,6 +40,7 @@ class Routing:
     sort_indices: jax.Array
     probs: jax.Array
     selected_scores: jax.Array
+    positions: jax.Array
 
     @property
     def top_k(self) -> int:
@@ -132,7 +137,10 @@ def route(
     weights, probs = weights_and_probs(expert_scores, experts, score=score, renormalize=renormalize, scale=scale)
     selected_scores = jnp.take_along_axis(expert_scores, experts, axis=-1)
     group_sizes, sort_indices = sort_by_expert(experts, logits.shape[-1])
-    return Routing(weights, experts, group_sizes, sort_indices, probs, jax.lax.stop_gradient(selected_scores))
+    positions = inverse_permutation(sort_indices).reshape(experts.shape)
+    return Routing(
+        weights, experts, group_sizes, sort_indices, probs, jax.lax.stop_gradient(selected_scores), positions
+    )
 
 
 def load_balancing_loss(routing: Routing) -> jax.Array:

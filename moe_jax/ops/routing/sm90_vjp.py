@@ -2,8 +2,8 @@
 
 Forward: the kernel (sm90.py) gates blocks of 64 tokens and returns per-block expert histograms and in-block ranks;
 here an exclusive cumsum of the [T/64, E] histogram (tiny) gives every block's first row per expert, and
-``position = first[block, expert] + rank`` is the stable expert-sorted row of each assignment. ``sort_indices`` is
-the inverse of ``position``: one XLA scatter of T * k int32, no argsort.
+``position = first[block, expert] + rank`` is the stable expert-sorted row of each assignment (``Routing.positions``).
+``sort_indices`` is its inverse: one XLA scatter of T * k int32, no argsort.
 
 Backward: the selection is discrete, so the weights and probs are smooth functions of the logits once the experts
 are fixed; their vjp is the reference's arithmetic in XLA on [T, E] (a few element-wise passes over T * E floats,
@@ -89,8 +89,9 @@ def _gate_bwd(options, residuals, cotangents):
 _gate.defvjp(_gate_fwd, _gate_bwd)
 
 
-def _sort_by_expert(experts, ranks, counts) -> tuple[jax.Array, jax.Array]:
-    """(group_sizes [E], sort_indices [T * k]) from the kernel's in-block ranks and per-block histograms."""
+def _sort_by_expert(experts, ranks, counts) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(group_sizes [E], sort_indices [T * k], positions [T, k]) from the kernel's in-block ranks and per-block
+    histograms."""
     num_tokens, top_k = experts.shape
     group_sizes = counts.sum(0)
     group_starts = jnp.cumsum(group_sizes) - group_sizes
@@ -100,7 +101,7 @@ def _sort_by_expert(experts, ranks, counts) -> tuple[jax.Array, jax.Array]:
     num_rows = num_tokens * top_k
     rows = jnp.arange(num_rows, dtype=jnp.int32)
     sort_indices = jnp.zeros((num_rows,), jnp.int32).at[positions.reshape(-1)].set(rows, unique_indices=True)
-    return group_sizes, sort_indices
+    return group_sizes, sort_indices, positions
 
 
 def route(
@@ -117,10 +118,12 @@ def route(
     """Kernel routing of [T, E] logits; see ``moe_jax.route`` for the contract."""
     options = _Options(top_k, score, renormalize, num_groups, top_groups, float(scale))
     weights, probs, experts, ranks, counts = _gate(logits, bias, options)
-    group_sizes, sort_indices = _sort_by_expert(experts, ranks, counts)
+    group_sizes, sort_indices, positions = _sort_by_expert(experts, ranks, counts)
     # Capacity drops by the unbiased selected score (a [T, k] gather; no gradient: the choice is discrete).
     if score == "softmax":
         selected_scores = jnp.take_along_axis(probs, experts, axis=-1)
     else:
         selected_scores = jax.nn.sigmoid(jnp.take_along_axis(logits.astype(jnp.float32), experts, axis=-1))
-    return Routing(weights, experts, group_sizes, sort_indices, probs, jax.lax.stop_gradient(selected_scores))
+    return Routing(
+        weights, experts, group_sizes, sort_indices, probs, jax.lax.stop_gradient(selected_scores), positions
+    )
