@@ -49,6 +49,7 @@ def _assert_same_routing(kernel, expected) -> None:
     np.testing.assert_array_equal(kernel.experts, expected.experts)
     np.testing.assert_array_equal(kernel.group_sizes, expected.group_sizes)
     np.testing.assert_array_equal(kernel.sort_indices, expected.sort_indices)
+    np.testing.assert_array_equal(kernel.positions, expected.positions)
     np.testing.assert_allclose(kernel.weights, expected.weights, rtol=1e-5, atol=1e-6, equal_nan=True)
 
 
@@ -78,8 +79,9 @@ def test_route_adversarial_logits(score, num_experts):
         assert kernel.experts.min() >= 0 and kernel.experts.max() < num_experts
 
 
+@pytest.mark.parametrize("with_positions", [False, True])  # inverting sort_indices, or Routing.positions
 @pytest.mark.parametrize("name", [s.name for s in shapes.layer_shapes("bench")])
-def test_permute_combine_and_gradients(name):
+def test_permute_combine_and_gradients(name, with_positions):
     # The benchmark layers' widths and k at fewer tokens.
     num_tokens, d_model, top_k = 1024, shapes.LAYER_SHAPES[name].d, shapes.LAYER_SHAPES[name].top_k
     routing = jax.jit(lambda x: moe_jax.route(x, top_k, backend="xla"))(
@@ -95,13 +97,16 @@ def test_permute_combine_and_gradients(name):
 
     # A combine of the first rows only (the rest NaN, as left unwritten by a grouped matmul with zero_tail=False).
     num_rows = num_tokens * top_k * 3 // 5
+    positions = routing.positions if with_positions else None
     y_first = jnp.where(jnp.arange(num_tokens * top_k)[:, None] < num_rows, y_sorted, jnp.nan)
 
     def layer(backend):
         def apply(x, y_sorted, y_first, weights):
-            rows = moe_jax.permute(x, routing.sort_indices, top_k, backend=backend)
-            y = moe_jax.combine(y_sorted, routing.sort_indices, top_k, weights, backend=backend)
-            first = moe_jax.combine(y_first, routing.sort_indices, top_k, num_rows=num_rows, backend=backend)
+            rows = moe_jax.permute(x, routing.sort_indices, top_k, positions=positions, backend=backend)
+            y = moe_jax.combine(y_sorted, routing.sort_indices, top_k, weights, positions=positions, backend=backend)
+            first = moe_jax.combine(
+                y_first, routing.sort_indices, top_k, num_rows=num_rows, positions=positions, backend=backend
+            )
             return rows, y, first
 
         return jax.jit(lambda *args: jax.vjp(apply, *args)[1]((*cotangents, cotangents[1])) + apply(*args))
