@@ -1,5 +1,6 @@
-"""Hardware helpers: the SM count on CPU, and the XLA:CPU setting the Mosaic GPU interpreter needs."""
+"""Hardware helpers: the SM count on CPU, and the XLA:CPU settings the Mosaic GPU interpreter needs."""
 
+import json
 import os
 import subprocess
 import sys
@@ -15,6 +16,24 @@ def test_cpu_has_a_fallback_sm_count():
 
 def test_import_serialises_the_cpu_scheduler():
     assert hardware.SERIAL_CPU_SCHEDULER_FLAG in os.environ["XLA_FLAGS"]
+
+
+def _environment_after_import(env: dict) -> dict:
+    script = "import json, os, moe_jax; print(json.dumps({k: os.environ.get(k) for k in ('PJRT_NPROC', 'NPROC')}))"
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_import_widens_the_cpu_pool_unless_the_user_sized_it():
+    base = {key: value for key, value in os.environ.items() if key not in ("PJRT_NPROC", "NPROC")}
+    widened = _environment_after_import(base)["PJRT_NPROC"]
+    if (os.cpu_count() or 1) < hardware.MIN_CPU_POOL_THREADS:
+        assert widened == str(hardware.MIN_CPU_POOL_THREADS)
+    else:
+        assert widened is None
+    assert _environment_after_import(base | {"PJRT_NPROC": "3"}) == {"PJRT_NPROC": "3", "NPROC": None}
+    assert _environment_after_import(base | {"NPROC": "5"}) == {"PJRT_NPROC": None, "NPROC": "5"}
 
 
 def test_a_jitted_backward_with_concurrent_kernels_finishes():
