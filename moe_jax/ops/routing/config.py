@@ -74,7 +74,8 @@ MAX_TOP_K_AUTO_WIDE = 10
 # registers per thread, and the tiles of one chunk fit; the whole row of 384 experts spilled 26 KB per thread, and the
 # whole row of 256 ran at 255 registers. Kernel alone, T = 16384, H200 (2026-11-26, RESULTS.md), whole row against
 # chunks: E 128 softmax k 8 22.8 µs against 27.5 (chunks of 64); E 192 49.8 against 40.0 (64); E 256 softmax 58.2
-# against 46.7 (128); E 256 sigmoid, 8 groups / top 4, bias 77.5 against 60.0 (128).
+# against 46.7 (128); E 256 sigmoid, 8 groups / top 4, bias 77.5 against 60.0 (128). That is with the logits in L2:
+# the chunks read them again in every pass, and in the routing glue or the layer (logits from HBM) they saved 0-5 µs.
 CHUNK_PAST_EXPERTS = 128
 CHUNK_EXPERTS = 128
 # backend "auto" takes the whole-row kernel up to this many experts (where k is too large to chunk).
