@@ -6,9 +6,9 @@ layout), ``glu_mlp``, ``permute``, ``combine``, ``moe_ffn`` (with ``MoEAux``), t
 and expert parallelism in ``moe_jax.parallel``.
 """
 
-from moe_jax._core.hardware import configure_cpu_for_interpreted_kernels
+from moe_jax._core.hardware import serialize_interpreted_kernels
 
-configure_cpu_for_interpreted_kernels()  # before any backend exists: see its docstring
+serialize_interpreted_kernels()  # before any backend exists: see its docstring
 
 from moe_jax import nn, parallel  # noqa: E402
 from moe_jax.ops.glu_mlp.api import glu_mlp  # noqa: E402

@@ -4,6 +4,10 @@ import jax
 import pytest
 
 from moe_jax._core.backend import has_sm90_gpu
+from moe_jax._core.hardware import widen_cpu_pool_for_interpreter
+
+# Before any backend exists: the tests run kernels under the interpreter, which needs more pool threads than 2 cores.
+widen_cpu_pool_for_interpreter()
 
 # Silent rank promotion hides shape bugs; the library must never rely on it.
 jax.config.update("jax_numpy_rank_promotion", "raise")

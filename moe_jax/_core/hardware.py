@@ -1,6 +1,8 @@
 """Hardware queries that also answer on a CPU host (tests run kernels under the Mosaic GPU interpreter)."""
 
+import functools
 import os
+import warnings
 
 import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -15,28 +17,52 @@ SERIAL_CPU_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=fa
 # per core unless PJRT_NPROC says otherwise, so on a 2-core host two blocked waits (or one and the kernel's own
 # callback) left no thread for the warpgroup that would release them: the notebook's first interpreted moe_ffn at its
 # "cpu" size hung (jax 0.11.2, 2026-11-26; docs/kernels/grouped_matmul.md) and ran through 4 of 4 with a pool of 16.
+# Not set at import: 16 threads on 2 cores made the XLA-only main job 1.35x slower (4 min 39 s against 3 min 26 s).
 MIN_CPU_POOL_THREADS = 16
+_POOL_VARIABLES = ("PJRT_NPROC", "NPROC")  # what XLA reads for its pool size, in this order
 
 # What a persistent kernel assumes when no GPU is visible: small enough that the interpreter stays quick, more than one
 # so that the tile schedule's round-robin is exercised.
 CPU_FALLBACK_NUM_SMS = 4
 
 
-def configure_cpu_for_interpreted_kernels() -> None:
-    """What the Mosaic GPU interpreter needs from XLA:CPU, each unless the user set it: ``SERIAL_CPU_SCHEDULER_FLAG``
-    in XLA_FLAGS (CPU backend only), and at least MIN_CPU_POOL_THREADS pool threads (PJRT_NPROC, on hosts with fewer
-    cores; NPROC, which XLA also reads, counts as set).
+def serialize_interpreted_kernels() -> None:
+    """Adds ``SERIAL_CPU_SCHEDULER_FLAG`` to XLA_FLAGS unless the user set that option; CPU backend only.
 
-    XLA reads both when it creates its first backend, so this runs when moe_jax is imported; it has no effect if a
-    computation ran before that.
+    XLA reads the flags when it creates its first backend, so this runs when moe_jax is imported; it has no effect if
+    a computation ran before that.
     """
     flags = os.environ.get("XLA_FLAGS", "")
     option = SERIAL_CPU_SCHEDULER_FLAG.split("=")[0]
     if option not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} {SERIAL_CPU_SCHEDULER_FLAG}".strip()
-    pool_set = "PJRT_NPROC" in os.environ or "NPROC" in os.environ
-    if not pool_set and (os.cpu_count() or 1) < MIN_CPU_POOL_THREADS:
+
+
+def _cpu_pool_is_narrow() -> bool:
+    """Whether XLA:CPU's pool will have fewer than MIN_CPU_POOL_THREADS threads (no size set, fewer cores)."""
+    return not any(name in os.environ for name in _POOL_VARIABLES) and (os.cpu_count() or 1) < MIN_CPU_POOL_THREADS
+
+
+def widen_cpu_pool_for_interpreter() -> None:
+    """Sets PJRT_NPROC to MIN_CPU_POOL_THREADS where the pool would be narrower (unless PJRT_NPROC or NPROC is set).
+
+    For processes that run kernels under the Mosaic GPU interpreter (the tests, the notebook); call it before the
+    first JAX computation, as XLA reads the size when it creates its CPU backend.
+    """
+    if _cpu_pool_is_narrow():
         os.environ["PJRT_NPROC"] = str(MIN_CPU_POOL_THREADS)
+
+
+@functools.cache
+def _warn_if_the_interpreter_may_starve() -> None:
+    if _cpu_pool_is_narrow():
+        warnings.warn(
+            f"The Mosaic GPU interpreter can deadlock in a barrier wait on this {os.cpu_count()}-core host: XLA:CPU's "
+            f"pool has one thread per core and each waiting warpgroup holds one. Set PJRT_NPROC={MIN_CPU_POOL_THREADS} "
+            "before the first JAX computation (moe_jax._core.hardware.widen_cpu_pool_for_interpreter()).",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def num_sms() -> int:
@@ -65,4 +91,7 @@ def compiles_for_gpu() -> bool:
 
 def interpret_params():
     """None when compiling for a GPU; elsewhere the Mosaic GPU interpreter (``force_gpu_interpret_mode`` wins)."""
-    return None if compiles_for_gpu() else plgpu.InterpretGPUParams()
+    if compiles_for_gpu():
+        return None
+    _warn_if_the_interpreter_may_starve()
+    return plgpu.InterpretGPUParams()

@@ -18,22 +18,43 @@ def test_import_serialises_the_cpu_scheduler():
     assert hardware.SERIAL_CPU_SCHEDULER_FLAG in os.environ["XLA_FLAGS"]
 
 
-def _environment_after_import(env: dict) -> dict:
-    script = "import json, os, moe_jax; print(json.dumps({k: os.environ.get(k) for k in ('PJRT_NPROC', 'NPROC')}))"
+def _run(script: str, env: dict) -> subprocess.CompletedProcess:
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return result
 
 
-def test_import_widens_the_cpu_pool_unless_the_user_sized_it():
-    base = {key: value for key, value in os.environ.items() if key not in ("PJRT_NPROC", "NPROC")}
-    widened = _environment_after_import(base)["PJRT_NPROC"]
-    if (os.cpu_count() or 1) < hardware.MIN_CPU_POOL_THREADS:
-        assert widened == str(hardware.MIN_CPU_POOL_THREADS)
-    else:
-        assert widened is None
-    assert _environment_after_import(base | {"PJRT_NPROC": "3"}) == {"PJRT_NPROC": "3", "NPROC": None}
-    assert _environment_after_import(base | {"NPROC": "5"}) == {"PJRT_NPROC": None, "NPROC": "5"}
+def _pool_variables_after(statement: str, env: dict) -> dict:
+    script = (
+        f"import json, os\n{statement}\nprint(json.dumps({{k: os.environ.get(k) for k in ('PJRT_NPROC', 'NPROC')}}))"
+    )
+    return json.loads(_run(script, env).stdout.strip().splitlines()[-1])
+
+
+# The environment without a pool size (conftest widened this process's pool).
+UNSIZED = {key: value for key, value in os.environ.items() if key not in ("PJRT_NPROC", "NPROC")}
+NARROW_HOST = (os.cpu_count() or 1) < hardware.MIN_CPU_POOL_THREADS
+WIDEN = "from moe_jax._core.hardware import widen_cpu_pool_for_interpreter; widen_cpu_pool_for_interpreter()"
+
+
+def test_import_leaves_the_cpu_pool_alone():
+    # A wide pool on a small host slows XLA:CPU's own work (the main job took 1.35x as long): only on request.
+    assert _pool_variables_after("import moe_jax", UNSIZED) == {"PJRT_NPROC": None, "NPROC": None}
+
+
+def test_widening_the_cpu_pool_keeps_a_size_the_user_set():
+    expected = str(hardware.MIN_CPU_POOL_THREADS) if NARROW_HOST else None
+    assert _pool_variables_after(WIDEN, UNSIZED) == {"PJRT_NPROC": expected, "NPROC": None}
+    assert _pool_variables_after(WIDEN, UNSIZED | {"PJRT_NPROC": "3"}) == {"PJRT_NPROC": "3", "NPROC": None}
+    assert _pool_variables_after(WIDEN, UNSIZED | {"NPROC": "5"}) == {"PJRT_NPROC": None, "NPROC": "5"}
+
+
+def test_the_interpreter_warns_where_its_pool_is_narrow():
+    script = "import warnings\nwarnings.simplefilter('always')\nfrom moe_jax._core import hardware\n"
+    script += "hardware.interpret_params()"
+    narrow = _run(script, UNSIZED).stderr
+    assert ("can deadlock in a barrier wait" in narrow) == NARROW_HOST
+    assert "can deadlock" not in _run(f"{WIDEN}\n{script}", UNSIZED).stderr
 
 
 def test_a_jitted_backward_with_concurrent_kernels_finishes():
