@@ -17,7 +17,8 @@ SERIAL_CPU_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=fa
 # per core unless PJRT_NPROC says otherwise, so on a 2-core host two blocked waits (or one and the kernel's own
 # callback) left no thread for the warpgroup that would release them: the notebook's first interpreted moe_ffn at its
 # "cpu" size hung (jax 0.11.2, 2026-11-26; docs/kernels/grouped_matmul.md) and ran through 4 of 4 with a pool of 16.
-# Not set at import: 16 threads on 2 cores made the XLA-only main job 1.35x slower (4 min 39 s against 3 min 26 s).
+# Not set at import: 16 threads on 2 cores slowed XLA's own work (the main job for 120 steps, XLA only, three rounds
+# alternating: 91-102 s against 74-83 s with the default pool).
 MIN_CPU_POOL_THREADS = 16
 _POOL_VARIABLES = ("PJRT_NPROC", "NPROC")  # what XLA reads for its pool size, in this order
 

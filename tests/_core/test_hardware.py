@@ -38,7 +38,7 @@ WIDEN = "from moe_jax._core.hardware import widen_cpu_pool_for_interpreter; wide
 
 
 def test_import_leaves_the_cpu_pool_alone():
-    # A wide pool on a small host slows XLA:CPU's own work (the main job took 1.35x as long): only on request.
+    # A wide pool on a small host slows XLA:CPU's own work (the main job took ~1.2x as long): only on request.
     assert _pool_variables_after("import moe_jax", UNSIZED) == {"PJRT_NPROC": None, "NPROC": None}
 
 
