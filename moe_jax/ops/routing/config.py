@@ -78,7 +78,7 @@ MAX_TOP_K_AUTO_WIDE = 10
 # the chunks read them again in every pass, and in the routing glue or the layer (logits from HBM) they saved 0-5 µs.
 CHUNK_PAST_EXPERTS = 128
 CHUNK_EXPERTS = 128
-# backend "auto" takes the whole-row kernel up to this many experts (where k is too large to chunk).
+# backend "auto" takes the kernel up to this many experts whatever k (the whole row where k is too large to chunk).
 MAX_WHOLE_ROW_EXPERTS = 256
 # Each chunk passes k candidates to the final rounds over all chunks' candidates ([64, chunks * k] keys and ids):
 # up to this k (larger k, as k = E, keeps the whole row).
