@@ -63,7 +63,7 @@ def moe_ffn_with_gmm(gmm: Callable, x, router_kernel, w_gate_up, w_down, *, acti
         block=w_gate_up.block,
     )
     y = moe_jax.combine(out_rows, routing.sort_indices, top_k, backend="xla")
-    aux = (moe_jax.load_balancing_loss(routing), moe_jax.z_loss(logits))
+    aux = (moe_jax.load_balancing_loss(routing), moe_jax.z_loss(routing))
     return y, aux
 
 

@@ -69,14 +69,14 @@ def stage_functions(shape: LayerShape, backend: str, route_kwargs: dict) -> dict
         y = moe_jax.combine(
             y_sorted, routing.sort_indices, k, routing.weights, positions=routing.positions, backend=backend
         )
-        loss = moe_jax.load_balancing_loss(routing) + moe_jax.z_loss(logits)
+        loss = moe_jax.load_balancing_loss(routing) + moe_jax.z_loss(routing)
         return {"rows": rows, "y": y, "loss": loss}
 
     def glue_fused(logits, y_sorted):
         routing = route(logits)
         row_scale = routing.weights.reshape(-1)[routing.sort_indices]
         y = moe_jax.combine(y_sorted, routing.sort_indices, k, positions=routing.positions, backend=backend)
-        loss = moe_jax.load_balancing_loss(routing) + moe_jax.z_loss(logits)
+        loss = moe_jax.load_balancing_loss(routing) + moe_jax.z_loss(routing)
         return {"row_scale": row_scale, "y": y, "loss": loss}
 
     def glue_bwd(logits, x, y_sorted, d_rows, d_y):

@@ -151,7 +151,7 @@ def _expert_parallel_body(
 ):
     """One device: x [T / mesh size, D] -> (its y rows, the batch's MoEAux); w_* hold its E / P experts."""
     group_x = lax.all_gather(x, expert_axis, tiled=True)  # the tokens of this device's expert-axis group
-    logits, routing = route_tokens(group_x, router_kernel, top_k=top_k, bias=bias, backend=backend, **routing_options)
+    routing = route_tokens(group_x, router_kernel, top_k=top_k, bias=bias, backend=backend, **routing_options)
     group_sizes, sort_indices = expert_rows(routing, capacity_factor)
     num_local = w_down.shape[0]
     local_sizes, local_indices = local_expert_rows(
@@ -177,10 +177,10 @@ def _expert_parallel_body(
 
     counts = over_groups(lax.psum, routing.group_sizes)
     num_token_groups = math.prod(lax.axis_size(axis) for axis in data_axes)
-    share = counts.astype(routing.probs.dtype) / (routing.sort_indices.shape[0] * num_token_groups)
+    share = counts.astype(routing.mean_probs.dtype) / (routing.sort_indices.shape[0] * num_token_groups)
     aux = MoEAux(
-        load_balancing_loss=load_balancing_loss_from(share, over_groups(lax.pmean, routing.probs.mean(0))),
-        z_loss=over_groups(lax.pmean, z_loss(logits)),
+        load_balancing_loss=load_balancing_loss_from(share, over_groups(lax.pmean, routing.mean_probs)),
+        z_loss=over_groups(lax.pmean, z_loss(routing)),
         expert_counts=counts,
     )
     return y, aux

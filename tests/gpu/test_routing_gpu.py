@@ -51,6 +51,9 @@ def _assert_same_routing(kernel, expected) -> None:
     np.testing.assert_array_equal(kernel.sort_indices, expected.sort_indices)
     np.testing.assert_array_equal(kernel.positions, expected.positions)
     np.testing.assert_allclose(kernel.weights, expected.weights, rtol=1e-5, atol=1e-6, equal_nan=True)
+    # The aux losses' statistics (NaN, -inf and +inf where jax.nn.logsumexp gives them).
+    np.testing.assert_allclose(kernel.logsumexp, expected.logsumexp, rtol=1e-5, atol=1e-6, equal_nan=True)
+    np.testing.assert_allclose(kernel.mean_probs, expected.mean_probs, rtol=1e-5, atol=1e-7, equal_nan=True)
 
 
 @pytest.mark.parametrize("name", list(ROUTERS))

@@ -137,6 +137,11 @@ BAD_INPUTS = {
         "routing must be a Routing",
     ),
     "not an array": (lambda: moe_jax.route([[1.0, 2.0]], 1), TypeError, "logits must be an array"),
+    "z_loss of a vector": (
+        lambda: moe_jax.z_loss(jnp.ones(E)),
+        ValueError,
+        r"routing_or_logits must have shape \[T, E\] \(or a Routing\)",
+    ),
 }
 
 

@@ -96,6 +96,7 @@ def test_aux_losses_match_oracle(score):
     assert lb.dtype == jnp.float32
     np.testing.assert_allclose(lb, oracle.load_balancing_loss(expected["probs"], expected["experts"]), rtol=1e-5)
     np.testing.assert_allclose(moe_jax.z_loss(jnp.asarray(logits)), oracle.z_loss(logits), rtol=1e-5)
+    np.testing.assert_allclose(moe_jax.z_loss(routing), oracle.z_loss(logits), rtol=1e-5)
 
 
 def test_perfectly_balanced_load_balancing_loss_is_one():
@@ -154,6 +155,7 @@ def test_weight_and_aux_gradients(score):
             jnp.sum(routing.weights * jnp.arange(1.0, 4.0)[None, :])
             + reference.load_balancing_loss(routing)
             + reference.z_loss(logits)
+            + reference.z_loss_from(routing.logsumexp)
         )
 
     with jax.enable_x64(True):

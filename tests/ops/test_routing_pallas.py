@@ -42,6 +42,8 @@ def _assert_same_routing(kernel, expected) -> None:
     np.testing.assert_allclose(kernel.weights, expected.weights, rtol=TOL, atol=TOL)
     np.testing.assert_allclose(kernel.probs, expected.probs, rtol=TOL, atol=1e-8)
     np.testing.assert_allclose(kernel.selected_scores, expected.selected_scores, rtol=TOL, atol=1e-8)
+    np.testing.assert_allclose(kernel.mean_probs, expected.mean_probs, rtol=TOL, atol=1e-8)
+    np.testing.assert_allclose(kernel.logsumexp, expected.logsumexp, rtol=TOL, atol=TOL)
 
 
 def _normal(seed: int, shape, std: float = 2.0) -> np.ndarray:
@@ -122,6 +124,11 @@ def test_nan_and_infinite_logits_select_in_range_experts(score, num_groups, num_
     assert kernel.positions.dtype == np.int32
     np.testing.assert_array_equal(kernel.positions, expected.positions)
     np.testing.assert_allclose(kernel.weights, expected.weights, rtol=TOL, atol=TOL, equal_nan=True)
+    # The aux losses' statistics as jax.nn computes them: logsumexp -inf for a row of -inf, +inf with a +inf, NaN
+    # with a NaN; the mean of probs NaN in every column that a NaN prob reaches.
+    np.testing.assert_allclose(kernel.logsumexp, expected.logsumexp, rtol=TOL, atol=TOL, equal_nan=True)
+    assert np.isneginf(kernel.logsumexp[3]) and np.isposinf(kernel.logsumexp[7]) and np.isnan(kernel.logsumexp[6])
+    np.testing.assert_allclose(kernel.mean_probs, expected.mean_probs, rtol=TOL, atol=1e-8, equal_nan=True)
     assert kernel.experts.min() >= 0 and kernel.experts.max() < num_experts
     # A NaN row selects the lowest ids, as a row of -inf would (the documented definition).
     if not grouped:
@@ -129,7 +136,8 @@ def test_nan_and_infinite_logits_select_in_range_experts(score, num_groups, num_
 
 
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
-def test_gradients_match_reference(score):
+@pytest.mark.parametrize("with_aux_losses", [True, False])  # without: logsumexp and probs get no cotangent
+def test_gradients_match_reference(score, with_aux_losses):
     logits = _normal(23, (70, 16))
     bias = _normal(24, (16,), 0.3)
     cotangent = _normal(25, (70, 3), 1.0)
@@ -137,7 +145,10 @@ def test_gradients_match_reference(score):
 
     def objective(route_fn, x):
         routing = route_fn(x)
-        return jnp.sum(routing.weights * cotangent) + moe_jax.load_balancing_loss(routing) + moe_jax.z_loss(x)
+        loss = jnp.sum(routing.weights * cotangent)
+        if with_aux_losses:
+            loss += moe_jax.load_balancing_loss(routing) + moe_jax.z_loss(routing)
+        return loss
 
     with checked_interpreter():
         kernel = jax.grad(lambda x: objective(lambda y: moe_jax.route(y, 3, backend="pallas", **options), x))(

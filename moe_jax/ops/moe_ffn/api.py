@@ -118,7 +118,7 @@ def moe_ffn(
         capacity_factor=capacity_factor,
         routing_options=routing_options,
     )
-    logits, routing = route_tokens(x, router_kernel, top_k=top_k, backend=backend, **routing_options)
+    routing = route_tokens(x, router_kernel, top_k=top_k, backend=backend, **routing_options)
     group_sizes, sort_indices = expert_rows(routing, capacity_factor)
     y = routed_experts(
         x,
@@ -134,17 +134,17 @@ def moe_ffn(
     )
     aux = MoEAux(
         load_balancing_loss=load_balancing_loss(routing),
-        z_loss=z_loss(logits),
+        z_loss=z_loss(routing),
         expert_counts=routing.group_sizes,
     )
     return y, aux
 
 
-def route_tokens(x, router_kernel, *, top_k: int, backend: str, **routing_options) -> tuple[jax.Array, Routing]:
-    """(logits [T, E] f32, Routing) of tokens x [T, D] under router_kernel [D, E]; options as in ``moe_jax.route``."""
+def route_tokens(x, router_kernel, *, top_k: int, backend: str, **routing_options) -> Routing:
+    """The Routing of tokens x [T, D] under router_kernel [D, E] (logits in f32); options as in ``moe_jax.route``."""
     with jax.named_scope("router"):
         logits = router_logits(x, router_kernel)
-        return logits, route(logits, top_k, backend=backend, **routing_options)
+        return route(logits, top_k, backend=backend, **routing_options)
 
 
 def expert_rows(routing: Routing, capacity_factor: float | None) -> tuple[jax.Array, jax.Array]:

@@ -72,8 +72,9 @@ def route(
 
     Returns:
       ``Routing`` with weights [T, k] f32, experts [T, k] int32 (descending score, ties to the lower id),
-      group_sizes [E] int32, sort_indices [T*k] int32 (stable expert-sorted permutation), probs [T, E] f32 and
-      selected_scores [T, k] f32 (the selected unbiased scores, by which a capacity limit drops).
+      group_sizes [E] int32, sort_indices [T*k] int32 (stable expert-sorted permutation), probs [T, E] f32,
+      selected_scores [T, k] f32 (the selected unbiased scores, by which a capacity limit drops), positions [T, k]
+      int32 (the inverse of sort_indices), and for the aux losses mean_probs [E] f32 and logsumexp [T] f32.
 
     Non-finite logits have a defined result on every backend: a NaN selection score (``score + bias``, or a group's
     score from ``inf + (-inf)``) ranks as -inf, so it never beats a number and ties with -inf go to the lower id;
@@ -149,11 +150,19 @@ def balancing_bias_update(bias: jax.Array, expert_counts: jax.Array, rate: float
 
 
 def load_balancing_loss(routing: Routing) -> jax.Array:
-    """f32 scalar ``E * sum_e f_e * P_e`` (f_e: share of the T*k assignments to e; P_e: mean normalised score)."""
+    """f32 scalar ``E * sum_e f_e * P_e`` (f_e: share of the T*k assignments to e; P_e: mean normalised score,
+    ``routing.mean_probs``)."""
     return reference.load_balancing_loss(routing)
 
 
-def z_loss(logits: jax.Array) -> jax.Array:
-    """f32 scalar ``mean_t logsumexp(logits_t)^2`` of [T, E] router logits."""
-    checks.check_rank("logits", logits, 2, "[T, E]")
-    return reference.z_loss(jnp.asarray(logits))
+def z_loss(routing_or_logits: Routing | jax.Array) -> jax.Array:
+    """f32 scalar ``mean_t logsumexp(logits_t)^2``, from a ``Routing`` or from [T, E] router logits.
+
+    From a ``Routing`` it averages ``routing.logsumexp``, which the gating kernel computes while it reads the logits
+    (no pass over [T, E] of its own); from logits it computes the logsumexps in XLA. Both are differentiable with
+    respect to the logits.
+    """
+    if isinstance(routing_or_logits, Routing):
+        return reference.z_loss_from(routing_or_logits.logsumexp)
+    checks.check_rank("routing_or_logits", routing_or_logits, 2, "[T, E] (or a Routing)")
+    return reference.z_loss(jnp.asarray(routing_or_logits))

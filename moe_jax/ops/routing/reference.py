@@ -32,6 +32,8 @@ class Routing:
       positions: [T, k] int32 — the expert-sorted row of each assignment, the inverse of ``sort_indices``
         (``sort_indices[positions[t, j]] == t * k + j``); ``permute`` and ``combine`` take it to skip inverting
         ``sort_indices`` themselves.
+      mean_probs: [E] f32 — ``probs`` averaged over the T tokens: the load-balancing loss's P.
+      logsumexp: [T] f32 — each token's ``logsumexp`` of its logits: what the z-loss squares and averages.
     """
 
     weights: jax.Array
@@ -41,6 +43,8 @@ class Routing:
     probs: jax.Array
     selected_scores: jax.Array
     positions: jax.Array
+    mean_probs: jax.Array
+    logsumexp: jax.Array
 
     @property
     def top_k(self) -> int:
@@ -132,6 +136,7 @@ def route(
     scale: float = 1.0,
 ) -> Routing:
     """Reference routing of [T, E] logits; see ``moe_jax.route`` for the contract."""
+    logits = logits.astype(accumulation_dtype(logits.dtype))
     expert_scores = scores(logits, score)
     experts = select_experts(expert_scores, top_k, num_groups=num_groups, top_groups=top_groups, bias=bias)
     weights, probs = weights_and_probs(expert_scores, experts, score=score, renormalize=renormalize, scale=scale)
@@ -139,7 +144,15 @@ def route(
     group_sizes, sort_indices = sort_by_expert(experts, logits.shape[-1])
     positions = inverse_permutation(sort_indices).reshape(experts.shape)
     return Routing(
-        weights, experts, group_sizes, sort_indices, probs, jax.lax.stop_gradient(selected_scores), positions
+        weights=weights,
+        experts=experts,
+        group_sizes=group_sizes,
+        sort_indices=sort_indices,
+        probs=probs,
+        selected_scores=jax.lax.stop_gradient(selected_scores),
+        positions=positions,
+        mean_probs=probs.mean(0),
+        logsumexp=jax.nn.logsumexp(logits, axis=-1),
     )
 
 
@@ -148,8 +161,8 @@ def load_balancing_loss(routing: Routing) -> jax.Array:
 
     Gradients flow through P only (f counts discrete choices).
     """
-    assignment_share = routing.group_sizes.astype(routing.probs.dtype) / routing.sort_indices.shape[0]
-    return load_balancing_loss_from(assignment_share, routing.probs.mean(0))
+    assignment_share = routing.group_sizes.astype(routing.mean_probs.dtype) / routing.sort_indices.shape[0]
+    return load_balancing_loss_from(assignment_share, routing.mean_probs)
 
 
 def load_balancing_loss_from(assignment_share: jax.Array, mean_prob: jax.Array) -> jax.Array:
@@ -162,7 +175,12 @@ def load_balancing_loss_from(assignment_share: jax.Array, mean_prob: jax.Array) 
 
 def z_loss(logits: jax.Array) -> jax.Array:
     """f32 scalar ``mean_t logsumexp(logits_t)^2`` over [T, E] router logits."""
-    return jnp.mean(jax.nn.logsumexp(logits.astype(accumulation_dtype(logits.dtype)), axis=-1) ** 2)
+    return z_loss_from(jax.nn.logsumexp(logits.astype(accumulation_dtype(logits.dtype)), axis=-1))
+
+
+def z_loss_from(logsumexp: jax.Array) -> jax.Array:
+    """f32 scalar ``mean_t logsumexp_t^2`` of the tokens' [T] logsumexps (``Routing.logsumexp``)."""
+    return jnp.mean(logsumexp**2)
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:

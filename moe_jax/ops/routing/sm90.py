@@ -12,6 +12,8 @@ of the row (the top k of a union is the top k of the parts' top k's, under the s
   weights [64, k]      selected (unbiased) scores, renormalised and scaled
   ranks   [64, k]      for assignment (t, j) with expert e: the tokens before t *in this block* that also chose e
   counts  [E]          row b of the per-block histogram
+  logsumexp [64] f32   each token's logsumexp of its logits (what the z-loss squares), as jax.nn.logsumexp computes it
+  prob_sums [E] f32    row b of the per-block column sums of probs over real tokens (the load-balancing loss's mean)
 
 The caller finishes the counting sort: an exclusive cumsum of ``counts`` over blocks and experts gives each block's
 first row per expert, and ``position = first[b, e] + rank`` is the stable expert-sorted row of the assignment (within
@@ -99,7 +101,8 @@ def gating(
 
     Returns:
       (probs [T_pad, E_pad] f32, experts [T_pad, k] int32, weights [T_pad, k] f32, ranks [T_pad, k] int32,
-      counts [T_pad / 64, E_pad] int32), as the module docstring defines them.
+      counts [T_pad / 64, E_pad] int32, logsumexp [T_pad] f32, prob_sums [T_pad / 64, E_pad] f32), as the module
+      docstring defines them.
     """
     padded_tokens, padded_experts = logits.shape
     num_blocks = padded_tokens // BLOCK_TOKENS
@@ -122,20 +125,34 @@ def gating(
         return c * chunk + plgpu.broadcasted_iota(jnp.int32, (BLOCK_TOKENS, chunk), 1, layout=_LAYOUT)
 
     def row_statistics(logits_chunk):
-        """Over all chunks: (peak, sum of exp(x - peak)) for softmax, (None, sum of sigmoid(x)) for sigmoid."""
-        # Generators, so that a chunk's tile dies once it is summed.
+        """Over all chunks: (peak, total): the row's largest logit, and for softmax the sum of exp(x - shift(peak)),
+        for sigmoid the sum of sigmoid(x)."""
         if score == "softmax":
+            # Generators, so that a chunk's tile dies once it is reduced.
             peak = functools.reduce(jnp.maximum, (jnp.max(logits_chunk(c), axis=1) for c in range(num_chunks)))
-            terms = (jnp.exp(logits_chunk(c) - _rows_to_tile(peak, chunk)) for c in range(num_chunks))
-        else:
-            peak = None
-            terms = (jax.nn.sigmoid(logits_chunk(c)) for c in range(num_chunks))
-        return peak, functools.reduce(lax.add, (jnp.sum(term, axis=1) for term in terms))
+            terms = (jnp.exp(logits_chunk(c) - _rows_to_tile(shift(peak), chunk)) for c in range(num_chunks))
+            return peak, functools.reduce(lax.add, (jnp.sum(term, axis=1) for term in terms))
+        peak = total = None
+        for c in range(num_chunks):  # one load per chunk for both reductions
+            x = logits_chunk(c)
+            chunk_peak, chunk_total = jnp.max(x, axis=1), jnp.sum(jax.nn.sigmoid(x), axis=1)
+            peak = chunk_peak if peak is None else jnp.maximum(peak, chunk_peak)
+            total = chunk_total if total is None else total + chunk_total
+        return peak, total
+
+    def finite(values):
+        return (values > -jnp.inf) & (values < jnp.inf)
+
+    def shift(peak):
+        """jax.nn.logsumexp's shift: the peak where it is finite, else 0 (a row of -inf then sums to 0, log -inf)."""
+        return jnp.where(finite(peak), peak, 0.0)
 
     def chunk_scores(x, peak, total):
         """(scores, probs) of one chunk's logits: jax.nn.softmax's arithmetic (max, exp, sum, divide), or sigmoid."""
         if score == "softmax":
-            scores = jnp.exp(x - _rows_to_tile(peak, chunk)) / _rows_to_tile(total, chunk)
+            # A non-finite peak (a +inf or NaN in the row, or only -inf) makes jax.nn.softmax's row all NaN.
+            divisor = jnp.where(finite(peak), total, jnp.nan)
+            scores = jnp.exp(x - _rows_to_tile(shift(peak), chunk)) / _rows_to_tile(divisor, chunk)
             return scores, scores
         scores = jax.nn.sigmoid(x)
         return scores, scores / _rows_to_tile(total, chunk)
@@ -264,8 +281,8 @@ def gating(
     def body(logits_gmem, *refs):
         refs = list(refs)
         bias_gmem = refs.pop(0) if has_bias else None
-        probs_gmem, experts_gmem, weights_gmem, ranks_gmem, counts_gmem = refs[:5]
-        chosen_smem, lower_smem, picks, slot_weights, slot_ranks, *candidates = refs[5:]
+        probs_gmem, experts_gmem, weights_gmem, ranks_gmem, counts_gmem, logsumexp_gmem, prob_sums_gmem = refs[:7]
+        chosen_smem, lower_smem, picks, slot_weights, slot_ranks, *candidates = refs[7:]
         block = lax.axis_index("block")
         rows = pl.ds(block * BLOCK_TOKENS, BLOCK_TOKENS)
 
@@ -298,10 +315,24 @@ def gating(
             del best
             picks[j] = expert
 
+        def real_tokens_only(tile):
+            """Zeros the rows of padding tokens (past T): they are gated, but neither counted nor averaged."""
+            if num_tokens == padded_tokens:
+                return tile
+            token = block * BLOCK_TOKENS + plgpu.broadcasted_iota(jnp.int32, tile.shape, 0, layout=_LAYOUT)
+            return jnp.where(token < num_tokens, tile, 0.0)
+
+        # The softmax's total is already logsumexp's sum; a sigmoid router sums exp(x - shift) in the loop below.
+        exp_total = total if score == "softmax" else None
         for c in range(num_chunks):
             expert_id = chunk_ids(c)
-            scores, probs = chunk_scores(logits_chunk(c), peak, total)
+            x = logits_chunk(c)
+            scores, probs = chunk_scores(x, peak, total)
             probs_gmem[rows, chunk_columns(c)] = probs
+            prob_sums_gmem[block, chunk_columns(c)] = jnp.sum(real_tokens_only(probs), axis=0)
+            if score == "sigmoid":
+                chunk_total = jnp.sum(jnp.exp(x - _rows_to_tile(shift(peak), chunk)), axis=1)
+                exp_total = chunk_total if exp_total is None else exp_total + chunk_total
             selection = selection_of(c, scores, expert_id)
             if num_groups > 1:
                 selection = _masked(eligible(chosen_groups, expert_id, c), selection)
@@ -322,18 +353,17 @@ def gating(
                 candidates[1][:, column] = row_of(padded_experts)
             keys, ids = (plgpu.load(ref, layout=_LAYOUT, optimized=False) for ref in candidates)
             top_k_rounds(keys, ids, write_pick)
+        logsumexp_gmem[rows] = jnp.log(exp_total) + shift(peak)
 
         # The selected scores and the choice per expert, chunk by chunk. With several chunks the scores are computed
         # again from the logits (the same arithmetic, so the same bits) rather than kept live across the selection;
         # with one they are the same values.
-        token = block * BLOCK_TOKENS + plgpu.broadcasted_iota(jnp.int32, (BLOCK_TOKENS, chunk), 0, layout=_LAYOUT)
         for c in range(num_chunks):
             expert_id = chunk_ids(c)
             scores, _ = chunk_scores(logits_chunk(c), peak, total)
             # Each slot's selected score: exactly one chunk holds its expert, the others add zeros.
             chosen = add_slot_sums(scores, expert_id, picks, slot_weights, first=c == 0, mark_picked=True)
-            # Padding tokens (rows past T) choose experts too, but are not counted.
-            chosen = jnp.where(token < num_tokens, chosen, 0.0)
+            chosen = real_tokens_only(chosen)
             counts_gmem[block, chunk_columns(c)] = jnp.sum(chosen, axis=0).astype(jnp.int32)
             chosen_smem[:, chunk_columns(c)] = chosen.astype(jnp.bfloat16)
         block_ranks(chosen_smem, lower_smem, picks, slot_ranks)
@@ -351,6 +381,8 @@ def gating(
             jax.ShapeDtypeStruct(per_token, jnp.float32),
             jax.ShapeDtypeStruct(per_token, jnp.int32),
             jax.ShapeDtypeStruct((num_blocks, padded_experts), jnp.int32),
+            jax.ShapeDtypeStruct((padded_tokens,), jnp.float32),
+            jax.ShapeDtypeStruct((num_blocks, padded_experts), jnp.float32),
         ),
         scratch_types=[
             plgpu.SMEM((BLOCK_TOKENS, padded_experts), jnp.bfloat16, transforms=swizzled(config.swizzle)),

@@ -5,9 +5,14 @@ here an exclusive cumsum of the [T/64, E] histogram (tiny) gives every block's f
 ``position = first[block, expert] + rank`` is the stable expert-sorted row of each assignment (``Routing.positions``).
 ``sort_indices`` is its inverse: one XLA scatter of T * k int32, no argsort.
 
-Backward: the selection is discrete, so the weights and probs are smooth functions of the logits once the experts
-are fixed; their vjp is the reference's arithmetic in XLA on [T, E] (a few element-wise passes over T * E floats,
-small next to the forward's T * k-row traffic in permute/combine). The bias gets no gradient, as in the reference.
+The kernel also returns what the aux losses average, so that they need no pass over [T, E] of their own: each
+token's logsumexp (``Routing.logsumexp``, the z-loss's) and per-block column sums of probs, of which the mean over
+tokens (``Routing.mean_probs``, the load-balancing loss's) is a sum over T / 64 rows here.
+
+Backward: the selection is discrete, so the weights, probs, logsumexp and block sums are smooth functions of the
+logits once the experts are fixed; their vjp is the reference's arithmetic in XLA on [T, E] (a few element-wise
+passes over T * E floats, small next to the forward's T * k-row traffic in permute/combine), restricted to the
+outputs that received a cotangent. The bias gets no gradient, as in the reference.
 """
 
 import dataclasses
@@ -15,6 +20,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
 from moe_jax._core.hardware import interpret_params
 from moe_jax.ops.routing import reference, sm90
@@ -34,28 +40,38 @@ class _Options:
     scale: float
 
 
-def _weights_and_probs(logits, experts, options: _Options):
-    """The reference's weights [T, k] and probs [T, E] for a fixed selection: what the backward differentiates."""
-    return reference.weights_and_probs(
+def _smooth_outputs(logits, experts, options: _Options):
+    """The reference's weights [T, k], probs [T, E], logsumexp [T] and per-block column sums of probs
+    [T_pad / 64, E] for a fixed selection: what the backward differentiates."""
+    logits = logits.astype(jnp.float32)
+    weights, probs = reference.weights_and_probs(
         reference.scores(logits, options.score),
         experts,
         score=options.score,
         renormalize=options.renormalize,
         scale=options.scale,
     )
+    num_tokens, num_experts = probs.shape
+    padded = jnp.pad(probs, ((0, _padded_tokens(num_tokens) - num_tokens), (0, 0)))
+    prob_sums = padded.reshape(-1, BLOCK_TOKENS, num_experts).sum(1)
+    return weights, probs, jax.nn.logsumexp(logits, axis=-1), prob_sums
+
+
+def _padded_tokens(num_tokens: int) -> int:
+    return -(-num_tokens // BLOCK_TOKENS) * BLOCK_TOKENS
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _gate(logits: jax.Array, bias: jax.Array | None, options: _Options):
-    """(weights [T, k], probs [T, E], experts [T, k], ranks [T, k], counts [T_pad / 64, E]) from the kernel."""
+    """From the kernel: the smooth outputs (weights [T, k], probs [T, E], logsumexp [T], prob_sums [T_pad / 64, E])
+    and the selection (experts [T, k], ranks [T, k], counts [T_pad / 64, E])."""
     num_tokens, num_experts = logits.shape
     config = heuristic_config(num_experts, options.top_k, options.num_groups)
-    padded_tokens = -(-num_tokens // BLOCK_TOKENS) * BLOCK_TOKENS
-    pad = ((0, padded_tokens - num_tokens), (0, config.padded_experts - num_experts))
+    pad = ((0, _padded_tokens(num_tokens) - num_tokens), (0, config.padded_experts - num_experts))
     x = jnp.pad(logits.astype(jnp.float32), pad, constant_values=-jnp.inf)
     if bias is not None:
         bias = jnp.pad(bias.astype(jnp.float32), pad[1])
-    probs, experts, weights, ranks, counts = sm90.gating(
+    probs, experts, weights, ranks, counts, logsumexp, prob_sums = sm90.gating(
         x,
         bias,
         num_tokens=num_tokens,
@@ -64,29 +80,32 @@ def _gate(logits: jax.Array, bias: jax.Array | None, options: _Options):
         interpret=interpret_params(),
         **dataclasses.asdict(options),
     )
-    return (
-        weights[:num_tokens],
-        probs[:num_tokens, :num_experts],
-        experts[:num_tokens],
-        ranks[:num_tokens],
-        counts[:, :num_experts],
-    )
+    smooth = (weights[:num_tokens], probs[:num_tokens, :num_experts], logsumexp[:num_tokens], prob_sums[:, :num_experts])
+    return smooth, (experts[:num_tokens], ranks[:num_tokens], counts[:, :num_experts])
 
 
 def _gate_fwd(logits, bias, options):
-    outputs = _gate(logits, bias, options)
-    return outputs, (logits, outputs[2])
+    # symbolic_zeros: the arguments come as CustomVJPPrimal (bias, when None, is an empty pytree).
+    logits = logits.value
+    outputs = _gate(logits, None if bias is None else bias.value, options)
+    return outputs, (logits, outputs[1][0])
 
 
 def _gate_bwd(options, residuals, cotangents):
+    """The vjp of the smooth outputs that have a cotangent (a caller that never reads logsumexp or probs pays for
+    neither); the bias gets none, as in the reference."""
     logits, experts = residuals
-    d_weights, d_probs = cotangents[:2]
-    _, vjp = jax.vjp(lambda x: _weights_and_probs(x, experts, options), logits.astype(jnp.float32))
-    (d_logits,) = vjp((d_weights, d_probs))
+    used = [i for i, cotangent in enumerate(cotangents[0]) if not isinstance(cotangent, SymbolicZero)]
+    if not used:
+        return jnp.zeros_like(logits), None
+    _, vjp = jax.vjp(
+        lambda x: [_smooth_outputs(x, experts, options)[i] for i in used], logits.astype(jnp.float32)
+    )
+    (d_logits,) = vjp([cotangents[0][i] for i in used])
     return d_logits.astype(logits.dtype), None
 
 
-_gate.defvjp(_gate_fwd, _gate_bwd)
+_gate.defvjp(_gate_fwd, _gate_bwd, symbolic_zeros=True)
 
 
 def _sort_by_expert(experts, ranks, counts) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -117,7 +136,7 @@ def route(
 ) -> Routing:
     """Kernel routing of [T, E] logits; see ``moe_jax.route`` for the contract."""
     options = _Options(top_k, score, renormalize, num_groups, top_groups, float(scale))
-    weights, probs, experts, ranks, counts = _gate(logits, bias, options)
+    (weights, probs, logsumexp, prob_sums), (experts, ranks, counts) = _gate(logits, bias, options)
     group_sizes, sort_indices, positions = _sort_by_expert(experts, ranks, counts)
     # Capacity drops by the unbiased selected score (a [T, k] gather; no gradient: the choice is discrete).
     if score == "softmax":
@@ -125,5 +144,13 @@ def route(
     else:
         selected_scores = jax.nn.sigmoid(jnp.take_along_axis(logits.astype(jnp.float32), experts, axis=-1))
     return Routing(
-        weights, experts, group_sizes, sort_indices, probs, jax.lax.stop_gradient(selected_scores), positions
+        weights=weights,
+        experts=experts,
+        group_sizes=group_sizes,
+        sort_indices=sort_indices,
+        probs=probs,
+        selected_scores=jax.lax.stop_gradient(selected_scores),
+        positions=positions,
+        mean_probs=prob_sums.sum(0) / logits.shape[0],
+        logsumexp=logsumexp,
     )
