@@ -158,6 +158,38 @@ def test_gradients_match_reference(score, with_aux_losses):
     np.testing.assert_allclose(kernel, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "num_tokens, num_experts, options",
+    [
+        (70, 24, dict(num_groups=4, top_groups=2)),  # the whole row, a ragged block
+        (100, 256, dict(num_groups=8, top_groups=4)),  # DeepSeek-V3's: two chunks of 128
+    ],
+)
+def test_sigmoid_statistics_from_the_kernel(monkeypatch, num_tokens, num_experts, options):
+    # ``kernel_statistics`` leaves a sigmoid router's statistics to XLA; the kernel computes them when asked.
+    monkeypatch.setattr(routing_config, "kernel_statistics", lambda score: True)
+    logits = _normal(31, (num_tokens, num_experts))
+    kernel, expected = _route(logits, 4, score="sigmoid", **options)
+    _assert_same_routing(kernel, expected)
+    adversarial = _adversarial_logits(32, num_experts)
+    kernel, expected = _route(adversarial, 4, score="sigmoid", **options)
+    np.testing.assert_allclose(kernel.logsumexp, expected.logsumexp, rtol=TOL, atol=TOL, equal_nan=True)
+    assert np.isneginf(kernel.logsumexp[3]) and np.isposinf(kernel.logsumexp[7]) and np.isnan(kernel.logsumexp[6])
+    np.testing.assert_allclose(kernel.mean_probs, expected.mean_probs, rtol=TOL, atol=1e-8, equal_nan=True)
+
+    def aux_losses(route_fn, x):
+        routing = route_fn(x)
+        return moe_jax.load_balancing_loss(routing) + moe_jax.z_loss(routing)
+
+    with checked_interpreter():
+        grad = jax.grad(
+            lambda x: aux_losses(lambda y: moe_jax.route(y, 4, score="sigmoid", backend="pallas", **options), x)
+        )
+        got = grad(jnp.asarray(logits))
+    expected = jax.grad(lambda x: aux_losses(lambda y: reference.route(y, 4, score="sigmoid", **options), x))
+    np.testing.assert_allclose(got, expected(jnp.asarray(logits)), rtol=1e-5, atol=1e-6)
+
+
 def test_bf16_logits_route_like_their_f32_values():
     logits = _normal(29, (64, 16)).astype(jnp.bfloat16)
     kernel, expected = _route(logits, 2)

@@ -12,6 +12,8 @@ of the row (the top k of a union is the top k of the parts' top k's, under the s
   weights [64, k]      selected (unbiased) scores, renormalised and scaled
   ranks   [64, k]      for assignment (t, j) with expert e: the tokens before t *in this block* that also chose e
   counts  [E]          row b of the per-block histogram
+and, with ``statistics`` (what the aux losses average, so that they need no pass over [T, E] of their own):
+
   logsumexp [64] f32   each token's logsumexp of its logits (what the z-loss squares), as jax.nn.logsumexp computes it
   prob_sums [E] f32    row b of the per-block column sums of probs over real tokens (the load-balancing loss's mean)
 
@@ -87,6 +89,7 @@ def gating(
     top_groups: int,
     scale: float,
     config: Config,
+    statistics: bool,
     interpret=None,
 ):
     """Runs the gating kernel over T (padded to a multiple of 64) tokens.
@@ -97,12 +100,13 @@ def gating(
       num_tokens, num_experts: the real T and E (rows past T are gated but not counted).
       top_k, score, renormalize, num_groups, top_groups, scale: as in ``moe_jax.route``.
       config: see ``Config``.
+      statistics: also return logsumexp and prob_sums.
       interpret: Mosaic GPU interpreter parameters, or None on a GPU.
 
     Returns:
       (probs [T_pad, E_pad] f32, experts [T_pad, k] int32, weights [T_pad, k] f32, ranks [T_pad, k] int32,
-      counts [T_pad / 64, E_pad] int32, logsumexp [T_pad] f32, prob_sums [T_pad / 64, E_pad] f32), as the module
-      docstring defines them.
+      counts [T_pad / 64, E_pad] int32), with ``statistics`` followed by logsumexp [T_pad] f32 and prob_sums
+      [T_pad / 64, E_pad] f32, as the module docstring defines them.
     """
     padded_tokens, padded_experts = logits.shape
     num_blocks = padded_tokens // BLOCK_TOKENS
@@ -125,20 +129,15 @@ def gating(
         return c * chunk + plgpu.broadcasted_iota(jnp.int32, (BLOCK_TOKENS, chunk), 1, layout=_LAYOUT)
 
     def row_statistics(logits_chunk):
-        """Over all chunks: (peak, total): the row's largest logit, and for softmax the sum of exp(x - shift(peak)),
-        for sigmoid the sum of sigmoid(x)."""
+        """Over all chunks: (peak, sum of exp(x - shift(peak))) for softmax, (None, sum of sigmoid(x)) for sigmoid."""
+        # Generators, so that a chunk's tile dies once it is reduced.
         if score == "softmax":
-            # Generators, so that a chunk's tile dies once it is reduced.
             peak = functools.reduce(jnp.maximum, (jnp.max(logits_chunk(c), axis=1) for c in range(num_chunks)))
             terms = (jnp.exp(logits_chunk(c) - _rows_to_tile(shift(peak), chunk)) for c in range(num_chunks))
-            return peak, functools.reduce(lax.add, (jnp.sum(term, axis=1) for term in terms))
-        peak = total = None
-        for c in range(num_chunks):  # one load per chunk for both reductions
-            x = logits_chunk(c)
-            chunk_peak, chunk_total = jnp.max(x, axis=1), jnp.sum(jax.nn.sigmoid(x), axis=1)
-            peak = chunk_peak if peak is None else jnp.maximum(peak, chunk_peak)
-            total = chunk_total if total is None else total + chunk_total
-        return peak, total
+        else:
+            peak = None
+            terms = (jax.nn.sigmoid(logits_chunk(c)) for c in range(num_chunks))
+        return peak, functools.reduce(lax.add, (jnp.sum(term, axis=1) for term in terms))
 
     def finite(values):
         return (values > -jnp.inf) & (values < jnp.inf)
@@ -146,6 +145,18 @@ def gating(
     def shift(peak):
         """jax.nn.logsumexp's shift: the peak where it is finite, else 0 (a row of -inf then sums to 0, log -inf)."""
         return jnp.where(finite(peak), peak, 0.0)
+
+    def exp_sum(x):
+        """(peak, sum of exp(x - shift(peak))) of a [64, C] tile's rows."""
+        peak = jnp.max(x, axis=1)
+        return peak, jnp.sum(jnp.exp(x - _rows_to_tile(shift(peak), x.shape[1])), axis=1)
+
+    def logsumexp(chunk_exp_sums):
+        """A row's logsumexp from its chunks' ``exp_sum``s, rescaled to the row's shift (the same arithmetic as
+        jax.nn.logsumexp's for one chunk; a chunk of only -inf adds 0 whatever the shift)."""
+        row_shift = shift(functools.reduce(jnp.maximum, (peak for peak, _ in chunk_exp_sums)))
+        terms = (jnp.where(s == 0.0, 0.0, s * jnp.exp(shift(peak) - row_shift)) for peak, s in chunk_exp_sums)
+        return jnp.log(functools.reduce(lax.add, terms)) + row_shift
 
     def chunk_scores(x, peak, total):
         """(scores, probs) of one chunk's logits: jax.nn.softmax's arithmetic (max, exp, sum, divide), or sigmoid."""
@@ -281,8 +292,9 @@ def gating(
     def body(logits_gmem, *refs):
         refs = list(refs)
         bias_gmem = refs.pop(0) if has_bias else None
-        probs_gmem, experts_gmem, weights_gmem, ranks_gmem, counts_gmem, logsumexp_gmem, prob_sums_gmem = refs[:7]
-        chosen_smem, lower_smem, picks, slot_weights, slot_ranks, *candidates = refs[7:]
+        probs_gmem, experts_gmem, weights_gmem, ranks_gmem, counts_gmem = refs[:5]
+        statistics_gmem = refs[5:7] if statistics else None
+        chosen_smem, lower_smem, picks, slot_weights, slot_ranks, *candidates = refs[7 if statistics else 5 :]
         block = lax.axis_index("block")
         rows = pl.ds(block * BLOCK_TOKENS, BLOCK_TOKENS)
 
@@ -322,17 +334,10 @@ def gating(
             token = block * BLOCK_TOKENS + plgpu.broadcasted_iota(jnp.int32, tile.shape, 0, layout=_LAYOUT)
             return jnp.where(token < num_tokens, tile, 0.0)
 
-        # The softmax's total is already logsumexp's sum; a sigmoid router sums exp(x - shift) in the loop below.
-        exp_total = total if score == "softmax" else None
         for c in range(num_chunks):
             expert_id = chunk_ids(c)
-            x = logits_chunk(c)
-            scores, probs = chunk_scores(x, peak, total)
+            scores, probs = chunk_scores(logits_chunk(c), peak, total)
             probs_gmem[rows, chunk_columns(c)] = probs
-            prob_sums_gmem[block, chunk_columns(c)] = jnp.sum(real_tokens_only(probs), axis=0)
-            if score == "sigmoid":
-                chunk_total = jnp.sum(jnp.exp(x - _rows_to_tile(shift(peak), chunk)), axis=1)
-                exp_total = chunk_total if exp_total is None else exp_total + chunk_total
             selection = selection_of(c, scores, expert_id)
             if num_groups > 1:
                 selection = _masked(eligible(chosen_groups, expert_id, c), selection)
@@ -353,7 +358,6 @@ def gating(
                 candidates[1][:, column] = row_of(padded_experts)
             keys, ids = (plgpu.load(ref, layout=_LAYOUT, optimized=False) for ref in candidates)
             top_k_rounds(keys, ids, write_pick)
-        logsumexp_gmem[rows] = jnp.log(exp_total) + shift(peak)
 
         # The selected scores and the choice per expert, chunk by chunk. With several chunks the scores are computed
         # again from the logits (the same arithmetic, so the same bits) rather than kept live across the selection;
@@ -368,6 +372,21 @@ def gating(
             chosen_smem[:, chunk_columns(c)] = chosen.astype(jnp.bfloat16)
         block_ranks(chosen_smem, lower_smem, picks, slot_ranks)
         write_slots(rows, picks, slot_weights, slot_ranks, experts_gmem, weights_gmem, ranks_gmem)
+        if not statistics:
+            return
+        # The block's logsumexps and column sums of probs come last, when the selection's registers are free: in the
+        # passes above these reductions made the kernel spill (deepseek-v3's router took 111 µs against 80 on an
+        # H100); here they cost reading the chunks once more.
+        logsumexp_gmem, prob_sums_gmem = statistics_gmem
+        chunk_exp_sums = []
+        for c in range(num_chunks):
+            x = logits_chunk(c)
+            probs = chunk_scores(x, peak, total)[1]
+            prob_sums_gmem[block, chunk_columns(c)] = jnp.sum(real_tokens_only(probs), axis=0)
+            if score == "sigmoid":
+                chunk_exp_sums.append(exp_sum(x))
+        # The softmax's total is already logsumexp's sum.
+        logsumexp_gmem[rows] = jnp.log(total) + shift(peak) if score == "softmax" else logsumexp(chunk_exp_sums)
 
     def swizzled(swizzle: int):
         return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
@@ -381,8 +400,14 @@ def gating(
             jax.ShapeDtypeStruct(per_token, jnp.float32),
             jax.ShapeDtypeStruct(per_token, jnp.int32),
             jax.ShapeDtypeStruct((num_blocks, padded_experts), jnp.int32),
-            jax.ShapeDtypeStruct((padded_tokens,), jnp.float32),
-            jax.ShapeDtypeStruct((num_blocks, padded_experts), jnp.float32),
+            *(
+                [
+                    jax.ShapeDtypeStruct((padded_tokens,), jnp.float32),
+                    jax.ShapeDtypeStruct((num_blocks, padded_experts), jnp.float32),
+                ]
+                if statistics
+                else []
+            ),
         ),
         scratch_types=[
             plgpu.SMEM((BLOCK_TOKENS, padded_experts), jnp.bfloat16, transforms=swizzled(config.swizzle)),

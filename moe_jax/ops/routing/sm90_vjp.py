@@ -5,11 +5,12 @@ here an exclusive cumsum of the [T/64, E] histogram (tiny) gives every block's f
 ``position = first[block, expert] + rank`` is the stable expert-sorted row of each assignment (``Routing.positions``).
 ``sort_indices`` is its inverse: one XLA scatter of T * k int32, no argsort.
 
-The kernel also returns what the aux losses average, so that they need no pass over [T, E] of their own: each
-token's logsumexp (``Routing.logsumexp``, the z-loss's) and per-block column sums of probs, of which the mean over
-tokens (``Routing.mean_probs``, the load-balancing loss's) is a sum over T / 64 rows here.
+Where it measured faster (``config.kernel_statistics``: softmax routers) the kernel also returns what the aux losses
+average, so that they need no pass over [T, E] of their own: each token's logsumexp (``Routing.logsumexp``, the
+z-loss's) and per-block column sums of probs, of which the mean over tokens (``Routing.mean_probs``, the
+load-balancing loss's) is a sum over T / 64 rows here. Elsewhere XLA computes both from the logits and probs.
 
-Backward: the selection is discrete, so the weights, probs, logsumexp and block sums are smooth functions of the
+Backward: the selection is discrete, so the weights, probs and the kernel's statistics are smooth functions of the
 logits once the experts are fixed; their vjp is the reference's arithmetic in XLA on [T, E] (a few element-wise
 passes over T * E floats, small next to the forward's T * k-row traffic in permute/combine), restricted to the
 outputs that received a cotangent. The bias gets no gradient, as in the reference.
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from moe_jax._core.hardware import interpret_params
+from moe_jax.ops.routing import config as routing_config
 from moe_jax.ops.routing import reference, sm90
 from moe_jax.ops.routing.config import BLOCK_TOKENS, heuristic_config
 from moe_jax.ops.routing.reference import Routing
@@ -38,11 +40,12 @@ class _Options:
     num_groups: int
     top_groups: int
     scale: float
+    statistics: bool  # the kernel computes the aux losses' statistics (``routing_config.kernel_statistics``)
 
 
 def _smooth_outputs(logits, experts, options: _Options):
-    """The reference's weights [T, k], probs [T, E], logsumexp [T] and per-block column sums of probs
-    [T_pad / 64, E] for a fixed selection: what the backward differentiates."""
+    """The reference's weights [T, k] and probs [T, E] for a fixed selection, and with ``options.statistics`` the
+    logsumexp [T] and per-block column sums of probs [T_pad / 64, E]: what the backward differentiates."""
     logits = logits.astype(jnp.float32)
     weights, probs = reference.weights_and_probs(
         reference.scores(logits, options.score),
@@ -51,6 +54,8 @@ def _smooth_outputs(logits, experts, options: _Options):
         renormalize=options.renormalize,
         scale=options.scale,
     )
+    if not options.statistics:
+        return weights, probs
     num_tokens, num_experts = probs.shape
     padded = jnp.pad(probs, ((0, _padded_tokens(num_tokens) - num_tokens), (0, 0)))
     prob_sums = padded.reshape(-1, BLOCK_TOKENS, num_experts).sum(1)
@@ -63,15 +68,15 @@ def _padded_tokens(num_tokens: int) -> int:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _gate(logits: jax.Array, bias: jax.Array | None, options: _Options):
-    """From the kernel: the smooth outputs (weights [T, k], probs [T, E], logsumexp [T], prob_sums [T_pad / 64, E])
-    and the selection (experts [T, k], ranks [T, k], counts [T_pad / 64, E])."""
+    """From the kernel: the smooth outputs (``_smooth_outputs``'s) and the selection (experts [T, k], ranks [T, k],
+    counts [T_pad / 64, E])."""
     num_tokens, num_experts = logits.shape
     config = heuristic_config(num_experts, options.top_k, options.num_groups)
     pad = ((0, _padded_tokens(num_tokens) - num_tokens), (0, config.padded_experts - num_experts))
     x = jnp.pad(logits.astype(jnp.float32), pad, constant_values=-jnp.inf)
     if bias is not None:
         bias = jnp.pad(bias.astype(jnp.float32), pad[1])
-    probs, experts, weights, ranks, counts, logsumexp, prob_sums = sm90.gating(
+    probs, experts, weights, ranks, counts, *statistics = sm90.gating(
         x,
         bias,
         num_tokens=num_tokens,
@@ -80,7 +85,10 @@ def _gate(logits: jax.Array, bias: jax.Array | None, options: _Options):
         interpret=interpret_params(),
         **dataclasses.asdict(options),
     )
-    smooth = (weights[:num_tokens], probs[:num_tokens, :num_experts], logsumexp[:num_tokens], prob_sums[:, :num_experts])
+    smooth = (weights[:num_tokens], probs[:num_tokens, :num_experts])
+    if options.statistics:
+        logsumexp, prob_sums = statistics
+        smooth += (logsumexp[:num_tokens], prob_sums[:, :num_experts])
     return smooth, (experts[:num_tokens], ranks[:num_tokens], counts[:, :num_experts])
 
 
@@ -92,15 +100,13 @@ def _gate_fwd(logits, bias, options):
 
 
 def _gate_bwd(options, residuals, cotangents):
-    """The vjp of the smooth outputs that have a cotangent (a caller that never reads logsumexp or probs pays for
-    neither); the bias gets none, as in the reference."""
+    """The vjp of the smooth outputs that have a cotangent (a caller that reads neither the probs nor the statistics
+    pays for none of them); the bias gets none, as in the reference."""
     logits, experts = residuals
     used = [i for i, cotangent in enumerate(cotangents[0]) if not isinstance(cotangent, SymbolicZero)]
     if not used:
         return jnp.zeros_like(logits), None
-    _, vjp = jax.vjp(
-        lambda x: [_smooth_outputs(x, experts, options)[i] for i in used], logits.astype(jnp.float32)
-    )
+    _, vjp = jax.vjp(lambda x: [_smooth_outputs(x, experts, options)[i] for i in used], logits.astype(jnp.float32))
     (d_logits,) = vjp([cotangents[0][i] for i in used])
     return d_logits.astype(logits.dtype), None
 
@@ -135,8 +141,16 @@ def route(
     scale: float,
 ) -> Routing:
     """Kernel routing of [T, E] logits; see ``moe_jax.route`` for the contract."""
-    options = _Options(top_k, score, renormalize, num_groups, top_groups, float(scale))
-    (weights, probs, logsumexp, prob_sums), (experts, ranks, counts) = _gate(logits, bias, options)
+    options = _Options(
+        top_k, score, renormalize, num_groups, top_groups, float(scale), routing_config.kernel_statistics(score)
+    )
+    (weights, probs, *statistics), (experts, ranks, counts) = _gate(logits, bias, options)
+    if statistics:
+        logsumexp, prob_sums = statistics
+        mean_probs = prob_sums.sum(0) / logits.shape[0]
+    else:
+        logsumexp = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
+        mean_probs = probs.mean(0)
     group_sizes, sort_indices, positions = _sort_by_expert(experts, ranks, counts)
     # Capacity drops by the unbiased selected score (a [T, k] gather; no gradient: the choice is discrete).
     if score == "softmax":
@@ -151,6 +165,6 @@ def route(
         probs=probs,
         selected_scores=jax.lax.stop_gradient(selected_scores),
         positions=positions,
-        mean_probs=prob_sums.sum(0) / logits.shape[0],
+        mean_probs=mean_probs,
         logsumexp=logsumexp,
     )
