@@ -92,8 +92,8 @@ def kernel_statistics(score: str) -> bool:
     Softmax routers take them from the kernel, where logsumexp is the softmax's own max and sum: at qwen3-30b-a3b's
     router (E 128) the kernel took 24.8-24.9 µs against 23.4-23.6 and the routing glue (route + permute + combine +
     aux losses) 466.5-467.0 µs against 475.2-476.2 (H100, 2026-11-26). A sigmoid router needs a max and an exp per
-    logit more: at
-    deepseek-v3's (E 256 in chunks) the kernel took 101 µs against 80, as long as XLA's two reductions (22 µs).
+    logit more: at deepseek-v3's (E 256 in chunks) the kernel took 101 µs against 80, as long as XLA's two
+    reductions (22 µs).
     """
     return score == "softmax"
 
