@@ -64,6 +64,11 @@ def scores(logits: jax.Array, score: str) -> jax.Array:
     return jax.nn.sigmoid(logits)
 
 
+def token_logsumexp(logits: jax.Array) -> jax.Array:
+    """[T] logsumexp of each token's [T, E] logits, in f32 (f64 for f64 logits): what the z-loss squares."""
+    return jax.nn.logsumexp(logits.astype(accumulation_dtype(logits.dtype)), axis=-1)
+
+
 def _nan_to_minus_inf(selection: jax.Array) -> jax.Array:
     """NaN never wins a selection: it ranks with -inf (ties to the lower index), so every expert id stays in range."""
     return jnp.where(jnp.isnan(selection), -jnp.inf, selection)
@@ -152,7 +157,7 @@ def route(
         selected_scores=jax.lax.stop_gradient(selected_scores),
         positions=positions,
         mean_probs=probs.mean(0),
-        logsumexp=jax.nn.logsumexp(logits, axis=-1),
+        logsumexp=token_logsumexp(logits),
     )
 
 
@@ -175,7 +180,7 @@ def load_balancing_loss_from(assignment_share: jax.Array, mean_prob: jax.Array) 
 
 def z_loss(logits: jax.Array) -> jax.Array:
     """f32 scalar ``mean_t logsumexp(logits_t)^2`` over [T, E] router logits."""
-    return z_loss_from(jax.nn.logsumexp(logits.astype(accumulation_dtype(logits.dtype)), axis=-1))
+    return z_loss_from(token_logsumexp(logits))
 
 
 def z_loss_from(logsumexp: jax.Array) -> jax.Array:

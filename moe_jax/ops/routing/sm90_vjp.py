@@ -59,7 +59,7 @@ def _smooth_outputs(logits, experts, options: _Options):
     num_tokens, num_experts = probs.shape
     padded = jnp.pad(probs, ((0, _padded_tokens(num_tokens) - num_tokens), (0, 0)))
     prob_sums = padded.reshape(-1, BLOCK_TOKENS, num_experts).sum(1)
-    return weights, probs, jax.nn.logsumexp(logits, axis=-1), prob_sums
+    return weights, probs, reference.token_logsumexp(logits), prob_sums
 
 
 def _padded_tokens(num_tokens: int) -> int:
@@ -149,7 +149,7 @@ def route(
         logsumexp, prob_sums = statistics
         mean_probs = prob_sums.sum(0) / logits.shape[0]
     else:
-        logsumexp = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
+        logsumexp = reference.token_logsumexp(logits.astype(jnp.float32))
         mean_probs = probs.mean(0)
     group_sizes, sort_indices, positions = _sort_by_expert(experts, ranks, counts)
     # Capacity drops by the unbiased selected score (a [T, k] gather; no gradient: the choice is discrete).
