@@ -184,6 +184,9 @@ LAYER_SHAPES: dict[str, LayerShape] = {
             selection_bias=True,
         ),
         LayerShape("qwen3-30b-a3b", t=16384, d=2048, f=768, e=128, top_k=8, activation="swiglu", tag="bench"),
+        # gpt-oss-120b's MoE layer: its router takes the top 4 logits and a softmax over them (= softmax, then
+        # renormalised); D = 2880 is no multiple of 128.
+        LayerShape("gpt-oss-120b", t=16384, d=2880, f=2880, e=128, top_k=4, activation="gpt_oss", tag="bench"),
         # DeepSeek-V3's MoE layer (256 routed experts of width 2048; its shared expert is not part of this layer):
         # sigmoid scores, 8 groups of which the best 4 are eligible, an aux-loss-free selection bias, weights x 2.5.
         LayerShape(

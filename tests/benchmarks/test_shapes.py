@@ -44,7 +44,10 @@ def test_model_layers_are_registered_with_their_routers():
     assert (deepseek.t, deepseek.d, deepseek.f, deepseek.e, deepseek.top_k) == (16384, 7168, 2048, 256, 8)
     assert deepseek.route_options() == dict(score="sigmoid", renormalize=True, num_groups=8, top_groups=4, scale=2.5)
     assert deepseek.selection_bias
-    assert {s.name for s in shapes.layer_shapes("bench")} == {"qwen3-30b-a3b", "deepseek-v3"}
+    gpt_oss = shapes.LAYER_SHAPES["gpt-oss-120b"]
+    assert (gpt_oss.t, gpt_oss.d, gpt_oss.f, gpt_oss.e, gpt_oss.top_k) == (16384, 2880, 2880, 128, 4)
+    assert (gpt_oss.activation, gpt_oss.score, gpt_oss.renormalize) == ("gpt_oss", "softmax", True)
+    assert {s.name for s in shapes.layer_shapes("bench")} == {"qwen3-30b-a3b", "gpt-oss-120b", "deepseek-v3"}
     assert all(s.tag == "ci" for s in shapes.layer_shapes("ci"))
 
 

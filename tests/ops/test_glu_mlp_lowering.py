@@ -96,11 +96,9 @@ def test_standalone_epilogues_lower_with_their_gradients():
 # routed_glu_mlp gathers the gate_up kernel's rows from the tokens (cp.async in the producer: only a real lowering
 # builds it) with each model's tuned gate_up config, 2-CTA clusters included (fuse_gather forced: by default only
 # F <= 1024 fuses). Its backward adds a permute (the sorted rows for the gate_up wgrad) and a combine (d_x) to
-# glu_mlp's six kernels: Pallas kernels when D is a multiple of 128, XLA for gpt-oss's D = 2880.
-@pytest.mark.parametrize(
-    "model, top_k, kernels", [("qwen3-30b", 8, 8), ("gpt-oss-120b", 4, 6), ("dsv3-ep8", 8, 8), ("mixtral", 2, 8)]
-)
-def test_routed_glu_mlp_lowers_with_its_gather(model, top_k, kernels):
+# glu_mlp's six kernels, at gpt-oss's D = 2880 (no multiple of 128) too.
+@pytest.mark.parametrize("model, top_k", [("qwen3-30b", 8), ("gpt-oss-120b", 4), ("dsv3-ep8", 8), ("mixtral", 2)])
+def test_routed_glu_mlp_lowers_with_its_gather(model, top_k):
     shape = shapes.GMM_SHAPES[f"{model}/gate_up"]
     g, m, d, d_ff = shape.g, shape.m, shape.k, shape.n // 2
     args = (
@@ -122,4 +120,4 @@ def test_routed_glu_mlp_lowers_with_its_gather(model, top_k, kernels):
     step = jax.value_and_grad(loss, argnums=(0, 2, 3, 5))
     with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=H200)):
         text = jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count(MOSAIC_CALL) == kernels
+    assert text.count(MOSAIC_CALL) == 8

@@ -36,11 +36,16 @@ def _interpreted(fn, *args):
 
 
 # (T, D, E, k, dtype): D picks the register chunk (bf16 1024 -> one 16-byte chunk; 384 -> three 2-byte chunks).
+# Where no chunk divides D the last one overlaps the one before: gpt-oss's 2880 (16-byte chunks at 0, 1024, 1856),
+# 320 bf16 and 192 f32 (128-column chunks, the last at 192 / 64).
 CASES = [
     (21, 256, 6, 3, jnp.bfloat16),  # T off the 8-token block
     (16, 1024, 4, 2, jnp.bfloat16),
     (9, 384, 5, 4, jnp.bfloat16),
     (12, 512, 8, 8, jnp.float32),  # k = E
+    (7, 2880, 6, 4, jnp.bfloat16),
+    (10, 320, 5, 2, jnp.bfloat16),
+    (5, 192, 3, 3, jnp.float32),
 ]
 
 
@@ -102,9 +107,12 @@ def test_the_routings_positions_move_the_same_rows_without_a_scatter():
     assert scatters(routing.positions) == 0 and scatters(None) == 2
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_gradients_match_reference(dtype):
-    num_tokens, d_model, top_k = 13, 256, 3
+# The weights' gradient is a dot product over D: with overlapping chunks (192, 2880) the overlap counts once.
+@pytest.mark.parametrize(
+    "dtype, d_model", [(jnp.float32, 256), (jnp.bfloat16, 256), (jnp.float32, 192), (jnp.bfloat16, 2880)]
+)
+def test_gradients_match_reference(dtype, d_model):
+    num_tokens, top_k = 13, 3
     routing = _routing(5, num_tokens, 5, top_k)
     x = _rows(6, (num_tokens, d_model), dtype)
     y_sorted = _rows(7, (num_tokens * top_k, d_model), dtype)
@@ -170,8 +178,8 @@ def test_combine_of_the_first_rows_matches_reference(weighted):
 
 def test_unsupported_width_falls_back_or_raises():
     routing = _routing(10, 8, 4, 2)
-    x = _rows(11, (8, 100), jnp.float32)  # D = 100: not a multiple of 128
-    with pytest.raises(NotImplementedError, match="D a multiple of 128"):
+    x = _rows(11, (8, 100), jnp.float32)  # D = 100: narrower than the 128 lanes of a warpgroup
+    with pytest.raises(NotImplementedError, match="D >= 128"):
         moe_jax.permute(x, routing.sort_indices, 2, backend="pallas")
     np.testing.assert_array_equal(
         moe_jax.permute(x, routing.sort_indices, 2, backend="auto"), reference.permute(x, routing.sort_indices, 2)
@@ -183,6 +191,12 @@ def test_heuristic_config_picks_the_widest_access():
     assert heuristic_config(7168, jnp.bfloat16) == Config(vec_size=8, tokens_per_block=2)
     assert heuristic_config(384, jnp.bfloat16) == Config(vec_size=1, tokens_per_block=5)
     assert heuristic_config(512, jnp.float32) == Config(vec_size=4, tokens_per_block=8)
+    # No chunk divides D: the widest whose overlap is at most D / 8 (2880: 3072 columns moved; 1152: 1280).
+    assert heuristic_config(2880, jnp.bfloat16) == Config(vec_size=8, tokens_per_block=5)
+    assert heuristic_config(1152, jnp.bfloat16) == Config(vec_size=2, tokens_per_block=3)
+    assert Config(vec_size=8, tokens_per_block=1).chunk_starts(2880) == (0, 1024, 1856)
+    with pytest.raises(ValueError, match="at least the chunk width"):
+        Config(vec_size=8, tokens_per_block=1).chunk_starts(1000)
     with pytest.raises(ValueError, match="vec_size"):
         Config(vec_size=3, tokens_per_block=1)
 

@@ -10,11 +10,11 @@ from moe_jax.ops.permute.config import supports as kernel_supports
 
 
 def _resolve(backend: str, op: str, rows) -> str:
-    """The backend for ``rows`` [., D]: the kernels move rows of a float dtype whose width D is a multiple of 128."""
+    """The backend for ``rows`` [., D]: the kernels move rows of a float dtype at least 128 columns wide."""
     supported = kernel_supports(rows.shape[1], rows.dtype)
     if backend == "pallas" and not supported:
         raise NotImplementedError(
-            f"{op}: the Pallas kernel needs rows of float32/bfloat16/float16 with D a multiple of 128, got D="
+            f"{op}: the Pallas kernel needs rows of float32/bfloat16/float16 with D >= 128, got D="
             f"{rows.shape[1]} and dtype {rows.dtype}; use backend='xla' (or 'auto', which falls back to it)"
         )
     return resolve_backend(backend, op=op, has_kernel=supported)

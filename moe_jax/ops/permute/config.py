@@ -4,6 +4,10 @@ Both kernels move whole rows of width D between token order [T, D] and expert or
 thread (a warpgroup, 128 lanes) holds a row chunk of ``128 * vec_size`` columns in registers, ``vec_size`` contiguous
 elements per lane, so every global access is ``vec_size * itemsize`` bytes wide per lane and one warp's access covers
 whole 128-byte lines.
+
+Where the chunk does not divide D (gpt-oss's D = 2880 is no multiple of 128), the last chunk ends at column D and
+overlaps the one before: the overlap is loaded and stored twice with the same values, and the combine's weight
+gradient counts it once (sm90.py).
 """
 
 import dataclasses
@@ -42,27 +46,41 @@ class Config:
         """Columns of one register chunk."""
         return LANES * self.vec_size
 
-    def num_chunks(self, d_model: int) -> int:
-        if d_model % self.chunk:
-            raise ValueError(f"D={d_model} must be a multiple of the chunk width 128 * vec_size = {self.chunk}")
-        return d_model // self.chunk
+    def chunk_starts(self, d_model: int) -> tuple[int, ...]:
+        """The first column of each chunk of a row of width D: every ``chunk`` columns, the last one at D - chunk."""
+        if d_model < self.chunk or d_model % self.vec_size:
+            raise ValueError(
+                f"D={d_model} must be at least the chunk width 128 * vec_size = {self.chunk} and a multiple of "
+                f"vec_size={self.vec_size} (so that every access stays aligned)"
+            )
+        return tuple(min(c * self.chunk, d_model - self.chunk) for c in range(-(-d_model // self.chunk)))
 
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+# The widest access is kept while its chunks move at most this much more than D (the overlap of the last chunk).
+MAX_OVERLAP = 1 / 8
 
 
 def supports(d_model: int, dtype) -> bool:
-    """Whether the kernels handle rows of width ``d_model`` (a multiple of the 128 lanes of a warpgroup) and dtype."""
-    return d_model > 0 and d_model % LANES == 0 and jnp.dtype(dtype) in map(jnp.dtype, DTYPES)
+    """Whether the kernels handle rows of width ``d_model`` (at least the 128 lanes of a warpgroup) and dtype."""
+    return d_model >= LANES and jnp.dtype(dtype) in map(jnp.dtype, DTYPES)
 
 
 def heuristic_config(d_model: int, dtype) -> Config:
-    """The widest access that divides D, and as many tokens per CTA as keep MAX_CHUNKS_IN_FLIGHT chunks in flight."""
+    """The widest access whose chunks overlap by at most MAX_OVERLAP of D (one element per lane if none does), and
+    as many tokens per CTA as keep MAX_CHUNKS_IN_FLIGHT chunks in flight."""
     if not supports(d_model, dtype):
         raise ValueError(f"rows of width D={d_model} and dtype {jnp.dtype(dtype).name} have no kernel config")
     vec_size = ACCESS_BYTES // jnp.dtype(dtype).itemsize
-    while d_model % (LANES * vec_size):
+    while vec_size > 1 and not _fits(d_model, vec_size):
         vec_size //= 2
-    num_chunks = d_model // (LANES * vec_size)
+    num_chunks = -(-d_model // (LANES * vec_size))
     tokens = max(1, min(MAX_TOKENS_PER_BLOCK, MAX_CHUNKS_IN_FLIGHT // num_chunks))
     return Config(vec_size=vec_size, tokens_per_block=tokens)
+
+
+def _fits(d_model: int, vec_size: int) -> bool:
+    """Whether chunks of ``128 * vec_size`` columns tile D aligned, with at most MAX_OVERLAP of it moved twice."""
+    chunk = LANES * vec_size
+    moved = -(-d_model // chunk) * chunk
+    return d_model % vec_size == 0 and chunk <= d_model and moved - d_model <= MAX_OVERLAP * d_model

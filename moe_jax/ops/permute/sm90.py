@@ -15,10 +15,12 @@ row p and a zero dot product (reading row 0 for it), so that the gradient of an 
 A CTA owns ``tokens_per_block`` consecutive tokens (the last CTA repeats token T - 1 instead of branching: it rewrites
 the same rows with the same values). A row is moved as register chunks of ``128 * vec_size`` columns in the
 warpgroup-strided layout: lane l holds columns [l * vec_size, (l + 1) * vec_size) of the chunk, so each access is
-16 bytes per lane and a warp covers whole cache lines. There is no shared memory and no TMA: a row's destination
-differs per (token, slot), and plain vector loads and stores need no descriptor per row. Latency is hidden by issuing
-all of a CTA's loads before its stores (the compiler cannot hoist a load above a store to another buffer) and by
-running many small CTAs per SM. Sums are in f32.
+16 bytes per lane and a warp covers whole cache lines. Where the chunk does not divide D the last chunk ends at D and
+overlaps the one before (``Config.chunk_starts``): stores write the overlap twice with equal values, and the weight
+gradient's dot product leaves the overlap out of the last chunk. There is no shared memory and no TMA: a row's
+destination differs per (token, slot), and plain vector loads and stores need no descriptor per row. Latency is
+hidden by issuing all of a CTA's loads before its stores (the compiler cannot hoist a load above a store to another
+buffer) and by running many small CTAs per SM. Sums are in f32.
 """
 
 import functools
@@ -45,13 +47,25 @@ def _block_tokens(num_tokens: int, config: Config) -> list:
     return [jnp.minimum(first + u, num_tokens - 1) for u in range(config.tokens_per_block)]
 
 
-def _load_chunk(ref, row, chunk: int, config: Config):
-    layout = plgpu.Layout.WG_STRIDED((config.chunk,), vec_size=config.vec_size)
-    return plgpu.load(ref.at[row, pl.ds(chunk * config.chunk, config.chunk)], layout=layout)
+def _layout(config: Config):
+    return plgpu.Layout.WG_STRIDED((config.chunk,), vec_size=config.vec_size)
 
 
-def _store_chunk(ref, row, chunk: int, value, config: Config) -> None:
-    ref[row, pl.ds(chunk * config.chunk, config.chunk)] = value.astype(ref.dtype)
+def _load_chunk(ref, row, start: int, config: Config):
+    return plgpu.load(ref.at[row, pl.ds(start, config.chunk)], layout=_layout(config))
+
+
+def _store_chunk(ref, row, start: int, value, config: Config) -> None:
+    ref[row, pl.ds(start, config.chunk)] = value.astype(ref.dtype)
+
+
+def _without_overlap(products: list, starts: tuple[int, ...], config: Config) -> list:
+    """The per-chunk products with the last chunk's columns that the chunk before it covers set to zero."""
+    overlap = (len(starts) - 1) * config.chunk - starts[-1]
+    if overlap == 0:
+        return products
+    column = plgpu.broadcasted_iota(jnp.int32, (config.chunk,), 0, layout=_layout(config))
+    return products[:-1] + [jnp.where(column >= overlap, products[-1], jnp.zeros_like(products[-1]))]
 
 
 def _present(value, position):
@@ -76,7 +90,7 @@ def scatter_rows(
         row p given as ``-1 - p`` is written as zeros.
       weights: optional [T, k] f32 row scales (the product is rounded once to x.dtype).
       dot_rows: optional [T * k, D] expert-sorted rows.
-      config: see ``Config``; ``128 * vec_size`` must divide D.
+      config: see ``Config``; D must be at least ``128 * vec_size`` and a multiple of ``vec_size``.
       interpret: Mosaic GPU interpreter parameters, or None on a GPU.
 
     Returns:
@@ -84,7 +98,7 @@ def scatter_rows(
     """
     num_tokens, d_model = x.shape
     top_k = positions.shape[1]
-    num_chunks = config.num_chunks(d_model)
+    starts = config.chunk_starts(d_model)
     weighted, with_dot = weights is not None, dot_rows is not None
 
     def body(*refs):
@@ -95,7 +109,7 @@ def scatter_rows(
         dw_gmem = refs.pop(0) if with_dot else None
         tokens = _block_tokens(num_tokens, config)
         # Every load of the block first: a load written after a store cannot be moved above it.
-        rows = [[_load_chunk(x_gmem, t, c, config) for c in range(num_chunks)] for t in tokens]
+        rows = [[_load_chunk(x_gmem, t, start, config) for start in starts] for t in tokens]
         for t, chunks in zip(tokens, rows, strict=True):
             if weighted or with_dot:
                 chunks = [chunk.astype(jnp.float32) for chunk in chunks]
@@ -103,14 +117,15 @@ def scatter_rows(
                 position = pos_gmem[t, j]
                 row = jnp.where(position >= 0, position, -1 - position)
                 scale = w_gmem[t, j] if weighted else None
-                for c, chunk in enumerate(chunks):
+                for start, chunk in zip(starts, chunks, strict=True):
                     value = _present(chunk if scale is None else chunk * scale, position)
-                    _store_chunk(out_gmem, row, c, value, config)
+                    _store_chunk(out_gmem, row, start, value, config)
                 if with_dot:
                     products = [
-                        chunk * _load_chunk(dot_gmem, jnp.maximum(position, 0), c, config).astype(jnp.float32)
-                        for c, chunk in enumerate(chunks)
+                        chunk * _load_chunk(dot_gmem, jnp.maximum(position, 0), start, config).astype(jnp.float32)
+                        for start, chunk in zip(starts, chunks, strict=True)
                     ]
+                    products = _without_overlap(products, starts, config)
                     dw_gmem[t, j] = _present(jnp.sum(functools.reduce(lax.add, products)), position)
 
     out_type = [jax.ShapeDtypeStruct((num_tokens * top_k, d_model), x.dtype)]
@@ -146,7 +161,7 @@ def gather_rows(
         adds zero.
       weights: optional [T, k] f32.
       out_dtype: result dtype (default rows.dtype).
-      config: see ``Config``; ``128 * vec_size`` must divide D.
+      config: see ``Config``; D must be at least ``128 * vec_size`` and a multiple of ``vec_size``.
       interpret: Mosaic GPU interpreter parameters, or None on a GPU.
 
     Returns:
@@ -154,9 +169,9 @@ def gather_rows(
     """
     num_tokens, top_k = positions.shape
     d_model = rows.shape[1]
-    num_chunks = config.num_chunks(d_model)
+    starts = config.chunk_starts(d_model)
     # A token's k rows of ``batch`` chunks are loaded together: MAX_CHUNKS_IN_FLIGHT register chunks at most.
-    batch = max(1, min(num_chunks, MAX_CHUNKS_IN_FLIGHT // top_k))
+    batch = max(1, min(len(starts), MAX_CHUNKS_IN_FLIGHT // top_k))
     weighted = weights is not None
 
     def body(*refs):
@@ -167,14 +182,14 @@ def gather_rows(
             positions = [pos_gmem[t, j] for j in range(top_k)]
             sources = [jnp.maximum(p, 0) for p in positions]
             scales = [w_gmem[t, j] for j in range(top_k)] if weighted else None
-            for first in range(0, num_chunks, batch):
-                chunk_ids = range(first, min(first + batch, num_chunks))
-                loaded = [[_load_chunk(rows_gmem, p, c, config) for p in sources] for c in chunk_ids]
-                for c, per_slot in zip(chunk_ids, loaded, strict=True):
+            for first in range(0, len(starts), batch):
+                batch_starts = starts[first : first + batch]
+                loaded = [[_load_chunk(rows_gmem, p, start, config) for p in sources] for start in batch_starts]
+                for start, per_slot in zip(batch_starts, loaded, strict=True):
                     terms = [_present(v.astype(jnp.float32), p) for v, p in zip(per_slot, positions, strict=True)]
                     if weighted:
                         terms = [v * s for v, s in zip(terms, scales, strict=True)]
-                    _store_chunk(out_gmem, t, c, functools.reduce(lax.add, terms), config)
+                    _store_chunk(out_gmem, t, start, functools.reduce(lax.add, terms), config)
 
     kernel = plgpu.kernel(
         body,
