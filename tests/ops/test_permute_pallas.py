@@ -14,7 +14,7 @@ import pytest
 import moe_jax
 from moe_jax._core.testing import checked_interpreter, relative_error
 from moe_jax.ops import shapes
-from moe_jax.ops.permute import reference
+from moe_jax.ops.permute import reference, sm90
 from moe_jax.ops.permute.config import Config, heuristic_config
 
 # One rounding to the output dtype of an f32 sum (the reference rounds once too, from another summation order).
@@ -187,18 +187,35 @@ def test_unsupported_width_falls_back_or_raises():
 
 
 def test_heuristic_config_picks_the_widest_access():
-    assert heuristic_config(2048, jnp.bfloat16) == Config(vec_size=8, tokens_per_block=8)
-    assert heuristic_config(7168, jnp.bfloat16) == Config(vec_size=8, tokens_per_block=2)
-    assert heuristic_config(384, jnp.bfloat16) == Config(vec_size=1, tokens_per_block=5)
-    assert heuristic_config(512, jnp.float32) == Config(vec_size=4, tokens_per_block=8)
+    assert heuristic_config(2048, jnp.bfloat16, "scatter_rows") == Config(vec_size=8, tokens_per_block=8)
+    assert heuristic_config(7168, jnp.bfloat16, "scatter_rows") == Config(vec_size=8, tokens_per_block=2)
+    assert heuristic_config(384, jnp.bfloat16, "scatter_rows") == Config(vec_size=1, tokens_per_block=5)
+    assert heuristic_config(512, jnp.float32, "scatter_rows") == Config(vec_size=4, tokens_per_block=8)
     # No chunk divides D: the widest whose overlap is at most D / 8 (2880: 3072 columns moved; 1152: 1280).
-    assert heuristic_config(2880, jnp.bfloat16) == Config(vec_size=8, tokens_per_block=5)
-    assert heuristic_config(1152, jnp.bfloat16) == Config(vec_size=2, tokens_per_block=3)
+    assert heuristic_config(2880, jnp.bfloat16, "scatter_rows") == Config(vec_size=8, tokens_per_block=5)
+    assert heuristic_config(1152, jnp.bfloat16, "scatter_rows") == Config(vec_size=2, tokens_per_block=3)
+    # The gather keeps one token's k rows in flight: one token per CTA, at the same access width.
+    assert heuristic_config(2048, jnp.bfloat16, "gather_rows") == Config(vec_size=8, tokens_per_block=1)
+    assert heuristic_config(1152, jnp.bfloat16, "gather_rows") == Config(vec_size=2, tokens_per_block=1)
     assert Config(vec_size=8, tokens_per_block=1).chunk_starts(2880) == (0, 1024, 1856)
     with pytest.raises(ValueError, match="at least the chunk width"):
         Config(vec_size=8, tokens_per_block=1).chunk_starts(1000)
     with pytest.raises(ValueError, match="vec_size"):
         Config(vec_size=3, tokens_per_block=1)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        heuristic_config(2048, jnp.bfloat16, "combine")
+
+
+def test_gather_rows_with_several_tokens_per_block():
+    # The heuristic gives gather_rows one token per CTA; with three, T = 11 leaves the last CTA two tokens short (it
+    # repeats token T - 1), and D = 320 overlaps the last 128-column chunk: the same sums as the reference's.
+    num_tokens, d_model, top_k = 11, 320, 3
+    routing = _routing(15, num_tokens, 5, top_k)
+    y_sorted = _rows(16, (num_tokens * top_k, d_model), jnp.bfloat16)
+    config = Config(vec_size=1, tokens_per_block=3)
+    y = _interpreted(lambda y: sm90.gather_rows(y, routing.positions, routing.weights, config=config), y_sorted)
+    expected = reference.combine(y_sorted, routing.sort_indices, top_k, routing.weights)
+    assert relative_error(y, expected) < TOL[jnp.bfloat16]
 
 
 def _cuda_lowering(fn, *args) -> str:

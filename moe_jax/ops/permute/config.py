@@ -66,14 +66,28 @@ def supports(d_model: int, dtype) -> bool:
     return d_model >= LANES and jnp.dtype(dtype) in map(jnp.dtype, DTYPES)
 
 
-def heuristic_config(d_model: int, dtype) -> Config:
+KERNELS = ("scatter_rows", "gather_rows")
+
+
+def heuristic_config(d_model: int, dtype, kernel: str) -> Config:
     """The widest access whose chunks overlap by at most MAX_OVERLAP of D (one element per lane if none does), and
-    as many tokens per CTA as keep MAX_CHUNKS_IN_FLIGHT chunks in flight."""
+    the kernel's tokens per CTA.
+
+    scatter_rows loads every chunk of its tokens before the first store, so it takes as many tokens as keep
+    MAX_CHUNKS_IN_FLIGHT chunks in flight. gather_rows keeps a token's k rows in flight and handles its tokens one
+    after the other, so one token per CTA: more only makes fewer CTAs (H100, device time: 1 token per CTA against
+    the scatter's choice, qwen3 205.9 -> 201.7 µs, gpt-oss 162.3 -> 156.5, deepseek-v3 704.3 -> 701.3;
+    benchmarks/RESULTS.md, 2026-11-26 fourth session).
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if not supports(d_model, dtype):
         raise ValueError(f"rows of width D={d_model} and dtype {jnp.dtype(dtype).name} have no kernel config")
     vec_size = ACCESS_BYTES // jnp.dtype(dtype).itemsize
     while vec_size > 1 and not _fits(d_model, vec_size):
         vec_size //= 2
+    if kernel == "gather_rows":
+        return Config(vec_size=vec_size, tokens_per_block=1)
     num_chunks = -(-d_model // (LANES * vec_size))
     tokens = max(1, min(MAX_TOKENS_PER_BLOCK, MAX_CHUNKS_IN_FLIGHT // num_chunks))
     return Config(vec_size=vec_size, tokens_per_block=tokens)

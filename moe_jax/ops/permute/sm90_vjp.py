@@ -33,13 +33,13 @@ def token_positions(sort_indices: jax.Array, top_k: int, num_rows=None, position
 
 def _scatter(rows, positions, weights=None, dot_rows=None):
     """``sm90.scatter_rows`` at the heuristic config of ``rows``' width and dtype."""
-    config = heuristic_config(rows.shape[1], rows.dtype)
+    config = heuristic_config(rows.shape[1], rows.dtype, "scatter_rows")
     return sm90.scatter_rows(rows, positions, weights, dot_rows, config=config, interpret=interpret_params())
 
 
 def _gather(rows, positions, weights=None):
     """``sm90.gather_rows`` at the heuristic config of ``rows``' width and dtype."""
-    config = heuristic_config(rows.shape[1], rows.dtype)
+    config = heuristic_config(rows.shape[1], rows.dtype, "gather_rows")
     return sm90.gather_rows(rows, positions, weights, config=config, interpret=interpret_params())
 
 
