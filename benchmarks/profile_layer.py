@@ -22,7 +22,8 @@ the layer permutes first and gathers nothing). The layer's glue is then gating +
 difference, and its share is over the layer's span (first kernel start to last kernel end of a call, which also
 counts any gap between kernels). Medians over the calls.
 
-Usage (GPU machine): ``python -m benchmarks.profile_layer --shapes qwen3-30b-a3b,deepseek-v3 --calls 20 [--glue]``.
+Usage (GPU machine): ``python -m benchmarks.profile_layer [--shapes qwen3-30b-a3b,deepseek-v3] --calls 20 [--glue]``
+(by default every benchmark layer: qwen3-30b-a3b, gpt-oss-120b, deepseek-v3).
 """
 
 import argparse
@@ -40,7 +41,7 @@ import numpy as np
 
 import moe_jax
 from benchmarks import common, layer, routing
-from moe_jax.ops.shapes import LAYER_SHAPES
+from moe_jax.ops.shapes import LAYER_SHAPES, layer_shapes
 
 GLUE_STAGES = ("gating", "xla-glue", "permute", "combine")
 GLUE_FUNCTIONS = ("glue", "glue-fused")  # routing.stage_functions profiled by --glue
@@ -251,7 +252,8 @@ def markdown(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", default="qwen3-30b-a3b,deepseek-v3", help="comma-separated layer shapes")
+    bench_layers = ",".join(shape.name for shape in layer_shapes("bench"))
+    parser.add_argument("--shapes", default=bench_layers, help="comma-separated layer shapes (default: %(default)s)")
     parser.add_argument("--calls", type=int, default=20, help="profiled calls per function (after 3 warm-up calls)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--glue", action="store_true", help="also profile the routing bench's glue, xla and pallas")
