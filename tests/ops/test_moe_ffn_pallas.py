@@ -7,7 +7,8 @@ the layer is small: ci/layer (T = 64, D = 128, E = 4, k = 2) with F = 128 rather
 layout (blocks of 64 gate columns, each followed by its 64 up columns) is two blocks and differs from [gate | up] (at
 F = 64 the two layouts coincide). The interpreter simulates 2 SMs (more than one CTA sharing a persistent tile loop;
 its time grows with the SMs). Cases: dropless swiglu with the gate/up weights passed packed; capacity_factor = 0.75
-(every expert keeps at most 24 of its ~32 rows) with gpt_oss and plain weights (packed per call).
+(every expert keeps at most 24 of its ~32 rows) with gpt_oss and plain weights (packed per call), at D = 192: like
+gpt-oss's 2880 no multiple of 128, so the permute / combine kernels' last register chunk overlaps the one before.
 
 Inputs are bf16 (the router kernel f32, as ``moe_jax.nn.MoE`` keeps it). Routing runs on the same f32 logits in both
 backends, so the expert counts must agree exactly. Tolerances are relative-norm errors: OUT_TOL for the bf16 output
@@ -40,9 +41,9 @@ def _cpu_with(num_sms: int) -> AbstractMesh:
     return AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="cpu", num_cores=num_sms, platform="cpu"))
 
 
-def _inputs(seed: int) -> dict:
+def _inputs(seed: int, d: int) -> dict:
     rng = np.random.default_rng(seed)
-    t, d, f, e = LAYER.t, LAYER.d, LAYER.f, LAYER.e
+    t, f, e = LAYER.t, LAYER.f, LAYER.e
     return dict(
         x=jnp.asarray(rng.normal(size=(t, d)), jnp.bfloat16),
         router_kernel=jnp.asarray(rng.normal(size=(d, e)) / np.sqrt(d), jnp.float32),
@@ -66,12 +67,12 @@ def _forward_and_gradients(inputs, w_gate_up, backend, **options):
 
 
 @pytest.mark.parametrize(
-    "seed, activation, capacity_factor, packed",
-    [(1, "swiglu", None, True), (2, "gpt_oss", 0.75, False)],
-    ids=["dropless-swiglu-packed", "capacity-0.75-gpt_oss-plain"],
+    "seed, d_model, activation, capacity_factor, packed",
+    [(1, LAYER.d, "swiglu", None, True), (2, 192, "gpt_oss", 0.75, False)],
+    ids=["dropless-swiglu-packed", "capacity-0.75-gpt_oss-plain-d192"],
 )
-def test_moe_ffn_forward_and_gradients_match_xla(seed, activation, capacity_factor, packed):
-    inputs = _inputs(seed)
+def test_moe_ffn_forward_and_gradients_match_xla(seed, d_model, activation, capacity_factor, packed):
+    inputs = _inputs(seed, d_model)
     options = dict(activation=activation, capacity_factor=capacity_factor)
     w_gate_up = moe_jax.pack_gate_up(inputs["w_gate_up"]) if packed else inputs["w_gate_up"]
     with jax.sharding.use_abstract_mesh(_cpu_with(NUM_SMS)), oracle.checked_interpreter():
