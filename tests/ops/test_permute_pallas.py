@@ -207,7 +207,7 @@ def test_heuristic_config_picks_the_widest_access():
 
 
 def test_gather_rows_with_several_tokens_per_block():
-    # The heuristic gives gather_rows one token per CTA; with three, T = 11 leaves the last CTA two tokens short (it
+    # The heuristic gives gather_rows one token per CTA; with three, T = 11 leaves the last CTA one token short (it
     # repeats token T - 1), and D = 320 overlaps the last 128-column chunk: the same sums as the reference's.
     num_tokens, d_model, top_k = 11, 320, 3
     routing = _routing(15, num_tokens, 5, top_k)
