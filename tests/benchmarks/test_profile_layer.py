@@ -69,3 +69,9 @@ def test_glue_markdown_compares_spans():
     table = profile_layer.glue_markdown("demo", glue)
     assert "| glue | 300.0 | 299.0 (3) | 150.0 | 149.0 (3) | 2.00x |" in table
     assert "| glue-fused | 90.0 | 89.0 (3) | 60.0 | 59.0 (3) | 1.50x |" in table
+
+
+def test_a_gather_that_speeds_the_kernel_up_counts_as_no_glue():
+    # A faster gathered kernel is the GEMM's gain: the glue is then its kernels alone, never less.
+    assert profile_layer.layer_glue_us(800.0, 65.5) == pytest.approx(865.5)
+    assert profile_layer.layer_glue_us(800.0, -926.0) == 800.0

@@ -206,13 +206,16 @@ def routed_glu_mlp(
     )
 
 
-# Fusing the gather costs the gate_up kernel 4-7% of its time (cp.async rows instead of TMA boxes) and saves the
-# permute, whose share of that kernel's time shrinks as 1 / F (bytes ~ M D against FLOPs ~ M D F). Measured on an
-# H200 (docs/kernels/routing.md, "The gather inside the gate_up kernel"): a gain at F = 768 (qwen3); at F = 2048
-# a tie at dsv3-ep8 and, at the whole deepseek-v3 layer, a gain while its kernels were unclustered that turned into a
-# 2-6% loss of the layer's forward once they were (device time, two alternating runs each: benchmarks/RESULTS.md,
-# 1a72dcc); a tie at F = 2880 (gpt-oss), a loss at F = 14336 (mixtral, 5%).
-GATHER_MAX_D_FF = 1024
+# Fusing the gather saves the permute, whose share of the gate_up kernel's time shrinks as 1 / F (bytes ~ M D against
+# FLOPs ~ M D F), and changes what the kernel reads: cp.async rows of x [T, D] instead of TMA boxes of the sorted rows
+# [T * k, D]. At qwen3 (F = 768) that costs the kernel 4-7% and wins (H200 and H100). At deepseek-v3 (F = 2048) the
+# gathered kernel is *faster* than the one on sorted rows on an H100 (x, 8x smaller than the rows, stays in L2): the
+# layer's forward span 23180 / 23355 -> 21651 / 21694 µs (device time, two alternating rounds, 2026-11-26), where on an
+# H200 with the kernels of 2026-11-22 it was 2-6% slower (benchmarks/RESULTS.md, 1a72dcc; not re-measured since). At
+# gpt-oss-120b (F = 2880, H100) the gather costs the kernel 187-215 µs against a 171-µs permute: the layer's span
+# 5437 / 5423 -> 5471 / 5445 µs. At F = 14336 (mixtral, H200) a 5% loss. docs/kernels/routing.md, "The gather inside
+# the gate_up kernel".
+GATHER_MAX_D_FF = 2048
 
 
 def fuses_gather(d_ff: int) -> bool:
