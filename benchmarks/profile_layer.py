@@ -8,7 +8,7 @@ the jitted ``moe_ffn`` forward (backend "pallas") after a warm-up, and each kern
 
   router     the router matmul (XLA's GEMM)             gate_up    moe_gmm[_gather]_glu
   gating     moe_gating                                 down       moe_gmm_row_scale
-  xla-glue   XLA's other kernels: the counting sort's   permute    moe_scatter_rows (F > 1024: not gathered)
+  xla-glue   XLA's other kernels: the counting sort's   permute    moe_scatter_rows (F > 2048: not gathered)
              end, the rows' weights, the aux losses     combine    moe_gather_rows
   other      a Mosaic GPU kernel the forward should not run (listed, never counted as glue)
 
@@ -19,7 +19,8 @@ well as in the bench's wall clock, which holds each call's dispatch and host syn
 The same is done for the expert kernels alone on rows already sorted (``glu_mlp``, the layer bench's
 experts:pallas), so that what the gather costs the gate_up kernel is the difference of two kernel times (zero where
 the layer permutes first and gathers nothing). The layer's glue is then gating + xla-glue + permute + combine + that
-difference, and its share is over the layer's span (first kernel start to last kernel end of a call, which also
+difference where it is a cost (a gathered kernel faster than the sorted-rows one adds nothing: ``layer_glue_us``), and
+its share is over the layer's span (first kernel start to last kernel end of a call, which also
 counts any gap between kernels). Medians over the calls.
 
 Usage (GPU machine): ``python -m benchmarks.profile_layer [--shapes qwen3-30b-a3b,deepseek-v3] --calls 20 [--glue]``

@@ -20,7 +20,7 @@ against a 0.82-TFLOP GEMM (~1.9 ms at the 430 TF/s issue #3's gate_up kernel rea
 with the recompute at the qwen3-30b, dsv3-ep8 and mixtral gate_up shapes.
 
 ``routed_glu_mlp`` (what ``moe_ffn`` calls) takes the tokens [T, D] and the routing's sort indices instead of sorted
-rows: where that pays (F <= 1024) the gate_up kernel gathers its rows from the tokens, so the [T * k, D] permuted copy
+rows: where that pays (F <= 2048) the gate_up kernel gathers its rows from the tokens, so the [T * k, D] permuted copy
 is never written, and the backward keeps the tokens rather than the rows.
 """
 
