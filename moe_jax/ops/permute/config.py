@@ -28,7 +28,7 @@ class Config:
 
     Attributes:
       vec_size: elements one lane moves per access (a power of two); a register chunk spans ``128 * vec_size``
-        columns, which must divide D.
+        columns, at most D (``chunk_starts``: where it does not divide D the last chunk overlaps the one before).
       tokens_per_block: tokens one CTA handles; the grid is ``ceil(T / tokens_per_block)``.
     """
 
