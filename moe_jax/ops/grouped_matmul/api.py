@@ -227,8 +227,6 @@ def run_rows_kernel(
     gate_up=None,
     row_tokens=None,
     zero_tail=True,
-    scatter_tokens=None,
-    scatter_out=None,
 ):
     """fwd / dgrad / glu_dgrad kernel: x[M, R] · w[g] per group (w [G, R, C], or [G, C, R] when ``w_transposed``).
 
@@ -272,8 +270,6 @@ def run_rows_kernel(
         row_scale=_padded_rows(row_scale),
         gate_up=_padded_rows(gate_up),
         row_tokens=row_tokens,
-        scatter_tokens=scatter_tokens,
-        scatter_out=scatter_out,
     )
     if not isinstance(outs, tuple):
         return outs[:m]

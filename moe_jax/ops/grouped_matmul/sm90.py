@@ -45,7 +45,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moe_jax.ops.grouped_matmul import sm90_gather as gather
 from moe_jax.ops.grouped_matmul import sm90_pipeline as pipe
-from moe_jax.ops.grouped_matmul import sm90_scatter as scatter_add
 from moe_jax.ops.grouped_matmul.config import Config
 from moe_jax.ops.grouped_matmul.schedule import ROW_ALIGN, TILE_GROUP, TILE_ROW, TILE_ROWS, TILE_SKIP, ZERO_TILE
 
@@ -134,8 +133,6 @@ def grouped_matmul_rows(
     row_scale: jax.Array | None = None,
     gate_up: jax.Array | None = None,
     row_tokens: jax.Array | None = None,
-    scatter_tokens: jax.Array | None = None,
-    scatter_out=None,
 ):
     """out[M, C] = x[rows of g] · w[g] over the row tiles of schedule.row_tiles, through ``epilogue``.
 
@@ -171,13 +168,8 @@ def grouped_matmul_rows(
     cluster = cfg.cluster_m
     grid = pipe.cluster_grid(num_sms, cluster)
     max_tiles = tiles.shape[1]
-    scatter = scatter_tokens is not None
-    if scatter:
-        scatter_tokens = jnp.pad(scatter_tokens.astype(jnp.int32), (0, m - scatter_tokens.shape[0]), constant_values=-1)
     operands = [
-        op
-        for op in (row_scale if epi.row_scale else None, gate_up if epi.backward else None, scatter_tokens)
-        if op is not None
+        op for op in (row_scale if epi.row_scale else None, gate_up if epi.backward else None) if op is not None
     ]
     loads_per_tile = len(operands)  # TMA copies a consumer issues per tile for its epilogue
     overlap = pipe.overlaps_epilogue(cfg, epi.kept_bytes(cfg, jnp.dtype(out_dtype).itemsize))
@@ -191,7 +183,6 @@ def grouped_matmul_rows(
     def body(tiles_gmem, count_gmem, x_gmem, w_gmem, *refs):
         row_tokens_gmem, refs = (refs[0], refs[1:]) if gathered else (None, refs)
         operand_gmem, refs = refs[: len(operands)], refs[len(operands) :]
-        scatter_gmem, refs = (refs[0], refs[1:]) if scatter else (None, refs)
         out_gmems, refs = refs[: len(out_types)], refs[len(out_types) :]
         x_smem, w_smem, out_smem, produced, consumed, *epi_scratch = refs
         num_row_tiles = count_gmem[0]
@@ -272,9 +263,7 @@ def grouped_matmul_rows(
         @pl.when(wg < num_wgs)
         def _consumer():
             plgpu.set_max_registers(pipe.compute_registers(num_wgs), action="increase")
-            epilogue = _epilogue(
-                epi, cfg, cols, out_dtype, wg, out_gmems, out_smem, operand_gmem, epi_scratch, if_real, scatter_gmem
-            )
+            epilogue = _epilogue(epi, cfg, cols, out_dtype, wg, out_gmems, out_smem, operand_gmem, epi_scratch, if_real)
 
             def stores(outputs):
                 values, tile = outputs
@@ -329,7 +318,7 @@ def grouped_matmul_rows(
     scratch = [
         plgpu.SMEM((stages, bm, bk), in_dtype, transforms=x_transforms),
         plgpu.SMEM((stages, *w_block_shape), in_dtype, transforms=pipe.swizzled(w_block_shape[1], in_dtype)),
-        pipe.epilogue_smem(num_wgs, wg_m, epi_n, out_dtype, buffers=1 if scatter else 2),
+        pipe.epilogue_smem(num_wgs, wg_m, epi_n, out_dtype),
         # produced: the two TMA loads of a step landed (gathered rows: see sm90_gather.py)
         plgpu.Barrier(num_arrivals=gather.produced_arrivals(bm, interpret) if gathered else 2, num_barriers=stages),
         pipe.consumed_barriers(num_wgs, stages, cluster),
@@ -339,9 +328,6 @@ def grouped_matmul_rows(
         scratch.append(plgpu.Barrier(num_arrivals=loads_per_tile, num_barriers=num_wgs))
     if epi.row_scale:
         scratch.append(plgpu.SMEM((num_wgs, wg_m), jnp.float32))  # the tile's row_scale rows
-    if scatter:
-        scratch.append(plgpu.SMEM((num_wgs, wg_m), jnp.int32))  # the tile's tokens
-        scratch.append(plgpu.SMEM((num_wgs, wg_m), jnp.int32))  # its stored rows' tokens, -1 elsewhere
     if epi.backward:
         gate_up_cols = epi.operand_cols(cfg)
         scratch.append(
@@ -356,15 +342,13 @@ def grouped_matmul_rows(
         **grid,
         num_threads=num_wgs + 1,
         thread_name="wg",
-        kernel_name=_kernel_name(epi, gathered) + ("_scatter" if scatter else ""),
+        kernel_name=_kernel_name(epi, gathered),
         # Approximate exp / division in the GLU epilogues only: far inside bf16 rounding, and the plain kernels keep
         # their exact code.
         compiler_params=plgpu.CompilerParams(approx_math=epi.activation is not None or epi.backward),
         interpret=interpret,
     )
-    return kernel(
-        tiles, num_tiles, x, w, *([row_tokens] if gathered else []), *operands, *([scatter_out] if scatter else [])
-    )
+    return kernel(tiles, num_tiles, x, w, *([row_tokens] if gathered else []), *operands)
 
 
 def _kernel_name(epi: Epilogue, gathered: bool) -> str:
@@ -410,31 +394,17 @@ class _EpilogueFns(NamedTuple):
 
 
 def _epilogue(
-    epi: Epilogue,
-    cfg: Config,
-    cols: int,
-    out_dtype,
-    wg,
-    out_gmems,
-    out_smem,
-    operand_gmem,
-    scratch,
-    if_real,
-    scatter_gmem=None,
+    epi: Epilogue, cfg: Config, cols: int, out_dtype, wg, out_gmems, out_smem, operand_gmem, scratch, if_real
 ) -> _EpilogueFns:
     wg_m, bn, epi_n, pack = cfg.wg_block_m, cfg.block_n, cfg.epilogue_n, epi.pack
-    scatter = scatter_gmem is not None
-    loaded, *buffers = scratch if (epi.row_scale or epi.backward or scatter) else (None,)
+    loaded, *buffers = scratch if (epi.row_scale or epi.backward) else (None,)
     buffers = iter(buffers)
     row_scale_smem = next(buffers) if epi.row_scale else None
-    tokens_smem = next(buffers) if scatter else None
-    stored_tokens_smem = next(buffers) if scatter else None
     gate_up_smem = next(buffers) if epi.backward else None
     partial_smem = next(buffers) if epi.backward and epi.row_scale else None
     operand_gmem = iter(operand_gmem)
     row_scale_gmem = next(operand_gmem) if epi.row_scale else None
     gate_up_gmem = next(operand_gmem) if epi.backward else None
-    tokens_gmem = next(operand_gmem) if scatter else None
     row_vector = plgpu.Layout.WGMMA.reduce(1)
 
     def packed_cols(f: int) -> tuple[int, int]:
@@ -443,7 +413,7 @@ def _epilogue(
         return gate, gate + pack
 
     def prefetch(wg_row0, ni):
-        if not (epi.row_scale or epi.backward or scatter):
+        if not (epi.row_scale or epi.backward):
             return
         # The buffers were last read by the previous tile's epilogue: every thread of the warpgroup must be done with
         # them (barrier) and those generic-proxy reads ordered before the TMA's writes (fence): commit_smem is both.
@@ -454,8 +424,6 @@ def _epilogue(
         if epi.backward:
             gate_up_tile = gate_up_gmem.at[rows, pl.ds(2 * ni * bn, 2 * bn)]
             plgpu.copy_gmem_to_smem(gate_up_tile, gate_up_smem.at[wg], loaded.at[wg])
-        if scatter:
-            plgpu.copy_gmem_to_smem(tokens_gmem.at[rows], tokens_smem.at[wg], loaded.at[wg])
 
     def scaled(value, scale):
         return value if scale is None else value * lax.broadcast_in_dim(scale, value.shape, [0])
@@ -494,38 +462,13 @@ def _epilogue(
         if epi.backward:
             return pipe.column_chunks(acc, epi_n)  # d_h before the row scale, f32
         scale = None
-        if epi.row_scale or scatter:
-            if_real(real, lambda: plgpu.barrier_wait(loaded.at[wg]))
         if epi.row_scale:
+            if_real(real, lambda: plgpu.barrier_wait(loaded.at[wg]))
             scale = plgpu.load(row_scale_smem.at[wg], layout=row_vector)
-        values = tuple(forward_values(acc, scale))
-        if scatter:
-            values += (plgpu.load(tokens_smem.at[wg], layout=row_vector),)
-        return values
-
-    def stored_tokens(tokens, wg_first, wg_rows):
-        row = plgpu.broadcasted_iota(jnp.int32, (wg_m,), 0, layout=row_vector)
-        stored = (row >= wg_first) & (row < wg_first + wg_rows)
-        plgpu.commit_smem()
-        stored_tokens_smem.at[wg][...] = jnp.where(stored, tokens, -1)
-
-    def scatter_chunk(value, col, num_cols):
-        @pl.when(col < num_cols)
-        def _():
-            # Every thread's reads of this buffer (two chunks ago) and of the tokens are done: barrier.
-            plgpu.commit_smem()
-            out_smem[wg, 0] = value
-            plgpu.commit_smem()
-            scatter_add.add_rows(stored_tokens_smem.at[wg], out_smem.at[wg, 0], scatter_gmem.at[:, pl.ds(col, epi_n)])
+        return tuple(forward_values(acc, scale))
 
     def stores(values, mi, ni, wg_row0, wg_first, wg_rows):
         rows = (wg_row0, wg_first, wg_rows)
-        if scatter:
-            *values, tokens = values
-            return [functools.partial(stored_tokens, tokens, wg_first, wg_rows)] + [
-                functools.partial(scatter_chunk, value, col, num_cols)
-                for value, (_, col, num_cols) in zip(values, forward_targets(ni), strict=True)
-            ]
         if not epi.backward:
             return [
                 functools.partial(pipe.store_chunk, c, value, out_smem, wg, dst, *rows, col, num_cols)
@@ -574,10 +517,7 @@ def _epilogue(
     def empty():
         if epi.backward:
             return pipe.empty_chunks(bn // epi_n, wg_m, epi_n, jnp.float32)
-        values = pipe.empty_chunks(len(forward_targets(0)), wg_m, epi_n, out_dtype)
-        if scatter:
-            values += (plgpu.layout_cast(jnp.zeros((wg_m,), jnp.int32), row_vector),)
-        return values
+        return pipe.empty_chunks(len(forward_targets(0)), wg_m, epi_n, out_dtype)
 
     return _EpilogueFns(prefetch, epi.backward, prepare, stores, empty)
 

@@ -206,10 +206,9 @@ def store_rows(src_smem, index, dst_gmem, row0, start, rows, col) -> None:
             size //= 2
 
 
-def epilogue_smem(num_compute_wgs: int, rows: int, epilogue_n: int, dtype, buffers: int = 2):
-    """Each consumer's (double) buffer for the epilogue: [wgs, buffers, rows, epilogue_n], 1-row tiled (see
-    store_rows)."""
-    return plgpu.SMEM((num_compute_wgs, buffers, rows, epilogue_n), dtype, transforms=swizzled(epilogue_n, dtype, 1))
+def epilogue_smem(num_compute_wgs: int, rows: int, epilogue_n: int, dtype):
+    """Each consumer's double buffer for the epilogue: [wgs, 2, rows, epilogue_n], 1-row tiled (see store_rows)."""
+    return plgpu.SMEM((num_compute_wgs, 2, rows, epilogue_n), dtype, transforms=swizzled(epilogue_n, dtype, 1))
 
 
 def store_chunk(c: int, value, out_smem, wg, dst_gmem, row0, start, rows, col, num_cols) -> None:
