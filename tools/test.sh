@@ -2,9 +2,7 @@
 # The whole CPU test suite: lint, format check, then pytest (kernels run under the Mosaic GPU interpreter).
 # Extra arguments go to pytest, e.g. `bash tools/test.sh -k routing`.
 # pytest runs in MOE_JAX_TEST_WORKERS processes (pytest-xdist; default: the CPU count, at most 4, as each holds its
-# own jax and interpreter state): on 2 cores the tests took 9.7 minutes with two workers, 10.5 with a fresh clone's
-# setup (2026-11-25, 434 tests); 15.4-22.5 minutes on 2026-11-26 (447-475 tests; 475 in 18.8 and 21.8 from fresh clones
-# at c70cd45 and fcc324d, 20.0 and 23.1 with their setup), on a machine that ran the main job slower than the day before.
+# own jax and interpreter state). On 2 cores the 475 tests take 16-22 minutes with two workers (README.md).
 source "$(dirname "$0")/env.sh" || exit 1
 cd "$MOE_JAX_REPO" || exit 1
 ruff check . || exit 1
