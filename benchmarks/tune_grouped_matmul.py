@@ -12,10 +12,11 @@ A config on the command line is "table" (what the op would use: tuned entry or h
 without clusters), "table+o" (without clusters, with the overlapped epilogue), "table+oc" (clusters kept, with the
 overlapped epilogue), the table's config with fields replaced, "table/<field>=<value>[/<field>=<value>...]" (e.g.
 "table/cluster_m=2/grid_minor=m/grid_width=16"), or
-"<block_m>x<block_n>x<block_k>s<stages>e<epilogue_n><m|n><grid_width>[c<cluster_m>][o]", e.g. "128x256x64s4e64n8",
-"128x256x64s4e64n8c2" (2-CTA clusters sharing the weight tile) or "128x256x64s4e64n8o" (the epilogue overlapped with
-the next tile's first steps). The candidates of one (kind, shape) are compiled in parallel threads (--jobs: the
-kernels' compilation is CPU-bound and most of a sweep's time), then timed with the dense ceiling in interleaved rounds
+"<block_m>x<block_n>x<block_k>s<stages>e<epilogue_n><m|n><grid_width>[c<cluster_m>][o][t]", e.g. "128x256x64s4e64n8",
+"128x256x64s4e64n8c2" (2-CTA clusters sharing the weight tile), "128x256x64s4e64n8o" (the epilogue overlapped with
+the next tile's first steps) or "128x256x64s4e64n8t" (lockstep_tails: tail tiles run every warpgroup's MMAs).
+The candidates of one (kind, shape) are compiled in parallel threads (--jobs: the kernels' compilation is CPU-bound
+and most of a sweep's time), then timed with the dense ceiling in interleaved rounds
 (--rounds; see run_time); every output is compared with the first candidate's, so a config that computes something
 else shows up in "vs first".
 Numbers reported in benchmarks/RESULTS.md come from ``python -m benchmarks``; this script is for tuning.
@@ -45,7 +46,7 @@ TIMED_KINDS = ("fwd", "dgrad", "wgrad", "glu_dgrad")
 # glu_dgrad is the GLU MLP's backward through its down projection (rhs = w_down [G, F, D]), so it is timed at the
 # "<model>/down" shapes only, whose (G, M, K, N) is also its table key; its epilogue runs this activation's backward.
 GLU_DGRAD_ACTIVATION = "swiglu"
-SPEC = re.compile(r"(\d+)x(\d+)x(\d+)s(\d+)e(\d+)([mn])(\d+)(?:c(\d))?(o)?")
+SPEC = re.compile(r"(\d+)x(\d+)x(\d+)s(\d+)e(\d+)([mn])(\d+)(?:c(\d))?(o)?(t)?")
 
 
 def parse_config(spec: str):
@@ -64,9 +65,18 @@ def parse_config(spec: str):
     match = SPEC.fullmatch(spec)
     if not match:
         raise SystemExit(f"bad config {spec!r}: expected one of {list(variants)} or e.g. 128x256x64s4e64n8")
-    bm, bn, bk, stages, epi, minor, width, cluster, overlap = match.groups()
+    bm, bn, bk, stages, epi, minor, width, cluster, overlap, lockstep = match.groups()
     config = Config(
-        int(bm), int(bn), int(bk), int(stages), 2, int(epi), minor, int(width), int(cluster or 1), overlap == "o"
+        block_m=int(bm),
+        block_n=int(bn),
+        block_k=int(bk),
+        num_stages=int(stages),
+        epilogue_n=int(epi),
+        grid_minor=minor,
+        grid_width=int(width),
+        cluster_m=int(cluster or 1),
+        overlap_epilogue=overlap == "o",
+        lockstep_tails=lockstep == "t",
     )
     return lambda kind, shape: config
 
@@ -94,8 +104,9 @@ def label(config: Config) -> str:
     c = config
     cluster = f"c{c.cluster_m}" if c.cluster_m > 1 else ""
     overlap = "o" if c.overlap_epilogue else ""
+    lockstep = "t" if c.lockstep_tails else ""
     tile = f"{c.block_m}x{c.block_n}x{c.block_k}s{c.num_stages}e{c.epilogue_n}"
-    return f"{tile}{c.grid_minor}{c.grid_width}{cluster}{overlap}"
+    return f"{tile}{c.grid_minor}{c.grid_width}{cluster}{overlap}{lockstep}"
 
 
 def kernel_fn(kind: str, config: Config | None):

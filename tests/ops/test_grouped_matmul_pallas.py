@@ -181,6 +181,34 @@ def test_overlapped_epilogue_matches_reference(case, kind):
     assert oracle.relative_error(out, expected) < BF16_OUT_TOL
 
 
+# lockstep_tails: a warpgroup with no row to store still runs its MMAs, over rows of the next group or past the sum.
+# Rows past the sum are NaN here, so a computed row that reached a stored one (or a stored zero) would show.
+@pytest.mark.parametrize("case", ["ragged", "tail tiles"])
+@pytest.mark.parametrize("kind", ["fwd", "dgrad"])
+@pytest.mark.usefixtures("interpret")
+def test_lockstep_tails_match_reference(case, kind):
+    m, k, n, sizes = CASES[case]
+    lhs, rhs, group_sizes = _inputs(51, m, k, n, sizes, False)
+    total = sum(sizes)
+    dout = jnp.asarray(np.random.default_rng(52).normal(size=(m, n)), jnp.bfloat16)
+    x, transposed = (lhs, False) if kind == "fwd" else (dout, True)
+    lockstep = config.Config(block_m=128, block_n=64, lockstep_tails=True)
+    out = api.run_rows_kernel(
+        kind,
+        x.at[total:].set(jnp.nan),
+        rhs,
+        group_sizes,
+        w_transposed=transposed,
+        out_dtype=jnp.float32,
+        config=lockstep,
+    )
+    expected = reference.grouped_matmul(
+        x, rhs, group_sizes, transpose_rhs=transposed, preferred_element_type=jnp.float32
+    )
+    assert oracle.relative_error(out, expected) < F32_OUT_TOL
+    np.testing.assert_array_equal(np.asarray(out)[total:], 0.0)
+
+
 # Gathered rows (sm90_gather.py): row r of the product is x[row_tokens[r]] for tokens drawn with repeats from the odd
 # rows of x; the even rows are NaN, so a row gathered from the wrong token (or a stale buffer) poisons the output.
 # With the 2-CTA cluster the weights are multicast while each CTA gathers its own rows.

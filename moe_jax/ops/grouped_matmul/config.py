@@ -50,6 +50,10 @@ class Config:
         OVERLAP_REGISTERS registers per thread (so not to f32 outputs of 256-column tiles, nor to a forward that
         also keeps its accumulator next to a GLU); elsewhere the epilogue runs between the tiles. With clusters it
         runs on the GPU only (the interpreter runs such a config without the overlap: see api.run_rows_kernel).
+      lockstep_tails: fwd / dgrad / glu_dgrad: every compute warpgroup of a tile issues its MMAs, also one none of
+        whose rows is stored (in a group's tail tile of at most 64 rows). Skipping them makes such a tile shorter
+        than the others, and the persistent CTAs drift apart: the CTAs that share a weight tile then no longer read
+        it from L2 together but each from HBM. wgrad ignores it (its tiles have no per-warpgroup rows).
     """
 
     block_m: int = 128
@@ -62,6 +66,7 @@ class Config:
     grid_width: int = 8
     cluster_m: int = 1
     overlap_epilogue: bool = False
+    lockstep_tails: bool = False
 
     def __post_init__(self):
         if self.num_compute_wgs not in (1, 2):
@@ -134,6 +139,13 @@ class Config:
 # 9.21 -> 5.96 ms, dsv3-ep8 down 1.67 -> 1.50, the other six within -4% .. +5% (3 interleaved rounds, outputs
 # bit-identical; 2-CTA clusters no faster at any of the 8: benchmarks/results/2026-11-25_h100_wgrad_order.md).
 # The fused GLU forward uses the "fwd" entry of its gate_up shape; glu_dgrad is keyed by the "<model>/down" shape.
+# The five unclustered entries of dsv3-ep8 / mixtral (fwd of both down shapes, dsv3-ep8 gate_up's dgrad, both
+# glu_dgrad) add lockstep_tails since 2026-11-26 (sixth session): a group's tail tile of <= 64 rows then runs as long
+# as a full one and the CTAs sharing a weight tile stay in step. On an H100 (`time --configs
+# table,table/lockstep_tails=True --rounds 8`; benchmarks/RESULTS.md) dsv3-ep8/down fwd 1.648 -> 1.504 ms,
+# mixtral/down fwd 3.228 -> 3.098, dsv3-ep8/gate_up dgrad 3.366 -> 3.141, glu_dgrad 2.378 -> 2.320 and 5.005 ->
+# 4.888; ncu at dsv3-ep8/down counted 2.47 -> 2.00 GB read from HBM. Clustered entries gained nothing (their pairs
+# already run in step), nor did qwen3's / gpt-oss's memory-bound ones, which keep skipping the idle MMAs.
 WGRAD_BANDS = Config(grid_minor="m", grid_width=WGRAD_BAND_TILES, overlap_epilogue=True)
 TUNED: dict[tuple[str, int, int, int, int], Config] = {
     ("fwd", 128, 32768, 2048, 1536): Config(grid_minor="m", cluster_m=2, overlap_epilogue=True),
@@ -151,18 +163,18 @@ TUNED: dict[tuple[str, int, int, int, int], Config] = {
     ("glu_dgrad", 128, 32768, 2880, 2880): Config(block_n=64, num_stages=6, grid_width=12),
     ("wgrad", 128, 32768, 2880, 2880): WGRAD_BANDS,
     ("fwd", 32, 32768, 7168, 4096): Config(grid_minor="m", cluster_m=2),
-    ("dgrad", 32, 32768, 7168, 4096): Config(grid_minor="m"),
+    ("dgrad", 32, 32768, 7168, 4096): Config(grid_minor="m", lockstep_tails=True),
     ("wgrad", 32, 32768, 7168, 4096): WGRAD_BANDS,
-    ("fwd", 32, 32768, 2048, 7168): Config(grid_minor="m", overlap_epilogue=True),
+    ("fwd", 32, 32768, 2048, 7168): Config(grid_minor="m", overlap_epilogue=True, lockstep_tails=True),
     ("dgrad", 32, 32768, 2048, 7168): Config(cluster_m=2),
-    ("glu_dgrad", 32, 32768, 2048, 7168): Config(block_n=128, num_stages=3, grid_width=16),
+    ("glu_dgrad", 32, 32768, 2048, 7168): Config(block_n=128, num_stages=3, grid_width=16, lockstep_tails=True),
     ("wgrad", 32, 32768, 2048, 7168): WGRAD_BANDS,
     ("fwd", 8, 16384, 4096, 28672): Config(grid_minor="m", cluster_m=2, overlap_epilogue=True),
     ("dgrad", 8, 16384, 4096, 28672): Config(grid_width=16, cluster_m=2),
     ("wgrad", 8, 16384, 4096, 28672): WGRAD_BANDS,
-    ("fwd", 8, 16384, 14336, 4096): Config(grid_width=16),
+    ("fwd", 8, 16384, 14336, 4096): Config(grid_width=16, lockstep_tails=True),
     ("dgrad", 8, 16384, 14336, 4096): Config(grid_minor="m", cluster_m=2),
-    ("glu_dgrad", 8, 16384, 14336, 4096): Config(block_n=128, num_stages=3, grid_minor="m"),
+    ("glu_dgrad", 8, 16384, 14336, 4096): Config(block_n=128, num_stages=3, grid_minor="m", lockstep_tails=True),
     ("wgrad", 8, 16384, 14336, 4096): WGRAD_BANDS,
 }
 

@@ -8,7 +8,9 @@ Structure (one CTA per SM, persistent; the pipeline itself is in sm90_pipeline.p
   * the producer warpgroup streams the block_k slices of the tile's x rows and of w[g] into a ring of swizzled
     shared-memory buffers with TMA, running ahead across tile boundaries;
   * consumer warpgroup w owns rows [w * wg_block_m, (w+1) * wg_block_m) of the tile and accumulates them with
-    wgmma; a warpgroup none of whose rows is stored (the tail tile of a group) issues no MMA. The epilogue
+    wgmma; a warpgroup none of whose rows is stored (the tail tile of a group) issues no MMA unless
+    ``config.lockstep_tails`` (rows that are not stored cost MMAs but no correctness: each output row depends on
+    its own x row only, and a tail tile then takes as long as a full one, which keeps the CTAs in step). The epilogue
     (``Epilogue``) turns the f32 accumulator into the outputs and TMA-stores the tile's own rows only; with
     ``config.overlap_epilogue`` a consumer keeps them in registers and stores them chunk by chunk between the first
     steps of its next tile, while the tensor cores work (where they fit: ``Epilogue.kept_bytes``);
@@ -278,8 +280,11 @@ def grouped_matmul_rows(
                 wg_first = jnp.clip(skip - wg * wg_m, 0, wg_m)
                 wg_rows = jnp.clip(skip + rows - wg * wg_m, 0, wg_m) - wg_first
                 wg_row0 = row0 + wg * wg_m
-                # No MMA for a phantom tile, or for a zero tile that runs its span's steps.
-                mma_rows = jnp.where(real & (group != ZERO_TILE), wg_rows, 0) if cluster > 1 else wg_rows
+                # A warpgroup with no rows to store skips its MMAs, unless the tile is to last as long as a full one.
+                mma_rows = rows if cfg.lockstep_tails else wg_rows
+                if cluster > 1:
+                    # No MMA for a phantom tile, or for a zero tile that runs its span's steps.
+                    mma_rows = jnp.where(real & (group != ZERO_TILE), mma_rows, 0)
                 # With the overlap an epilogue operand load that would overwrite what the previous tile's stores read
                 # runs after them.
                 prefetch = functools.partial(if_real, real, lambda: epilogue.prefetch(wg_row0, ni))
