@@ -12,7 +12,7 @@ A config on the command line is "table" (what the op would use: tuned entry or h
 without clusters), "table+o" (without clusters, with the overlapped epilogue), "table+oc" (clusters kept, with the
 overlapped epilogue), the table's config with fields replaced, "table/<field>=<value>[/<field>=<value>...]" (e.g.
 "table/cluster_m=2/grid_minor=m/grid_width=16"), or
-"<block_m>x<block_n>x<block_k>s<stages>e<epilogue_n><m|n><grid_width>[c<cluster_m>][o][t]", e.g. "128x256x64s4e64n8",
+"<block_m>x<block_n>x<block_k>s<stages>e<epilogue_n><m|n|g><grid_width>[c<cluster_m>][o][t]", e.g. "128x256x64s4e64n8",
 "128x256x64s4e64n8c2" (2-CTA clusters sharing the weight tile), "128x256x64s4e64n8o" (the epilogue overlapped with
 the next tile's first steps) or "128x256x64s4e64n8t" (lockstep_tails: tail tiles run every warpgroup's MMAs).
 The candidates of one (kind, shape) are compiled in parallel threads (--jobs: the kernels' compilation is CPU-bound
@@ -46,7 +46,7 @@ TIMED_KINDS = ("fwd", "dgrad", "wgrad", "glu_dgrad")
 # glu_dgrad is the GLU MLP's backward through its down projection (rhs = w_down [G, F, D]), so it is timed at the
 # "<model>/down" shapes only, whose (G, M, K, N) is also its table key; its epilogue runs this activation's backward.
 GLU_DGRAD_ACTIVATION = "swiglu"
-SPEC = re.compile(r"(\d+)x(\d+)x(\d+)s(\d+)e(\d+)([mn])(\d+)(?:c(\d))?(o)?(t)?")
+SPEC = re.compile(r"(\d+)x(\d+)x(\d+)s(\d+)e(\d+)([mng])(\d+)(?:c(\d))?(o)?(t)?")
 
 
 def parse_config(spec: str):

@@ -131,12 +131,14 @@ CONFIG_SPACE = [
     Config(block_m=256, block_n=64),
     Config(block_m=256, block_n=128, num_stages=3, grid_minor="m", cluster_m=2),
     Config(block_m=256, block_n=256, num_stages=2),
+    Config(block_m=128, block_n=128, grid_minor="g", grid_width=2, lockstep_tails=True),
+    Config(block_m=128, block_n=256, grid_minor="g", grid_width=16, cluster_m=2, overlap_epilogue=True),
 ]
 CONFIG_SPACE_SIZES = [0, 300, 1, 150, 200]
 
 
 def _config_id(c: Config) -> str:
-    extra = f"{'c2' if c.cluster_m > 1 else ''}{'o' if c.overlap_epilogue else ''}"
+    extra = f"{'c2' if c.cluster_m > 1 else ''}{'o' if c.overlap_epilogue else ''}{'t' if c.lockstep_tails else ''}"
     return f"{c.block_m}x{c.block_n}x{c.block_k}s{c.num_stages}w{c.num_compute_wgs}e{c.epilogue_n}{c.grid_minor}{extra}"
 
 
@@ -164,6 +166,10 @@ def test_every_config_field_value_runs_on_device(config):
             continue
         if kind == "wgrad" and (config.block_n // config.num_compute_wgs) % 64:
             with pytest.raises(ValueError, match="block_n must be a multiple of"):
+                kernel(out_dtype=out_dtype, config=config)
+            continue
+        if kind == "wgrad" and config.grid_minor == "g":
+            with pytest.raises(ValueError, match="grid_minor must be 'm' or 'n'"):
                 kernel(out_dtype=out_dtype, config=config)
             continue
         out = np.asarray(kernel(out_dtype=out_dtype, config=config), np.float32)

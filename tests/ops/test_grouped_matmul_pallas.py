@@ -209,6 +209,29 @@ def test_lockstep_tails_match_reference(case, kind):
     np.testing.assert_array_equal(np.asarray(out)[total:], 0.0)
 
 
+# grid_minor="g": spans walked in bands that never mix groups (schedule.span_bands), with both cluster sizes and bands
+# narrower than a group (width 1: every span its own band), so the table's every field is read.
+@pytest.mark.parametrize("case", ["ragged", "hot expert", "tail tiles"])
+@pytest.mark.parametrize("cluster_m, grid_width", [(1, 1), (2, 2)])
+@pytest.mark.usefixtures("interpret")
+def test_group_bands_match_reference(case, cluster_m, grid_width):
+    m, k, n, sizes = CASES[case]
+    lhs, rhs, group_sizes = _inputs(61, m, k, n, sizes, False)
+    banded = config.Config(block_m=128, block_n=64, grid_minor="g", grid_width=grid_width, cluster_m=cluster_m)
+    out = api.run_rows_kernel("fwd", lhs, rhs, group_sizes, w_transposed=False, out_dtype=jnp.float32, config=banded)
+    expected = reference.grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+    assert oracle.relative_error(out, expected) < F32_OUT_TOL
+    np.testing.assert_array_equal(np.asarray(out)[sum(sizes) :], 0.0)
+
+
+def test_wgrad_rejects_group_bands():
+    """A group's wgrad tiles are [K, N] blocks of one group: "g" (bands of row tiles by group) means nothing there."""
+    x, y = jnp.ones((64, 64), jnp.bfloat16), jnp.ones((64, 64), jnp.bfloat16)
+    banded = config.Config(block_n=64, grid_minor="g")
+    with pytest.raises(ValueError, match="grid_minor must be 'm' or 'n'"):
+        api.run_wgrad_kernel(x, y, jnp.asarray([64], jnp.int32), out_dtype=jnp.bfloat16, config=banded)
+
+
 # Gathered rows (sm90_gather.py): row r of the product is x[row_tokens[r]] for tokens drawn with repeats from the odd
 # rows of x; the even rows are NaN, so a row gathered from the wrong token (or a stale buffer) poisons the output.
 # With the 2-CTA cluster the weights are multicast while each CTA gathers its own rows.
@@ -348,6 +371,46 @@ def test_row_tiles_cover_every_row_once(block_m, zero_tail):
             tail[0] = -1
         np.testing.assert_array_equal(owner, np.concatenate([np.repeat(np.arange(num_groups), sizes), tail]))
         assert 1 <= count[0] <= schedule.max_row_tiles(num_rows, num_groups, block_m)
+
+
+def _banded_order_oracle(groups: list[int], n_tiles: int, max_width: int) -> list[tuple[int, int]]:
+    """(span, column tile) in the "g" order, built as a list: runs of equal groups, each split into the fewest bands
+    of at most max_width spans (widths within one of each other, narrower first), spans fastest, every other band's
+    columns backwards."""
+    bands, start = [], 0
+    for end in range(1, len(groups) + 1):
+        if end == len(groups) or groups[end] != groups[start]:
+            length = end - start
+            count = -(-length // max_width)
+            bounds = [start + j * length // count for j in range(count + 1)]
+            bands += [range(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+            start = end
+    order = []
+    for b, spans in enumerate(bands):
+        columns = range(n_tiles) if b % 2 == 0 else reversed(range(n_tiles))
+        order += [(span, col) for col in columns for span in spans]
+    return order
+
+
+@pytest.mark.parametrize("cluster", [1, 2])
+@pytest.mark.parametrize("max_width", [1, 3, 8])
+def test_span_bands_walk_every_item_once_in_group_bands(cluster, max_width):
+    """The kernel's "g" mapping (sm90.band_item) over schedule.span_bands's table against a list-building oracle."""
+    rng = np.random.default_rng(cluster * 10 + max_width)
+    n_tiles, block_m, num_rows = 3, 64, 3000
+    for fill in (0.9, 1.0):
+        sizes = oracle.random_group_sizes(rng, 9, int(num_rows * fill), "zipf")
+        tiles, count = schedule.row_tiles(jnp.asarray(sizes), num_rows, block_m)
+        table = np.asarray(schedule.span_bands(tiles, count, cluster, max_width))
+        num_spans = -(-int(count[0]) // cluster)
+        groups = np.asarray(tiles)[schedule.TILE_GROUP, : int(count[0]) : cluster].tolist()
+        order = []
+        for lin in range(num_spans * n_tiles):
+            first, width, reversed_ = table[:, lin // n_tiles]
+            within = lin - first * n_tiles
+            col = within // width
+            order.append((int(first + within % width), int(n_tiles - 1 - col if reversed_ else col)))
+        assert order == _banded_order_oracle(groups, n_tiles, max_width)
 
 
 def test_wgrad_groups_are_largest_first():

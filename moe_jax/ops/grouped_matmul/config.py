@@ -40,7 +40,8 @@ class Config:
       epilogue_n: columns written back per TMA store (the epilogue buffer is double-buffered per warpgroup); a
         multiple of 64.
       grid_minor: which output-tile axis varies fastest over the persistent grid ("m" or "n"); for wgrad, over
-        one group's [K, N] output tiles.
+        one group's [K, N] output tiles. fwd / dgrad / glu_dgrad also take "g": row tiles fastest, in bands that
+        never mix two groups (schedule.span_bands: a group's spans split evenly into bands of at most grid_width).
       grid_width: tiles along the minor axis before the major one advances (a band that stays in L2).
       cluster_m: CTAs of a cluster (1 or 2), computing consecutive row tiles of one column tile. fwd / dgrad /
         glu_dgrad: where those tiles belong to one group their weight tile is multicast. wgrad: the two tiles always
@@ -62,7 +63,7 @@ class Config:
     num_stages: int = 4
     num_compute_wgs: int = 2
     epilogue_n: int = 64
-    grid_minor: Literal["m", "n"] = "n"
+    grid_minor: Literal["m", "n", "g"] = "n"
     grid_width: int = 8
     cluster_m: int = 1
     overlap_epilogue: bool = False
@@ -85,8 +86,8 @@ class Config:
         # faults on them with CUDA_ERROR_MISALIGNED_ADDRESS (jax 0.11.2; epilogue_n 16 and 32, block_m 128 and 256).
         if self.epilogue_n % 64 or self.block_n % self.epilogue_n:
             raise ValueError(f"epilogue_n must be a multiple of 64 dividing block_n={self.block_n}, got {self}")
-        if self.grid_minor not in ("m", "n"):
-            raise ValueError(f"grid_minor must be 'm' or 'n', got {self.grid_minor!r}")
+        if self.grid_minor not in ("m", "n", "g"):
+            raise ValueError(f"grid_minor must be 'm', 'n' or 'g', got {self.grid_minor!r}")
         if self.grid_width < 1:
             raise ValueError(f"grid_width must be >= 1, got {self.grid_width}")
         if self.cluster_m not in (1, 2):
@@ -146,6 +147,12 @@ class Config:
 # mixtral/down fwd 3.228 -> 3.098, dsv3-ep8/gate_up dgrad 3.366 -> 3.141, glu_dgrad 2.378 -> 2.320 and 5.005 ->
 # 4.888; ncu at dsv3-ep8/down counted 2.47 -> 2.00 GB read from HBM. Clustered entries gained nothing (their pairs
 # already run in step), nor did qwen3's / gpt-oss's memory-bound ones, which keep skipping the idle MMAs.
+# In step, the CTAs re-read a weight tile from HBM only where a band of the "m" / "n" orders cuts a group in two; the
+# fwd / dgrad entries among the five walk bands by group (grid_minor "g", up to 16 spans; the glu_dgrad ones were not
+# measured with it) since the same session: device time (CUPTI, 4 alternated rounds of 15 calls, H100) mixtral/down fwd 2677 -> 2592 us,
+# dsv3-ep8/down fwd 1323 -> 1292, dsv3-ep8/gate_up dgrad 2698 -> 2669; ncu's HBM reads at dsv3-ep8/down 2.01 -> 1.15 GB
+# and at mixtral/down 5.47 -> 2.60 GB. (Without lockstep_tails the group bands read as much as before: why an earlier
+# try of group-aligned bands, 2026-11-25, found no gain.)
 WGRAD_BANDS = Config(grid_minor="m", grid_width=WGRAD_BAND_TILES, overlap_epilogue=True)
 TUNED: dict[tuple[str, int, int, int, int], Config] = {
     ("fwd", 128, 32768, 2048, 1536): Config(grid_minor="m", cluster_m=2, overlap_epilogue=True),
@@ -163,16 +170,16 @@ TUNED: dict[tuple[str, int, int, int, int], Config] = {
     ("glu_dgrad", 128, 32768, 2880, 2880): Config(block_n=64, num_stages=6, grid_width=12),
     ("wgrad", 128, 32768, 2880, 2880): WGRAD_BANDS,
     ("fwd", 32, 32768, 7168, 4096): Config(grid_minor="m", cluster_m=2),
-    ("dgrad", 32, 32768, 7168, 4096): Config(grid_minor="m", lockstep_tails=True),
+    ("dgrad", 32, 32768, 7168, 4096): Config(grid_minor="g", grid_width=16, lockstep_tails=True),
     ("wgrad", 32, 32768, 7168, 4096): WGRAD_BANDS,
-    ("fwd", 32, 32768, 2048, 7168): Config(grid_minor="m", overlap_epilogue=True, lockstep_tails=True),
+    ("fwd", 32, 32768, 2048, 7168): Config(grid_minor="g", grid_width=16, overlap_epilogue=True, lockstep_tails=True),
     ("dgrad", 32, 32768, 2048, 7168): Config(cluster_m=2),
     ("glu_dgrad", 32, 32768, 2048, 7168): Config(block_n=128, num_stages=3, grid_width=16, lockstep_tails=True),
     ("wgrad", 32, 32768, 2048, 7168): WGRAD_BANDS,
     ("fwd", 8, 16384, 4096, 28672): Config(grid_minor="m", cluster_m=2, overlap_epilogue=True),
     ("dgrad", 8, 16384, 4096, 28672): Config(grid_width=16, cluster_m=2),
     ("wgrad", 8, 16384, 4096, 28672): WGRAD_BANDS,
-    ("fwd", 8, 16384, 14336, 4096): Config(grid_width=16, lockstep_tails=True),
+    ("fwd", 8, 16384, 14336, 4096): Config(grid_minor="g", grid_width=16, lockstep_tails=True),
     ("dgrad", 8, 16384, 14336, 4096): Config(grid_minor="m", cluster_m=2),
     ("glu_dgrad", 8, 16384, 14336, 4096): Config(block_n=128, num_stages=3, grid_minor="m", lockstep_tails=True),
     ("wgrad", 8, 16384, 14336, 4096): WGRAD_BANDS,

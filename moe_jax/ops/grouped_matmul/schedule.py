@@ -73,6 +73,48 @@ def row_tiles(
     return tiles, num_tiles.reshape(1).astype(jnp.int32)
 
 
+BAND_FIRST, BAND_WIDTH, BAND_REVERSED = range(3)  # rows of the [3, S] span-band table
+
+
+def span_bands(tiles: jax.Array, num_tiles: jax.Array, cluster: int, max_width: int) -> jax.Array:
+    """Bands of spans that never cross a group boundary, for ``Config(grid_minor="g")`` (fwd / dgrad / glu_dgrad).
+
+    A span is ``cluster`` consecutive row tiles (one CTA cluster); its group is its first tile's. The kernel walks the
+    spans in bands, each band over every column tile with its spans fastest (like the "m" order), and reverses the
+    column order of every other band (a snake). Here a group's consecutive spans are split into the fewest bands of
+    at most ``max_width`` spans, as even as possible, so no band mixes two groups' weight tiles and the CTAs of a band
+    read each of them together.
+
+    Args:
+      tiles, num_tiles: row_tiles's table.
+      cluster: row tiles per span (Config.cluster_m).
+      max_width: most spans per band (Config.grid_width).
+
+    Returns:
+      [3, S] int32 with S = ceil(T / cluster): for each span, its band's first span, the band's width in spans, and 1
+      where the band walks the column tiles backwards. Work item ``lin`` of ``num_spans * n_tiles`` lies in the band
+      of span ``lin // n_tiles``: a band of width w starting at span f holds items [f * n_tiles, (f + w) * n_tiles).
+    """
+    capacity = -(-tiles.shape[1] // cluster)
+    span = jnp.arange(capacity, dtype=jnp.int32)
+    num_spans = (num_tiles[0] + cluster - 1) // cluster
+    first_tile = jnp.minimum(span * cluster, tiles.shape[1] - 1)
+    # Spans past the last one get a group of their own, so no band of real spans runs into them.
+    group = jnp.where(span < num_spans, tiles[TILE_GROUP, first_tile], ZERO_TILE - 1)
+    run_start = jnp.concatenate([jnp.ones((1,), bool), group[1:] != group[:-1]])
+    run_first = jax.lax.cummax(jnp.where(run_start, span, 0), axis=0)
+    run_id = jnp.cumsum(run_start) - 1
+    run_length = jnp.zeros((capacity,), jnp.int32).at[run_id].add(1)[run_id]
+    bands_in_run = (run_length + max_width - 1) // max_width
+    position = span - run_first
+    # Band j of a run of L spans in n bands holds positions [j L // n, (j + 1) L // n).
+    band = ((position + 1) * bands_in_run - 1) // run_length
+    band_first = run_first + band * run_length // bands_in_run
+    band_width = run_first + (band + 1) * run_length // bands_in_run - band_first
+    band_index = jnp.cumsum(span == band_first) - 1
+    return jnp.stack([band_first, band_width, band_index % 2]).astype(jnp.int32)
+
+
 GROUP_ID, GROUP_START, GROUP_SIZE, GROUP_B_FINITE = range(4)  # rows of the [4, G] wgrad group table
 
 

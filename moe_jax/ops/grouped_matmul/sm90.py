@@ -14,8 +14,9 @@ Structure (one CTA per SM, persistent; the pipeline itself is in sm90_pipeline.p
     (``Epilogue``) turns the f32 accumulator into the outputs and TMA-stores the tile's own rows only; with
     ``config.overlap_epilogue`` a consumer keeps them in registers and stores them chunk by chunk between the first
     steps of its next tile, while the tensor cores work (where they fit: ``Epilogue.kept_bytes``);
-  * tiles come from schedule.row_tiles, walked in a planar-snake order over (row tile, column tile); the loop
-    bound is read from the device, so empty groups cost nothing and no host sync is needed;
+  * tiles come from schedule.row_tiles, walked in a planar-snake order over (row tile, column tile), or with
+    ``grid_minor="g"`` in bands that never mix groups (schedule.span_bands); the loop bound is read from the device,
+    so empty groups cost nothing and no host sync is needed;
   * with ``config.cluster_m == 2`` a cluster of two CTAs takes two consecutive row tiles of one column tile; when
     both belong to one group, each CTA loads half of the weight tile and multicasts it to both, so the pair reads it
     from L2 once and in step (without that, CTAs sharing a weight tile drift apart and re-read it from HBM: at the
@@ -48,7 +49,17 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from moe_jax.ops.grouped_matmul import sm90_gather as gather
 from moe_jax.ops.grouped_matmul import sm90_pipeline as pipe
 from moe_jax.ops.grouped_matmul.config import Config
-from moe_jax.ops.grouped_matmul.schedule import ROW_ALIGN, TILE_GROUP, TILE_ROW, TILE_ROWS, TILE_SKIP, ZERO_TILE
+from moe_jax.ops.grouped_matmul.schedule import (
+    BAND_FIRST,
+    BAND_REVERSED,
+    BAND_WIDTH,
+    ROW_ALIGN,
+    TILE_GROUP,
+    TILE_ROW,
+    TILE_ROWS,
+    TILE_SKIP,
+    ZERO_TILE,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +146,7 @@ def grouped_matmul_rows(
     row_scale: jax.Array | None = None,
     gate_up: jax.Array | None = None,
     row_tokens: jax.Array | None = None,
+    bands: jax.Array | None = None,
 ):
     """out[M, C] = x[rows of g] · w[g] over the row tiles of schedule.row_tiles, through ``epilogue``.
 
@@ -150,6 +162,7 @@ def grouped_matmul_rows(
       gate_up: [M, 2C] packed pre-activation in x's dtype, for the GLU backward.
       row_tokens: [M] int32 in [0, T): row r of the product is x[row_tokens[r]] (sm90_gather.py; R a multiple of
         block_k). M a multiple of 8.
+      bands: with ``config.grid_minor == "g"``: schedule.span_bands(tiles, num_tiles, cluster_m, grid_width).
 
     Returns:
       plain: [M, C]: the rows of every tile's group, zeros for the rows of ZERO_TILE tiles. Forward: out ([M, C/2]
@@ -176,6 +189,9 @@ def grouped_matmul_rows(
     loads_per_tile = len(operands)  # TMA copies a consumer issues per tile for its epilogue
     overlap = pipe.overlaps_epilogue(cfg, epi.kept_bytes(cfg, jnp.dtype(out_dtype).itemsize))
     gathered = row_tokens is not None
+    banded = cfg.grid_minor == "g"
+    if banded != (bands is not None):
+        raise ValueError(f"bands (schedule.span_bands) go with grid_minor='g' and only with it, got {cfg}")
     if gathered:
         if r % bk:
             raise ValueError(f"gathered rows need the contraction ({r}) to be a multiple of block_k ({bk})")
@@ -184,6 +200,7 @@ def grouped_matmul_rows(
 
     def body(tiles_gmem, count_gmem, x_gmem, w_gmem, *refs):
         row_tokens_gmem, refs = (refs[0], refs[1:]) if gathered else (None, refs)
+        bands_gmem, refs = (refs[0], refs[1:]) if banded else (None, refs)
         operand_gmem, refs = refs[: len(operands)], refs[len(operands) :]
         out_gmems, refs = refs[: len(out_types)], refs[len(out_types) :]
         x_smem, w_smem, out_smem, produced, consumed, *epi_scratch = refs
@@ -202,7 +219,12 @@ def grouped_matmul_rows(
             cluster-wide "consumed" barrier counts them together): k_steps unless every tile of the span only stores
             zeros.
             """
-            span, ni = plgpu.planar_snake(lin, (num_spans, n_tiles), 0 if cfg.grid_minor == "m" else 1, cfg.grid_width)
+            if banded:
+                span, ni = band_item(lin)
+            else:
+                span, ni = plgpu.planar_snake(
+                    lin, (num_spans, n_tiles), 0 if cfg.grid_minor == "m" else 1, cfg.grid_width
+                )
             mi = span * cluster + cta
             entry = jnp.minimum(mi, num_row_tiles - 1)
             groups = [
@@ -212,6 +234,15 @@ def grouped_matmul_rows(
             shared = functools.reduce(jnp.logical_and, [g == groups[0] for g in groups[1:]], groups[0] != ZERO_TILE)
             steps = jnp.where(all_zero, 0, k_steps).astype(jnp.int32)
             return mi, ni, entry, steps, shared
+
+        def band_item(lin):
+            """Work item -> (span, column tile) in schedule.span_bands's order: spans fastest within a band."""
+            span_row = lin // n_tiles  # a span of lin's band (its docstring)
+            first, width = bands_gmem[BAND_FIRST, span_row], bands_gmem[BAND_WIDTH, span_row]
+            within = lin - first * n_tiles
+            ni = within // width
+            ni = jnp.where(bands_gmem[BAND_REVERSED, span_row] != 0, n_tiles - 1 - ni, ni)
+            return first + within % width, ni
 
         if_real = functools.partial(pipe.unless_phantom, cluster)
 
@@ -353,7 +384,7 @@ def grouped_matmul_rows(
         compiler_params=plgpu.CompilerParams(approx_math=epi.activation is not None or epi.backward),
         interpret=interpret,
     )
-    return kernel(tiles, num_tiles, x, w, *([row_tokens] if gathered else []), *operands)
+    return kernel(tiles, num_tiles, x, w, *([row_tokens] if gathered else []), *([bands] if banded else []), *operands)
 
 
 def _kernel_name(epi: Epilogue, gathered: bool) -> str:

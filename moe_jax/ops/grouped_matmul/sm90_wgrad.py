@@ -95,6 +95,8 @@ def grouped_matmul_wgrad(
     grid = pipe.cluster_grid(num_sms, cluster)
     p_spans = pl.cdiv(p_tiles, cluster)
     items_per_group = p_spans * q_tiles
+    if cfg.grid_minor == "g":
+        raise ValueError(f"wgrad tiles one group's [K, N] output: grid_minor must be 'm' or 'n', got {cfg}")
     minor_dim = 0 if cfg.grid_minor == "m" else 1
 
     def body(groups_gmem, x_gmem, y_gmem, out_gmem, x_smem, y_smem, out_smem, produced, consumed, masked):
