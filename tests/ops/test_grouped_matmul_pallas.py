@@ -227,7 +227,7 @@ def test_group_bands_match_reference(case, cluster_m, grid_width):
 def test_wgrad_rejects_group_bands():
     """A group's wgrad tiles are [K, N] blocks of one group: "g" (bands of row tiles by group) means nothing there."""
     x, y = jnp.ones((64, 64), jnp.bfloat16), jnp.ones((64, 64), jnp.bfloat16)
-    banded = config.Config(block_n=64, grid_minor="g")
+    banded = config.Config(grid_minor="g")
     with pytest.raises(ValueError, match="grid_minor must be 'm' or 'n'"):
         api.run_wgrad_kernel(x, y, jnp.asarray([64], jnp.int32), out_dtype=jnp.bfloat16, config=banded)
 
