@@ -149,10 +149,11 @@ class Config:
 # already run in step), nor did qwen3's / gpt-oss's memory-bound ones, which keep skipping the idle MMAs.
 # In step, the CTAs re-read a weight tile from HBM only where a band of the "m" / "n" orders cuts a group in two; the
 # fwd / dgrad entries among the five walk bands by group (grid_minor "g", up to 16 spans; the glu_dgrad ones were not
-# measured with it) since the same session: device time (CUPTI, 4 alternated rounds of 15 calls, H100) mixtral/down fwd 2677 -> 2592 us,
-# dsv3-ep8/down fwd 1323 -> 1292, dsv3-ep8/gate_up dgrad 2698 -> 2669; ncu's HBM reads at dsv3-ep8/down 2.01 -> 1.15 GB
-# and at mixtral/down 5.47 -> 2.60 GB. (Without lockstep_tails the group bands read as much as before: why an earlier
-# try of group-aligned bands, 2026-11-25, found no gain.)
+# measured with it) since the same session: device time (CUPTI, 4 alternated rounds of 15 calls, H100) mixtral/down
+# fwd 2677 -> 2592 us, dsv3-ep8/down fwd 1323 -> 1292, dsv3-ep8/gate_up dgrad 2698 -> 2669; ncu's HBM reads at
+# dsv3-ep8/down 2.01 -> 1.15 GB and at mixtral/down 5.47 -> 2.60 GB. (Without lockstep_tails the group bands read as
+# much as before: why an earlier try of group-aligned bands, 2026-11-25, found no gain.)
+# benchmarks/results/2026-11-26_h100_lockstep_bands.md has the measurements.
 WGRAD_BANDS = Config(grid_minor="m", grid_width=WGRAD_BAND_TILES, overlap_epilogue=True)
 TUNED: dict[tuple[str, int, int, int, int], Config] = {
     ("fwd", 128, 32768, 2048, 1536): Config(grid_minor="m", cluster_m=2, overlap_epilogue=True),

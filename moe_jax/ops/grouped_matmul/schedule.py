@@ -14,8 +14,11 @@ write zeros. With block_m = 8 and group sizes [13, 0, 4], M = 24:
 A tile is (group, first row of its box, first row it stores - box start, rows it stores); its TMA box is always
 block_m rows, rows it does not store are loaded (harmless) but never written. Compared with tiles aligned to
 multiples of block_m (jax's ragged_dot_mgpu), a group costs ceil((size + start % 8) / block_m) tiles instead of up to
-one more; inside the kernel a compute warpgroup with no stored rows in its share of a tile skips its MMAs
-(see sm90.py), so a group wastes under block_m / 2 + 8 rows of MMA work.
+one more; inside the kernel a compute warpgroup with no stored rows in its share of a tile skips its MMAs unless
+``Config.lockstep_tails`` (see sm90.py), so a group wastes under block_m / 2 + 8 rows of MMA work.
+
+Span bands (``span_bands``, for ``Config(grid_minor="g")``): the order in which the kernel walks (span, column tile)
+work items when bands of row tiles must not mix groups.
 """
 
 import jax
