@@ -256,9 +256,6 @@ def run_rows_kernel(
         row_tokens = _padded_rows(row_tokens)
     padded_m = x.shape[0] if row_tokens is None else row_tokens.shape[0]
     tiles, num_tiles = schedule.row_tiles(group_sizes, padded_m, config.block_m, zero_tail=zero_tail)
-    bands = None
-    if config.grid_minor == "g":
-        bands = schedule.span_bands(tiles, num_tiles, config.cluster_m, config.grid_width)
     outs = sm90.grouped_matmul_rows(
         x,
         w,
@@ -273,7 +270,6 @@ def run_rows_kernel(
         row_scale=_padded_rows(row_scale),
         gate_up=_padded_rows(gate_up),
         row_tokens=row_tokens,
-        bands=bands,
     )
     if not isinstance(outs, tuple):
         return outs[:m]

@@ -59,6 +59,7 @@ from moe_jax.ops.grouped_matmul.schedule import (
     TILE_ROWS,
     TILE_SKIP,
     ZERO_TILE,
+    span_bands,
 )
 
 
@@ -146,7 +147,6 @@ def grouped_matmul_rows(
     row_scale: jax.Array | None = None,
     gate_up: jax.Array | None = None,
     row_tokens: jax.Array | None = None,
-    bands: jax.Array | None = None,
 ):
     """out[M, C] = x[rows of g] · w[g] over the row tiles of schedule.row_tiles, through ``epilogue``.
 
@@ -162,7 +162,6 @@ def grouped_matmul_rows(
       gate_up: [M, 2C] packed pre-activation in x's dtype, for the GLU backward.
       row_tokens: [M] int32 in [0, T): row r of the product is x[row_tokens[r]] (sm90_gather.py; R a multiple of
         block_k). M a multiple of 8.
-      bands: with ``config.grid_minor == "g"``: schedule.span_bands(tiles, num_tiles, cluster_m, grid_width).
 
     Returns:
       plain: [M, C]: the rows of every tile's group, zeros for the rows of ZERO_TILE tiles. Forward: out ([M, C/2]
@@ -190,8 +189,8 @@ def grouped_matmul_rows(
     overlap = pipe.overlaps_epilogue(cfg, epi.kept_bytes(cfg, jnp.dtype(out_dtype).itemsize))
     gathered = row_tokens is not None
     banded = cfg.grid_minor == "g"
-    if banded != (bands is not None):
-        raise ValueError(f"bands (schedule.span_bands) go with grid_minor='g' and only with it, got {cfg}")
+    # The band of every span, for the "g" order (a small XLA computation on the tile table, like the table itself).
+    bands = [span_bands(tiles, num_tiles, cluster, cfg.grid_width)] if banded else []
     if gathered:
         if r % bk:
             raise ValueError(f"gathered rows need the contraction ({r}) to be a multiple of block_k ({bk})")
@@ -384,7 +383,7 @@ def grouped_matmul_rows(
         compiler_params=plgpu.CompilerParams(approx_math=epi.activation is not None or epi.backward),
         interpret=interpret,
     )
-    return kernel(tiles, num_tiles, x, w, *([row_tokens] if gathered else []), *([bands] if banded else []), *operands)
+    return kernel(tiles, num_tiles, x, w, *([row_tokens] if gathered else []), *bands, *operands)
 
 
 def _kernel_name(epi: Epilogue, gathered: bool) -> str:
