@@ -408,7 +408,7 @@ def test_tuner_config_specs_round_trip_and_table_variants():
     from moe_jax.ops import shapes as shape_registry
     from moe_jax.ops.grouped_matmul.config import Config
 
-    shape = shape_registry.GMM_SHAPES["qwen3-30b/gate_up"]  # its fwd entry has 2-CTA clusters
+    shape = shape_registry.GMM_SHAPES["mixtral/gate_up"]  # its fwd entry has 2-CTA clusters
     specs = (Config(), Config(block_n=128, num_stages=6, cluster_m=2), Config(overlap_epilogue=True))
     for config in (*specs, Config(grid_minor="m", cluster_m=2, overlap_epilogue=True, lockstep_tails=True)):
         assert tune.parse_config(tune.label(config))("fwd", shape) == config

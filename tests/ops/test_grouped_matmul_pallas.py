@@ -480,13 +480,25 @@ def test_heuristic_clusters_the_forward_and_the_dgrad_only():
     """Off the table, fwd and dgrad share weight tiles in 2-CTA clusters (measured faster at the whole layers'
     shapes); the GLU backward measured slower with them, and so did wgrad. All but the GLU backward overlap their
     epilogues (it measured slower with the overlap)."""
-    layer_shapes = [(131072, 2048, 1536, 128), (131072, 7168, 4096, 256), (256, 64, 64, 1)]
+    layer_shapes = [(131072, 2048, 1536, 128), (131072, 7168, 4096, 256), (512, 64, 64, 1)]
     for m, k, n, g in layer_shapes:
         configs = {kind: config.heuristic_config(kind, m=m, k=k, n=n, g=g) for kind in config.KINDS}
         clusters = {kind: c.cluster_m for kind, c in configs.items()}
         assert clusters == {"fwd": 2, "dgrad": 2, "glu_dgrad": 1, "wgrad": 1}, (m, k, n, g)
         overlaps = {kind: c.overlap_epilogue for kind, c in configs.items()}
         assert overlaps == {"fwd": True, "dgrad": True, "glu_dgrad": False, "wgrad": True}, (m, k, n, g)
+
+
+@pytest.mark.parametrize("m, g", [(32768, 128), (32768 - 8, 128), (256, 1), (64, 4)])
+def test_heuristic_walks_small_groups_in_group_bands(m, g):
+    """Groups of at most 256 rows on average (2-3 row tiles) get one CTA per span, bands by group and warpgroups in
+    lockstep for fwd / dgrad / glu_dgrad (pairs and fixed bands re-read weights there); wgrad keeps its row bands."""
+    for kind in ("fwd", "dgrad", "glu_dgrad"):
+        c = config.heuristic_config(kind, m=m, k=2048, n=1536, g=g)
+        assert (c.grid_minor, c.cluster_m, c.lockstep_tails) == ("g", 1, True), kind
+        assert c.overlap_epilogue == (kind != "glu_dgrad"), kind
+    assert config.heuristic_config("wgrad", m=m, k=2048, n=1536, g=g).grid_minor == "m"
+    assert config.heuristic_config("fwd", m=256 * g + 8, k=2048, n=1536, g=g).grid_minor == "m"
 
 
 @pytest.mark.parametrize(

@@ -155,20 +155,31 @@ class Config:
 # much as before: why an earlier try of group-aligned bands, 2026-11-25, found no gain.)
 # benchmarks/results/2026-11-26_h100_lockstep_bands.md has the measurements.
 WGRAD_BANDS = Config(grid_minor="m", grid_width=WGRAD_BAND_TILES, overlap_epilogue=True)
+# At the qwen3-30b / gpt-oss shapes (128 groups of ~256 rows: 2-3 row tiles each) the fwd / dgrad / glu_dgrad
+# entries walk group bands in lockstep with one CTA per span (SMALL_GROUPS) since 2026-11-26 (seventh session). There
+# the clustered m8 / n-order entries read 15-26% more than the ideal bytes from HBM (ncu, fwd: gpt-oss gate_up 5.57
+# -> 4.61 GB, down 2.82 -> 2.36, qwen3 gate_up 1.08 -> 0.96): a group with an odd number of tiles makes every
+# following pair straddle two groups, and a straddling span's band is its first tile's group, so the second group's
+# weights are read in two bands. Device time (CUPTI, 4 alternated rounds of 15 calls, H100, outputs bit-identical):
+# fwd qwen3 gate_up 444 -> 404 us, qwen3 down 231 -> 215, gpt-oss gate_up 2128 -> 1941, gpt-oss down 1113 -> 1010;
+# dgrad 440 -> 417, 241 -> 228, 2309 -> 2055, 1153 -> 1048; glu_dgrad 387 -> 380, 1794 -> 1769
+# (benchmarks/results/2026-11-26_h100_small_groups.md).
+SMALL_GROUPS = Config(grid_minor="g", grid_width=16, overlap_epilogue=True, lockstep_tails=True)
+SMALL_GROUPS_GLU_DGRAD = Config(block_n=64, num_stages=6, grid_minor="g", grid_width=16, lockstep_tails=True)
 TUNED: dict[tuple[str, int, int, int, int], Config] = {
-    ("fwd", 128, 32768, 2048, 1536): Config(grid_minor="m", cluster_m=2, overlap_epilogue=True),
-    ("dgrad", 128, 32768, 2048, 1536): Config(cluster_m=2),
+    ("fwd", 128, 32768, 2048, 1536): SMALL_GROUPS,
+    ("dgrad", 128, 32768, 2048, 1536): SMALL_GROUPS,
     ("wgrad", 128, 32768, 2048, 1536): WGRAD_BANDS,
-    ("fwd", 128, 32768, 768, 2048): Config(overlap_epilogue=True),
-    ("dgrad", 128, 32768, 768, 2048): Config(grid_width=3, cluster_m=2),
-    ("glu_dgrad", 128, 32768, 768, 2048): Config(block_n=64, num_stages=6, grid_minor="m"),
+    ("fwd", 128, 32768, 768, 2048): SMALL_GROUPS,
+    ("dgrad", 128, 32768, 768, 2048): SMALL_GROUPS,
+    ("glu_dgrad", 128, 32768, 768, 2048): SMALL_GROUPS_GLU_DGRAD,
     ("wgrad", 128, 32768, 768, 2048): WGRAD_BANDS,
-    ("fwd", 128, 32768, 2880, 5760): Config(grid_minor="m", cluster_m=2, overlap_epilogue=True),
-    ("dgrad", 128, 32768, 2880, 5760): Config(grid_width=12, cluster_m=2),
+    ("fwd", 128, 32768, 2880, 5760): SMALL_GROUPS,
+    ("dgrad", 128, 32768, 2880, 5760): SMALL_GROUPS,
     ("wgrad", 128, 32768, 2880, 5760): WGRAD_BANDS,
-    ("fwd", 128, 32768, 2880, 2880): Config(grid_minor="m", cluster_m=2, overlap_epilogue=True),
-    ("dgrad", 128, 32768, 2880, 2880): Config(grid_width=12, cluster_m=2),
-    ("glu_dgrad", 128, 32768, 2880, 2880): Config(block_n=64, num_stages=6, grid_width=12),
+    ("fwd", 128, 32768, 2880, 2880): SMALL_GROUPS,
+    ("dgrad", 128, 32768, 2880, 2880): SMALL_GROUPS,
+    ("glu_dgrad", 128, 32768, 2880, 2880): SMALL_GROUPS_GLU_DGRAD,
     ("wgrad", 128, 32768, 2880, 2880): WGRAD_BANDS,
     ("fwd", 32, 32768, 7168, 4096): Config(grid_minor="m", cluster_m=2),
     ("dgrad", 32, 32768, 7168, 4096): Config(grid_minor="g", grid_width=16, lockstep_tails=True),
@@ -243,7 +254,14 @@ def heuristic_config(
     # with the next tile (where the kept outputs fit: not next to a 256-wide GLU accumulator): at the layers' shapes
     # the down projection (row_scale epilogue) ran 12% (Qwen3) and 4% (DeepSeek-V3) faster with it and the gate_up
     # dgrad 8% and 3%, outputs bit-identical; the GLU backward ran 14% slower with it at Qwen3, so not there.
-    if kind == "fwd":
+    # Where a group holds at most two row tiles on average (M / G <= 256: the named qwen3-30b / gpt-oss shapes, uniform
+    # routing), half the groups have an odd number of tiles, so clustered pairs straddle groups, and fixed-width
+    # bands cut ~1 group in 3: both make CTAs read a group's weight tile once more. One CTA per span, bands by
+    # group and the CTAs in step read the ideal bytes there; at larger groups (the layers' 512-1024 rows) they
+    # measured no faster than clusters. See TUNED's note (the same configs, measured at those shapes).
+    if m <= 2 * 128 * g:
+        order = dict(grid_minor="g", grid_width=16, lockstep_tails=True, overlap_epilogue=kind != "glu_dgrad")
+    elif kind == "fwd":
         order = dict(grid_minor="m", grid_width=8, cluster_m=2, overlap_epilogue=True)
     else:
         # Wide outputs: walk a band of row tiles over all column tiles so rhs stays in L2; narrow ones: all columns
