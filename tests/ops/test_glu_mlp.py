@@ -200,7 +200,7 @@ def test_row_sums_gathered_from_tile_partials(block_m):
     col_tiles, capacity = 3, tiles.shape[1]
     values = rng.normal(size=(col_tiles, num_rows))  # what each column tile contributes to each row
     partials = np.full((col_tiles, capacity, block_m), np.nan)  # entries no tile stores stay NaN
-    for t, (_, box, skip, rows) in enumerate(np.asarray(tiles).T[: int(count[0])]):
+    for t, (_, box, skip, rows, *_) in enumerate(np.asarray(tiles).T[: int(count[0])]):
         partials[:, t, skip : skip + rows] = values[:, box + skip : box + skip + rows]
     sums = schedule.gather_row_partials(jnp.asarray(partials), tiles, count, num_rows)
     np.testing.assert_allclose(sums, values.sum(0), rtol=1e-5, atol=1e-5)

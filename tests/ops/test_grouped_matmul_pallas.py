@@ -355,15 +355,21 @@ def test_wgrad_orders_and_clusters_match_reference(layout):
 @pytest.mark.parametrize("zero_tail", [True, False])
 def test_row_tiles_cover_every_row_once(block_m, zero_tail):
     """Every row of a group stored once by a tile of its group; the rows past the sum by ZERO_TILE tiles, or (without
-    zero_tail) by none, except row 0 when no group has a row."""
+    zero_tail) by none, except row 0 when no group has a row; each tile's segment bounds are its group's tiles."""
     rng = np.random.default_rng(14)
     for num_groups, num_rows, fill in [(7, 500, 3 / 4), (1, 64, 3 / 4), (16, 1000, 3 / 4), (5, 96, 0)]:
         sizes = oracle.random_group_sizes(rng, num_groups, int(num_rows * fill), "uniform")
         tiles, count = schedule.row_tiles(jnp.asarray(sizes), num_rows, block_m, zero_tail=zero_tail)
         tiles = np.asarray(tiles)[:, : int(count[0])]
         owner = np.full(num_rows, -2)
-        for group, box, skip, rows in tiles.T:
+        groups = tiles[schedule.TILE_GROUP]
+        for t, (group, box, skip, rows, seg_first, seg_end) in enumerate(tiles.T):
             assert box % schedule.ROW_ALIGN == 0 and rows > 0 and skip + rows <= block_m
+            # The segment bounds: the maximal run of this group's tiles around t.
+            assert seg_first <= t < seg_end <= len(groups) and (groups[seg_first:seg_end] == group).all()
+            assert (seg_first == 0 or groups[seg_first - 1] != group) and (
+                seg_end == len(groups) or groups[seg_end] != group
+            )
             assert (owner[box + skip : box + skip + rows] == -2).all(), "a row stored twice"
             owner[box + skip : box + skip + rows] = group
         tail = np.full(num_rows - sizes.sum(), -1 if zero_tail else -2)
@@ -375,20 +381,18 @@ def test_row_tiles_cover_every_row_once(block_m, zero_tail):
 
 def _banded_order_oracle(groups: list[int], n_tiles: int, max_width: int) -> list[tuple[int, int]]:
     """(span, column tile) in the "g" order, built as a list: runs of equal groups, each split into the fewest bands
-    of at most max_width spans (widths within one of each other, narrower first), spans fastest, every other band's
-    columns backwards."""
-    bands, start = [], 0
+    of at most max_width spans (widths within one of each other, narrower first), spans fastest, every other band of
+    a run with its columns backwards."""
+    order, start = [], 0
     for end in range(1, len(groups) + 1):
         if end == len(groups) or groups[end] != groups[start]:
             length = end - start
             count = -(-length // max_width)
             bounds = [start + j * length // count for j in range(count + 1)]
-            bands += [range(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+            for b, (a, z) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+                columns = range(n_tiles) if b % 2 == 0 else reversed(range(n_tiles))
+                order += [(span, col) for col in columns for span in range(a, z)]
             start = end
-    order = []
-    for b, spans in enumerate(bands):
-        columns = range(n_tiles) if b % 2 == 0 else reversed(range(n_tiles))
-        order += [(span, col) for col in columns for span in spans]
     return order
 
 

@@ -11,8 +11,9 @@ write zeros. With block_m = 8 and group sizes [13, 0, 4], M = 24:
                                      [ t2: g2, box 8-15, stores 13-15 ][ t3: g2, 16 ]
                                                                        [ t4: zeros, box 16-23, stores 17-23 ]
 
-A tile is (group, first row of its box, first row it stores - box start, rows it stores); its TMA box is always
-block_m rows, rows it does not store are loaded (harmless) but never written. Compared with tiles aligned to
+A tile is (group, first row of its box, first row it stores - box start, rows it stores, and its segment's first
+tile and one past its last); its TMA box is always block_m rows, rows it does not store are loaded (harmless) but
+never written. Compared with tiles aligned to
 multiples of block_m (jax's ragged_dot_mgpu), a group costs ceil((size + start % 8) / block_m) tiles instead of up to
 one more; inside the kernel a compute warpgroup with no stored rows in its share of a tile skips its MMAs unless
 ``Config.lockstep_tails`` (see sm90.py), so a group wastes under block_m / 2 + 8 rows of MMA work.
@@ -24,7 +25,9 @@ work items when bands of row tiles must not mix groups.
 import jax
 import jax.numpy as jnp
 
-TILE_GROUP, TILE_ROW, TILE_SKIP, TILE_ROWS = range(4)  # rows of the [4, T] row-tile table
+# Rows of the [6, T] row-tile table. The kernels read the first four; span_bands reads the segment bounds (a group's
+# tiles, or the zero segment's), which spare it scans over the tiles.
+TILE_GROUP, TILE_ROW, TILE_SKIP, TILE_ROWS, TILE_SEG_FIRST, TILE_SEG_END = range(6)
 ROW_ALIGN = 8  # tile boxes start at multiples of this many rows
 ZERO_TILE = -1  # TILE_GROUP of a tile past sum(group_sizes): no MMA, store zeros
 
@@ -48,8 +51,9 @@ def row_tiles(
         the kernel always has a tile to read.
 
     Returns:
-      tiles: [4, T] int32 with T = max_row_tiles(M, G, block_m): per tile (group or ZERO_TILE, first row of the box,
-        first stored row - first row of the box, rows stored); entries at or past ``num_tiles`` are padding.
+      tiles: [6, T] int32 with T = max_row_tiles(M, G, block_m): per tile (group or ZERO_TILE, first row of the box,
+        first stored row - first row of the box, rows stored, first tile of its segment, one past its segment's
+        last tile); entries at or past ``num_tiles`` are padding.
       num_tiles: [1] int32, the tiles in use.
     """
     sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
@@ -72,7 +76,8 @@ def row_tiles(
     box = seg_boxes[seg] + (t - seg_first_tile[seg]) * block_m
     skip = jnp.clip(seg_starts[seg] - box, 0, block_m)
     rows = jnp.clip(seg_ends[seg] - box, 0, block_m) - skip
-    tiles = jnp.stack([seg_ids[seg], box, skip, jnp.maximum(rows, 0)]).astype(jnp.int32)
+    seg_first, seg_end = seg_first_tile[seg], seg_first_tile[seg] + seg_tiles[seg]
+    tiles = jnp.stack([seg_ids[seg], box, skip, jnp.maximum(rows, 0), seg_first, seg_end]).astype(jnp.int32)
     return tiles, num_tiles.reshape(1).astype(jnp.int32)
 
 
@@ -82,11 +87,12 @@ BAND_FIRST, BAND_WIDTH, BAND_REVERSED = range(3)  # rows of the [3, S] span-band
 def span_bands(tiles: jax.Array, num_tiles: jax.Array, cluster: int, max_width: int) -> jax.Array:
     """Bands of spans that never cross a group boundary, for ``Config(grid_minor="g")`` (fwd / dgrad / glu_dgrad).
 
-    A span is ``cluster`` consecutive row tiles (one CTA cluster); its group is its first tile's. The kernel walks the
-    spans in bands, each band over every column tile with its spans fastest (like the "m" order), and reverses the
-    column order of every other band (a snake). Here a group's consecutive spans are split into the fewest bands of
-    at most ``max_width`` spans, as even as possible, so no band mixes two groups' weight tiles and the CTAs of a band
-    read each of them together.
+    A span is ``cluster`` consecutive row tiles (one CTA cluster); its group is its first tile's, so a group's spans
+    are those whose first tile lies in its segment. The kernel walks the spans in bands, each band over every column
+    tile with its spans fastest (like the "m" order). Here a group's spans are split into the fewest bands of at most
+    ``max_width`` spans, as even as possible, so no band mixes two groups' weight tiles and the CTAs of a band read
+    each of them together; every other band of a group walks the column tiles backwards (a snake: the next band
+    starts on the weight tile the last one ended on). Elementwise on the table (its segment bounds): no scan.
 
     Args:
       tiles, num_tiles: row_tiles's table.
@@ -97,25 +103,22 @@ def span_bands(tiles: jax.Array, num_tiles: jax.Array, cluster: int, max_width: 
       [3, S] int32 with S = ceil(T / cluster): for each span, its band's first span, the band's width in spans, and 1
       where the band walks the column tiles backwards. Work item ``lin`` of ``num_spans * n_tiles`` lies in the band
       of span ``lin // n_tiles``: a band of width w starting at span f holds items [f * n_tiles, (f + w) * n_tiles).
+      Spans past the last one are bands of their own.
     """
     capacity = -(-tiles.shape[1] // cluster)
     span = jnp.arange(capacity, dtype=jnp.int32)
-    num_spans = (num_tiles[0] + cluster - 1) // cluster
     first_tile = jnp.minimum(span * cluster, tiles.shape[1] - 1)
-    # Spans past the last one get a group of their own, so no band of real spans runs into them.
-    group = jnp.where(span < num_spans, tiles[TILE_GROUP, first_tile], ZERO_TILE - 1)
-    run_start = jnp.concatenate([jnp.ones((1,), bool), group[1:] != group[:-1]])
-    run_first = jax.lax.cummax(jnp.where(run_start, span, 0), axis=0)
-    run_id = jnp.cumsum(run_start) - 1
-    run_length = jnp.zeros((capacity,), jnp.int32).at[run_id].add(1)[run_id]
+    # The group's spans: those whose first tile is in [seg_first, seg_end).
+    run_first = -(-tiles[TILE_SEG_FIRST, first_tile] // cluster)
+    run_length = -(-tiles[TILE_SEG_END, first_tile] // cluster) - run_first
+    real = span < (num_tiles[0] + cluster - 1) // cluster
+    run_first, run_length = jnp.where(real, run_first, span), jnp.where(real, run_length, 1)
     bands_in_run = (run_length + max_width - 1) // max_width
-    position = span - run_first
     # Band j of a run of L spans in n bands holds positions [j L // n, (j + 1) L // n).
-    band = ((position + 1) * bands_in_run - 1) // run_length
+    band = ((span - run_first + 1) * bands_in_run - 1) // run_length
     band_first = run_first + band * run_length // bands_in_run
     band_width = run_first + (band + 1) * run_length // bands_in_run - band_first
-    band_index = jnp.cumsum(span == band_first) - 1
-    return jnp.stack([band_first, band_width, band_index % 2]).astype(jnp.int32)
+    return jnp.stack([band_first, band_width, band % 2]).astype(jnp.int32)
 
 
 GROUP_ID, GROUP_START, GROUP_SIZE, GROUP_B_FINITE = range(4)  # rows of the [4, G] wgrad group table
