@@ -37,6 +37,17 @@ def max_row_tiles(num_rows: int, num_groups: int, block_m: int) -> int:
     return (num_rows + (num_groups + 1) * (block_m - 1 + ROW_ALIGN - 1)) // block_m
 
 
+def _prefix_sums(values: jax.Array) -> jax.Array:
+    """Inclusive prefix sums of a short [n] int32 vector (n = G + 1 at most a few thousand).
+
+    As one masked [n, n] reduction rather than jnp.cumsum: on the GPU XLA lowers a cumsum to a reduce-window kernel
+    of its own (4.9 us for G = 128 on an H100), while the reduction fuses with its neighbours, and the schedule runs
+    before every grouped-matmul kernel.
+    """
+    index = jnp.arange(values.shape[0])
+    return jnp.sum(jnp.where(index[None, :] <= index[:, None], values[None, :], 0), axis=1, dtype=values.dtype)
+
+
 def row_tiles(
     group_sizes: jax.Array, num_rows: int, block_m: int, *, zero_tail: bool = True
 ) -> tuple[jax.Array, jax.Array]:
@@ -57,7 +68,7 @@ def row_tiles(
       num_tiles: [1] int32, the tiles in use.
     """
     sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    ends = jnp.minimum(jnp.cumsum(sizes), num_rows)
+    ends = jnp.minimum(_prefix_sums(sizes), num_rows)
     # The zero segment [sum, M) is one more "group", so that one table drives both kinds of tile.
     tail_end = num_rows if zero_tail else jnp.maximum(ends[-1], min(num_rows, 1))
     seg_ends = jnp.concatenate([ends, jnp.full((1,), tail_end, jnp.int32)])
@@ -65,18 +76,19 @@ def row_tiles(
     seg_ids = jnp.concatenate([jnp.arange(sizes.shape[0], dtype=jnp.int32), jnp.full((1,), ZERO_TILE, jnp.int32)])
     seg_boxes = seg_starts // ROW_ALIGN * ROW_ALIGN
     seg_tiles = jnp.where(seg_ends > seg_starts, (seg_ends - seg_boxes + block_m - 1) // block_m, 0)
-    seg_first_tile = jnp.cumsum(seg_tiles) - seg_tiles
-    num_tiles = jnp.sum(seg_tiles)
+    seg_end_tile = _prefix_sums(seg_tiles)
+    seg_first_tile = seg_end_tile - seg_tiles
+    num_tiles = seg_end_tile[-1]
 
     capacity = max_row_tiles(num_rows, sizes.shape[0], block_m)
     t = jnp.arange(capacity, dtype=jnp.int32)
     # The segment of tile t: the last one whose first tile is <= t (empty segments share their successor's start).
-    seg = jnp.searchsorted(seg_first_tile + seg_tiles, t, side="right", method="compare_all")
+    seg = jnp.searchsorted(seg_end_tile, t, side="right", method="compare_all")
     seg = jnp.minimum(seg, seg_ids.shape[0] - 1).astype(jnp.int32)
     box = seg_boxes[seg] + (t - seg_first_tile[seg]) * block_m
     skip = jnp.clip(seg_starts[seg] - box, 0, block_m)
     rows = jnp.clip(seg_ends[seg] - box, 0, block_m) - skip
-    seg_first, seg_end = seg_first_tile[seg], seg_first_tile[seg] + seg_tiles[seg]
+    seg_first, seg_end = seg_first_tile[seg], seg_end_tile[seg]
     tiles = jnp.stack([seg_ids[seg], box, skip, jnp.maximum(rows, 0), seg_first, seg_end]).astype(jnp.int32)
     return tiles, num_tiles.reshape(1).astype(jnp.int32)
 
@@ -148,7 +160,7 @@ def wgrad_groups(group_sizes: jax.Array, b_rows: jax.Array, block_k: int) -> jax
     """
     num_rows = b_rows.shape[0]
     sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    ends = jnp.minimum(jnp.cumsum(sizes), num_rows)
+    ends = jnp.minimum(_prefix_sums(sizes), num_rows)
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
     boxes = starts // ROW_ALIGN * ROW_ALIGN
     last_chunks = boxes + jnp.maximum(-(-(ends - boxes) // block_k) - 1, 0) * block_k
