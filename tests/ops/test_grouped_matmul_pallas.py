@@ -502,7 +502,7 @@ def test_heuristic_walks_small_groups_in_group_bands(m, g):
         assert (c.grid_minor, c.cluster_m, c.lockstep_tails) == ("g", 1, True), kind
         assert c.overlap_epilogue == (kind != "glu_dgrad"), kind
     assert config.heuristic_config("wgrad", m=m, k=2048, n=1536, g=g).grid_minor == "m"
-    assert config.heuristic_config("fwd", m=256 * g + 8, k=2048, n=1536, g=g).grid_minor == "m"
+    assert config.heuristic_config("fwd", m=config.SMALL_GROUP_ROWS * g + 8, k=2048, n=1536, g=g).grid_minor == "m"
 
 
 @pytest.mark.parametrize(

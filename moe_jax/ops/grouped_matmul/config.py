@@ -25,6 +25,9 @@ OVERLAP_REGISTERS = 64
 # 50 MB; the named shapes' bands take 1-8 MB).
 WGRAD_BAND_TILES = 16
 WGRAD_BAND_BYTES = 16 * 2**20
+# Mean rows per group at or below which the heuristic's fwd / dgrad / glu_dgrad run one CTA per span in group bands
+# with lockstep tails (SMALL_GROUPS below): measured faster at 256 (qwen3-30b, gpt-oss-120b), not at 512-1024.
+SMALL_GROUP_ROWS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,9 +163,10 @@ WGRAD_BANDS = Config(grid_minor="m", grid_width=WGRAD_BAND_TILES, overlap_epilog
 # the clustered m8 / n-order entries read 15-26% more than the ideal bytes from HBM (ncu, fwd: gpt-oss gate_up 5.57
 # -> 4.61 GB, down 2.82 -> 2.36, qwen3 gate_up 1.08 -> 0.96): a group with an odd number of tiles makes every
 # following pair straddle two groups, and a straddling span's band is its first tile's group, so the second group's
-# weights are read in two bands. Device time (CUPTI, 4 alternated rounds of 15 calls, H100, outputs bit-identical):
-# fwd qwen3 gate_up 444 -> 404 us, qwen3 down 231 -> 215, gpt-oss gate_up 2128 -> 1941, gpt-oss down 1113 -> 1010;
-# dgrad 440 -> 417, 241 -> 228, 2309 -> 2055, 1153 -> 1048; glu_dgrad 387 -> 380, 1794 -> 1769
+# weights are read in two bands. (qwen3 down's fwd entry was unclustered n8, with the drift of lockstep_tails.)
+# Device time (CUPTI, 4 alternated rounds of 15 calls, H100, outputs bit-identical): fwd qwen3 gate_up 444 -> 404
+# us, qwen3 down 231 -> 215, gpt-oss gate_up 2128 -> 1941, gpt-oss down 1113 -> 1010; dgrad 440 -> 417, 241 -> 228,
+# 2309 -> 2055, 1153 -> 1048; glu_dgrad 387 -> 380, 1794 -> 1769; on an H200, fwd 1.4-2.1% only
 # (benchmarks/results/2026-11-26_h100_small_groups.md).
 SMALL_GROUPS = Config(grid_minor="g", grid_width=16, overlap_epilogue=True, lockstep_tails=True)
 SMALL_GROUPS_GLU_DGRAD = Config(block_n=64, num_stages=6, grid_minor="g", grid_width=16, lockstep_tails=True)
@@ -254,12 +258,12 @@ def heuristic_config(
     # with the next tile (where the kept outputs fit: not next to a 256-wide GLU accumulator): at the layers' shapes
     # the down projection (row_scale epilogue) ran 12% (Qwen3) and 4% (DeepSeek-V3) faster with it and the gate_up
     # dgrad 8% and 3%, outputs bit-identical; the GLU backward ran 14% slower with it at Qwen3, so not there.
-    # Where a group holds at most two row tiles on average (M / G <= 256: the named qwen3-30b / gpt-oss shapes, uniform
-    # routing), half the groups have an odd number of tiles, so clustered pairs straddle groups, and fixed-width
-    # bands cut ~1 group in 3: both make CTAs read a group's weight tile once more. One CTA per span, bands by
-    # group and the CTAs in step read the ideal bytes there; at larger groups (the layers' 512-1024 rows) they
-    # measured no faster than clusters. See TUNED's note (the same configs, measured at those shapes).
-    if m <= 2 * 128 * g:
+    # Where a group holds at most two row tiles on average (M / G <= SMALL_GROUP_ROWS, like the named qwen3-30b /
+    # gpt-oss shapes), about half the groups have an odd number of tiles, so clustered pairs straddle groups, and
+    # fixed-width bands cut a group at every band edge: both make CTAs read a group's weight tile once more. One CTA
+    # per span, bands by group and the CTAs in step read the ideal bytes there; at larger groups (the layers'
+    # 512-1024 rows) they measured no faster than clusters. See TUNED's note (the same configs at those shapes).
+    if m <= SMALL_GROUP_ROWS * g:
         order = dict(grid_minor="g", grid_width=16, lockstep_tails=True, overlap_epilogue=kind != "glu_dgrad")
     elif kind == "fwd":
         order = dict(grid_minor="m", grid_width=8, cluster_m=2, overlap_epilogue=True)
