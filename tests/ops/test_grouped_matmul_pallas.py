@@ -481,9 +481,9 @@ def test_heuristic_configs_fit_in_shared_memory(kind):
 
 
 def test_heuristic_clusters_the_forward_and_the_dgrad_only():
-    """Off the table, fwd and dgrad share weight tiles in 2-CTA clusters (measured faster at the whole layers'
-    shapes); the GLU backward measured slower with them, and so did wgrad. All but the GLU backward overlap their
-    epilogues (it measured slower with the overlap)."""
+    """Off the table, where groups average more than SMALL_GROUP_ROWS rows, fwd and dgrad share weight tiles in 2-CTA
+    clusters (measured faster at the whole layers' shapes); the GLU backward measured slower with them, and so did
+    wgrad. All but the GLU backward overlap their epilogues (it measured slower with the overlap)."""
     layer_shapes = [(131072, 2048, 1536, 128), (131072, 7168, 4096, 256), (512, 64, 64, 1)]
     for m, k, n, g in layer_shapes:
         configs = {kind: config.heuristic_config(kind, m=m, k=k, n=n, g=g) for kind in config.KINDS}
