@@ -197,7 +197,7 @@ TUNED: dict[tuple[str, int, int, int, int], Config] = {
     ("wgrad", 8, 16384, 4096, 28672): WGRAD_BANDS,
     ("fwd", 8, 16384, 14336, 4096): GROUP_BANDS,
     ("dgrad", 8, 16384, 14336, 4096): GROUP_BANDS,
-    ("glu_dgrad", 8, 16384, 14336, 4096): Config(block_n=128, num_stages=3, grid_minor="m", lockstep_tails=True),
+    ("glu_dgrad", 8, 16384, 14336, 4096): Config(block_n=128, num_stages=3, grid_minor="g", lockstep_tails=True),
     ("wgrad", 8, 16384, 14336, 4096): WGRAD_BANDS,
 }
 
