@@ -26,7 +26,8 @@ OVERLAP_REGISTERS = 64
 WGRAD_BAND_TILES = 16
 WGRAD_BAND_BYTES = 16 * 2**20
 # Mean rows per group at or below which the heuristic's fwd / dgrad / glu_dgrad run one CTA per span in group bands
-# with lockstep tails (SMALL_GROUPS below): measured faster at 256 (qwen3-30b, gpt-oss-120b), not at 512-1024.
+# with lockstep tails (GROUP_BANDS below): measured faster at 256 (qwen3-30b, gpt-oss-120b); inside the whole layers
+# (512-1024 rows) no faster than clusters.
 SMALL_GROUP_ROWS = 256
 
 
@@ -159,7 +160,7 @@ class Config:
 # benchmarks/results/2026-11-26_h100_lockstep_bands.md has the measurements.
 WGRAD_BANDS = Config(grid_minor="m", grid_width=WGRAD_BAND_TILES, overlap_epilogue=True)
 # At the qwen3-30b / gpt-oss shapes (128 groups of ~256 rows: 2-3 row tiles each) the fwd / dgrad / glu_dgrad
-# entries walk group bands in lockstep with one CTA per span (SMALL_GROUPS) since 2026-11-26 (seventh session). There
+# entries walk group bands in lockstep with one CTA per span (GROUP_BANDS) since 2026-11-26 (seventh session). There
 # the clustered m8 / n-order entries read 15-26% more than the ideal bytes from HBM (ncu, fwd: gpt-oss gate_up 5.57
 # -> 4.61 GB, down 2.82 -> 2.36, qwen3 gate_up 1.08 -> 0.96): a group with an odd number of tiles makes every
 # following pair straddle two groups, and a straddling span's band is its first tile's group, so the second group's
@@ -168,6 +169,13 @@ WGRAD_BANDS = Config(grid_minor="m", grid_width=WGRAD_BAND_TILES, overlap_epilog
 # us, qwen3 down 231 -> 215, gpt-oss gate_up 2128 -> 1941, gpt-oss down 1113 -> 1010; dgrad 440 -> 417, 241 -> 228,
 # 2309 -> 2055, 1153 -> 1048; glu_dgrad 387 -> 380, 1794 -> 1769; on an H200, fwd 1.4-2.1% only
 # (benchmarks/results/2026-11-26_h100_small_groups.md).
+# The dsv3-ep8 / mixtral fwd and dgrad entries (8-32 groups of 1024-2048 rows) take the same config since the eighth
+# session (same day), in place of 2-CTA clusters or group bands without the overlapped epilogue. Device time (CUPTI,
+# 4 alternated rounds of 15 calls, H100, outputs bit-identical): fwd dsv3-ep8 gate_up 2752 -> 2621 us, mixtral down
+# 2602 -> 2563, mixtral gate_up 5604 -> 5342 (its rounds spread by 6%), dsv3-ep8 down unchanged (it had it); dgrad
+# dsv3-ep8 gate_up 2725 -> 2638, dsv3-ep8 down 1338 -> 1320, mixtral down 2635 -> 2531, mixtral gate_up 5634 ->
+# 5457. Of their glu_dgrad entries only mixtral down's walks group bands (4617 -> 4560 us; dsv3-ep8 down's ran 2.2%
+# slower so). Not measured on an H200 (benchmarks/results/2026-11-26_h100_group_bands.md).
 GROUP_BANDS = Config(grid_minor="g", grid_width=16, overlap_epilogue=True, lockstep_tails=True)
 SMALL_GROUPS_GLU_DGRAD = Config(block_n=64, num_stages=6, grid_minor="g", grid_width=16, lockstep_tails=True)
 TUNED: dict[tuple[str, int, int, int, int], Config] = {
@@ -250,19 +258,20 @@ def heuristic_config(
         # 7% faster at the Qwen3 layer's F = 768 and 9% slower at DeepSeek-V3's F = 2048 (the tuned table agrees
         # at F = 768 / 2048 / 14336).
         block_n, stages = (64, 6) if out_cols <= 1024 else (128, 4)
-    # 2-CTA clusters share a group's weight tile between two row tiles (the tuned table's choice at 13 of its 16
-    # fwd / dgrad entries). Off the table, at the whole layers' shapes (M = T * k = 131072; H200,
-    # docs/kernels/grouped_matmul.md "Clusters"), they cut the forward kernels' time by 17-22% at DeepSeek-V3 (the
-    # forward with m-fastest bands of 8 a little more) and by 0-3% at Qwen3, the gate_up dgrad's by 20% and 2%; the
-    # GLU backward's rose by 4-5%, so it stays unclustered. The forward and the dgrad also overlap their epilogue
-    # with the next tile (where the kept outputs fit: not next to a 256-wide GLU accumulator): at the layers' shapes
-    # the down projection (row_scale epilogue) ran 12% (Qwen3) and 4% (DeepSeek-V3) faster with it and the gate_up
-    # dgrad 8% and 3%, outputs bit-identical; the GLU backward ran 14% slower with it at Qwen3, so not there.
-    # Where a group holds at most two row tiles on average (M / G <= SMALL_GROUP_ROWS, like the named qwen3-30b /
-    # gpt-oss shapes), about half the groups have an odd number of tiles, so clustered pairs straddle groups, and
-    # fixed-width bands cut a group at every band edge: both make CTAs read a group's weight tile once more. One CTA
-    # per span, bands by group and the CTAs in step read the ideal bytes there; at larger groups (the layers'
-    # 512-1024 rows) they measured no faster than clusters. See TUNED's note (the same configs at those shapes).
+    # 2-CTA clusters share a group's weight tile between two row tiles (the H200 sweep's choice at 13 of the table's 16
+    # fwd / dgrad entries, before lockstep tails and group bands). At the whole layers' shapes (M = T * k = 131072;
+    # H200, docs/kernels/grouped_matmul.md "Clusters"), they cut the forward kernels' time by 17-22% at DeepSeek-V3 (the
+    # forward with m-fastest bands of 8 a little more) and by 0-3% at Qwen3, the gate_up dgrad's by 20% and 2%; the GLU
+    # backward's rose by 4-5%, so it stays unclustered. The forward and the dgrad also overlap their epilogue with the
+    # next tile (where the kept outputs fit: not next to a 256-wide GLU accumulator): at the layers' shapes the down
+    # projection (row_scale epilogue) ran 12% (Qwen3) and 4% (DeepSeek-V3) faster with it and the gate_up dgrad 8% and
+    # 3%, outputs bit-identical; the GLU backward ran 14% slower with it at Qwen3, so not there. Where a group holds at
+    # most two row tiles on average (M / G <= SMALL_GROUP_ROWS, like the named qwen3-30b / gpt-oss shapes), about half
+    # the groups have an odd number of tiles, so clustered pairs straddle groups, and fixed-width bands cut a group at
+    # every band edge: both make CTAs read a group's weight tile once more. One CTA per span, bands by group and the
+    # CTAs in step read the ideal bytes there. Inside the whole layers (512-1024 rows per group: qwen3-30b, gpt-oss-120b
+    # and deepseek-v3 forwards, qwen3-30b's backward; H100) they measured no faster than clusters, although they won at
+    # the named dsv3-ep8 / mixtral shapes (1024-2048 rows): TUNED's note.
     if m <= SMALL_GROUP_ROWS * g:
         order = dict(grid_minor="g", grid_width=16, lockstep_tails=True, overlap_epilogue=kind != "glu_dgrad")
     elif kind == "fwd":
