@@ -277,10 +277,11 @@ def candidate_configs(kind: str, shape) -> list[Config]:
     base = table_config(kind, shape)
     out_cols = shape.k if kind in ("dgrad", "glu_dgrad") else shape.n
     # Column- and row-fastest orders (for wgrad, of a group's [K, N] output tiles; "n" over all columns is the order
-    # it walked before it had one).
+    # it walked before it had one). The row kernels also walk bands by group, with lockstep tails: without them the
+    # CTAs drift apart and group bands re-read as many weight tiles as the other orders (the table's fwd / dgrad
+    # entries are group bands since 2026-11-26).
     orders = [("n", max(1, -(-out_cols // 256))), ("m", 8), ("m", 16)]
-    if kind == "wgrad":
-        orders.append(("n", 8))
+    orders.append(("n", 8) if kind == "wgrad" else ("g", 16))
     # glu_dgrad's epilogue loads [gate | up] tiles of 2 * block_n <= 256 columns.
     widths = (64, 128) if kind == "glu_dgrad" else (128, 256)
     # (cluster_m, overlap_epilogue)
@@ -296,6 +297,7 @@ def candidate_configs(kind: str, shape) -> list[Config]:
                 grid_width=width,
                 cluster_m=cluster,
                 overlap_epilogue=overlap,
+                lockstep_tails=base.lockstep_tails or minor == "g",
             )
             if config.fits(**epilogue_smem(kind, config, row_scale=kind == "glu_dgrad")):
                 candidates.add(config)

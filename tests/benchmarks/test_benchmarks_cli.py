@@ -405,10 +405,10 @@ def test_git_revision_prefers_the_declared_commit(monkeypatch):
 
 def test_tuner_config_specs_round_trip_and_table_variants():
     from benchmarks import tune_grouped_matmul as tune
-    from moe_jax.ops import shapes as shape_registry
     from moe_jax.ops.grouped_matmul.config import Config
 
-    shape = shape_registry.GMM_SHAPES["mixtral/gate_up"]  # its fwd entry has 2-CTA clusters
+    # Off the table with 1024 rows per group: the heuristic's fwd config has 2-CTA clusters.
+    shape = GroupedMatmulShape("layer/gate_up", g=32, m=32768, k=1024, n=1024, tag="ci")
     specs = (Config(), Config(block_n=128, num_stages=6, cluster_m=2), Config(overlap_epilogue=True))
     for config in (*specs, Config(grid_minor="m", cluster_m=2, overlap_epilogue=True, lockstep_tails=True)):
         assert tune.parse_config(tune.label(config))("fwd", shape) == config
@@ -421,3 +421,19 @@ def test_tuner_config_specs_round_trip_and_table_variants():
     for spec in ("128x256x64s4e64", "table/block_q=64", "table/block_n"):
         with pytest.raises(SystemExit, match="bad config"):
             tune.parse_config(spec)
+
+
+def test_tuner_sweep_has_group_bands_in_lockstep():
+    """The sweep around a clustered (heuristic) config also walks group bands, always with lockstep tails (without
+    them group bands re-read weights); wgrad, whose tiles are one group's, never."""
+    from benchmarks import tune_grouped_matmul as tune
+    from moe_jax.ops.grouped_matmul import config
+
+    shape = GroupedMatmulShape("layer/gate_up", g=32, m=32768, k=1024, n=1024, tag="ci")
+    assert tune.table_config("fwd", shape).cluster_m == 2
+    for kind in ("fwd", "dgrad"):
+        candidates = tune.candidate_configs(kind, shape)
+        bands = [c for c in candidates if c.grid_minor == "g"]
+        assert config.GROUP_BANDS in candidates and all(c.lockstep_tails for c in bands)
+        assert not any(c.lockstep_tails for c in candidates if c.grid_minor != "g")
+    assert all(c.grid_minor != "g" for c in tune.candidate_configs("wgrad", shape))
