@@ -18,6 +18,8 @@ from moe_jax.ops.shapes import GMM_SHAPES, GroupedMatmulShape
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FLOP_BENCHES = {"gmm", "gmm-bwd", "skew", "layer", "layer-bwd", "glu", "glu-bwd", "glu-mlp"}
 BENCHES = FLOP_BENCHES | {"routing", "ep", "ep-bwd"}  # routing: no FLOP model; ep: a table of its own
+# Off the tuned table with 1024 rows per group: the heuristic's fwd / dgrad configs have 2-CTA clusters.
+CLUSTERED_SHAPE = GroupedMatmulShape("layer/gate_up", g=32, m=32768, k=1024, n=1024, tag="ci")
 
 
 def run_cli(out_dir, *args: str, env: dict | None = None) -> tuple[str, dict, list[dict]]:
@@ -407,8 +409,7 @@ def test_tuner_config_specs_round_trip_and_table_variants():
     from benchmarks import tune_grouped_matmul as tune
     from moe_jax.ops.grouped_matmul.config import Config
 
-    # Off the table with 1024 rows per group: the heuristic's fwd config has 2-CTA clusters.
-    shape = GroupedMatmulShape("layer/gate_up", g=32, m=32768, k=1024, n=1024, tag="ci")
+    shape = CLUSTERED_SHAPE
     specs = (Config(), Config(block_n=128, num_stages=6, cluster_m=2), Config(overlap_epilogue=True))
     for config in (*specs, Config(grid_minor="m", cluster_m=2, overlap_epilogue=True, lockstep_tails=True)):
         assert tune.parse_config(tune.label(config))("fwd", shape) == config
@@ -429,7 +430,7 @@ def test_tuner_sweep_has_group_bands_in_lockstep():
     from benchmarks import tune_grouped_matmul as tune
     from moe_jax.ops.grouped_matmul import config
 
-    shape = GroupedMatmulShape("layer/gate_up", g=32, m=32768, k=1024, n=1024, tag="ci")
+    shape = CLUSTERED_SHAPE
     assert tune.table_config("fwd", shape).cluster_m == 2
     for kind in ("fwd", "dgrad"):
         candidates = tune.candidate_configs(kind, shape)

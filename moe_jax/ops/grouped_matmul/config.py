@@ -177,7 +177,7 @@ WGRAD_BANDS = Config(grid_minor="m", grid_width=WGRAD_BAND_TILES, overlap_epilog
 # 5457. Of their glu_dgrad entries only mixtral down's walks group bands (4617 -> 4560 us; dsv3-ep8 down's ran 2.2%
 # slower so). Not measured on an H200 (benchmarks/results/2026-11-26_h100_group_bands.md).
 GROUP_BANDS = Config(grid_minor="g", grid_width=16, overlap_epilogue=True, lockstep_tails=True)
-SMALL_GROUPS_GLU_DGRAD = Config(block_n=64, num_stages=6, grid_minor="g", grid_width=16, lockstep_tails=True)
+SMALL_GROUPS_GLU_DGRAD = dataclasses.replace(GROUP_BANDS, block_n=64, num_stages=6, overlap_epilogue=False)
 TUNED: dict[tuple[str, int, int, int, int], Config] = {
     ("fwd", 128, 32768, 2048, 1536): GROUP_BANDS,
     ("dgrad", 128, 32768, 2048, 1536): GROUP_BANDS,
@@ -273,16 +273,16 @@ def heuristic_config(
     # and deepseek-v3 forwards, qwen3-30b's backward; H100) they measured no faster than clusters, although they won at
     # the named dsv3-ep8 / mixtral shapes (1024-2048 rows): TUNED's note.
     if m <= SMALL_GROUP_ROWS * g:
-        order = dict(grid_minor="g", grid_width=16, lockstep_tails=True, overlap_epilogue=kind != "glu_dgrad")
+        order = dataclasses.replace(GROUP_BANDS, overlap_epilogue=kind != "glu_dgrad")
     elif kind == "fwd":
-        order = dict(grid_minor="m", grid_width=8, cluster_m=2, overlap_epilogue=True)
+        order = Config(grid_minor="m", grid_width=8, cluster_m=2, overlap_epilogue=True)
     else:
         # Wide outputs: walk a band of row tiles over all column tiles so rhs stays in L2; narrow ones: all columns
         # of a row band are in flight at once and lhs stays in L2.
         n_tiles = math.ceil(out_cols / block_n)
-        order = dict(grid_minor="n", grid_width=n_tiles) if n_tiles <= 16 else dict(grid_minor="m", grid_width=16)
-        order |= dict(cluster_m=2, overlap_epilogue=True) if kind == "dgrad" else dict(cluster_m=1)
-    config = Config(block_m=128, block_n=block_n, block_k=64, num_stages=stages, **order)
+        bands = dict(grid_minor="n", grid_width=n_tiles) if n_tiles <= 16 else dict(grid_minor="m", grid_width=16)
+        order = Config(**bands, cluster_m=2, overlap_epilogue=True) if kind == "dgrad" else Config(**bands)
+    config = dataclasses.replace(order, block_m=128, block_n=block_n, block_k=64, num_stages=stages)
     return _fit(config, out_itemsize, kind, row_scale)
 
 
