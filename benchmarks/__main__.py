@@ -16,6 +16,8 @@ import shlex
 import sys
 import time
 
+import jax
+
 from benchmarks import common, expert_parallel, glu, grouped_matmul, layer, routing, tokamax_peer
 from moe_jax.ops import shapes as shape_registry
 from moe_jax.ops.grouped_matmul.reference import ACTIVATIONS
@@ -40,6 +42,10 @@ TABLES = {  # benches without a FLOP model (routing) or with a baseline of their
     "ep": expert_parallel.scaling_table,
     "ep-bwd": expert_parallel.scaling_table,
 }
+DEVICE_TIMER_NOTE = (
+    "--timer device: ms = the median over calls of the sum of a call's GPU kernel durations (CUPTI): the host's "
+    "dispatch and sync and the gaps between kernels are not counted"
+)
 DEFAULT_SKEW_SHAPE = {"bench": "qwen3-30b/gate_up", "ci": "ci/gate_up"}
 # --tiny times the routing kernels under the (slow) GPU interpreter: one ci layer, the one with a group-limited router.
 DEFAULT_ROUTING_SHAPES = {"bench": None, "ci": "ci/grouped"}
@@ -107,6 +113,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=float,
         help="cap on one measurement's timed samples, in seconds (default 1; 0.05 with --tiny)",
     )
+    parser.add_argument(
+        "--timer",
+        default="wall",
+        choices=common.TIMERS,
+        help="wall: host clock per call, dispatch included (default); device: the sum of each call's GPU kernel "
+        "times (CUPTI; needs a GPU)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="inputs and group sizes")
     parser.add_argument(
         "--time-limit",
@@ -145,6 +158,8 @@ def print_tables(records: list[common.Record]) -> None:
         "rel err = max over outputs and gradients of ||out - ref|| / ||ref||; ref = exact f32 products of three groups "
         "(grouped matmul), the first layer implementation that ran (layer)"
     )
+    if any(r.timing is not None and r.timing.timer == "device" for r in records):
+        print(f"\n{DEVICE_TIMER_NOTE}")
     if any(r.bench == "routing" for r in records):
         print(f"\n{routing.TABLE_NOTE}")
     glu_backends = sorted({r.impl.split(":")[1] for r in records if r.bench in glu.BENCHES and ":" in r.impl})
@@ -169,6 +184,9 @@ def main(argv: list[str] | None = None) -> list[common.Record]:
     args = parse_args(argv)
     if args.render:
         return render(args.render)
+    platform = jax.devices()[0].platform
+    if args.timer == "device" and platform != "gpu":
+        raise SystemExit(f"--timer device reads GPU kernel times (CUPTI); this machine's jax runs on {platform}")
     tag = "ci" if args.tiny else "bench"
     benches = BENCHES if args.bench == "all" else _choices(args.bench, BENCHES, "bench")
     options = common.Options(
@@ -180,6 +198,7 @@ def main(argv: list[str] | None = None) -> list[common.Record]:
         max_seconds=args.max_seconds or (0.05 if args.tiny else 1.0),
         min_samples=1 if args.tiny else 3,
         seed=args.seed,
+        timer=args.timer,
         deadline=time.perf_counter() + args.time_limit if args.time_limit else None,
     )
     gmm_shapes = _names(args.shapes, shape_registry.GMM_SHAPES, shape_registry.gmm_shapes(tag))

@@ -30,12 +30,9 @@ Usage (GPU machine): ``python -m benchmarks.profile_layer [--shapes qwen3-30b-a3
 import argparse
 import collections
 import functools
-import glob
 import json
-import os
 import re
 import sys
-import tempfile
 
 import jax
 import numpy as np
@@ -69,29 +66,6 @@ def stage_of(kernel: str) -> str:
     if re.search(r"gemm|nvjet|xmma|cutlass", kernel):
         return "router"
     return "xla-glue"
-
-
-def kernel_calls(fn, args, calls: int) -> list[list[tuple[str, int, int]]]:
-    """Per call of ``fn(*args)`` (after a warm-up), its device kernels as (name, start_ns, duration_ns)."""
-    for _ in range(3):
-        jax.block_until_ready(fn(*args))
-    trace_dir = tempfile.mkdtemp(prefix="moe_jax_profile_")
-    with jax.profiler.trace(trace_dir):
-        for _ in range(calls):
-            jax.block_until_ready(fn(*args))
-    [path] = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-    events = []
-    for plane in jax.profiler.ProfileData.from_file(path).planes:
-        if not plane.name.startswith("/device:GPU:"):
-            continue
-        for line in plane.lines:
-            if "stream" in line.name.lower():  # CUPTI's kernel lines; the others are XLA's op and module spans
-                events += [(event.name, event.start_ns, event.duration_ns) for event in line.events]
-    events.sort(key=lambda event: event[1])
-    if not events or len(events) % calls:
-        raise RuntimeError(f"{len(events)} kernel events for {calls} calls: not the same kernels in every call")
-    per_call = len(events) // calls
-    return [events[i : i + per_call] for i in range(0, len(events), per_call)]
 
 
 def stage_times(call: list[tuple[str, int, int]]) -> dict[str, float]:
@@ -134,10 +108,11 @@ def profile_shape(shape, calls: int, seed: int) -> dict:
         route_kwargs_items=static_kwargs,
     )
     experts = jax.jit(functools.partial(layer.expert_gemms, activation=shape.activation))
-    layer_calls = kernel_calls(forward, [inputs[n] for n in ("x", "router_kernel", "w_gate_up", "w_down")], calls)
+    layer_args = tuple(inputs[n] for n in ("x", "router_kernel", "w_gate_up", "w_down"))
+    layer_calls = common.kernel_calls(forward, [layer_args], calls)
     expert_args = [operands["expert_rows"], inputs["w_gate_up"], inputs["w_down"]]
     expert_args += [operands["group_sizes"], operands["row_weights"]]
-    expert_calls = kernel_calls(experts, expert_args, calls)
+    expert_calls = common.kernel_calls(experts, [tuple(expert_args)], calls)
     stages, sorted_rows = medians(layer_calls), medians(expert_calls)
     gather_cost = gather_cost_us(stages, sorted_rows)
     glue_kernels = sum(stages.get(stage, 0.0) for stage in GLUE_STAGES)
@@ -184,7 +159,7 @@ def profile_glue(shape, calls: int, seed: int) -> dict:
     for stage in GLUE_FUNCTIONS:
         args = inputs.arg_sets(stage)[0]
         for backend in GLUE_BACKENDS:
-            per_call = kernel_calls(routing.stage_functions(shape, backend, route_kwargs)[stage], args, calls)
+            per_call = common.kernel_calls(routing.stage_functions(shape, backend, route_kwargs)[stage], [args], calls)
             result[f"{stage}:{backend}"] = {
                 "span_us": float(np.median([call_span_us(call) for call in per_call])),
                 "kernels_us": float(np.median([sum(d for _, _, d in call) / 1e3 for call in per_call])),

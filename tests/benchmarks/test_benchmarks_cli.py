@@ -1,5 +1,6 @@
 """The benchmark CLI's CPU smoke run (``--tiny``) and the harness pieces it rests on: FLOP model, timer, failures."""
 
+import dataclasses
 import json
 import os
 import re
@@ -13,6 +14,7 @@ import pytest
 
 import moe_jax
 from benchmarks import common, grouped_matmul, routing
+from benchmarks.__main__ import main
 from moe_jax.ops.shapes import GMM_SHAPES, GroupedMatmulShape
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -231,6 +233,36 @@ def test_timer_rotates_input_sets_and_returns_the_first_output():
     assert 0 < timing.min_s <= timing.p10_s <= timing.median_s <= timing.p90_s
 
 
+def test_timings_say_which_timer_took_them():
+    timing, _ = common.time_fn(lambda x: x + 1, [(jnp.ones(4),)], iters=2, warmup=0, max_seconds=1.0)
+    assert timing.timer == "wall"
+    # A record streamed before the option existed has no "timer": its samples were the wall clock's.
+    data = {**dataclasses.asdict(timing)}
+    del data["timer"]
+    assert common.Timing(**data).timer == "wall"
+
+
+def test_kernel_events_are_cut_into_equal_calls():
+    events = [("gemm", 300, 5), ("glu", 100, 4), ("gemm", 0, 5), ("glu", 400, 4)]  # two calls, out of start order
+    calls = common.split_calls(events, 2)
+    assert calls == [[("gemm", 0, 5), ("glu", 100, 4)], [("gemm", 300, 5), ("glu", 400, 4)]]
+    with pytest.raises(RuntimeError, match="3 GPU kernel events for 2 calls"):
+        common.split_calls(events[:3], 2)
+    with pytest.raises(RuntimeError, match="0 GPU kernel events"):
+        common.split_calls([], 2)
+
+
+def test_device_timer_is_used_when_chosen_and_needs_a_gpu():
+    # Off a GPU the trace holds no kernel: the device timer fails where the wall clock would have timed the call, so
+    # a measurement with timer="device" that came back "ok" would mean the option was not passed down.
+    record = common.Record("gmm", "ci/ragged", "uniform", "dense", flops=1, dims={})
+    common.measure(record, jax.jit(lambda x: x @ x), [(jnp.ones((8, 8)),)], common.Options(timer="device", iters=2))
+    assert record.status == "error" and "GPU kernel events" in record.note
+
+    with pytest.raises(SystemExit, match="--timer device reads GPU kernel times"):
+        main(["--tiny", "--bench", "gmm", "--timer", "device"])
+
+
 def test_input_sets_rotate_only_below_the_l2_bound():
     assert common.input_sets_needed(common.ROTATE_BYTES * 4) == 1
     assert common.input_sets_needed(common.ROTATE_BYTES // 4) == 4
@@ -268,7 +300,6 @@ def test_records_of_older_runs_load_with_defaults():
 
 
 def test_render_reprints_a_streamed_run(tmp_path, capsys):
-    from benchmarks.__main__ import main
 
     meta = {
         "date": "2026-01-01T00:00:00+00:00",
