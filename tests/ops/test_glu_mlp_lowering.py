@@ -9,6 +9,8 @@ scale alone, GLU + row scale) lower with their gradients. Shapes: ``moe_jax.ops.
 entries, (G, M, K = D, N = 2F).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -18,6 +20,8 @@ from jax.sharding import AbstractMesh
 import moe_jax
 from moe_jax.ops import shapes
 from moe_jax.ops.glu_mlp import api as glu_mlp_api
+from moe_jax.ops.grouped_matmul import api as gmm_api
+from moe_jax.ops.grouped_matmul import config
 
 MOSAIC_CALL = "mosaic_gpu_v2"
 H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
@@ -121,3 +125,36 @@ def test_routed_glu_mlp_lowers_with_its_gather(model, top_k):
     with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=H200)):
         text = jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count(MOSAIC_CALL) == 8
+
+
+class _Captured(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    "activation, keep, block_n",
+    [("gpt_oss", True, 128), ("gpt_oss", False, 256), ("swiglu", True, 256)],
+)
+def test_forward_keeping_gpt_oss_pre_activation_takes_128_column_tiles(monkeypatch, activation, keep, block_n):
+    """Only the forward that rounds gpt_oss's kept pre-activation to each value's side of the clamps narrows the
+    table's 256-column tiles (grouped_matmul.api.SIDE_KEEPING_BLOCK_N: registers spill at 256)."""
+    shape = shapes.GMM_SHAPES["gpt-oss-120b/gate_up"]
+
+    def capture(*args, config, **kwargs):
+        raise _Captured(config)
+
+    monkeypatch.setattr(gmm_api.sm90, "grouped_matmul_rows", capture)
+    args = (
+        jax.ShapeDtypeStruct((shape.m, shape.k), jnp.bfloat16),
+        jax.ShapeDtypeStruct((shape.g, shape.k, shape.n), jnp.bfloat16),
+        jax.ShapeDtypeStruct((shape.g,), jnp.int32),
+    )
+
+    def forward(x, w, group_sizes):
+        return gmm_api.run_forward_kernel(x, w, group_sizes, None, activation, jnp.bfloat16, False, keep=keep)
+
+    h200 = jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=H200))
+    with h200, pytest.raises(_Captured) as captured:
+        jax.eval_shape(forward, *args)
+    table = config.TUNED[("fwd", shape.g, shape.m, shape.k, shape.n)]
+    assert captured.value.args[0] == dataclasses.replace(table, block_n=block_n)
