@@ -132,13 +132,19 @@ class _Captured(Exception):
 
 
 @pytest.mark.parametrize(
-    "activation, keep, block_n",
-    [("gpt_oss", True, 128), ("gpt_oss", False, 256), ("swiglu", True, 256)],
+    "model, activation, keep, block_n",
+    [
+        ("gpt-oss-120b", "gpt_oss", True, 128),
+        ("qwen3-30b", "gpt_oss", True, 128),
+        ("gpt-oss-120b", "gpt_oss", False, 256),
+        ("gpt-oss-120b", "swiglu", True, 256),
+        ("mixtral", "gpt_oss", True, 256),  # K = 4096: the spills weigh less than narrower tiles there
+    ],
 )
-def test_forward_keeping_gpt_oss_pre_activation_takes_128_column_tiles(monkeypatch, activation, keep, block_n):
-    """Only the forward that rounds gpt_oss's kept pre-activation to each value's side of the clamps narrows the
-    table's 256-column tiles (grouped_matmul.api.SIDE_KEEPING_BLOCK_N: registers spill at 256)."""
-    shape = shapes.GMM_SHAPES["gpt-oss-120b/gate_up"]
+def test_forward_keeping_gpt_oss_pre_activation_takes_128_column_tiles(monkeypatch, model, activation, keep, block_n):
+    """Only the forward that rounds gpt_oss's kept pre-activation to each value's side of the clamps, with a short
+    contraction, narrows the table's 256-column tiles (grouped_matmul.api.SIDE_KEEPING_BLOCK_N / _MAX_K)."""
+    shape = shapes.GMM_SHAPES[f"{model}/gate_up"]
 
     def capture(*args, config, **kwargs):
         raise _Captured(config)

@@ -359,11 +359,13 @@ _pallas_grouped_matmul.defvjp(_pallas_fwd, _pallas_bwd)
 
 # The forward that keeps gpt_oss's pre-activation rounds it to each value's own side of the clamp bounds
 # (glu.kept_pre_activation): next to a 256-column tile's accumulator those selects spill registers (ptxas: 500 bytes)
-# and the kernel ran 46% (gpt-oss-120b gate_up) / 53% (qwen3-30b) slower than without the keep. 128-column tiles
-# spill nothing (their kept outputs also fit the overlapped epilogue): 11% / 14% faster than the 256-column ones
-# (CUPTI device time, H100, outputs bit-identical; benchmarks/RESULTS.md, 2026-11-27). swiglu / geglu round plainly
-# and spill nothing at 256.
+# and the kernel ran 46% (gpt-oss-120b gate_up, K = 2880) / 53% (qwen3-30b, K = 2048) slower than without the keep.
+# 128-column tiles spill nothing (their kept outputs also fit the overlapped epilogue) and ran 10% / 13% faster there;
+# with a longer contraction the spills weigh less than the narrower tiles' extra operand traffic: 1% slower at
+# mixtral (K = 4096), 10% at dsv3-ep8 (K = 7168), so those keep the table's tiles. (CUPTI device time, H100, outputs
+# bit-identical; benchmarks/RESULTS.md, 2026-11-27.) swiglu / geglu round plainly and spill nothing at 256.
 SIDE_KEEPING_BLOCK_N = 128
+SIDE_KEEPING_MAX_K = 2880  # the longest contraction measured faster with SIDE_KEEPING_BLOCK_N
 
 
 def forward_epilogue(activation: str | None, row_scale: bool, *, keep_dtype=None) -> sm90.Epilogue:
@@ -403,7 +405,7 @@ def run_forward_kernel(
     returns the pre-activation [M, N], rounded for the GLU backward. With ``row_tokens`` [M], lhs is [T, K] and row r
     of the product is lhs[row_tokens[r]]. ``zero_tail=False`` leaves the outputs' rows past the sum unwritten."""
     epilogue = forward_epilogue(activation, row_scale is not None, keep_dtype=out_dtype if keep else None)
-    side_keeping = keep and activation == "gpt_oss"
+    side_keeping = keep and activation == "gpt_oss" and lhs.shape[1] <= SIDE_KEEPING_MAX_K
     return run_rows_kernel(
         "fwd",
         lhs,
