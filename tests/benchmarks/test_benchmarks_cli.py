@@ -300,7 +300,6 @@ def test_records_of_older_runs_load_with_defaults():
 
 
 def test_render_reprints_a_streamed_run(tmp_path, capsys):
-
     meta = {
         "date": "2026-01-01T00:00:00+00:00",
         "device_kind": "cpu",

@@ -146,8 +146,8 @@ def test_forward_keeping_gpt_oss_pre_activation_takes_128_column_tiles(monkeypat
     contraction, narrows the table's 256-column tiles (grouped_matmul.api.SIDE_KEEPING_BLOCK_N / _MAX_K)."""
     shape = shapes.GMM_SHAPES[f"{model}/gate_up"]
 
-    def capture(*args, config, **kwargs):
-        raise _Captured(config)
+    def capture(*args, **kwargs):
+        raise _Captured(kwargs["config"])
 
     monkeypatch.setattr(gmm_api.sm90, "grouped_matmul_rows", capture)
     args = (
