@@ -143,7 +143,7 @@ class _Captured(Exception):
 )
 def test_forward_keeping_gpt_oss_pre_activation_takes_128_column_tiles(monkeypatch, model, activation, keep, block_n):
     """Only the forward that rounds gpt_oss's kept pre-activation to each value's side of the clamps, with a short
-    contraction, narrows the table's 256-column tiles (grouped_matmul.api.SIDE_KEEPING_BLOCK_N / _MAX_K)."""
+    contraction, narrows the table's 256-column tiles (grouped_matmul.config.SIDE_KEEPING_BLOCK_N / _MAX_K)."""
     shape = shapes.GMM_SHAPES[f"{model}/gate_up"]
 
     def capture(*args, **kwargs):

@@ -227,12 +227,12 @@ def run_rows_kernel(
     gate_up=None,
     row_tokens=None,
     zero_tail=True,
-    max_block_n=None,
+    side_keeping=False,
 ):
     """fwd / dgrad / glu_dgrad kernel: x[M, R] · w[g] per group (w [G, R, C], or [G, C, R] when ``w_transposed``).
 
-    ``config=None`` takes config.get_config's choice for the op's (G, M, K, N), its tiles at most ``max_block_n``
-    columns wide where that is given (an epilogue that needs the registers); the tuning script passes its own.
+    ``config=None`` takes config.get_config's choice for the op's (G, M, K, N) (``side_keeping``: get_config's, for
+    the forward that keeps gpt_oss's pre-activation); the tuning script passes its own.
     ``epilogue``, ``row_scale`` [M] f32, ``gate_up`` [M, 2C] and ``row_tokens`` [M] int32 are
     sm90.grouped_matmul_rows's (with ``row_tokens``, x is [T, R] and row r is x[row_tokens[r]]). ``zero_tail``:
     schedule.row_tiles's (False: the outputs' rows past sum(group_sizes) are left unwritten).
@@ -249,10 +249,17 @@ def run_rows_kernel(
     num_sms, interpret = hardware.num_sms(), hardware.interpret_params()
     if config is None:
         itemsize = jnp.dtype(out_dtype).itemsize
-        config = get_config(kind, m=m, k=k, n=n, g=num_groups, out_itemsize=itemsize, row_scale=epilogue.row_scale)
+        config = get_config(
+            kind,
+            m=m,
+            k=k,
+            n=n,
+            g=num_groups,
+            out_itemsize=itemsize,
+            row_scale=epilogue.row_scale,
+            side_keeping=side_keeping,
+        )
         config = _fit_device(config, num_sms)
-        if max_block_n is not None and config.block_n > max_block_n:
-            config = dataclasses.replace(config, block_n=max_block_n)
     config = _fit_interpreter(config, interpret)
     if row_tokens is None:
         x = _padded_rows(x)
@@ -357,17 +364,6 @@ _pallas_grouped_matmul.defvjp(_pallas_fwd, _pallas_bwd)
 # ------------------------------------------------------------------- Pallas path with the GLU / row scale fused
 
 
-# The forward that keeps gpt_oss's pre-activation rounds it to each value's own side of the clamp bounds
-# (glu.kept_pre_activation): next to a 256-column tile's accumulator those selects spill registers (ptxas: 500 bytes)
-# and the kernel ran 46% (gpt-oss-120b gate_up, K = 2880) / 53% (qwen3-30b, K = 2048) slower than without the keep.
-# 128-column tiles spill nothing (their kept outputs also fit the overlapped epilogue) and ran 10% / 13% faster there;
-# with a longer contraction the spills weigh less than the narrower tiles' extra operand traffic: 1% slower at
-# mixtral (K = 4096), 10% at dsv3-ep8 (K = 7168), so those keep the table's tiles. (CUPTI device time, H100, outputs
-# bit-identical; benchmarks/RESULTS.md, 2026-11-27.) swiglu / geglu round plainly and spill nothing at 256.
-SIDE_KEEPING_BLOCK_N = 128
-SIDE_KEEPING_MAX_K = 2880  # the longest contraction measured faster with SIDE_KEEPING_BLOCK_N
-
-
 def forward_epilogue(activation: str | None, row_scale: bool, *, keep_dtype=None) -> sm90.Epilogue:
     """The forward kernel's epilogue: GLU over packed gate/up columns and/or a row scale.
 
@@ -405,7 +401,6 @@ def run_forward_kernel(
     returns the pre-activation [M, N], rounded for the GLU backward. With ``row_tokens`` [M], lhs is [T, K] and row r
     of the product is lhs[row_tokens[r]]. ``zero_tail=False`` leaves the outputs' rows past the sum unwritten."""
     epilogue = forward_epilogue(activation, row_scale is not None, keep_dtype=out_dtype if keep else None)
-    side_keeping = keep and activation == "gpt_oss" and lhs.shape[1] <= SIDE_KEEPING_MAX_K
     return run_rows_kernel(
         "fwd",
         lhs,
@@ -417,7 +412,7 @@ def run_forward_kernel(
         row_scale=row_scale,
         row_tokens=row_tokens,
         zero_tail=zero_tail,
-        max_block_n=SIDE_KEEPING_BLOCK_N if side_keeping else None,
+        side_keeping=keep and activation == "gpt_oss",
     )
 
 

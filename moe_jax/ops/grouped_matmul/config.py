@@ -210,6 +210,17 @@ TUNED: dict[tuple[str, int, int, int, int], Config] = {
 }
 
 
+# The forward that keeps gpt_oss's pre-activation rounds it to each value's own side of the clamp bounds
+# (glu.kept_pre_activation): next to a 256-column tile's accumulator those selects spill registers (ptxas: 500 bytes)
+# and the kernel ran 46% (gpt-oss-120b gate_up, K = 2880) / 53% (qwen3-30b, K = 2048) slower than without the keep.
+# 128-column tiles spill nothing (their kept outputs also fit the overlapped epilogue) and ran 10% / 13% faster there;
+# with a longer contraction the spills weigh less than the narrower tiles' extra operand traffic: 1% slower at
+# mixtral (K = 4096), 10% at dsv3-ep8 (K = 7168), so those keep the table's tiles. (CUPTI device time, H100, outputs
+# bit-identical; benchmarks/RESULTS.md, 2026-11-27.) swiglu / geglu round plainly and spill nothing at 256.
+SIDE_KEEPING_BLOCK_N = 128
+SIDE_KEEPING_MAX_K = 2880  # the longest contraction measured faster with SIDE_KEEPING_BLOCK_N
+
+
 def epilogue_smem(kind: str, config: Config, row_scale: bool) -> dict:
     """smem_bytes's epilogue operands of a kernel kind (``row_scale``: the epilogue scales rows)."""
     if kind == "glu_dgrad":
@@ -293,9 +304,27 @@ def _fit(config: Config, out_itemsize: int, kind: str, row_scale: bool) -> Confi
     return config
 
 
-def get_config(kind: str, *, m: int, k: int, n: int, g: int, out_itemsize: int = 2, row_scale: bool = False) -> Config:
-    """The tuned config for (kind, G, M, K, N) if there is one (and it fits), else the heuristic's."""
+def get_config(
+    kind: str,
+    *,
+    m: int,
+    k: int,
+    n: int,
+    g: int,
+    out_itemsize: int = 2,
+    row_scale: bool = False,
+    side_keeping: bool = False,
+) -> Config:
+    """The tuned config for (kind, G, M, K, N) if there is one (and it fits), else the heuristic's.
+
+    ``side_keeping``: a forward that also keeps gpt_oss's pre-activation, rounded to each value's side of the clamps:
+    at most SIDE_KEEPING_BLOCK_N columns wide where K <= SIDE_KEEPING_MAX_K (see there).
+    """
     tuned = TUNED.get((kind, g, m, k, n))
     if tuned is not None and tuned.fits(2, out_itemsize, **epilogue_smem(kind, tuned, row_scale)):
-        return tuned
-    return heuristic_config(kind, m=m, k=k, n=n, g=g, out_itemsize=out_itemsize, row_scale=row_scale)
+        config = tuned
+    else:
+        config = heuristic_config(kind, m=m, k=k, n=n, g=g, out_itemsize=out_itemsize, row_scale=row_scale)
+    if side_keeping and k <= SIDE_KEEPING_MAX_K and config.block_n > SIDE_KEEPING_BLOCK_N:
+        config = dataclasses.replace(config, block_n=SIDE_KEEPING_BLOCK_N)
+    return config
