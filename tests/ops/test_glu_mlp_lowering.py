@@ -10,6 +10,7 @@ entries, (G, M, K = D, N = 2F).
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -143,7 +144,8 @@ class _Captured(Exception):
 )
 def test_forward_keeping_gpt_oss_pre_activation_takes_128_column_tiles(monkeypatch, model, activation, keep, block_n):
     """Only the forward that rounds gpt_oss's kept pre-activation to each value's side of the clamps, with a short
-    contraction, narrows the table's 256-column tiles (grouped_matmul.config.SIDE_KEEPING_BLOCK_N / _MAX_K)."""
+    contraction, narrows the table's 256-column tiles (grouped_matmul.config.CLAMPED_FWD_BLOCK_N /
+    CLAMPED_MAX_CONTRACTION)."""
     shape = shapes.GMM_SHAPES[f"{model}/gate_up"]
 
     def capture(*args, **kwargs):
@@ -164,3 +166,65 @@ def test_forward_keeping_gpt_oss_pre_activation_takes_128_column_tiles(monkeypat
         jax.eval_shape(forward, *args)
     table = config.TUNED[("fwd", shape.g, shape.m, shape.k, shape.n)]
     assert captured.value.args[0] == dataclasses.replace(table, block_n=block_n)
+
+
+@pytest.mark.parametrize(
+    "model, activation, ring",
+    [
+        ("gpt-oss-120b", "swiglu", True),
+        ("qwen3-30b", "geglu", True),
+        ("gpt-oss-120b", "gpt_oss", False),  # D = 2880: the clamp masks spill next to 128 columns
+        ("qwen3-30b", "gpt_oss", False),
+        ("dsv3-ep8", "gpt_oss", True),  # D = 7168: the ring's tiles win all the same
+    ],
+)
+def test_glu_backward_takes_the_ring_unless_clamped_with_a_short_contraction(monkeypatch, model, activation, ring):
+    """The GLU-backward dgrad carries its packed gate/up rows in the pipeline's ring (the table's 128 x 128 tiles),
+    except gpt_oss's where the contraction D <= config.CLAMPED_MAX_CONTRACTION: 64-column tiles with the rows in the
+    consumers' own buffer (config.CLAMPED_GLU_DGRAD)."""
+    shape = shapes.GMM_SHAPES[f"{model}/down"]  # (G, M, F, D)
+    g, m, d_ff, d = shape.g, shape.m, shape.k, shape.n
+
+    def capture(*args, **kwargs):
+        raise _Captured(kwargs["config"], kwargs["epilogue"])
+
+    monkeypatch.setattr(gmm_api.sm90, "grouped_matmul_rows", capture)
+    args = (
+        jax.ShapeDtypeStruct((m, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((g, d_ff, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((g,), jnp.int32),
+        jax.ShapeDtypeStruct((m, 2 * d_ff), jnp.bfloat16),
+        jax.ShapeDtypeStruct((m,), jnp.float32),
+    )
+    h200 = jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=H200))
+    with h200, pytest.raises(_Captured) as captured:
+        jax.eval_shape(functools.partial(glu_mlp_api.run_glu_dgrad, activation=activation), *args)
+    chosen, epilogue = captured.value.args
+    table = config.TUNED[("glu_dgrad", g, m, d_ff, d)]
+    assert chosen == (table if ring else dataclasses.replace(table, **config.CLAMPED_GLU_DGRAD))
+    assert epilogue.ring_slots(chosen) == (2 if ring else 0)
+
+
+@pytest.mark.parametrize("stages, row_scale", [(5, True), (6, True), (6, False)])
+def test_ring_glu_backward_fits_exactly_where_it_lowers(stages, row_scale):
+    """Config.fits, with the GLU backward's epilogue operands (none of its own where the ring carries the gate/up
+    rows), agrees with Mosaic GPU's shared-memory check: 6 stages of 128 x 128 tiles fit without a row scale, not
+    with one (whose two [128] f32 vectors each take a 1024-byte-aligned buffer)."""
+    c = dataclasses.replace(config.GLU_DGRAD_RING, num_stages=stages)
+    m, d_ff, d, g = 1024, 256, 256, 4
+    args = (
+        jax.ShapeDtypeStruct((m, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((g, d_ff, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((g,), jnp.int32),
+        jax.ShapeDtypeStruct((m, 2 * d_ff), jnp.bfloat16),
+        jax.ShapeDtypeStruct((m,), jnp.float32) if row_scale else None,
+    )
+    dgrad = functools.partial(glu_mlp_api.run_glu_dgrad, activation="swiglu", config=c)
+    try:
+        with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=H200)):
+            jax.jit(dgrad).trace(*args).lower(lowering_platforms=("cuda",))
+        lowers = True
+    except ValueError as error:
+        assert "exceeds available shared memory" in str(error)
+        lowers = False
+    assert c.fits(**config.epilogue_smem("glu_dgrad", c, row_scale)) == lowers == (stages == 5 or not row_scale)

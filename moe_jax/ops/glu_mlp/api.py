@@ -327,6 +327,7 @@ def run_glu_dgrad(d_y, w_down, group_sizes, gate_up, row_scale, activation: str,
         row_scale=row_scale,
         gate_up=gate_up,
         zero_tail=zero_tail,
+        clamped=activation == "gpt_oss",
     )
     if zero_tail or d_row_scale is None:
         return d_gate_up, hidden_scaled, d_row_scale

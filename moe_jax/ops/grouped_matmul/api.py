@@ -227,12 +227,12 @@ def run_rows_kernel(
     gate_up=None,
     row_tokens=None,
     zero_tail=True,
-    side_keeping=False,
+    clamped=False,
 ):
     """fwd / dgrad / glu_dgrad kernel: x[M, R] · w[g] per group (w [G, R, C], or [G, C, R] when ``w_transposed``).
 
-    ``config=None`` takes config.get_config's choice for the op's (G, M, K, N) (``side_keeping``: get_config's, for
-    the forward that keeps gpt_oss's pre-activation); the tuning script passes its own.
+    ``config=None`` takes config.get_config's choice for the op's (G, M, K, N) (``clamped``: get_config's, for an
+    epilogue through gpt_oss's clamps); the tuning script passes its own.
     ``epilogue``, ``row_scale`` [M] f32, ``gate_up`` [M, 2C] and ``row_tokens`` [M] int32 are
     sm90.grouped_matmul_rows's (with ``row_tokens``, x is [T, R] and row r is x[row_tokens[r]]). ``zero_tail``:
     schedule.row_tiles's (False: the outputs' rows past sum(group_sizes) are left unwritten).
@@ -257,7 +257,7 @@ def run_rows_kernel(
             g=num_groups,
             out_itemsize=itemsize,
             row_scale=epilogue.row_scale,
-            side_keeping=side_keeping,
+            clamped=clamped,
         )
         config = _fit_device(config, num_sms)
     config = _fit_interpreter(config, interpret)
@@ -412,7 +412,7 @@ def run_forward_kernel(
         row_scale=row_scale,
         row_tokens=row_tokens,
         zero_tail=zero_tail,
-        side_keeping=keep and activation == "gpt_oss",
+        clamped=keep and activation == "gpt_oss",
     )
 
 

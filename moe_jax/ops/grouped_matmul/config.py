@@ -14,9 +14,12 @@ import dataclasses
 import math
 from typing import Literal
 
+from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK
+
 KINDS = ("fwd", "dgrad", "glu_dgrad", "wgrad")
 WGMMA_M = 64  # rows of one wgmma instruction: a compute warpgroup owns a multiple of this
 SMEM_BYTES = 227 * 1024  # dynamic shared memory one H100/H200 block can have
+SMEM_ALIGNMENT = 1024  # where Pallas (jax 0.11.2) starts each shared-memory scratch buffer
 # Registers per consumer thread an overlapped epilogue may hold across tiles: with a [64, 256] f32 accumulator (128
 # registers) and the addresses, more would spill under the 232-register budget of two consumers.
 OVERLAP_REGISTERS = 64
@@ -111,12 +114,15 @@ class Config:
             (the GLU backward's packed gate/up rows: 2 * block_n).
           row_vectors: [wg_block_m] f32 vectors per consumer (row_scale in, partial sums out).
         """
-        stage = (self.block_m + self.block_n) * self.block_k * in_itemsize
-        epilogue = self.num_compute_wgs * 2 * self.wg_block_m * self.epilogue_n * out_itemsize
-        operands = self.num_compute_wgs * self.wg_block_m * (operand_cols * in_itemsize + row_vectors * 4)
-        # A swizzled operand tile starts at a 1024-byte boundary: up to that much padding before it.
-        alignment = 1024 if operand_cols else 0
-        return self.num_stages * stage + epilogue + operands + alignment
+        buffers = [
+            self.num_stages * self.block_m * self.block_k * in_itemsize,  # x ring
+            self.num_stages * self.block_n * self.block_k * in_itemsize,  # w ring
+            2 * self.block_m * self.epilogue_n * out_itemsize,
+            self.block_m * operand_cols * in_itemsize,
+            *[self.block_m * 4] * row_vectors,
+        ]
+        # Pallas starts every scratch buffer at a SMEM_ALIGNMENT boundary.
+        return sum(-(-size // SMEM_ALIGNMENT) * SMEM_ALIGNMENT for size in buffers)
 
     def fits(self, in_itemsize: int = 2, out_itemsize: int = 2, **epilogue) -> bool:
         """Whether the CTA's shared memory fits (``epilogue``: smem_bytes's operand_cols / row_vectors)."""
@@ -177,54 +183,86 @@ WGRAD_BANDS = Config(grid_minor="m", grid_width=WGRAD_BAND_TILES, overlap_epilog
 # 5457. Of their glu_dgrad entries only mixtral down's walks group bands (4617 -> 4560 us; dsv3-ep8 down's ran 2.2%
 # slower so). Not measured on an H200 (benchmarks/results/2026-11-26_h100_group_bands.md).
 GROUP_BANDS = Config(grid_minor="g", grid_width=16, overlap_epilogue=True, lockstep_tails=True)
-SMALL_GROUPS_GLU_DGRAD = dataclasses.replace(GROUP_BANDS, block_n=64, num_stages=6, overlap_epilogue=False)
+# The glu_dgrad entries take 128 x 128 tiles whose packed gate/up rows ride the pipeline's ring (gate_up_ring_slots)
+# since 2026-11-27 (tenth session). Before, each consumer loaded them into a buffer of its own, and that buffer left
+# room for 64-column tiles with 6 stages (qwen3-30b, gpt-oss-120b) or 128-column ones with 3 (dsv3-ep8, mixtral).
+# At gpt-oss down the plain dgrad of those 64-column tiles took 1735 us against 1046 us with the table's 128 x 256
+# tiles, and the whole glu_dgrad 1795: the narrow MMAs, not the epilogue, cost the time. Device time (CUPTI, 3
+# alternated rounds of 10 calls, H100, swiglu with row_scale; d_gate_up and h bit-identical, the row-scale gradient
+# within 4e-4 (its partial sums per tile change with the width)): qwen3-30b down 400 -> 341 us, gpt-oss-120b down
+# 1806 -> 1466, dsv3-ep8 down 2176 -> 1769, mixtral down 4613 -> 3441. Of the ring configs 5 stages ran faster than
+# 4 (by 5-10%, 0.2% at dsv3-ep8), group bands faster than "n" / "m" bands (by 1-19%), and an overlapped epilogue
+# slower (by 8-26%); 6 stages do not fit next to a row scale. (benchmarks/RESULTS.md, 2026-11-27, tenth session.)
+GLU_DGRAD_RING = dataclasses.replace(GROUP_BANDS, block_n=128, num_stages=5, overlap_epilogue=False)
 TUNED: dict[tuple[str, int, int, int, int], Config] = {
     ("fwd", 128, 32768, 2048, 1536): GROUP_BANDS,
     ("dgrad", 128, 32768, 2048, 1536): GROUP_BANDS,
     ("wgrad", 128, 32768, 2048, 1536): WGRAD_BANDS,
     ("fwd", 128, 32768, 768, 2048): GROUP_BANDS,
     ("dgrad", 128, 32768, 768, 2048): GROUP_BANDS,
-    ("glu_dgrad", 128, 32768, 768, 2048): SMALL_GROUPS_GLU_DGRAD,
+    ("glu_dgrad", 128, 32768, 768, 2048): GLU_DGRAD_RING,
     ("wgrad", 128, 32768, 768, 2048): WGRAD_BANDS,
     ("fwd", 128, 32768, 2880, 5760): GROUP_BANDS,
     ("dgrad", 128, 32768, 2880, 5760): GROUP_BANDS,
     ("wgrad", 128, 32768, 2880, 5760): WGRAD_BANDS,
     ("fwd", 128, 32768, 2880, 2880): GROUP_BANDS,
     ("dgrad", 128, 32768, 2880, 2880): GROUP_BANDS,
-    ("glu_dgrad", 128, 32768, 2880, 2880): SMALL_GROUPS_GLU_DGRAD,
+    ("glu_dgrad", 128, 32768, 2880, 2880): GLU_DGRAD_RING,
     ("wgrad", 128, 32768, 2880, 2880): WGRAD_BANDS,
     ("fwd", 32, 32768, 7168, 4096): GROUP_BANDS,
     ("dgrad", 32, 32768, 7168, 4096): GROUP_BANDS,
     ("wgrad", 32, 32768, 7168, 4096): WGRAD_BANDS,
     ("fwd", 32, 32768, 2048, 7168): GROUP_BANDS,
     ("dgrad", 32, 32768, 2048, 7168): GROUP_BANDS,
-    ("glu_dgrad", 32, 32768, 2048, 7168): Config(block_n=128, num_stages=3, grid_width=16, lockstep_tails=True),
+    ("glu_dgrad", 32, 32768, 2048, 7168): GLU_DGRAD_RING,
     ("wgrad", 32, 32768, 2048, 7168): WGRAD_BANDS,
     ("fwd", 8, 16384, 4096, 28672): GROUP_BANDS,
     ("dgrad", 8, 16384, 4096, 28672): GROUP_BANDS,
     ("wgrad", 8, 16384, 4096, 28672): WGRAD_BANDS,
     ("fwd", 8, 16384, 14336, 4096): GROUP_BANDS,
     ("dgrad", 8, 16384, 14336, 4096): GROUP_BANDS,
-    ("glu_dgrad", 8, 16384, 14336, 4096): Config(block_n=128, num_stages=3, grid_minor="g", lockstep_tails=True),
+    ("glu_dgrad", 8, 16384, 14336, 4096): GLU_DGRAD_RING,
     ("wgrad", 8, 16384, 14336, 4096): WGRAD_BANDS,
 }
 
 
-# The forward that keeps gpt_oss's pre-activation rounds it to each value's own side of the clamp bounds
-# (glu.kept_pre_activation): next to a 256-column tile's accumulator those selects spill registers (ptxas: 500 bytes)
-# and the kernel ran 46% (gpt-oss-120b gate_up, K = 2880) / 53% (qwen3-30b, K = 2048) slower than without the keep.
-# 128-column tiles spill nothing (their kept outputs also fit the overlapped epilogue) and ran 10% / 13% faster there;
-# with a longer contraction the spills weigh less than the narrower tiles' extra operand traffic: 1% slower at
-# mixtral (K = 4096), 10% at dsv3-ep8 (K = 7168), so those keep the table's tiles. (CUPTI device time, H100, outputs
-# bit-identical; benchmarks/RESULTS.md, 2026-11-27.) swiglu / geglu round plainly and spill nothing at 256.
-SIDE_KEEPING_BLOCK_N = 128
-SIDE_KEEPING_MAX_K = 2880  # the longest contraction measured faster with SIDE_KEEPING_BLOCK_N
+# gpt_oss's clamps put [64, 64] predicate and select arrays next to the accumulator in two epilogues, where they spill
+# registers with the table's tiles; with a short contraction the spills cost more than narrower tiles (CUPTI device
+# time, H100; benchmarks/RESULTS.md, 2026-11-27, ninth and tenth sessions):
+#   * the forward that keeps the pre-activation, rounded to each value's own side of the clamp bounds
+#     (glu.kept_pre_activation): at 256 columns ptxas spills 500 bytes and the kernel ran 46% (gpt-oss-120b gate_up,
+#     K = 2880) / 53% (qwen3-30b, K = 2048) slower than without the keep. 128-column tiles spill nothing and ran 10% /
+#     13% faster there, but 1% slower at mixtral (K = 4096) and 10% at dsv3-ep8 (K = 7168), outputs bit-identical.
+#     swiglu / geglu round plainly and spill nothing at 256;
+#   * the GLU backward (glu.glu_grad's clamp masks): at GLU_DGRAD_RING's 128 columns ptxas spills 292 bytes (swiglu
+#     44, the 64-column tiles 56), and it ran no faster than the 64-column tiles with their own gate/up buffer at
+#     gpt-oss-120b down (1925 against 1913 us) and qwen3-30b down (445 / 433), where swiglu gains 19% / 15%; at dsv3-ep8
+#     (D = 7168) and mixtral (4096) the ring's tiles still won (2304 -> 1945, 5317 -> 4395).
+CLAMPED_MAX_CONTRACTION = 2880  # the longest contraction measured faster with the narrower tiles
+CLAMPED_FWD_BLOCK_N = 128
+CLAMPED_GLU_DGRAD = dict(block_n=64, num_stages=6)  # the gate/up rows in the consumers' own buffer: 6 stages fit
+
+
+def gate_up_ring_slots(config: Config) -> int:
+    """Pipeline slots that carry one glu_dgrad tile's packed gate/up rows, or 0 where they take a buffer of their own.
+
+    The producer can load them into the ring of operand buffers, after the tile's last contraction step, where one
+    slot holds exactly one epilogue chunk's gate and up blocks: [block_m, block_k] in the x buffer, [block_n,
+    block_k] in the weights' (read transposed), so block_m == block_n and block_k == PACK_BLOCK. That frees the
+    [block_m, 2 * block_n] buffer the consumers would otherwise load them into, for deeper pipelines (sm90.py,
+    "GLU backward"). Not with clusters (the ring's release barrier spans both CTAs), and the ring must keep a slot
+    for the next tile.
+    """
+    slots = config.block_n // PACK_BLOCK
+    fits = config.block_m == config.block_n and config.block_k == PACK_BLOCK and config.num_stages > slots
+    return slots if fits and config.cluster_m == 1 else 0
 
 
 def epilogue_smem(kind: str, config: Config, row_scale: bool) -> dict:
     """smem_bytes's epilogue operands of a kernel kind (``row_scale``: the epilogue scales rows)."""
     if kind == "glu_dgrad":
-        return dict(operand_cols=2 * config.block_n, row_vectors=2 * row_scale)
+        operand_cols = 0 if gate_up_ring_slots(config) else 2 * config.block_n
+        return dict(operand_cols=operand_cols, row_vectors=2 * row_scale)
     return dict(row_vectors=int(row_scale))
 
 
@@ -264,11 +302,9 @@ def heuristic_config(
         return _fit(config, out_itemsize, kind, row_scale)
     block_n, stages = (256 if out_cols >= 1024 else 128), 4
     if kind == "glu_dgrad":
-        # The epilogue loads each consumer's [64, 2 * block_n] packed gate/up rows (one TMA box: 2 * block_n <= 256)
-        # and writes three outputs. 128-wide tiles leave room for 3 pipeline stages; 64-wide ones for 6, which ran
-        # 7% faster at the Qwen3 layer's F = 768 and 9% slower at DeepSeek-V3's F = 2048 (the tuned table agrees
-        # at F = 768 / 2048 / 14336).
-        block_n, stages = (64, 6) if out_cols <= 1024 else (128, 4)
+        # 128 x 128 tiles carry the epilogue's packed gate/up rows in the pipeline's ring (gate_up_ring_slots), which
+        # leaves room for 5 stages (6 without a row scale); TUNED's note has the measurements.
+        block_n, stages = 128, 6
     # 2-CTA clusters share a group's weight tile between two row tiles (the H200 sweep's choice at 13 of the table's 16
     # fwd / dgrad entries, before lockstep tails and group bands). At the whole layers' shapes (M = T * k = 131072;
     # H200, docs/kernels/grouped_matmul.md "Clusters"), they cut the forward kernels' time by 17-22% at DeepSeek-V3 (the
@@ -313,18 +349,24 @@ def get_config(
     g: int,
     out_itemsize: int = 2,
     row_scale: bool = False,
-    side_keeping: bool = False,
+    clamped: bool = False,
 ) -> Config:
     """The tuned config for (kind, G, M, K, N) if there is one (and it fits), else the heuristic's.
 
-    ``side_keeping``: a forward that also keeps gpt_oss's pre-activation, rounded to each value's side of the clamps:
-    at most SIDE_KEEPING_BLOCK_N columns wide where K <= SIDE_KEEPING_MAX_K (see there).
+    ``clamped``: the epilogue works through gpt_oss's clamps (a forward that also keeps the pre-activation rounded to
+    each value's side of them, or the GLU backward): where the contraction is at most CLAMPED_MAX_CONTRACTION, a
+    forward is at most CLAMPED_FWD_BLOCK_N columns wide and a glu_dgrad takes CLAMPED_GLU_DGRAD (see there).
     """
     tuned = TUNED.get((kind, g, m, k, n))
     if tuned is not None and tuned.fits(2, out_itemsize, **epilogue_smem(kind, tuned, row_scale)):
         config = tuned
     else:
         config = heuristic_config(kind, m=m, k=k, n=n, g=g, out_itemsize=out_itemsize, row_scale=row_scale)
-    if side_keeping and k <= SIDE_KEEPING_MAX_K and config.block_n > SIDE_KEEPING_BLOCK_N:
-        config = dataclasses.replace(config, block_n=SIDE_KEEPING_BLOCK_N)
+    contraction = n if kind in ("dgrad", "glu_dgrad") else k
+    if not clamped or contraction > CLAMPED_MAX_CONTRACTION:
+        return config
+    if kind == "fwd" and config.block_n > CLAMPED_FWD_BLOCK_N:
+        return dataclasses.replace(config, block_n=CLAMPED_FWD_BLOCK_N)
+    if kind == "glu_dgrad" and gate_up_ring_slots(config):
+        return dataclasses.replace(config, **CLAMPED_GLU_DGRAD)
     return config

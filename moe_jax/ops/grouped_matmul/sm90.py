@@ -27,9 +27,13 @@ Epilogues (``Epilogue``; the GLU math arrives as functions, the kernel holds no 
   * forward: GLU over packed [gate | up] column blocks (packing.py) -> [M, C/2], and/or a per-row scale, optionally
     also storing the raw accumulator (the pre-activation the backward keeps);
   * GLU backward (dgrad of the down projection): the accumulator is d_h = dout · w_down^T; with the tile's rows of
-    the packed pre-activation and of row_scale (both TMA-loaded by the consumer while its MMAs run) it writes
-    d_gate_up [M, 2C] (packed), h * row_scale [M, C] (the down projection's wgrad operand) and per-tile partial sums
-    of h · d_h for the row-scale gradient.
+    the packed pre-activation and of row_scale it writes d_gate_up [M, 2C] (packed), h * row_scale [M, C] (the down
+    projection's wgrad operand) and per-tile partial sums of h · d_h for the row-scale gradient. row_scale is
+    TMA-loaded by the consumer while its MMAs run. The packed rows ride the pipeline's ring where the tile shape
+    allows (config.gate_up_ring_slots: square 128-row tiles): the producer loads them into the next slots after the
+    tile's last step, one slot per epilogue chunk, and the consumer releases each slot once it has read it. Elsewhere
+    the consumer loads them into a buffer of their own, which leaves less shared memory for the pipeline (at a
+    64-column tile the narrow MMAs then cost more than the whole epilogue: benchmarks/RESULTS.md, 2026-11-27).
 
 Everything element-type specific sits in the two TMA loads and the wgmma call: an FP8 variant needs both operands
 K-major (x is, w must be stored [G, C, R]: ``w_transposed``) plus per-block scales applied to the accumulator.
@@ -48,7 +52,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moe_jax.ops.grouped_matmul import sm90_gather as gather
 from moe_jax.ops.grouped_matmul import sm90_pipeline as pipe
-from moe_jax.ops.grouped_matmul.config import Config
+from moe_jax.ops.grouped_matmul.config import Config, gate_up_ring_slots
 from moe_jax.ops.grouped_matmul.schedule import (
     BAND_FIRST,
     BAND_REVERSED,
@@ -107,12 +111,17 @@ class Epilogue:
                 f"a GLU epilogue needs pack={self.pack} dividing the tile's hidden columns ({glu_cols}) and a "
                 f"multiple of epilogue_n={config.epilogue_n}"
             )
-        if self.backward and self.operand_cols(config) > 256:
+        if self.operand_cols(config) > 256:
             raise ValueError(f"the GLU backward loads [gate | up] tiles of 2 * block_n <= 256 columns, got {config}")
 
+    def ring_slots(self, config: Config) -> int:
+        """Pipeline slots carrying a tile's packed gate/up rows (the backward; config.gate_up_ring_slots), else 0."""
+        return gate_up_ring_slots(config) if self.backward and self.pack == config.block_k else 0
+
     def operand_cols(self, config: Config) -> int:
-        """Columns of the per-consumer operand tile the epilogue loads (the backward's packed gate/up rows)."""
-        return 2 * config.block_n if self.backward else 0
+        """Columns of the per-consumer operand tile the epilogue loads itself (the backward's packed gate/up rows,
+        where the pipeline's ring does not carry them)."""
+        return 2 * config.block_n if self.backward and not self.ring_slots(config) else 0
 
     def kept_bytes(self, config: Config, out_itemsize: int) -> int:
         """Bytes one consumer holds for a tile's outputs between its last MMA and its stores (the overlapped
@@ -185,7 +194,9 @@ def grouped_matmul_rows(
     operands = [
         op for op in (row_scale if epi.row_scale else None, gate_up if epi.backward else None) if op is not None
     ]
-    loads_per_tile = len(operands)  # TMA copies a consumer issues per tile for its epilogue
+    ring_slots = epi.ring_slots(cfg)
+    # TMA copies a consumer issues per tile for its epilogue (the ring's are the producer's)
+    loads_per_tile = len(operands) - (ring_slots > 0)
     overlap = pipe.overlaps_epilogue(cfg, epi.kept_bytes(cfg, jnp.dtype(out_dtype).itemsize))
     gathered = row_tokens is not None
     banded = cfg.grid_minor == "g"
@@ -201,6 +212,7 @@ def grouped_matmul_rows(
         row_tokens_gmem, refs = (refs[0], refs[1:]) if gathered else (None, refs)
         bands_gmem, refs = (refs[0], refs[1:]) if banded else (None, refs)
         operand_gmem, refs = refs[: len(operands)], refs[len(operands) :]
+        gate_up_gmem = operand_gmem[-1] if epi.backward else None
         out_gmems, refs = refs[: len(out_types)], refs[len(out_types) :]
         x_smem, w_smem, out_smem, produced, consumed, *epi_scratch = refs
         num_row_tiles = count_gmem[0]
@@ -287,7 +299,18 @@ def grouped_matmul_rows(
                         plgpu.copy_gmem_to_smem(w_block, w_smem.at[slot], produced.at[slot])
 
                 pipe.produce(carry, steps, stages, consumed, load)
-                return carry + steps
+                if ring_slots:
+                    load_gate_up = functools.partial(load_gate_up_chunk, row0, ni)
+                    pipe.produce(carry + steps, ring_slots, stages, consumed, load_gate_up)
+                return carry + steps + ring_slots
+
+            def load_gate_up_chunk(row0, ni, chunk, slot):
+                """The packed gate/up rows of epilogue chunk ``chunk`` into ring slot ``slot``: its gate block into
+                the x buffer, its up block into the weights' (both [block_m, block_k] here)."""
+                gate_col = 2 * (ni * bn + chunk * epi_n)
+                for col, dst in ((gate_col, x_smem), (gate_col + epi_n, w_smem)):
+                    src = gate_up_gmem.at[pl.ds(row0, bm), pl.ds(col, epi_n)]
+                    plgpu.copy_gmem_to_smem(src, dst.at[slot], produced.at[slot])
 
             total_steps = plgpu.nd_loop(work, collective_axes="sm", init_carry=jnp.int32(0))(load_tile)
             pipe.drain(total_steps, stages, consumed)
@@ -295,7 +318,10 @@ def grouped_matmul_rows(
         @pl.when(wg < num_wgs)
         def _consumer():
             plgpu.set_max_registers(pipe.compute_registers(num_wgs), action="increase")
-            epilogue = _epilogue(epi, cfg, cols, out_dtype, wg, out_gmems, out_smem, operand_gmem, epi_scratch, if_real)
+            ring = (x_smem, w_smem, produced, consumed)
+            epilogue = _epilogue(
+                epi, cfg, cols, out_dtype, wg, out_gmems, out_smem, operand_gmem, epi_scratch, ring, if_real
+            )
 
             def stores(outputs):
                 values, tile = outputs
@@ -338,11 +364,12 @@ def grouped_matmul_rows(
                     return acc[...]
 
                 acc = pl.run_scoped(mma, plgpu.ACC((wg_m, bn), jnp.float32))
-                # Nothing stored for a phantom tile.
-                outputs = (epilogue.prepare(acc, real), (mi, ni, wg_row0, wg_first, wg_rows))
-                return steps, outputs, real.astype(jnp.int32)
+                # Nothing stored for a phantom tile. The ring's slots after the tile's steps hold its epilogue
+                # operands.
+                outputs = (epilogue.prepare(acc, real), (mi, ni, wg_row0, wg_first, wg_rows, first_step + steps))
+                return steps + ring_slots, outputs, real.astype(jnp.int32)
 
-            empty = (epilogue.empty(), (jnp.int32(0),) * 5)
+            empty = (epilogue.empty(), (jnp.int32(0),) * 6)
             pipe.consume_tiles(work, tile_step, stores, empty, overlap)
             plgpu.wait_smem_to_gmem(0)
 
@@ -363,13 +390,13 @@ def grouped_matmul_rows(
         scratch.append(plgpu.Barrier(num_arrivals=loads_per_tile, num_barriers=num_wgs))
     if epi.row_scale:
         scratch.append(plgpu.SMEM((num_wgs, wg_m), jnp.float32))  # the tile's row_scale rows
-    if epi.backward:
-        gate_up_cols = epi.operand_cols(cfg)
+    gate_up_cols = epi.operand_cols(cfg)
+    if gate_up_cols:
         scratch.append(
             plgpu.SMEM((num_wgs, wg_m, gate_up_cols), in_dtype, transforms=pipe.swizzled(gate_up_cols, in_dtype))
         )
-        if epi.row_scale:
-            scratch.append(plgpu.SMEM((num_wgs, wg_m), jnp.float32))  # partial sums on their way out
+    if epi.backward and epi.row_scale:
+        scratch.append(plgpu.SMEM((num_wgs, wg_m), jnp.float32))  # partial sums on their way out
     kernel = plgpu.kernel(
         body,
         out_type=tuple(out_types) if len(out_types) > 1 else out_types[0],
@@ -413,11 +440,12 @@ def _out_types(epi: Epilogue, m: int, cols: int, out_dtype, in_dtype, partials_s
 class _EpilogueFns(NamedTuple):
     """Consumer ``wg``'s epilogue, as closures over its refs.
 
-    prefetch(wg_row0, ni): issues the TMA loads of the tile's epilogue operands (before its MMAs, or, with
-      ``prefetch_after_stores``, once the previous tile's stores no longer read the operand buffers).
+    prefetch(wg_row0, ni): issues the TMA loads of the tile's epilogue operands that the consumer loads itself (before
+      its MMAs, or, with ``prefetch_after_stores``, once the previous tile's stores no longer read the buffers).
     prepare(acc, real) -> values: what the tile keeps after its MMAs: a tuple of [wg_block_m, epilogue_n] arrays.
-    stores(values, mi, ni, wg_row0, wg_first, wg_rows) -> callables, run in order, that compute and store the
-      outputs from ``values`` (one per value).
+    stores(values, mi, ni, wg_row0, wg_first, wg_rows, ring_step) -> callables, run in order, that compute and store
+      the outputs from ``values`` (one per value); ``ring_step``: the pipeline step whose slot holds the tile's first
+      ring-carried operands (Epilogue.ring_slots).
     empty() -> values of the right types, for the loop carry before the first tile.
     """
 
@@ -429,13 +457,16 @@ class _EpilogueFns(NamedTuple):
 
 
 def _epilogue(
-    epi: Epilogue, cfg: Config, cols: int, out_dtype, wg, out_gmems, out_smem, operand_gmem, scratch, if_real
+    epi: Epilogue, cfg: Config, cols: int, out_dtype, wg, out_gmems, out_smem, operand_gmem, scratch, ring, if_real
 ) -> _EpilogueFns:
+    """``ring``: the pipeline's (x_smem, w_smem, produced, consumed), for the operands it carries."""
     wg_m, bn, epi_n, pack = cfg.wg_block_m, cfg.block_n, cfg.epilogue_n, epi.pack
-    loaded, *buffers = scratch if (epi.row_scale or epi.backward) else (None,)
+    gate_up_in_ring = epi.ring_slots(cfg) > 0
+    self_loads = epi.row_scale or epi.operand_cols(cfg) > 0  # any operand this consumer TMA-loads itself
+    loaded, *buffers = scratch if self_loads else (None, *scratch)
     buffers = iter(buffers)
     row_scale_smem = next(buffers) if epi.row_scale else None
-    gate_up_smem = next(buffers) if epi.backward else None
+    gate_up_smem = next(buffers) if epi.operand_cols(cfg) else None
     partial_smem = next(buffers) if epi.backward and epi.row_scale else None
     operand_gmem = iter(operand_gmem)
     row_scale_gmem = next(operand_gmem) if epi.row_scale else None
@@ -448,7 +479,7 @@ def _epilogue(
         return gate, gate + pack
 
     def prefetch(wg_row0, ni):
-        if not (epi.row_scale or epi.backward):
+        if not self_loads:
             return
         # The buffers were last read by the previous tile's epilogue: every thread of the warpgroup must be done with
         # them (barrier) and those generic-proxy reads ordered before the TMA's writes (fence): commit_smem is both.
@@ -456,7 +487,7 @@ def _epilogue(
         rows = pl.ds(pl.multiple_of(wg_row0, ROW_ALIGN), wg_m)
         if epi.row_scale:
             plgpu.copy_gmem_to_smem(row_scale_gmem.at[rows], row_scale_smem.at[wg], loaded.at[wg])
-        if epi.backward:
+        if gate_up_smem is not None:
             gate_up_tile = gate_up_gmem.at[rows, pl.ds(2 * ni * bn, 2 * bn)]
             plgpu.copy_gmem_to_smem(gate_up_tile, gate_up_smem.at[wg], loaded.at[wg])
 
@@ -502,29 +533,42 @@ def _epilogue(
             scale = plgpu.load(row_scale_smem.at[wg], layout=row_vector)
         return tuple(forward_values(acc, scale))
 
-    def stores(values, mi, ni, wg_row0, wg_first, wg_rows):
+    def stores(values, mi, ni, wg_row0, wg_first, wg_rows, ring_step):
         rows = (wg_row0, wg_first, wg_rows)
         if not epi.backward:
             return [
                 functools.partial(pipe.store_chunk, c, value, out_smem, wg, dst, *rows, col, num_cols)
                 for c, (value, (dst, col, num_cols)) in enumerate(zip(values, forward_targets(ni), strict=True))
             ]
-        return [functools.partial(backward_store, c, d_h, mi, ni, rows) for c, d_h in enumerate(values)]
+        return [functools.partial(backward_store, c, d_h, mi, ni, rows, ring_step) for c, d_h in enumerate(values)]
 
-    def backward_store(c, d_h_unscaled, mi, ni, rows):
+    def gate_up_chunk(c, gate_col, up_col, ring_step):
+        """This consumer's rows of chunk c's gate and up blocks, f32 [wg_block_m, epilogue_n] each."""
+        if not gate_up_in_ring:
+            tiles = [gate_up_smem.at[wg, :, pl.ds(col, epi_n)] for col in (gate_col, up_col)]
+            return [plgpu.load(tile, layout=plgpu.Layout.WGMMA).astype(jnp.float32) for tile in tiles]
+        x_smem, w_smem, produced, consumed = ring
+        slot = lax.rem(ring_step + c, cfg.num_stages)  # gate in the x buffer, up in the weights' (see the producer)
+        plgpu.barrier_wait(produced.at[slot])
+        own_rows = pl.ds(pl.multiple_of(wg * wg_m, wg_m), wg_m)
+        gate, up = (plgpu.load(buf.at[slot, own_rows], layout=plgpu.Layout.WGMMA) for buf in (x_smem, w_smem))
+        # The values are in registers; once those generic-proxy reads are ordered before the async proxy's next
+        # write (commit_smem's fence), the slot can take the producer's next load.
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(consumed.at[slot])
+        return gate.astype(jnp.float32), up.astype(jnp.float32)
+
+    def backward_store(c, d_h_unscaled, mi, ni, rows, ring_step):
         """Hidden column chunk c: d_gate, d_up and h * row_scale from d_h and the packed pre-activation, and this
         chunk's share of the row-scale gradient's partial sums (accumulated in shared memory, stored after the last
         chunk)."""
         d_gate_up_gmem, hidden_gmem, *partials_gmem = out_gmems
-        if c == 0:
+        if c == 0 and self_loads:
             plgpu.barrier_wait(loaded.at[wg])
         scale = plgpu.load(row_scale_smem.at[wg], layout=row_vector) if epi.row_scale else None
         f = c * epi_n
         gate_col, up_col = packed_cols(f)
-        gate, up = (
-            plgpu.load(gate_up_smem.at[wg, :, pl.ds(col, epi_n)], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-            for col in (gate_col, up_col)
-        )
+        gate, up = gate_up_chunk(c, gate_col, up_col, ring_step)
         hidden, d_gate, d_up = epi.activation_grad(gate, up, scaled(d_h_unscaled, scale))
         outputs = [
             (d_gate, d_gate_up_gmem, 2 * ni * bn + gate_col, 2 * cols),
