@@ -191,8 +191,8 @@ GROUP_BANDS = Config(grid_minor="g", grid_width=16, overlap_epilogue=True, locks
 # alternated rounds of 10 calls, H100, swiglu with row_scale; d_gate_up and h bit-identical, the row-scale gradient
 # within 4e-4 (its partial sums per tile change with the width)): qwen3-30b down 400 -> 341 us, gpt-oss-120b down
 # 1806 -> 1466, dsv3-ep8 down 2176 -> 1769, mixtral down 4613 -> 3441. Of the ring configs 5 stages ran faster than
-# 4 (by 5-10%, 0.2% at dsv3-ep8), group bands faster than "n" / "m" bands (by 1-19%), and an overlapped epilogue
-# slower (by 8-26%); 6 stages do not fit next to a row scale. (benchmarks/RESULTS.md, 2026-11-27, tenth session.)
+# 4 (by 5-9%, 0.2% at dsv3-ep8), group bands faster than "n" / "m" bands (by 1-22%), and an overlapped epilogue
+# slower (by 8-28%); 6 stages do not fit next to a row scale. (benchmarks/RESULTS.md, 2026-11-27, tenth session.)
 GLU_DGRAD_RING = dataclasses.replace(GROUP_BANDS, block_n=128, num_stages=5, overlap_epilogue=False)
 TUNED: dict[tuple[str, int, int, int, int], Config] = {
     ("fwd", 128, 32768, 2048, 1536): GROUP_BANDS,
