@@ -282,7 +282,7 @@ def candidate_configs(kind: str, shape) -> list[Config]:
     # entries are group bands since 2026-11-26).
     orders = [("n", max(1, -(-out_cols // 256))), ("m", 8), ("m", 16)]
     orders.append(("n", 8) if kind == "wgrad" else ("g", 16))
-    # glu_dgrad's epilogue loads [gate | up] tiles of 2 * block_n <= 256 columns.
+    # glu_dgrad's epilogue loads [gate | up] tiles of 2 * block_n <= 256 columns (at 128 through the pipeline's ring).
     widths = (64, 128) if kind == "glu_dgrad" else (128, 256)
     # (cluster_m, overlap_epilogue)
     pipelines = [(1, False), (1, True), (2, False), (2, True)]

@@ -20,6 +20,9 @@ KINDS = ("fwd", "dgrad", "glu_dgrad", "wgrad")
 WGMMA_M = 64  # rows of one wgmma instruction: a compute warpgroup owns a multiple of this
 SMEM_BYTES = 227 * 1024  # dynamic shared memory one H100/H200 block can have
 SMEM_ALIGNMENT = 1024  # where Pallas (jax 0.11.2) starts each shared-memory scratch buffer
+# What Mosaic GPU's lowering asked for beyond the buffers and barriers of a GLU backward with a row scale (whose
+# epilogue sums rows across a warpgroup): 2048 bytes, measured at 128 x 128 x 64 with 6 stages (2026-11-27).
+ROW_SUM_SCRATCH = 2048
 # Registers per consumer thread an overlapped epilogue may hold across tiles: with a [64, 256] f32 accumulator (128
 # registers) and the addresses, more would spill under the 232-register budget of two consumers.
 OVERLAP_REGISTERS = 64
@@ -105,14 +108,24 @@ class Config:
         """Rows of the tile owned by one compute warpgroup."""
         return self.block_m // self.num_compute_wgs
 
-    def smem_bytes(self, in_itemsize: int, out_itemsize: int, *, operand_cols: int = 0, row_vectors: int = 0) -> int:
+    def smem_bytes(
+        self,
+        in_itemsize: int,
+        out_itemsize: int,
+        *,
+        operand_cols: int = 0,
+        row_vectors: int = 0,
+        row_sums: bool = False,
+    ) -> int:
         """Shared memory of one CTA: the pipeline's stages, the epilogue's double buffer and its operands.
 
         Args:
           in_itemsize, out_itemsize: bytes per input / output element.
           operand_cols: columns of the [wg_block_m, operand_cols] input-dtype tile each consumer's epilogue loads
-            (the GLU backward's packed gate/up rows: 2 * block_n).
+            itself (the GLU backward's packed gate/up rows, 2 * block_n, where the ring does not carry them).
           row_vectors: [wg_block_m] f32 vectors per consumer (row_scale in, partial sums out).
+          row_sums: the epilogue sums its rows (the GLU backward's row-scale gradient), for which the lowering
+            takes ROW_SUM_SCRATCH more.
         """
         buffers = [
             self.num_stages * self.block_m * self.block_k * in_itemsize,  # x ring
@@ -122,10 +135,10 @@ class Config:
             *[self.block_m * 4] * row_vectors,
         ]
         # Pallas starts every scratch buffer at a SMEM_ALIGNMENT boundary.
-        return sum(-(-size // SMEM_ALIGNMENT) * SMEM_ALIGNMENT for size in buffers)
+        return sum(-(-size // SMEM_ALIGNMENT) * SMEM_ALIGNMENT for size in buffers) + row_sums * ROW_SUM_SCRATCH
 
     def fits(self, in_itemsize: int = 2, out_itemsize: int = 2, **epilogue) -> bool:
-        """Whether the CTA's shared memory fits (``epilogue``: smem_bytes's operand_cols / row_vectors)."""
+        """Whether the CTA's shared memory fits (``epilogue``: smem_bytes's operand_cols / row_vectors / row_sums)."""
         # Leave room for the barriers and the compiler's own scratch.
         return self.smem_bytes(in_itemsize, out_itemsize, **epilogue) <= SMEM_BYTES - 2048
 
@@ -180,8 +193,9 @@ WGRAD_BANDS = Config(grid_minor="m", grid_width=WGRAD_BAND_TILES, overlap_epilog
 # 4 alternated rounds of 15 calls, H100, outputs bit-identical): fwd dsv3-ep8 gate_up 2752 -> 2621 us, mixtral down
 # 2602 -> 2563, mixtral gate_up 5604 -> 5342 (its rounds spread by 6%), dsv3-ep8 down unchanged (it had it); dgrad
 # dsv3-ep8 gate_up 2725 -> 2638, dsv3-ep8 down 1338 -> 1320, mixtral down 2635 -> 2531, mixtral gate_up 5634 ->
-# 5457. Of their glu_dgrad entries only mixtral down's walks group bands (4617 -> 4560 us; dsv3-ep8 down's ran 2.2%
-# slower so). Not measured on an H200 (benchmarks/results/2026-11-26_h100_group_bands.md).
+# 5457. Of their glu_dgrad entries only mixtral down's walked group bands then (4617 -> 4560 us; dsv3-ep8 down's ran
+# 2.2% slower so; all four do since GLU_DGRAD_RING below). Not measured on an H200
+# (benchmarks/results/2026-11-26_h100_group_bands.md).
 GROUP_BANDS = Config(grid_minor="g", grid_width=16, overlap_epilogue=True, lockstep_tails=True)
 # The glu_dgrad entries take 128 x 128 tiles whose packed gate/up rows ride the pipeline's ring (gate_up_ring_slots)
 # since 2026-11-27 (tenth session). Before, each consumer loaded them into a buffer of its own, and that buffer left
@@ -262,7 +276,7 @@ def epilogue_smem(kind: str, config: Config, row_scale: bool) -> dict:
     """smem_bytes's epilogue operands of a kernel kind (``row_scale``: the epilogue scales rows)."""
     if kind == "glu_dgrad":
         operand_cols = 0 if gate_up_ring_slots(config) else 2 * config.block_n
-        return dict(operand_cols=operand_cols, row_vectors=2 * row_scale)
+        return dict(operand_cols=operand_cols, row_vectors=2 * row_scale, row_sums=row_scale)
     return dict(row_vectors=int(row_scale))
 
 

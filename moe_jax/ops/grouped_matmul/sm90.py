@@ -199,6 +199,9 @@ def grouped_matmul_rows(
     loads_per_tile = len(operands) - (ring_slots > 0)
     overlap = pipe.overlaps_epilogue(cfg, epi.kept_bytes(cfg, jnp.dtype(out_dtype).itemsize))
     gathered = row_tokens is not None
+    if ring_slots and (gathered or not w_transposed):
+        # A ring slot's weight buffer must be [block_n, block_k] and its "produced" barrier count two TMA copies.
+        raise ValueError("the GLU backward's ring-carried gate/up rows need w_transposed=True and no row_tokens")
     banded = cfg.grid_minor == "g"
     # The band of every span, for the "g" order (a small XLA computation on the tile table, like the table itself).
     bands = [span_bands(tiles, num_tiles, cluster, cfg.grid_width)] if banded else []
