@@ -123,6 +123,10 @@ class Epilogue:
         where the pipeline's ring does not carry them)."""
         return 2 * config.block_n if self.backward and not self.ring_slots(config) else 0
 
+    def own_loads(self, config: Config) -> int:
+        """TMA copies a consumer issues per tile for its epilogue operands (the ring's are the producer's)."""
+        return self.row_scale + (self.operand_cols(config) > 0)
+
     def kept_bytes(self, config: Config, out_itemsize: int) -> int:
         """Bytes one consumer holds for a tile's outputs between its last MMA and its stores (the overlapped
         epilogue's carry)."""
@@ -195,8 +199,7 @@ def grouped_matmul_rows(
         op for op in (row_scale if epi.row_scale else None, gate_up if epi.backward else None) if op is not None
     ]
     ring_slots = epi.ring_slots(cfg)
-    # TMA copies a consumer issues per tile for its epilogue (the ring's are the producer's)
-    loads_per_tile = len(operands) - (ring_slots > 0)
+    loads_per_tile = epi.own_loads(cfg)
     overlap = pipe.overlaps_epilogue(cfg, epi.kept_bytes(cfg, jnp.dtype(out_dtype).itemsize))
     gathered = row_tokens is not None
     if ring_slots and (gathered or not w_transposed):
@@ -465,7 +468,7 @@ def _epilogue(
     """``ring``: the pipeline's (x_smem, w_smem, produced, consumed), for the operands it carries."""
     wg_m, bn, epi_n, pack = cfg.wg_block_m, cfg.block_n, cfg.epilogue_n, epi.pack
     gate_up_in_ring = epi.ring_slots(cfg) > 0
-    self_loads = epi.row_scale or epi.operand_cols(cfg) > 0  # any operand this consumer TMA-loads itself
+    self_loads = epi.own_loads(cfg) > 0
     loaded, *buffers = scratch if self_loads else (None, *scratch)
     buffers = iter(buffers)
     row_scale_smem = next(buffers) if epi.row_scale else None
