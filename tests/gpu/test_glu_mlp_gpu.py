@@ -24,6 +24,9 @@ import moe_jax
 from moe_jax._core.testing import MLPGroupOracle, random_group_sizes, relative_error
 from moe_jax.ops import shapes
 from moe_jax.ops.glu_mlp import api as glu_mlp_api
+from moe_jax.ops.grouped_matmul import config as gmm_config
+from moe_jax.ops.grouped_matmul import reference as gmm_reference
+from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, split_gate_up
 
 pytestmark = pytest.mark.gpu
 TOL = 1e-2
@@ -165,6 +168,42 @@ def test_random_shapes_against_reference(g, m, d, d_ff, sizes, activation, recom
     for name, actual, exact in zip(names, kernel, expected, strict=True):
         assert actual.shape == exact.shape and actual.dtype == exact.dtype, name
         assert relative_error(actual, exact) < TOL, name
+
+
+# The GLU backward's ring configs with 16 contraction steps per tile, so a tile's gate/up chunks reuse the slots of
+# its steps: the 128 x 128 ring (two chunks, five slots) and the 128 x 256 one (four chunks through three slots).
+@pytest.mark.parametrize(
+    "config, activation",
+    [(gmm_config.GLU_DGRAD_RING, "gpt_oss"), (gmm_config.GLU_DGRAD_WIDE_RING, "swiglu")],
+    ids=["ring-128", "ring-256"],
+)
+def test_glu_backward_ring_configs_against_reference(config, activation):
+    g, m, d, d_ff = 8, 4000, 1024, 768
+    keys = jax.random.split(jax.random.key(9), 4)
+    d_y = jax.random.normal(keys[0], (m, d), jnp.bfloat16)
+    w_down = (jax.random.normal(keys[1], (g, d_ff, d), jnp.float32) * d**-0.5).astype(jnp.bfloat16)
+    gate, up = (4.0 * jax.random.normal(key, (m, d_ff), jnp.float32) for key in jax.random.split(keys[2]))
+    gate, up = (v.astype(jnp.bfloat16).astype(jnp.float32) for v in (gate, up))
+    row_scale = jax.random.uniform(keys[3], (m,), jnp.float32, 0.1, 1.0)
+    group_sizes = jnp.asarray(random_group_sizes(np.random.default_rng(10), g, m, "empty"), jnp.int32)
+    packed_rows = moe_jax.pack_gate_up(jnp.concatenate([gate, up], axis=1)[None]).array[0].astype(jnp.bfloat16)
+    run = jax.jit(functools.partial(glu_mlp_api.run_glu_dgrad, activation=activation, config=config))
+    d_gate_up, hidden, d_row_scale = run(d_y, w_down, group_sizes, packed_rows, row_scale)
+
+    d_h = gmm_reference.grouped_matmul(d_y, w_down, group_sizes, transpose_rhs=True, preferred_element_type=jnp.float32)
+    expected_hidden, pullback = jax.vjp(lambda a, b: gmm_reference.gated_activation(a, b, activation), gate, up)
+    expected = {
+        "d_gate_up": jnp.concatenate(pullback(d_h * row_scale[:, None]), axis=1),
+        "hidden": expected_hidden * row_scale[:, None],
+        "d_row_scale": jnp.sum(expected_hidden * d_h, axis=1),
+    }
+    actual = {
+        "d_gate_up": jnp.concatenate(split_gate_up(d_gate_up, PACK_BLOCK), axis=1),
+        "hidden": hidden,
+        "d_row_scale": d_row_scale,
+    }
+    for name, value in actual.items():
+        assert relative_error(value, expected[name]) < TOL, name
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "gpt_oss"])

@@ -144,7 +144,7 @@ class _Captured(Exception):
 )
 def test_forward_keeping_gpt_oss_pre_activation_takes_128_column_tiles(monkeypatch, model, activation, keep, block_n):
     """Only the forward that rounds gpt_oss's kept pre-activation to each value's side of the clamps, with a short
-    contraction, narrows the table's 256-column tiles (grouped_matmul.config.CLAMPED_FWD_BLOCK_N /
+    contraction, narrows the table's 256-column tiles (grouped_matmul.config.CLAMPED_BLOCK_N /
     CLAMPED_MAX_CONTRACTION)."""
     shape = shapes.GMM_SHAPES[f"{model}/gate_up"]
 
@@ -169,19 +169,20 @@ def test_forward_keeping_gpt_oss_pre_activation_takes_128_column_tiles(monkeypat
 
 
 @pytest.mark.parametrize(
-    "model, activation, ring",
+    "model, activation, expected",
     [
-        ("gpt-oss-120b", "swiglu", True),
-        ("qwen3-30b", "geglu", True),
-        ("gpt-oss-120b", "gpt_oss", False),  # D = 2880: the clamp masks spill next to 128 columns
-        ("qwen3-30b", "gpt_oss", False),
-        ("dsv3-ep8", "gpt_oss", True),  # D = 7168: the ring's tiles win all the same
+        ("gpt-oss-120b", "swiglu", "table"),
+        ("qwen3-30b", "geglu", "table"),
+        ("dsv3-ep8", "swiglu", "table"),  # 128 x 256 tiles: four slots per tile
+        ("gpt-oss-120b", "gpt_oss", "own buffer"),  # D = 2880: the clamp masks spill next to 128 columns
+        ("qwen3-30b", "gpt_oss", "own buffer"),
+        ("dsv3-ep8", "gpt_oss", "128 x 128 ring"),  # D = 7168: the ring's tiles win, but not 256 columns
     ],
 )
-def test_glu_backward_takes_the_ring_unless_clamped_with_a_short_contraction(monkeypatch, model, activation, ring):
-    """The GLU-backward dgrad carries its packed gate/up rows in the pipeline's ring (the table's 128 x 128 tiles),
-    except gpt_oss's where the contraction D <= config.CLAMPED_MAX_CONTRACTION: 64-column tiles with the rows in the
-    consumers' own buffer (config.CLAMPED_GLU_DGRAD)."""
+def test_glu_backward_takes_the_ring_unless_clamped(monkeypatch, model, activation, expected):
+    """The GLU-backward dgrad carries its packed gate/up rows in the pipeline's ring (the table's tiles). gpt_oss's
+    takes at most config.CLAMPED_BLOCK_N columns, and where the contraction D <= config.CLAMPED_MAX_CONTRACTION
+    64-column tiles with the rows in the consumers' own buffer (config.CLAMPED_GLU_DGRAD)."""
     shape = shapes.GMM_SHAPES[f"{model}/down"]  # (G, M, F, D)
     g, m, d_ff, d = shape.g, shape.m, shape.k, shape.n
 
@@ -201,16 +202,25 @@ def test_glu_backward_takes_the_ring_unless_clamped_with_a_short_contraction(mon
         jax.eval_shape(functools.partial(glu_mlp_api.run_glu_dgrad, activation=activation), *args)
     chosen, epilogue = captured.value.args
     table = config.TUNED[("glu_dgrad", g, m, d_ff, d)]
-    assert chosen == (table if ring else dataclasses.replace(table, **config.CLAMPED_GLU_DGRAD))
-    assert epilogue.ring_slots(chosen) == (2 if ring else 0)
+    configs = {
+        "table": table,
+        "own buffer": dataclasses.replace(table, **config.CLAMPED_GLU_DGRAD),
+        "128 x 128 ring": config.GLU_DGRAD_RING,
+    }
+    assert chosen == configs[expected]
+    assert epilogue.ring_slots(chosen) == (0 if expected == "own buffer" else chosen.block_n // 64)
 
 
-@pytest.mark.parametrize("stages, row_scale", [(5, True), (6, True), (6, False)])
-def test_ring_glu_backward_fits_exactly_where_it_lowers(stages, row_scale):
+@pytest.mark.parametrize(
+    "block_n, stages, row_scale, expected",
+    [(128, 5, True, True), (128, 6, True, False), (128, 6, False, True)]
+    + [(256, 3, True, True), (256, 4, True, False), (256, 4, False, True)],
+)
+def test_ring_glu_backward_fits_exactly_where_it_lowers(block_n, stages, row_scale, expected):
     """Config.fits, with the GLU backward's epilogue operands (none of its own where the ring carries the gate/up
-    rows), agrees with Mosaic GPU's shared-memory check: 6 stages of 128 x 128 tiles fit without a row scale, not
-    with one (whose two [128] f32 vectors each take a 1024-byte-aligned buffer)."""
-    c = dataclasses.replace(config.GLU_DGRAD_RING, num_stages=stages)
+    rows), agrees with Mosaic GPU's shared-memory check: 6 stages of 128 x 128 tiles, or 4 of 128 x 256, fit without
+    a row scale, not with one (whose two [128] f32 vectors each take a 1024-byte-aligned buffer)."""
+    c = dataclasses.replace(config.GLU_DGRAD_RING, block_n=block_n, num_stages=stages)
     m, d_ff, d, g = 1024, 256, 256, 4
     args = (
         jax.ShapeDtypeStruct((m, d), jnp.bfloat16),
@@ -227,4 +237,5 @@ def test_ring_glu_backward_fits_exactly_where_it_lowers(stages, row_scale):
     except ValueError as error:
         assert "exceeds available shared memory" in str(error)
         lowers = False
-    assert c.fits(**config.epilogue_smem("glu_dgrad", c, row_scale)) == lowers == (stages == 5 or not row_scale)
+    assert config.gate_up_ring_slots(c) == block_n // 64
+    assert c.fits(**config.epilogue_smem("glu_dgrad", c, row_scale)) == lowers == expected

@@ -33,7 +33,7 @@ from moe_jax.ops.glu_mlp import api as glu_mlp_api
 from moe_jax.ops.glu_mlp import reference as mlp_reference
 from moe_jax.ops.grouped_matmul import api as gmm_api
 from moe_jax.ops.grouped_matmul import reference
-from moe_jax.ops.grouped_matmul.config import Config, get_config
+from moe_jax.ops.grouped_matmul.config import GLU_DGRAD_WIDE_RING, Config, get_config
 from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, split_gate_up
 
 
@@ -243,36 +243,49 @@ def test_glu_mlp_without_rows_and_zero_tail_off_gives_zero_gradients():
 
 
 # None: the table's / heuristic's config. The 2-CTA cluster (spans of two row tiles; "ragged" has a span of two
-# groups and one of a real and a zero tile) must skip the epilogue for nothing but a phantom tile.
+# groups and one of a real and a zero tile) must skip the epilogue for nothing but a phantom tile. The wide ring
+# (dsv3-ep8 down's entry) carries each tile's four gate/up chunks through a ring of three slots, with a row scale.
 @pytest.mark.parametrize(
-    "activation, config",
-    [("geglu", None), ("gpt_oss", None), ("swiglu", Config(block_n=128, num_stages=3, cluster_m=2))],
-    ids=["geglu", "gpt_oss", "swiglu-cluster"],
+    "activation, config, with_row_scale",
+    [
+        ("geglu", None, False),
+        ("gpt_oss", None, False),
+        ("swiglu", Config(block_n=128, num_stages=3, cluster_m=2), False),
+        ("swiglu", GLU_DGRAD_WIDE_RING, True),
+    ],
+    ids=["geglu", "gpt_oss", "swiglu-cluster", "swiglu-wide-ring-row-scale"],
 )
 @pytest.mark.usefixtures("interpret")
-def test_glu_backward_epilogue_without_row_scale(activation, config):
-    """The down projection's dgrad with the GLU backward and no row scale (the path the cases above without a row
-    scale take for swiglu only), against jax.vjp of the reference GLU on the same kept pre-activation."""
+def test_glu_backward_epilogue(activation, config, with_row_scale):
+    """The down projection's dgrad with the GLU backward, against jax.vjp of the reference GLU on the same kept
+    pre-activation (the MLP cases above reach only the heuristic's configs, and without a row scale swiglu only)."""
     inputs = _inputs("ragged")
     group_sizes, w_down, d_y = inputs["group_sizes"], inputs["w_down"], inputs["cotangent"]
+    row_scale = inputs["row_scale"] if with_row_scale else None
     d_ff = w_down.shape[1]
     gate_up = 5.0 * jax.random.normal(jax.random.key(1), (d_y.shape[0], 2 * d_ff), jnp.float32)
     gate, up = (half.astype(jnp.bfloat16).astype(jnp.float32) for half in jnp.split(gate_up, 2, axis=1))
     packed_rows = moe_jax.pack_gate_up(jnp.concatenate([gate, up], axis=1)[None]).array[0]  # [M, 2F], packed
     d_gate_up, hidden, d_row_scale = glu_mlp_api.run_glu_dgrad(
-        d_y, w_down, group_sizes, packed_rows.astype(d_y.dtype), None, activation, config=config
+        d_y, w_down, group_sizes, packed_rows.astype(d_y.dtype), row_scale, activation, config=config
     )
     d_h = reference.grouped_matmul(d_y, w_down, group_sizes, transpose_rhs=True, preferred_element_type=jnp.float32)
+    scale = 1.0 if row_scale is None else row_scale[:, None]
     expected_hidden, pullback = jax.vjp(lambda g, u: reference.gated_activation(g, u, activation), gate, up)
-    expected_d_gate_up = jnp.concatenate(pullback(d_h), axis=1)
-    assert d_row_scale is None
+    expected_d_gate_up = jnp.concatenate(pullback(d_h * scale), axis=1)
     past = int(np.sum(CASES["ragged"][3]))
     d_gate_up = jnp.concatenate(split_gate_up(d_gate_up, PACK_BLOCK), axis=1)
     assert oracle.relative_error(d_gate_up[:past], expected_d_gate_up[:past]) < GRAD_TOL
     # Past the sum the product d_h is 0, so d_gate_up is exactly 0; h depends on the pre-activation alone and is
     # written for every row (run_glu_dgrad's docstring).
     np.testing.assert_array_equal(np.asarray(d_gate_up, np.float32)[past:], 0.0)
-    assert oracle.relative_error(hidden, expected_hidden) < OUT_TOL
+    assert oracle.relative_error(hidden, expected_hidden * scale) < OUT_TOL
+    if row_scale is None:
+        assert d_row_scale is None
+        return
+    expected_d_row_scale = jnp.sum(expected_hidden * d_h, axis=1)
+    assert oracle.relative_error(d_row_scale[:past], expected_d_row_scale[:past]) < GRAD_TOL
+    np.testing.assert_array_equal(np.asarray(d_row_scale)[past:], 0.0)
 
 
 @pytest.mark.usefixtures("interpret")

@@ -208,6 +208,14 @@ GROUP_BANDS = Config(grid_minor="g", grid_width=16, overlap_epilogue=True, locks
 # 4 (by 5-9%, 0.2% at dsv3-ep8), group bands faster than "n" / "m" bands (by 1-22%), and an overlapped epilogue
 # slower (by 8-28%); 6 stages do not fit next to a row scale. (benchmarks/RESULTS.md, 2026-11-27, tenth session.)
 GLU_DGRAD_RING = dataclasses.replace(GROUP_BANDS, block_n=128, num_stages=5, overlap_epilogue=False)
+# At dsv3-ep8 down (D = 7168: a long contraction) 128 x 256 tiles run faster, the up block in the first half of a
+# slot's weight buffer, with the 3 stages that fit next to a row scale: 1745 -> 1620 us, outputs bit-identical but
+# the row-scale gradient (within 3e-4). Elsewhere they did not pay: tied at mixtral down (3487 / 3455 us), 21% / 32%
+# slower at qwen3-30b / gpt-oss-120b down (D = 2048 / 2880; the plain dgrad there runs 5% / 15% slower with 3
+# stages than with 4). With 4 stages, which fit only without a row scale, they beat the 128 x 128 ring by 16% at
+# dsv3-ep8 and 10% at mixtral. (Device time, CUPTI, 3 alternated rounds of 10 calls, H100, swiglu; benchmarks/
+# RESULTS.md, 2026-11-27, eleventh session.)
+GLU_DGRAD_WIDE_RING = dataclasses.replace(GLU_DGRAD_RING, block_n=256, num_stages=3)
 TUNED: dict[tuple[str, int, int, int, int], Config] = {
     ("fwd", 128, 32768, 2048, 1536): GROUP_BANDS,
     ("dgrad", 128, 32768, 2048, 1536): GROUP_BANDS,
@@ -228,7 +236,7 @@ TUNED: dict[tuple[str, int, int, int, int], Config] = {
     ("wgrad", 32, 32768, 7168, 4096): WGRAD_BANDS,
     ("fwd", 32, 32768, 2048, 7168): GROUP_BANDS,
     ("dgrad", 32, 32768, 2048, 7168): GROUP_BANDS,
-    ("glu_dgrad", 32, 32768, 2048, 7168): GLU_DGRAD_RING,
+    ("glu_dgrad", 32, 32768, 2048, 7168): GLU_DGRAD_WIDE_RING,
     ("wgrad", 32, 32768, 2048, 7168): WGRAD_BANDS,
     ("fwd", 8, 16384, 4096, 28672): GROUP_BANDS,
     ("dgrad", 8, 16384, 4096, 28672): GROUP_BANDS,
@@ -251,25 +259,29 @@ TUNED: dict[tuple[str, int, int, int, int], Config] = {
 #   * the GLU backward (glu.glu_grad's clamp masks): at GLU_DGRAD_RING's 128 columns ptxas spills 292 bytes (swiglu
 #     44, the 64-column tiles 56), and it ran no faster than the 64-column tiles with their own gate/up buffer at
 #     gpt-oss-120b down (1925 against 1913 us) and qwen3-30b down (445 / 433), where swiglu gains 19% / 15%; at dsv3-ep8
-#     (D = 7168) and mixtral (4096) the ring's tiles still won (2304 -> 1945, 5317 -> 4395).
+#     (D = 7168) and mixtral (4096) the ring's tiles still won (2304 -> 1945, 5317 -> 4395). GLU_DGRAD_WIDE_RING's 256
+#     columns cost it more at any contraction (dsv3-ep8 down: 2486 against 1998 us). Masks computed as arithmetic
+#     (clip((bound - x) * 2**22 + 0.5, 0, 1)) instead of selects spilled more (668 bytes) and ran 8-22% slower.
 CLAMPED_MAX_CONTRACTION = 2880  # the longest contraction measured faster with the narrower tiles
-CLAMPED_FWD_BLOCK_N = 128
+CLAMPED_BLOCK_N = 128  # gpt_oss's widest tiles: a forward's where the contraction is short, a backward's everywhere
 CLAMPED_GLU_DGRAD = dict(block_n=64, num_stages=6)  # the gate/up rows in the consumers' own buffer: 6 stages fit
 
 
 def gate_up_ring_slots(config: Config) -> int:
     """Pipeline slots that carry one glu_dgrad tile's packed gate/up rows, or 0 where they take a buffer of their own.
 
-    The producer can load them into the ring of operand buffers, after the tile's last contraction step, where one
-    slot holds exactly one epilogue chunk's gate and up blocks: [block_m, block_k] in the x buffer, [block_n,
-    block_k] in the weights' (read transposed), so block_m == block_n and block_k == PACK_BLOCK. That frees the
-    [block_m, 2 * block_n] buffer the consumers would otherwise load them into, for deeper pipelines (sm90.py,
-    "GLU backward"). Not with clusters (the ring's release barrier spans both CTAs), and the ring must keep a slot
-    for the next tile.
+    The producer can load them into the ring of operand buffers, after the tile's last contraction step, one epilogue
+    chunk's gate and up blocks per slot: the gate block [block_m, block_k] in the x buffer, the up block in the first
+    block_m rows of the weights' [block_n, block_k] (read transposed), so block_n is block_m or twice it and block_k
+    == PACK_BLOCK. That frees the [block_m, 2 * block_n] buffer the consumers would otherwise load them into, for
+    deeper pipelines or wider tiles (sm90.py, "GLU backward"). Not with clusters (the ring's release barrier spans
+    both CTAs). An overlapped epilogue reads a tile's slots after the next tile's first steps, so the ring must then
+    keep a slot for those.
     """
     slots = config.block_n // PACK_BLOCK
-    fits = config.block_m == config.block_n and config.block_k == PACK_BLOCK and config.num_stages > slots
-    return slots if fits and config.cluster_m == 1 else 0
+    shape = config.block_n in (config.block_m, 2 * config.block_m) and config.block_k == PACK_BLOCK
+    depth = config.num_stages > slots or not config.overlap_epilogue
+    return slots if shape and depth and config.cluster_m == 1 else 0
 
 
 def epilogue_smem(kind: str, config: Config, row_scale: bool) -> dict:
@@ -368,19 +380,24 @@ def get_config(
     """The tuned config for (kind, G, M, K, N) if there is one (and it fits), else the heuristic's.
 
     ``clamped``: the epilogue works through gpt_oss's clamps (a forward that also keeps the pre-activation rounded to
-    each value's side of them, or the GLU backward): where the contraction is at most CLAMPED_MAX_CONTRACTION, a
-    forward is at most CLAMPED_FWD_BLOCK_N columns wide and a glu_dgrad takes CLAMPED_GLU_DGRAD (see there).
+    each value's side of them, or the GLU backward). A glu_dgrad is then at most CLAMPED_BLOCK_N columns wide, and
+    where the contraction is at most CLAMPED_MAX_CONTRACTION takes CLAMPED_GLU_DGRAD; a forward is at most
+    CLAMPED_BLOCK_N columns wide there (see those constants).
     """
     tuned = TUNED.get((kind, g, m, k, n))
     if tuned is not None and tuned.fits(2, out_itemsize, **epilogue_smem(kind, tuned, row_scale)):
         config = tuned
     else:
         config = heuristic_config(kind, m=m, k=k, n=n, g=g, out_itemsize=out_itemsize, row_scale=row_scale)
-    contraction = n if kind in ("dgrad", "glu_dgrad") else k
-    if not clamped or contraction > CLAMPED_MAX_CONTRACTION:
+    if not clamped:
         return config
-    if kind == "fwd" and config.block_n > CLAMPED_FWD_BLOCK_N:
-        return dataclasses.replace(config, block_n=CLAMPED_FWD_BLOCK_N)
+    short = (n if kind in ("dgrad", "glu_dgrad") else k) <= CLAMPED_MAX_CONTRACTION
     if kind == "glu_dgrad" and gate_up_ring_slots(config):
-        return dataclasses.replace(config, **CLAMPED_GLU_DGRAD)
+        if short:
+            return dataclasses.replace(config, **CLAMPED_GLU_DGRAD)
+        if config.block_n > CLAMPED_BLOCK_N:
+            narrow = dataclasses.replace(config, block_n=CLAMPED_BLOCK_N, num_stages=GLU_DGRAD_RING.num_stages)
+            return _fit(narrow, out_itemsize, kind, row_scale)
+    if kind == "fwd" and short and config.block_n > CLAMPED_BLOCK_N:
+        return dataclasses.replace(config, block_n=CLAMPED_BLOCK_N)
     return config

@@ -30,8 +30,9 @@ Epilogues (``Epilogue``; the GLU math arrives as functions, the kernel holds no 
     the packed pre-activation and of row_scale it writes d_gate_up [M, 2C] (packed), h * row_scale [M, C] (the down
     projection's wgrad operand) and per-tile partial sums of h · d_h for the row-scale gradient. row_scale is
     TMA-loaded by the consumer while its MMAs run. The packed rows ride the pipeline's ring where the tile shape
-    allows (config.gate_up_ring_slots: square 128-row tiles): the producer loads them into the next slots after the
-    tile's last step, one slot per epilogue chunk, and the consumer releases each slot once it has read it. Elsewhere
+    allows (config.gate_up_ring_slots: 128-row tiles of 128 or 256 columns): the producer loads them into the next
+    slots after the tile's last step, one slot per epilogue chunk, and the consumer releases each slot once it has
+    read it. Elsewhere
     the consumer loads them into a buffer of their own, which leaves less shared memory for the pipeline (at a
     64-column tile the narrow MMAs then cost more than the whole epilogue: benchmarks/RESULTS.md, 2026-11-27).
 
@@ -312,11 +313,11 @@ def grouped_matmul_rows(
 
             def load_gate_up_chunk(row0, ni, chunk, slot):
                 """The packed gate/up rows of epilogue chunk ``chunk`` into ring slot ``slot``: its gate block into
-                the x buffer, its up block into the weights' (both [block_m, block_k] here)."""
+                the x buffer, its up block into the first block_m rows of the weights' (each [block_m, block_k])."""
                 gate_col = 2 * (ni * bn + chunk * epi_n)
-                for col, dst in ((gate_col, x_smem), (gate_col + epi_n, w_smem)):
+                for col, dst in ((gate_col, x_smem.at[slot]), (gate_col + epi_n, w_smem.at[slot, pl.ds(0, bm)])):
                     src = gate_up_gmem.at[pl.ds(row0, bm), pl.ds(col, epi_n)]
-                    plgpu.copy_gmem_to_smem(src, dst.at[slot], produced.at[slot])
+                    plgpu.copy_gmem_to_smem(src, dst, produced.at[slot])
 
             total_steps = plgpu.nd_loop(work, collective_axes="sm", init_carry=jnp.int32(0))(load_tile)
             pipe.drain(total_steps, stages, consumed)
