@@ -468,3 +468,17 @@ def test_tuner_sweep_has_group_bands_in_lockstep():
         assert config.GROUP_BANDS in candidates and all(c.lockstep_tails for c in bands)
         assert not any(c.lockstep_tails for c in candidates if c.grid_minor != "g")
     assert all(c.grid_minor != "g" for c in tune.candidate_configs("wgrad", shape))
+
+
+def test_tuner_sweeps_the_glu_backward_with_wide_tiles_through_the_ring():
+    """glu_dgrad's sweep has 256-column tiles, which only the pipeline's ring can serve (their own [gate | up] buffer
+    would be 512 columns): every candidate must pass the epilogue's check."""
+    from benchmarks import tune_grouped_matmul as tune
+    from moe_jax.ops.grouped_matmul import config, sm90
+
+    epilogue = sm90.Epilogue(activation_grad=lambda gate, up, d_h: (gate, up, d_h), row_scale=True)
+    candidates = tune.candidate_configs("glu_dgrad", GMM_SHAPES["qwen3-30b/down"])
+    wide = [c for c in candidates if c.block_n == 256]
+    assert wide and all(config.gate_up_ring_slots(c) == 4 for c in wide)
+    for candidate in candidates:
+        epilogue.check(candidate)

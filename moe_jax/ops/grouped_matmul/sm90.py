@@ -32,9 +32,9 @@ Epilogues (``Epilogue``; the GLU math arrives as functions, the kernel holds no 
     TMA-loaded by the consumer while its MMAs run. The packed rows ride the pipeline's ring where the tile shape
     allows (config.gate_up_ring_slots: 128-row tiles of 128 or 256 columns): the producer loads them into the next
     slots after the tile's last step, one slot per epilogue chunk, and the consumer releases each slot once it has
-    read it. Elsewhere
-    the consumer loads them into a buffer of their own, which leaves less shared memory for the pipeline (at a
-    64-column tile the narrow MMAs then cost more than the whole epilogue: benchmarks/RESULTS.md, 2026-11-27).
+    read it. Elsewhere the consumer loads them into a buffer of their own, which leaves less shared memory for the
+    pipeline (at a 64-column tile the narrow MMAs then cost more than the whole epilogue: benchmarks/RESULTS.md,
+    2026-11-27).
 
 Everything element-type specific sits in the two TMA loads and the wgmma call: an FP8 variant needs both operands
 K-major (x is, w must be stored [G, C, R]: ``w_transposed``) plus per-block scales applied to the accumulator.
