@@ -282,9 +282,9 @@ def candidate_configs(kind: str, shape) -> list[Config]:
     # entries are group bands since 2026-11-26).
     orders = [("n", max(1, -(-out_cols // 256))), ("m", 8), ("m", 16)]
     orders.append(("n", 8) if kind == "wgrad" else ("g", 16))
-    # glu_dgrad's consumers load [gate | up] tiles of 2 * block_n <= 256 columns themselves; 128- and 256-column
-    # tiles take them through the pipeline's ring instead (config.gate_up_ring_slots), 256 without clusters or the
-    # overlapped epilogue only.
+    # glu_dgrad's consumers load [gate | up] tiles of 2 * block_n <= 256 columns themselves, or the pipeline's ring
+    # carries them (config.gate_up_ring_slots: no clusters; with the overlapped epilogue more stages than chunks).
+    # 256-column candidates that get no ring slots would need a 512-column buffer, which never fits.
     widths = (64, 128, 256) if kind == "glu_dgrad" else (128, 256)
     # (cluster_m, overlap_epilogue)
     pipelines = [(1, False), (1, True), (2, False), (2, True)]

@@ -239,3 +239,20 @@ def test_ring_glu_backward_fits_exactly_where_it_lowers(block_n, stages, row_sca
         lowers = False
     assert config.gate_up_ring_slots(c) == block_n // 64
     assert c.fits(**config.epilogue_smem("glu_dgrad", c, row_scale)) == lowers == expected
+
+
+@pytest.mark.parametrize(
+    "base, stages, overlap, slots",
+    [
+        ("GLU_DGRAD_RING", 2, False, 2),  # fewer stages than chunks: the ring is walked in one order
+        ("GLU_DGRAD_RING", 2, True, 0),  # the next tile's first steps need a slot while the chunks wait
+        ("GLU_DGRAD_RING", 3, True, 2),
+        ("GLU_DGRAD_WIDE_RING", 3, False, 4),
+        ("GLU_DGRAD_WIDE_RING", 3, True, 0),
+    ],
+)
+def test_ring_slots_need_more_stages_than_chunks_only_with_the_overlapped_epilogue(base, stages, overlap, slots):
+    """An overlapped epilogue reads a tile's ring slots after the next tile's first steps: with no more stages than
+    chunks that would hang the GPU, so such configs load the gate/up rows into the consumers' own buffer."""
+    c = dataclasses.replace(getattr(config, base), num_stages=stages, overlap_epilogue=overlap)
+    assert config.gate_up_ring_slots(c) == slots

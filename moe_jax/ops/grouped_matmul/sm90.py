@@ -30,7 +30,7 @@ Epilogues (``Epilogue``; the GLU math arrives as functions, the kernel holds no 
     the packed pre-activation and of row_scale it writes d_gate_up [M, 2C] (packed), h * row_scale [M, C] (the down
     projection's wgrad operand) and per-tile partial sums of h · d_h for the row-scale gradient. row_scale is
     TMA-loaded by the consumer while its MMAs run. The packed rows ride the pipeline's ring where the tile shape
-    allows (config.gate_up_ring_slots: 128-row tiles of 128 or 256 columns): the producer loads them into the next
+    allows (config.gate_up_ring_slots: block_n equal to block_m or twice it): the producer loads them into the next
     slots after the tile's last step, one slot per epilogue chunk, and the consumer releases each slot once it has
     read it. Elsewhere the consumer loads them into a buffer of their own, which leaves less shared memory for the
     pipeline (at a 64-column tile the narrow MMAs then cost more than the whole epilogue: benchmarks/RESULTS.md,
@@ -113,7 +113,11 @@ class Epilogue:
                 f"multiple of epilogue_n={config.epilogue_n}"
             )
         if self.operand_cols(config) > 256:
-            raise ValueError(f"the GLU backward loads [gate | up] tiles of 2 * block_n <= 256 columns, got {config}")
+            raise ValueError(
+                "the GLU backward's consumers load [gate | up] tiles of 2 * block_n <= 256 columns themselves; wider "
+                "tiles need the pipeline's ring (config.gate_up_ring_slots: no clusters, and with overlap_epilogue "
+                f"more than block_n / 64 stages), got {config}"
+            )
 
     def ring_slots(self, config: Config) -> int:
         """Pipeline slots carrying a tile's packed gate/up rows (the backward; config.gate_up_ring_slots), else 0."""
