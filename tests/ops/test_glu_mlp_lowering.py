@@ -133,19 +133,12 @@ class _Captured(Exception):
 
 
 @pytest.mark.parametrize(
-    "model, activation, keep, block_n",
-    [
-        ("gpt-oss-120b", "gpt_oss", True, 128),
-        ("qwen3-30b", "gpt_oss", True, 128),
-        ("gpt-oss-120b", "gpt_oss", False, 256),
-        ("gpt-oss-120b", "swiglu", True, 256),
-        ("mixtral", "gpt_oss", True, 256),  # K = 4096: the spills weigh less than narrower tiles there
-    ],
+    "model, activation",
+    [("gpt-oss-120b", "gpt_oss"), ("qwen3-30b", "gpt_oss"), ("gpt-oss-120b", "swiglu"), ("mixtral", "geglu")],
 )
-def test_forward_keeping_gpt_oss_pre_activation_takes_128_column_tiles(monkeypatch, model, activation, keep, block_n):
-    """Only the forward that rounds gpt_oss's kept pre-activation to each value's side of the clamps, with a short
-    contraction, narrows the table's 256-column tiles (grouped_matmul.config.CLAMPED_BLOCK_N /
-    CLAMPED_MAX_CONTRACTION)."""
+def test_forward_keeping_the_pre_activation_takes_the_table_tiles(monkeypatch, model, activation):
+    """The forward that keeps the pre-activation (for gpt_oss rounded to each value's side of the clamps) takes the
+    table's 256-column tiles: it computes each stored value in its store's branch, which spills nothing there."""
     shape = shapes.GMM_SHAPES[f"{model}/gate_up"]
 
     def capture(*args, **kwargs):
@@ -159,30 +152,31 @@ def test_forward_keeping_gpt_oss_pre_activation_takes_128_column_tiles(monkeypat
     )
 
     def forward(x, w, group_sizes):
-        return gmm_api.run_forward_kernel(x, w, group_sizes, None, activation, jnp.bfloat16, False, keep=keep)
+        return gmm_api.run_forward_kernel(x, w, group_sizes, None, activation, jnp.bfloat16, False, keep=True)
 
     h200 = jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=H200))
     with h200, pytest.raises(_Captured) as captured:
         jax.eval_shape(forward, *args)
-    table = config.TUNED[("fwd", shape.g, shape.m, shape.k, shape.n)]
-    assert captured.value.args[0] == dataclasses.replace(table, block_n=block_n)
+    assert captured.value.args[0] == config.TUNED[("fwd", shape.g, shape.m, shape.k, shape.n)]
 
 
 @pytest.mark.parametrize(
-    "model, activation, expected",
+    "model, activation, expected, recompute",
     [
-        ("gpt-oss-120b", "swiglu", "table"),
-        ("qwen3-30b", "geglu", "table"),
-        ("dsv3-ep8", "swiglu", "table"),  # 128 x 256 tiles: four slots per tile
-        ("gpt-oss-120b", "gpt_oss", "own buffer"),  # D = 2880: the clamp masks spill next to 128 columns
-        ("qwen3-30b", "gpt_oss", "own buffer"),
-        ("dsv3-ep8", "gpt_oss", "128 x 128 ring"),  # D = 7168: the ring's tiles win, but not 256 columns
+        ("gpt-oss-120b", "swiglu", "table", False),
+        ("gpt-oss-120b", "geglu", "table", True),
+        ("qwen3-30b", "geglu", "table", True),
+        ("dsv3-ep8", "swiglu", "table", False),  # 128 x 256 tiles: four slots per tile
+        ("dsv3-ep8", "geglu", "table", False),  # recomputing is slower next to 256 columns
+        ("gpt-oss-120b", "gpt_oss", "table", True),
+        ("qwen3-30b", "gpt_oss", "table", True),
+        ("dsv3-ep8", "gpt_oss", "128 x 128 ring", True),  # gpt_oss's tiles are at most 128 columns wide
     ],
 )
-def test_glu_backward_takes_the_ring_unless_clamped(monkeypatch, model, activation, expected):
-    """The GLU-backward dgrad carries its packed gate/up rows in the pipeline's ring (the table's tiles). gpt_oss's
-    takes at most config.CLAMPED_BLOCK_N columns, and where the contraction D <= config.CLAMPED_MAX_CONTRACTION
-    64-column tiles with the rows in the consumers' own buffer (config.CLAMPED_GLU_DGRAD)."""
+def test_glu_backward_config_and_recomputed_grads(monkeypatch, model, activation, expected, recompute):
+    """The GLU-backward dgrad carries its packed gate/up rows in the pipeline's ring (the table's tiles; gpt_oss's at
+    most config.CLAMPED_BLOCK_N columns wide), and recomputes h, d_gate and d_up per store for the activations of
+    glu_mlp.api.RECOMPUTED_GRADS on tiles of at most RECOMPUTE_MAX_BLOCK_N columns."""
     shape = shapes.GMM_SHAPES[f"{model}/down"]  # (G, M, F, D)
     g, m, d_ff, d = shape.g, shape.m, shape.k, shape.n
 
@@ -201,14 +195,10 @@ def test_glu_backward_takes_the_ring_unless_clamped(monkeypatch, model, activati
     with h200, pytest.raises(_Captured) as captured:
         jax.eval_shape(functools.partial(glu_mlp_api.run_glu_dgrad, activation=activation), *args)
     chosen, epilogue = captured.value.args
-    table = config.TUNED[("glu_dgrad", g, m, d_ff, d)]
-    configs = {
-        "table": table,
-        "own buffer": dataclasses.replace(table, **config.CLAMPED_GLU_DGRAD),
-        "128 x 128 ring": config.GLU_DGRAD_RING,
-    }
+    configs = {"table": config.TUNED[("glu_dgrad", g, m, d_ff, d)], "128 x 128 ring": config.GLU_DGRAD_RING}
     assert chosen == configs[expected]
-    assert epilogue.ring_slots(chosen) == (0 if expected == "own buffer" else chosen.block_n // 64)
+    assert epilogue.ring_slots(chosen) == chosen.block_n // 64
+    assert epilogue.recompute_grads == recompute
 
 
 @pytest.mark.parametrize(

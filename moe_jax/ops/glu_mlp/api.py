@@ -38,6 +38,7 @@ from moe_jax.ops.grouped_matmul.api import (
     check_grouped_matmul_args,
     gemm_grads,
     kernel_unsupported,
+    rows_config,
     run_forward_kernel,
     run_rows_kernel,
     run_wgrad_kernel,
@@ -52,6 +53,17 @@ from moe_jax.ops.permute.config import supports as permute_supports
 # activation, which has x's dtype.
 GATE_UP_NAMES = ArgNames(op="glu_mlp", lhs="x", rhs="w_gate_up", k="D", n="2F")
 DOWN_NAMES = ArgNames(op="glu_mlp", lhs="x (the hidden activations' dtype)", rhs="w_down", k="F", n="D")
+
+# The GLU backwards that compute h, d_gate and d_up each in its own store's branch (sm90.Epilogue.recompute_grads),
+# on tiles of at most RECOMPUTE_MAX_BLOCK_N columns. Computed together, next to a 128-column accumulator, gpt_oss's
+# and geglu's terms spill registers (292 / 320 bytes, swiglu's 44); recomputed per output nothing spills, for two
+# more sigmoids (or tanhs) per element. CUPTI device time with GLU_DGRAD_RING, H100, row scale (benchmarks/
+# RESULTS.md, 2026-11-27, twelfth session), together -> recomputed: gpt_oss 447 -> 394 us at qwen3-30b down, 2007 ->
+# 1675 at gpt-oss-120b down; geglu 1891 -> 1552 at gpt-oss-120b down; swiglu 342 -> 367 and 1480 -> 1562 (slower).
+# Next to a 256-column accumulator (GLU_DGRAD_WIDE_RING, dsv3-ep8 down) recomputing was slower for all three: swiglu
+# 1647 -> 2111, geglu 1796 -> 2180, gpt_oss 2500 -> 2590.
+RECOMPUTED_GRADS = ("gpt_oss", "geglu")
+RECOMPUTE_MAX_BLOCK_N = 128
 
 
 def check_glu_mlp_args(x, w_gate_up, w_down, group_sizes, *, activation, row_scale, backend="xla") -> tuple:
@@ -310,9 +322,21 @@ def run_glu_dgrad(d_y, w_down, group_sizes, gate_up, row_scale, activation: str,
       computed from ``gate_up`` on every row (zero in ``glu_mlp``, whose forward writes zero pre-activations there).
       With ``zero_tail=False`` the first two are left unwritten there and d_row_scale is still 0.
     """
+    if config is None:
+        # gpt_oss's clamps narrow the table's tiles (config.CLAMPED_BLOCK_N).
+        config = rows_config(
+            "glu_dgrad",
+            d_y.shape[0],
+            w_down,
+            w_transposed=True,
+            out_dtype=d_y.dtype,
+            row_scale=row_scale is not None,
+            clamped=activation == "gpt_oss",
+        )
     epilogue = sm90.Epilogue(
         activation_grad=functools.partial(glu_grad, activation=activation),
         row_scale=row_scale is not None,
+        recompute_grads=activation in RECOMPUTED_GRADS and config.block_n <= RECOMPUTE_MAX_BLOCK_N,
         pack=PACK_BLOCK,
     )
     d_gate_up, hidden_scaled, d_row_scale = run_rows_kernel(
@@ -327,7 +351,6 @@ def run_glu_dgrad(d_y, w_down, group_sizes, gate_up, row_scale, activation: str,
         row_scale=row_scale,
         gate_up=gate_up,
         zero_tail=zero_tail,
-        clamped=activation == "gpt_oss",
     )
     if zero_tail or d_row_scale is None:
         return d_gate_up, hidden_scaled, d_row_scale

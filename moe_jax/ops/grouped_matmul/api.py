@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from moe_jax._core import checks, hardware
 from moe_jax._core.backend import resolve_backend
 from moe_jax.ops.grouped_matmul import reference, schedule, sm90, sm90_wgrad
-from moe_jax.ops.grouped_matmul.config import get_config
+from moe_jax.ops.grouped_matmul.config import Config, get_config
 from moe_jax.ops.grouped_matmul.glu import glu, kept_pre_activation
 from moe_jax.ops.grouped_matmul.packing import (
     PACK_BLOCK,
@@ -213,6 +213,18 @@ def _padded_rows(x: jax.Array | None) -> jax.Array | None:
     return jnp.pad(x, [(0, extra)] + [(0, 0)] * (x.ndim - 1)) if extra else x
 
 
+def rows_config(kind, m, w, *, w_transposed, out_dtype, row_scale: bool, clamped: bool = False) -> Config:
+    """config.get_config's choice for a fwd / dgrad / glu_dgrad kernel over m rows and weights ``w`` (as
+    run_rows_kernel takes them), fitted to the device; ``clamped``: get_config's."""
+    num_groups, *w_dims = w.shape
+    r, c = reversed(w_dims) if w_transposed else w_dims
+    # The table is keyed by the op's K, N (rhs [G, K, N]): dgrad's contraction R is the op's N.
+    k, n = (c, r) if kind in ("dgrad", "glu_dgrad") else (r, c)
+    itemsize = jnp.dtype(out_dtype).itemsize
+    config = get_config(kind, m=m, k=k, n=n, g=num_groups, out_itemsize=itemsize, row_scale=row_scale, clamped=clamped)
+    return _fit_device(config, hardware.num_sms())
+
+
 def run_rows_kernel(
     kind,
     x,
@@ -227,12 +239,10 @@ def run_rows_kernel(
     gate_up=None,
     row_tokens=None,
     zero_tail=True,
-    clamped=False,
 ):
     """fwd / dgrad / glu_dgrad kernel: x[M, R] · w[g] per group (w [G, R, C], or [G, C, R] when ``w_transposed``).
 
-    ``config=None`` takes config.get_config's choice for the op's (G, M, K, N) (``clamped``: get_config's, for an
-    epilogue through gpt_oss's clamps); the tuning script passes its own.
+    ``config=None`` takes ``rows_config``'s choice; the tuning script and the GLU backward pass their own.
     ``epilogue``, ``row_scale`` [M] f32, ``gate_up`` [M, 2C] and ``row_tokens`` [M] int32 are
     sm90.grouped_matmul_rows's (with ``row_tokens``, x is [T, R] and row r is x[row_tokens[r]]). ``zero_tail``:
     schedule.row_tiles's (False: the outputs' rows past sum(group_sizes) are left unwritten).
@@ -242,24 +252,9 @@ def run_rows_kernel(
       h_scaled [M, C], d_row_scale [M] f32 or None), the row-scale gradient summed from the kernel's partial sums.
     """
     m = x.shape[0] if row_tokens is None else row_tokens.shape[0]
-    num_groups, *w_dims = w.shape
-    r, c = reversed(w_dims) if w_transposed else w_dims
-    # The table is keyed by the op's K, N (rhs [G, K, N]): dgrad's contraction R is the op's N.
-    k, n = (c, r) if kind in ("dgrad", "glu_dgrad") else (r, c)
     num_sms, interpret = hardware.num_sms(), hardware.interpret_params()
     if config is None:
-        itemsize = jnp.dtype(out_dtype).itemsize
-        config = get_config(
-            kind,
-            m=m,
-            k=k,
-            n=n,
-            g=num_groups,
-            out_itemsize=itemsize,
-            row_scale=epilogue.row_scale,
-            clamped=clamped,
-        )
-        config = _fit_device(config, num_sms)
+        config = rows_config(kind, m, w, w_transposed=w_transposed, out_dtype=out_dtype, row_scale=epilogue.row_scale)
     config = _fit_interpreter(config, interpret)
     if row_tokens is None:
         x = _padded_rows(x)
@@ -412,7 +407,6 @@ def run_forward_kernel(
         row_scale=row_scale,
         row_tokens=row_tokens,
         zero_tail=zero_tail,
-        clamped=keep and activation == "gpt_oss",
     )
 
 

@@ -248,23 +248,14 @@ TUNED: dict[tuple[str, int, int, int, int], Config] = {
 }
 
 
-# gpt_oss's clamps put [64, 64] predicate and select arrays next to the accumulator in two epilogues, where they spill
-# registers with the table's tiles; with a short contraction the spills cost more than narrower tiles (CUPTI device
-# time, H100; benchmarks/RESULTS.md, 2026-11-27, ninth and tenth sessions):
-#   * the forward that keeps the pre-activation, rounded to each value's own side of the clamp bounds
-#     (glu.kept_pre_activation): at 256 columns ptxas spills 500 bytes and the kernel ran 46% (gpt-oss-120b gate_up,
-#     K = 2880) / 53% (qwen3-30b, K = 2048) slower than without the keep. 128-column tiles spill nothing and ran 10% /
-#     13% faster there, but 1% slower at mixtral (K = 4096) and 10% at dsv3-ep8 (K = 7168), outputs bit-identical.
-#     swiglu / geglu round plainly and spill nothing at 256;
-#   * the GLU backward (glu.glu_grad's clamp masks): at GLU_DGRAD_RING's 128 columns ptxas spills 292 bytes (swiglu
-#     44, the 64-column tiles 56), and it ran no faster than the 64-column tiles with their own gate/up buffer at
-#     gpt-oss-120b down (1925 against 1913 us) and qwen3-30b down (445 / 433), where swiglu gains 19% / 15%; at dsv3-ep8
-#     (D = 7168) and mixtral (4096) the ring's tiles still won (2304 -> 1945, 5317 -> 4395). GLU_DGRAD_WIDE_RING's 256
-#     columns cost it more at any contraction (dsv3-ep8 down: 2486 against 1998 us). Masks computed as arithmetic
-#     (clip((bound - x) * 2**22 + 0.5, 0, 1)) instead of selects spilled more (668 bytes) and ran 8-22% slower.
-CLAMPED_MAX_CONTRACTION = 2880  # the longest contraction measured faster with the narrower tiles
-CLAMPED_BLOCK_N = 128  # gpt_oss's widest tiles: a forward's where the contraction is short, a backward's everywhere
-CLAMPED_GLU_DGRAD = dict(block_n=64, num_stages=6)  # the gate/up rows in the consumers' own buffer: 6 stages fit
+# gpt_oss's GLU backward is at most CLAMPED_BLOCK_N columns wide. With 256 columns (GLU_DGRAD_WIDE_RING) its epilogue
+# spills registers whether it computes h, d_gate and d_up together or one per store (sm90.Epilogue.recompute_grads),
+# and at dsv3-ep8 down it took 2500 / 2590 us against 1843 with the 128 x 128 ring and the outputs recomputed (CUPTI
+# device time, H100, row scale; benchmarks/RESULTS.md, 2026-11-27, twelfth session). Its forward takes the table's
+# tiles since each stored value is computed in its store's branch (sm90.py, _epilogue's prepare): the keeping
+# forward no longer spills at 256 columns (500 bytes before), and ran 10% / 14% faster than the 128-column tiles it
+# used to take at qwen3-30b / gpt-oss-120b gate_up (490 / 544 us, 2227 / 2597 us), tied at dsv3-ep8.
+CLAMPED_BLOCK_N = 128
 
 
 def gate_up_ring_slots(config: Config) -> int:
@@ -379,25 +370,14 @@ def get_config(
 ) -> Config:
     """The tuned config for (kind, G, M, K, N) if there is one (and it fits), else the heuristic's.
 
-    ``clamped``: the epilogue works through gpt_oss's clamps (a forward that also keeps the pre-activation rounded to
-    each value's side of them, or the GLU backward). A glu_dgrad is then at most CLAMPED_BLOCK_N columns wide, and
-    where the contraction is at most CLAMPED_MAX_CONTRACTION takes CLAMPED_GLU_DGRAD; a forward is at most
-    CLAMPED_BLOCK_N columns wide there (see those constants).
+    ``clamped``: a glu_dgrad through gpt_oss's clamps, which is then at most CLAMPED_BLOCK_N columns wide.
     """
     tuned = TUNED.get((kind, g, m, k, n))
     if tuned is not None and tuned.fits(2, out_itemsize, **epilogue_smem(kind, tuned, row_scale)):
         config = tuned
     else:
         config = heuristic_config(kind, m=m, k=k, n=n, g=g, out_itemsize=out_itemsize, row_scale=row_scale)
-    if not clamped:
-        return config
-    short = (n if kind in ("dgrad", "glu_dgrad") else k) <= CLAMPED_MAX_CONTRACTION
-    if kind == "glu_dgrad" and gate_up_ring_slots(config):
-        if short:
-            return dataclasses.replace(config, **CLAMPED_GLU_DGRAD)
-        if config.block_n > CLAMPED_BLOCK_N:
-            narrow = dataclasses.replace(config, block_n=CLAMPED_BLOCK_N, num_stages=GLU_DGRAD_RING.num_stages)
-            return _fit(narrow, out_itemsize, kind, row_scale)
-    if kind == "fwd" and short and config.block_n > CLAMPED_BLOCK_N:
-        return dataclasses.replace(config, block_n=CLAMPED_BLOCK_N)
+    if clamped and kind == "glu_dgrad" and config.block_n > CLAMPED_BLOCK_N:
+        narrow = dataclasses.replace(config, block_n=CLAMPED_BLOCK_N, num_stages=GLU_DGRAD_RING.num_stages)
+        return _fit(narrow, out_itemsize, kind, row_scale)
     return config

@@ -82,6 +82,10 @@ class Epilogue:
       keep_acc: forward only: also store the accumulator itself (cast to the output dtype) as a second output.
       keep_rounding: with keep_acc and an activation, ``(gate, up) -> (gate, up)``: f32 values exactly representable
         in the output dtype, stored in place of the accumulator (how the GLU backward wants its input rounded).
+      recompute_grads: GLU backward: each of h, d_gate and d_up is computed in its own store's branch from gate, up
+        and d_h, recomputing the terms they share. Fewer registers live at once (gpt_oss's clamps spill them when
+        all three are computed together), at the cost of the shared terms' arithmetic (three sigmoids instead of
+        one).
       pack: the gate/up interleave width (columns); must divide block_n / 2 (fwd) or block_n (bwd).
     """
 
@@ -90,6 +94,7 @@ class Epilogue:
     row_scale: bool = False
     keep_acc: bool = False
     keep_rounding: Callable | None = None
+    recompute_grads: bool = False
     pack: int = 64
 
     def __post_init__(self):
@@ -99,6 +104,8 @@ class Epilogue:
             raise ValueError("Epilogue: keep_acc is a forward option")
         if self.keep_rounding is not None and not (self.keep_acc and self.activation is not None):
             raise ValueError("Epilogue: keep_rounding needs keep_acc and an activation")
+        if self.recompute_grads and self.activation_grad is None:
+            raise ValueError("Epilogue: recompute_grads is a GLU backward option")
 
     @property
     def backward(self) -> bool:
@@ -331,7 +338,7 @@ def grouped_matmul_rows(
             plgpu.set_max_registers(pipe.compute_registers(num_wgs), action="increase")
             ring = (x_smem, w_smem, produced, consumed)
             epilogue = _epilogue(
-                epi, cfg, cols, out_dtype, wg, out_gmems, out_smem, operand_gmem, epi_scratch, ring, if_real
+                epi, cfg, cols, out_dtype, wg, out_gmems, out_smem, operand_gmem, epi_scratch, ring, if_real, overlap
             )
 
             def stores(outputs):
@@ -468,9 +475,21 @@ class _EpilogueFns(NamedTuple):
 
 
 def _epilogue(
-    epi: Epilogue, cfg: Config, cols: int, out_dtype, wg, out_gmems, out_smem, operand_gmem, scratch, ring, if_real
+    epi: Epilogue,
+    cfg: Config,
+    cols: int,
+    out_dtype,
+    wg,
+    out_gmems,
+    out_smem,
+    operand_gmem,
+    scratch,
+    ring,
+    if_real,
+    overlap: bool,
 ) -> _EpilogueFns:
-    """``ring``: the pipeline's (x_smem, w_smem, produced, consumed), for the operands it carries."""
+    """``ring``: the pipeline's (x_smem, w_smem, produced, consumed), for the operands it carries; ``overlap``: the
+    outputs ride the loop carry (sm90_pipeline.consume_tiles)."""
     wg_m, bn, epi_n, pack = cfg.wg_block_m, cfg.block_n, cfg.epilogue_n, epi.pack
     gate_up_in_ring = epi.ring_slots(cfg) > 0
     self_loads = epi.own_loads(cfg) > 0
@@ -505,21 +524,28 @@ def _epilogue(
     def scaled(value, scale):
         return value if scale is None else value * lax.broadcast_in_dim(scale, value.shape, [0])
 
-    # Forward (and plain): every value is computed from the accumulator when the tile ends; forward_targets lists
+    # Forward (and plain): a function per stored value, computing it from the accumulator; forward_targets lists
     # the stores in the same order. Chunks of one hidden column block go together, in column order, so that every
     # chunk past the tile's last column follows every stored one (pipe.store_chunk's rule).
-    def forward_values(acc, scale) -> list:
-        values = []
+    def forward_values(acc, scale) -> list[Callable]:
+        def cast(value):
+            return value.astype(out_dtype)
+
         if epi.activation is None:
+            values = []
             for chunk in pipe.column_chunks(acc, epi_n):
-                values += [chunk.astype(out_dtype)] * epi.keep_acc + [scaled(chunk, scale).astype(out_dtype)]
+                values += [functools.partial(cast, chunk)] * epi.keep_acc
+                values.append(lambda chunk=chunk: cast(scaled(chunk, scale)))
             return values
+
+        def kept(gate, up, i):
+            return cast((gate, up)[i] if epi.keep_rounding is None else epi.keep_rounding(gate, up)[i])
+
+        values = []
         for f in range(0, bn // 2, epi_n):
             gate, up = (acc[:, col : col + epi_n] for col in packed_cols(f))
-            if epi.keep_acc:
-                kept = (gate, up) if epi.keep_rounding is None else epi.keep_rounding(gate, up)
-                values += [v.astype(out_dtype) for v in kept]
-            values.append(scaled(epi.activation(gate, up), scale).astype(out_dtype))
+            values += [functools.partial(kept, gate, up, i) for i in range(2)] * epi.keep_acc
+            values.append(lambda gate=gate, up=up: cast(scaled(epi.activation(gate, up), scale)))
         return values
 
     def forward_targets(ni) -> list:
@@ -542,7 +568,11 @@ def _epilogue(
         if epi.row_scale:
             if_real(real, lambda: plgpu.barrier_wait(loaded.at[wg]))
             scale = plgpu.load(row_scale_smem.at[wg], layout=row_vector)
-        return tuple(forward_values(acc, scale))
+        values = forward_values(acc, scale)
+        # Values that ride the loop carry are computed now. Otherwise each is computed in its store's branch: its
+        # temporaries then live next to the accumulator one value at a time (all at once, gpt_oss's kept
+        # pre-activation and clamps spilled registers at 256 columns).
+        return tuple(value() for value in values) if overlap else values
 
     def stores(values, mi, ni, wg_row0, wg_first, wg_rows, ring_step):
         rows = (wg_row0, wg_first, wg_rows)
@@ -554,10 +584,10 @@ def _epilogue(
         return [functools.partial(backward_store, c, d_h, mi, ni, rows, ring_step) for c, d_h in enumerate(values)]
 
     def gate_up_chunk(c, gate_col, up_col, ring_step):
-        """This consumer's rows of chunk c's gate and up blocks, f32 [wg_block_m, epilogue_n] each."""
+        """This consumer's rows of chunk c's gate and up blocks, [wg_block_m, epilogue_n] each in their dtype."""
         if not gate_up_in_ring:
             tiles = [gate_up_smem.at[wg, :, pl.ds(col, epi_n)] for col in (gate_col, up_col)]
-            return [plgpu.load(tile, layout=plgpu.Layout.WGMMA).astype(jnp.float32) for tile in tiles]
+            return [plgpu.load(tile, layout=plgpu.Layout.WGMMA) for tile in tiles]
         x_smem, w_smem, produced, consumed = ring
         slot = lax.rem(ring_step + c, cfg.num_stages)  # gate in the x buffer, up in the weights' (see the producer)
         plgpu.barrier_wait(produced.at[slot])
@@ -567,7 +597,7 @@ def _epilogue(
         # write (commit_smem's fence), the slot can take the producer's next load.
         plgpu.commit_smem()
         plgpu.barrier_arrive(consumed.at[slot])
-        return gate.astype(jnp.float32), up.astype(jnp.float32)
+        return gate, up
 
     def backward_store(c, d_h_unscaled, mi, ni, rows, ring_step):
         """Hidden column chunk c: d_gate, d_up and h * row_scale from d_h and the packed pre-activation, and this
@@ -580,29 +610,49 @@ def _epilogue(
         f = c * epi_n
         gate_col, up_col = packed_cols(f)
         gate, up = gate_up_chunk(c, gate_col, up_col, ring_step)
-        hidden, d_gate, d_up = epi.activation_grad(gate, up, scaled(d_h_unscaled, scale))
+
+        def grads():
+            """(h, d_gate, d_up) of the chunk, f32."""
+            d_h = scaled(d_h_unscaled, scale)
+            return epi.activation_grad(gate.astype(jnp.float32), up.astype(jnp.float32), d_h)
+
+        computed = None if epi.recompute_grads else grads()
+
+        def grad(i):
+            """Output i of grads(): with recompute_grads computed where it is called (a store's branch)."""
+            return grads()[i] if computed is None else computed[i]
+
+        def hidden_out():
+            """h * row_scale for the store; with a row scale, the chunk's h · d_h row sums also join the partial
+            sums here (a chunk wholly past C stores nothing and adds nothing)."""
+            hidden = grad(0)
+            if epi.row_scale:
+                add_partial(c, hidden * d_h_unscaled, ni * bn + f)
+            return scaled(hidden, scale).astype(out_dtype)
+
         outputs = [
-            (d_gate, d_gate_up_gmem, 2 * ni * bn + gate_col, 2 * cols),
-            (d_up, d_gate_up_gmem, 2 * ni * bn + up_col, 2 * cols),
-            (scaled(hidden, scale), hidden_gmem, ni * bn + f, cols),
+            (lambda: grad(1).astype(out_dtype), d_gate_up_gmem, 2 * ni * bn + gate_col, 2 * cols),
+            (lambda: grad(2).astype(out_dtype), d_gate_up_gmem, 2 * ni * bn + up_col, 2 * cols),
+            (hidden_out, hidden_gmem, ni * bn + f, cols),
         ]
         for i, (value, dst, col, num_cols) in enumerate(outputs):
-            pipe.store_chunk(3 * c + i, value.astype(out_dtype), out_smem, wg, dst, *rows, col, num_cols)
-        if not epi.row_scale:
-            return
-        contribution = hidden * d_h_unscaled
+            pipe.store_chunk(3 * c + i, value, out_smem, wg, dst, *rows, col, num_cols)
+        if epi.row_scale and c == bn // epi_n - 1:
+            _store_partial(partial_smem.at[wg], partials_gmem[0].at[ni, mi, pl.ds(wg * wg_m, wg_m)], rows[2])
+
+    def add_partial(c, contribution, col0):
+        """Adds the row sums of chunk c's h · d_h [wg_block_m, epilogue_n] (its first column col0) to the
+        consumer's partial sums in shared memory (chunk 0 starts them)."""
         if cols % bn:
             # The last column tile runs past C: its TMA-loaded values there are not data (NaN under the
             # interpreter), keep them out of the sum.
-            col = ni * bn + f + plgpu.broadcasted_iota(jnp.int32, contribution.shape, 1, layout=plgpu.Layout.WGMMA)
+            col = col0 + plgpu.broadcasted_iota(jnp.int32, contribution.shape, 1, layout=plgpu.Layout.WGMMA)
             contribution = jnp.where(col < cols, contribution, 0.0)
         partial = jnp.sum(contribution, axis=1)
         if c > 0:
             # (Chunk 0's stores waited for every earlier store, so the buffer's previous store has read it.)
             partial = partial + plgpu.load(partial_smem.at[wg], layout=row_vector)
         partial_smem.at[wg][...] = partial
-        if c == bn // epi_n - 1:
-            _store_partial(partial_smem.at[wg], partials_gmem[0].at[ni, mi, pl.ds(wg * wg_m, wg_m)], rows[2])
 
     def empty():
         if epi.backward:

@@ -214,9 +214,10 @@ def epilogue_smem(num_compute_wgs: int, rows: int, epilogue_n: int, dtype):
 def store_chunk(c: int, value, out_smem, wg, dst_gmem, row0, start, rows, col, num_cols) -> None:
     """Store number c (static) of one consumer's tile epilogue: TMA-stores a register chunk through buffer c % 2.
 
-    ``value`` [R, epilogue_n] in the buffer's dtype: rows [start, start + rows) of it go to dst_gmem[row0 + start..,
-    col..]. A chunk at or past num_cols touches nothing (its bulk group is empty); callers number their stores so
-    that none of those comes before a stored one of the same tile.
+    ``value`` [R, epilogue_n] in the buffer's dtype, or a function computing it: rows [start, start + rows) of it go
+    to dst_gmem[row0 + start.., col..]. A function runs inside the store's branch, so its arithmetic is emitted next
+    to the store and skipped where nothing is stored. A chunk at or past num_cols touches nothing (its bulk group is
+    empty); callers number their stores so that none of those comes before a stored one of the same tile.
     """
     # Chunk c reuses the buffer of chunk c - 2; chunk 0 first waits for the previous tile's stores.
     # (The interpreter counts copies, not bulk groups: an empty group between two stores of one buffer would
@@ -228,7 +229,7 @@ def store_chunk(c: int, value, out_smem, wg, dst_gmem, row0, start, rows, col, n
 
     @pl.when(col < num_cols)
     def _store():
-        out_smem[wg, c % 2] = value
+        out_smem[wg, c % 2] = value() if callable(value) else value
         plgpu.commit_smem()
         store_rows(out_smem, (wg, c % 2), dst_gmem, row0, start, rows, col)
 
