@@ -248,13 +248,14 @@ TUNED: dict[tuple[str, int, int, int, int], Config] = {
 }
 
 
-# gpt_oss's GLU backward is at most CLAMPED_BLOCK_N columns wide. With 256 columns (GLU_DGRAD_WIDE_RING) its epilogue
-# spills registers whether it computes h, d_gate and d_up together or one per store (sm90.Epilogue.recompute_grads),
-# and at dsv3-ep8 down it took 2500 / 2590 us against 1843 with the 128 x 128 ring and the outputs recomputed (CUPTI
-# device time, H100, row scale; benchmarks/RESULTS.md, 2026-11-27, twelfth session). Its forward takes the table's
-# tiles since each stored value is computed in its store's branch (sm90.py, _epilogue's prepare): the keeping
-# forward no longer spills at 256 columns (500 bytes before), and ran 10% / 14% faster than the 128-column tiles it
-# used to take at qwen3-30b / gpt-oss-120b gate_up (490 / 544 us, 2227 / 2597 us), tied at dsv3-ep8.
+# gpt_oss's GLU backward is at most CLAMPED_BLOCK_N columns wide. On 256-column tiles (GLU_DGRAD_WIDE_RING) it ran
+# slower whether its epilogue computes h, d_gate and d_up together (spilling registers) or one per store
+# (sm90.Epilogue.recompute_grads): at dsv3-ep8 down 2500 / 2590 us against 1843 with the 128 x 128 ring and the
+# outputs recomputed (CUPTI device time, H100, row scale; benchmarks/RESULTS.md, 2026-11-27, twelfth session). Its
+# forward takes the table's tiles since each stored value is computed in its store's branch (sm90.py, _epilogue's
+# prepare): the keeping forward no longer spills at 256 columns (500 bytes before), and ran 10% / 14% faster than the
+# 128-column tiles it used to take at qwen3-30b / gpt-oss-120b gate_up (490 / 544 us, 2227 / 2597 us), tied at
+# dsv3-ep8.
 CLAMPED_BLOCK_N = 128
 
 
