@@ -33,7 +33,7 @@ from moe_jax.ops.glu_mlp import api as glu_mlp_api
 from moe_jax.ops.glu_mlp import reference as mlp_reference
 from moe_jax.ops.grouped_matmul import api as gmm_api
 from moe_jax.ops.grouped_matmul import reference
-from moe_jax.ops.grouped_matmul.config import GLU_DGRAD_WIDE_RING, Config, get_config
+from moe_jax.ops.grouped_matmul.config import GLU_DGRAD_RING, GLU_DGRAD_WIDE_RING, Config, get_config
 from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, split_gate_up
 
 
@@ -288,6 +288,31 @@ def test_glu_backward_epilogue(activation, config, with_row_scale):
     expected_d_row_scale = jnp.sum(expected_hidden * d_h, axis=1)
     assert oracle.relative_error(d_row_scale[:past], expected_d_row_scale[:past]) < GRAD_TOL
     np.testing.assert_array_equal(np.asarray(d_row_scale)[past:], 0.0)
+
+
+# Epilogue.recompute_grads moves where h, d_gate and d_up are computed (each in its store's branch), not what: on the
+# 128 x 128 ring and the 128 x 256 one, with a row scale, F = 192 (each ring's last tile has chunks wholly past F).
+@pytest.mark.parametrize("config", [GLU_DGRAD_RING, GLU_DGRAD_WIDE_RING], ids=["ring-128", "ring-256"])
+@pytest.mark.usefixtures("interpret")
+def test_glu_backward_recomputed_per_store_is_bit_identical(monkeypatch, config):
+    m, d, d_ff, sizes = 136, 64, 192, [0, 61, 3, 0, 40]
+    rng = np.random.default_rng(15)
+    d_y = jnp.asarray(rng.normal(size=(m, d)), jnp.bfloat16)
+    w_down = jnp.asarray(rng.normal(size=(len(sizes), d_ff, d)) / np.sqrt(d_ff), jnp.bfloat16)
+    gate_up = jnp.asarray(5.0 * rng.normal(size=(1, m, 2 * d_ff)), jnp.float32)
+    packed_rows = moe_jax.pack_gate_up(gate_up).array[0].astype(jnp.bfloat16)
+    row_scale = jnp.asarray(rng.uniform(0.1, 1.0, size=m), jnp.float32)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    monkeypatch.setattr(glu_mlp_api, "RECOMPUTE_MAX_BLOCK_N", config.block_n)
+    outputs = []
+    for recomputed in ((), ("gpt_oss",)):
+        monkeypatch.setattr(glu_mlp_api, "RECOMPUTED_GRADS", recomputed)
+        outputs.append(
+            glu_mlp_api.run_glu_dgrad(d_y, w_down, group_sizes, packed_rows, row_scale, "gpt_oss", config=config)
+        )
+    for together, per_store in zip(*outputs, strict=True):
+        assert np.isfinite(np.asarray(per_store, np.float32)).all()
+        np.testing.assert_array_equal(np.asarray(together), np.asarray(per_store))
 
 
 @pytest.mark.usefixtures("interpret")

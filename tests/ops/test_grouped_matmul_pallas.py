@@ -14,6 +14,8 @@ GLU_GRAD_TOL: through a fused activation the kernel's backward starts from the p
 reference's from f32 (measured 3.3e-3).
 """
 
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -283,6 +285,31 @@ def test_jax_grad_through_gated_activation_and_row_scale(activation):
     for actual, exact in zip(kernel, loss("xla"), strict=True):
         assert oracle.relative_error(actual, exact) < GLU_GRAD_TOL
     np.testing.assert_array_equal(np.asarray(kernel[0], np.float32)[sum(sizes) :], 0.0)  # rows past the sum
+
+
+# The forward that keeps the pre-activation (for the GLU backward) stores between tiles: its kept values do not fit
+# the overlapped epilogue's registers. On 256-column tiles a tile holds two hidden chunks, each of whose three values
+# (kept gate, kept up, h) is computed in its own store's branch; N = 384 leaves the second tile's second chunk wholly
+# past N.
+@pytest.mark.parametrize("activation", reference.ACTIVATIONS)
+@pytest.mark.usefixtures("interpret")
+def test_forward_keeping_the_pre_activation_on_256_column_tiles(activation):
+    m, k, n, sizes = 136, 64, 384, [0, 61, 3, 0, 40]
+    lhs, rhs, group_sizes = _inputs(13, m, k, n, sizes, False)
+    lhs = lhs * 5  # gpt_oss clamps about a sixth of the pre-activations
+    row_scale = jnp.asarray(np.random.default_rng(14).uniform(size=m), jnp.float32)
+    packed = moe_jax.pack_gate_up(rhs).array
+    wide = config.Config(block_n=256, num_stages=2)
+    args = (lhs, packed, group_sizes, row_scale, activation, jnp.bfloat16, False)
+    with mock.patch.object(api, "get_config", lambda *_, **__: wide):
+        out, kept = api.run_forward_kernel(*args, keep=True)
+    past = sum(sizes)
+    expected = reference.grouped_matmul(lhs, rhs, group_sizes, activation=activation, row_scale=row_scale)
+    pre_activation = reference.grouped_matmul(lhs, packed, group_sizes, preferred_element_type=jnp.float32)
+    assert oracle.relative_error(out[:past], expected[:past]) < BF16_OUT_TOL
+    assert oracle.relative_error(kept[:past], pre_activation[:past]) < BF16_OUT_TOL
+    for value in (out, kept):
+        np.testing.assert_array_equal(np.asarray(value, np.float32)[past:], 0.0)
 
 
 def _wgrad_and_oracle(x, y, sizes, wgrad_config=None):

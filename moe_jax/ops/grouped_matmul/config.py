@@ -254,7 +254,7 @@ TUNED: dict[tuple[str, int, int, int, int], Config] = {
 # outputs recomputed (CUPTI device time, H100, row scale; benchmarks/RESULTS.md, 2026-11-27, twelfth session). Its
 # forward takes the table's tiles since each stored value is computed in its store's branch (sm90.py, _epilogue's
 # prepare): the keeping forward no longer spills at 256 columns (500 bytes before), and ran 10% / 14% faster than the
-# 128-column tiles it used to take at qwen3-30b / gpt-oss-120b gate_up (490 / 544 us, 2227 / 2597 us), tied at
+# 128-column tiles it used to take at qwen3-30b / gpt-oss-120b gate_up (490 / 544 us, 2227 / 2598 us), tied at
 # dsv3-ep8.
 CLAMPED_BLOCK_N = 128
 

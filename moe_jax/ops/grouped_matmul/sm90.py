@@ -460,7 +460,9 @@ class _EpilogueFns(NamedTuple):
 
     prefetch(wg_row0, ni): issues the TMA loads of the tile's epilogue operands that the consumer loads itself (before
       its MMAs, or, with ``prefetch_after_stores``, once the previous tile's stores no longer read the buffers).
-    prepare(acc, real) -> values: what the tile keeps after its MMAs: a tuple of [wg_block_m, epilogue_n] arrays.
+    prepare(acc, real) -> values: what the tile keeps after its MMAs: the backward's d_h chunks, or the forward's
+      stored values, [wg_block_m, epilogue_n] arrays each. The forward's are functions computing them in their
+      store's branch, except where they ride the overlapped epilogue's loop carry.
     stores(values, mi, ni, wg_row0, wg_first, wg_rows, ring_step) -> callables, run in order, that compute and store
       the outputs from ``values`` (one per value); ``ring_step``: the pipeline step whose slot holds the tile's first
       ring-carried operands (Epilogue.ring_slots).
