@@ -645,9 +645,9 @@ def _epilogue(
     def add_partial(c, contribution, col0):
         """Adds the row sums of chunk c's h · d_h [wg_block_m, epilogue_n] (its first column col0) to the
         consumer's partial sums in shared memory (chunk 0 starts them)."""
-        if cols % bn:
-            # The last column tile runs past C: its TMA-loaded values there are not data (NaN under the
-            # interpreter), keep them out of the sum.
+        if cols % epi_n:
+            # The chunk may run past C (a chunk wholly past it stores nothing and adds nothing): its TMA-loaded
+            # values there are not data (NaN under the interpreter), keep them out of the sum.
             col = col0 + plgpu.broadcasted_iota(jnp.int32, contribution.shape, 1, layout=plgpu.Layout.WGMMA)
             contribution = jnp.where(col < cols, contribution, 0.0)
         partial = jnp.sum(contribution, axis=1)
