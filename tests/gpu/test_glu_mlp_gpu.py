@@ -12,6 +12,7 @@ Tolerance: relative-norm error ``TOL`` (bf16 inputs, f32 accumulation, bf16 outp
 pre-activation).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -171,18 +172,18 @@ def test_random_shapes_against_reference(g, m, d, d_ff, sizes, activation, recom
 
 
 # The GLU backward's ring configs with 16 contraction steps per tile, so a tile's gate/up chunks reuse the slots of
-# its steps: the 128 x 128 ring (two chunks, five slots; gpt_oss recomputes its outputs per store) and the 128 x 256
-# one (four chunks through three slots). F = 832 ends in a 64-column tile: its last chunk (three of four on the wide
-# ring) lies wholly past F, stores nothing and adds nothing to the row-scale gradient.
+# its steps: the 128 x 128 ring (two chunks, five or six slots; gpt_oss recomputes its outputs per store) and the
+# 128 x 256 one (four chunks through four slots, or three). F = 832 ends in a 64-column tile: its last chunk (three of
+# four on the wide ring) lies wholly past F, stores nothing and adds nothing to the row-scale gradient.
 @pytest.mark.parametrize(
     "config, activation, d_ff",
     [
-        (gmm_config.GLU_DGRAD_RING, "gpt_oss", 768),
+        (gmm_config.GLU_DGRAD_DEEP_RING, "gpt_oss", 768),
         (gmm_config.GLU_DGRAD_WIDE_RING, "swiglu", 768),
         (gmm_config.GLU_DGRAD_RING, "gpt_oss", 832),
-        (gmm_config.GLU_DGRAD_WIDE_RING, "swiglu", 832),
+        (dataclasses.replace(gmm_config.GLU_DGRAD_WIDE_RING, num_stages=3), "swiglu", 832),
     ],
-    ids=["ring-128", "ring-256", "ring-128-f832", "ring-256-f832"],
+    ids=["ring-128-6", "ring-256-4", "ring-128-5-f832", "ring-256-3-f832"],
 )
 def test_glu_backward_ring_configs_against_reference(config, activation, d_ff):
     g, m, d = 8, 4000, 1024

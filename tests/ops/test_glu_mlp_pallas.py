@@ -245,15 +245,15 @@ def test_glu_mlp_without_rows_and_zero_tail_off_gives_zero_gradients():
 # None: the table's / heuristic's config (128 x 128 ring tiles, on which geglu and gpt_oss compute h, d_gate and d_up
 # each in its own store's branch: glu_mlp.api.RECOMPUTED_GRADS). The 2-CTA cluster (spans of two row tiles; "ragged"
 # has a span of two groups and one of a real and a zero tile) must skip the epilogue for nothing but a phantom tile.
-# The wide ring (dsv3-ep8 down's entry) carries each tile's four gate/up chunks through a ring of three slots, with a
-# row scale.
+# The wide ring (dsv3-ep8 down's entry, here with 3 stages) carries each tile's four gate/up chunks through a ring of
+# three slots, with a row scale.
 @pytest.mark.parametrize(
     "activation, config, with_row_scale",
     [
         ("geglu", None, False),
         ("gpt_oss", None, True),
         ("swiglu", Config(block_n=128, num_stages=3, cluster_m=2), False),
-        ("swiglu", GLU_DGRAD_WIDE_RING, True),
+        ("swiglu", dataclasses.replace(GLU_DGRAD_WIDE_RING, num_stages=3), True),
     ],
     ids=["geglu", "gpt_oss-row-scale", "swiglu-cluster", "swiglu-wide-ring-row-scale"],
 )

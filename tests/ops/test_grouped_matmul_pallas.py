@@ -533,6 +533,25 @@ def test_heuristic_walks_small_groups_in_group_bands(m, g):
 
 
 @pytest.mark.parametrize(
+    "m, f, d, g, bands",
+    [
+        (131072, 768, 2048, 128, False),  # the qwen3-30b layer: 3.1 MB of weights a group
+        (65536, 2880, 2880, 128, True),  # gpt-oss-120b: 16.6 MB
+        (131072, 2048, 7168, 256, True),  # deepseek-v3: 29 MB
+        (131072, 2048, 2048, 128, False),  # 8 MB exactly
+        (131072, 2048, 2048 + 64, 128, True),  # just past GLU_DGRAD_BAND_WEIGHT_BYTES
+    ],
+)
+def test_heuristic_glu_backward_walks_group_bands_where_weights_are_large(m, f, d, g, bands):
+    """Off the table and past SMALL_GROUP_ROWS rows a group, the GLU backward (w_down [G, F, D]) walks group bands in
+    lockstep where a group's weights exceed GLU_DGRAD_BAND_WEIGHT_BYTES, "n" / "m" bands elsewhere; it takes 128 x 128
+    tiles with the 6 stages that fit next to a row scale either way."""
+    c = config.heuristic_config("glu_dgrad", m=m, k=f, n=d, g=g, row_scale=True)
+    assert (c.grid_minor == "g", c.lockstep_tails) == (bands, bands)
+    assert (c.block_n, c.num_stages, c.cluster_m, c.overlap_epilogue) == (128, 6, 1, False)
+
+
+@pytest.mark.parametrize(
     "m, g, width",
     [(32768, 128, 16), (16384, 8, 16), (16384, 1, 4), (262144, 1, 1), (64, 1, 16)],
 )

@@ -20,9 +20,6 @@ KINDS = ("fwd", "dgrad", "glu_dgrad", "wgrad")
 WGMMA_M = 64  # rows of one wgmma instruction: a compute warpgroup owns a multiple of this
 SMEM_BYTES = 227 * 1024  # dynamic shared memory one H100/H200 block can have
 SMEM_ALIGNMENT = 1024  # where Pallas (jax 0.11.2) starts each shared-memory scratch buffer
-# What Mosaic GPU's lowering asked for beyond the buffers and barriers of a GLU backward with a row scale (whose
-# epilogue sums rows across a warpgroup): 2048 bytes, measured at 128 x 128 x 64 with 6 stages (2026-11-27).
-ROW_SUM_SCRATCH = 2048
 # Registers per consumer thread an overlapped epilogue may hold across tiles: with a [64, 256] f32 accumulator (128
 # registers) and the addresses, more would spill under the 232-register budget of two consumers.
 OVERLAP_REGISTERS = 64
@@ -35,6 +32,9 @@ WGRAD_BAND_BYTES = 16 * 2**20
 # with lockstep tails (GROUP_BANDS below): measured faster at 256 (qwen3-30b, gpt-oss-120b); inside the whole layers
 # (512-1024 rows) no faster than clusters.
 SMALL_GROUP_ROWS = 256
+# Bytes of one group's 16-bit weights above which the heuristic's glu_dgrad walks group bands whatever the rows per
+# group (heuristic_config's note: measured slower below 3.1 MB, faster above 16.6 MB; 8 MB lies between).
+GLU_DGRAD_BAND_WEIGHT_BYTES = 8 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +115,6 @@ class Config:
         *,
         operand_cols: int = 0,
         row_vectors: int = 0,
-        row_sums: bool = False,
     ) -> int:
         """Shared memory of one CTA: the pipeline's stages, the epilogue's double buffer and its operands.
 
@@ -123,22 +122,20 @@ class Config:
           in_itemsize, out_itemsize: bytes per input / output element.
           operand_cols: columns of the [wg_block_m, operand_cols] input-dtype tile each consumer's epilogue loads
             itself (the GLU backward's packed gate/up rows, 2 * block_n, where the ring does not carry them).
-          row_vectors: [wg_block_m] f32 vectors per consumer (row_scale in, partial sums out).
-          row_sums: the epilogue sums its rows (the GLU backward's row-scale gradient), for which the lowering
-            takes ROW_SUM_SCRATCH more.
+          row_vectors: [wg_block_m] f32 vectors per consumer (row_scale in, partial sums out), in one buffer.
         """
         buffers = [
             self.num_stages * self.block_m * self.block_k * in_itemsize,  # x ring
             self.num_stages * self.block_n * self.block_k * in_itemsize,  # w ring
             2 * self.block_m * self.epilogue_n * out_itemsize,
             self.block_m * operand_cols * in_itemsize,
-            *[self.block_m * 4] * row_vectors,
+            row_vectors * self.block_m * 4,
         ]
         # Pallas starts every scratch buffer at a SMEM_ALIGNMENT boundary.
-        return sum(-(-size // SMEM_ALIGNMENT) * SMEM_ALIGNMENT for size in buffers) + row_sums * ROW_SUM_SCRATCH
+        return sum(-(-size // SMEM_ALIGNMENT) * SMEM_ALIGNMENT for size in buffers)
 
     def fits(self, in_itemsize: int = 2, out_itemsize: int = 2, **epilogue) -> bool:
-        """Whether the CTA's shared memory fits (``epilogue``: smem_bytes's operand_cols / row_vectors / row_sums)."""
+        """Whether the CTA's shared memory fits (``epilogue``: smem_bytes's operand_cols / row_vectors)."""
         # Leave room for the barriers and the compiler's own scratch.
         return self.smem_bytes(in_itemsize, out_itemsize, **epilogue) <= SMEM_BYTES - 2048
 
@@ -206,30 +203,40 @@ GROUP_BANDS = Config(grid_minor="g", grid_width=16, overlap_epilogue=True, locks
 # within 4e-4 (its partial sums per tile change with the width)): qwen3-30b down 400 -> 341 us, gpt-oss-120b down
 # 1806 -> 1466, dsv3-ep8 down 2176 -> 1769, mixtral down 4613 -> 3441. Of the ring configs 5 stages ran faster than
 # 4 (by 5-9%, 0.2% at dsv3-ep8), group bands faster than "n" / "m" bands (by 1-22%), and an overlapped epilogue
-# slower (by 8-28%); 6 stages do not fit next to a row scale. (benchmarks/RESULTS.md, 2026-11-27, tenth session.)
+# slower (by 8-28%). (benchmarks/RESULTS.md, 2026-11-27, tenth session.) Mixtral down keeps 5 stages; gpt_oss's
+# backward narrowed from the wide tiles below (CLAMPED_BLOCK_N) takes them too.
 GLU_DGRAD_RING = dataclasses.replace(GROUP_BANDS, block_n=128, num_stages=5, overlap_epilogue=False)
+# Since the thirteenth session (2026-11-27) a row scale's two vectors share one shared-memory buffer and the kernel
+# reserves no reduction scratch (sm90.py), which frees 3 KB: 6 stages of 128 x 128 tiles fit next to a row scale.
+# They run faster at the short contractions of qwen3-30b / gpt-oss-120b down (D = 2048 / 2880), for every
+# activation, outputs bit-identical: swiglu 340 -> 328 / 1460 -> 1401 us, gpt_oss 390 -> 372 / 1664 -> 1614, geglu
+# 357 -> 345 / 1546 -> 1507; slower at dsv3-ep8 / mixtral down (swiglu 1747 -> 1783 / 3419 -> 3594 us). (Device time,
+# CUPTI, 3 alternated rounds of 10 calls, H100, row scale; benchmarks/RESULTS.md, thirteenth session.)
+GLU_DGRAD_DEEP_RING = dataclasses.replace(GLU_DGRAD_RING, num_stages=6)
 # At dsv3-ep8 down (D = 7168: a long contraction) 128 x 256 tiles run faster, the up block in the first half of a
 # slot's weight buffer, with the 3 stages that fit next to a row scale: 1745 -> 1620 us, outputs bit-identical but
 # the row-scale gradient (within 3e-4). Elsewhere they did not pay: tied at mixtral down (3487 / 3455 us), 21% / 32%
 # slower at qwen3-30b / gpt-oss-120b down (D = 2048 / 2880; the plain dgrad there runs 5% / 15% slower with 3
-# stages than with 4). With 4 stages, which fit only without a row scale, they beat the 128 x 128 ring by 16% at
-# dsv3-ep8 and 10% at mixtral. (Device time, CUPTI, 3 alternated rounds of 10 calls, H100, swiglu; benchmarks/
-# RESULTS.md, 2026-11-27, eleventh session.)
-GLU_DGRAD_WIDE_RING = dataclasses.replace(GLU_DGRAD_RING, block_n=256, num_stages=3)
+# stages than with 4). Without a row scale 4 stages beat the 128 x 128 ring by 16% at dsv3-ep8 and 10% at mixtral.
+# (Device time, CUPTI, 3 alternated rounds of 10 calls, H100, swiglu; benchmarks/RESULTS.md, 2026-11-27, eleventh
+# session.) 4 stages fit next to a row scale since the thirteenth session (GLU_DGRAD_DEEP_RING's note): at dsv3-ep8
+# down swiglu 1630 -> 1601 us, geglu 1779 -> 1725 (the 128 x 128 ring: 1747 / 1773); at mixtral down swiglu 3429
+# against the 5-stage ring's 3419 (a tie, which keeps the ring).
+GLU_DGRAD_WIDE_RING = dataclasses.replace(GLU_DGRAD_RING, block_n=256, num_stages=4)
 TUNED: dict[tuple[str, int, int, int, int], Config] = {
     ("fwd", 128, 32768, 2048, 1536): GROUP_BANDS,
     ("dgrad", 128, 32768, 2048, 1536): GROUP_BANDS,
     ("wgrad", 128, 32768, 2048, 1536): WGRAD_BANDS,
     ("fwd", 128, 32768, 768, 2048): GROUP_BANDS,
     ("dgrad", 128, 32768, 768, 2048): GROUP_BANDS,
-    ("glu_dgrad", 128, 32768, 768, 2048): GLU_DGRAD_RING,
+    ("glu_dgrad", 128, 32768, 768, 2048): GLU_DGRAD_DEEP_RING,
     ("wgrad", 128, 32768, 768, 2048): WGRAD_BANDS,
     ("fwd", 128, 32768, 2880, 5760): GROUP_BANDS,
     ("dgrad", 128, 32768, 2880, 5760): GROUP_BANDS,
     ("wgrad", 128, 32768, 2880, 5760): WGRAD_BANDS,
     ("fwd", 128, 32768, 2880, 2880): GROUP_BANDS,
     ("dgrad", 128, 32768, 2880, 2880): GROUP_BANDS,
-    ("glu_dgrad", 128, 32768, 2880, 2880): GLU_DGRAD_RING,
+    ("glu_dgrad", 128, 32768, 2880, 2880): GLU_DGRAD_DEEP_RING,
     ("wgrad", 128, 32768, 2880, 2880): WGRAD_BANDS,
     ("fwd", 32, 32768, 7168, 4096): GROUP_BANDS,
     ("dgrad", 32, 32768, 7168, 4096): GROUP_BANDS,
@@ -280,7 +287,7 @@ def epilogue_smem(kind: str, config: Config, row_scale: bool) -> dict:
     """smem_bytes's epilogue operands of a kernel kind (``row_scale``: the epilogue scales rows)."""
     if kind == "glu_dgrad":
         operand_cols = 0 if gate_up_ring_slots(config) else 2 * config.block_n
-        return dict(operand_cols=operand_cols, row_vectors=2 * row_scale, row_sums=row_scale)
+        return dict(operand_cols=operand_cols, row_vectors=2 * row_scale)
     return dict(row_vectors=int(row_scale))
 
 
@@ -321,7 +328,7 @@ def heuristic_config(
     block_n, stages = (256 if out_cols >= 1024 else 128), 4
     if kind == "glu_dgrad":
         # 128 x 128 tiles carry the epilogue's packed gate/up rows in the pipeline's ring (gate_up_ring_slots), which
-        # leaves room for 5 stages (6 without a row scale); TUNED's note has the measurements.
+        # leaves room for 6 stages; TUNED's notes have the measurements.
         block_n, stages = 128, 6
     # 2-CTA clusters share a group's weight tile between two row tiles (the H200 sweep's choice at 13 of the table's 16
     # fwd / dgrad entries, before lockstep tails and group bands). At the whole layers' shapes (M = T * k = 131072;
@@ -337,7 +344,14 @@ def heuristic_config(
     # CTAs in step read the ideal bytes there. Inside the whole layers (512-1024 rows per group: qwen3-30b, gpt-oss-120b
     # and deepseek-v3 forwards, qwen3-30b's backward; H100) they measured no faster than clusters, although they won at
     # the named dsv3-ep8 / mixtral shapes (1024-2048 rows): TUNED's note.
-    if m <= SMALL_GROUP_ROWS * g:
+    # The GLU backward runs unclustered, so in "n" / "m" bands the CTAs computing one group's row tiles drift apart
+    # and each re-reads the group's weights from HBM where those are large; in group bands and in step they read them
+    # once: at the deepseek-v3 layer's down shape (512 rows and 29 MB of weights a group) 14.6 -> 7.3 ms, at
+    # gpt-oss-120b's (512 rows, 16.6 MB) 2.90 -> 2.69 ms; at qwen3-30b's (1024 rows, 3.1 MB) they were 8% slower
+    # (0.93 against 0.86 ms). (Device time, H100, row scale, 6 stages against the 5 that fitted before;
+    # benchmarks/RESULTS.md, thirteenth session.)
+    big_weights = kind == "glu_dgrad" and k * n * 2 > GLU_DGRAD_BAND_WEIGHT_BYTES
+    if m <= SMALL_GROUP_ROWS * g or big_weights:
         order = dataclasses.replace(GROUP_BANDS, overlap_epilogue=kind != "glu_dgrad")
     elif kind == "fwd":
         order = Config(grid_minor="m", grid_width=8, cluster_m=2, overlap_epilogue=True)

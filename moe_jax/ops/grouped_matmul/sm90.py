@@ -406,15 +406,15 @@ def grouped_matmul_rows(
     if loads_per_tile:
         # loaded[w]: consumer w's epilogue operands of its current tile landed.
         scratch.append(plgpu.Barrier(num_arrivals=loads_per_tile, num_barriers=num_wgs))
-    if epi.row_scale:
-        scratch.append(plgpu.SMEM((num_wgs, wg_m), jnp.float32))  # the tile's row_scale rows
+    if epi.row_vectors():
+        # The tile's row_scale rows, then (GLU backward) the partial sums on their way out: one buffer, as every
+        # buffer starts at a 1 KB boundary (config.SMEM_ALIGNMENT).
+        scratch.append(plgpu.SMEM((epi.row_vectors(), num_wgs, wg_m), jnp.float32))
     gate_up_cols = epi.operand_cols(cfg)
     if gate_up_cols:
         scratch.append(
             plgpu.SMEM((num_wgs, wg_m, gate_up_cols), in_dtype, transforms=pipe.swizzled(gate_up_cols, in_dtype))
         )
-    if epi.backward and epi.row_scale:
-        scratch.append(plgpu.SMEM((num_wgs, wg_m), jnp.float32))  # partial sums on their way out
     kernel = plgpu.kernel(
         body,
         out_type=tuple(out_types) if len(out_types) > 1 else out_types[0],
@@ -424,8 +424,12 @@ def grouped_matmul_rows(
         thread_name="wg",
         kernel_name=_kernel_name(epi, gathered),
         # Approximate exp / division in the GLU epilogues only: far inside bf16 rounding, and the plain kernels keep
-        # their exact code.
-        compiler_params=plgpu.CompilerParams(approx_math=epi.activation is not None or epi.backward),
+        # their exact code. No shared memory for cross-warp reductions: the only reduction, the GLU backward's row
+        # sums over a chunk's columns, stays within each warp in the wgmma layout (a cross-warp one would not lower),
+        # and the 2 KB the lowering reserves by default would cost the pipeline a stage (config.Config.fits).
+        compiler_params=plgpu.CompilerParams(
+            approx_math=epi.activation is not None or epi.backward, reduction_scratch_bytes=0
+        ),
         interpret=interpret,
     )
     return kernel(tiles, num_tiles, x, w, *([row_tokens] if gathered else []), *bands, *operands)
@@ -497,9 +501,10 @@ def _epilogue(
     self_loads = epi.own_loads(cfg) > 0
     loaded, *buffers = scratch if self_loads else (None, *scratch)
     buffers = iter(buffers)
-    row_scale_smem = next(buffers) if epi.row_scale else None
+    row_vectors_smem = next(buffers) if epi.row_vectors() else None
+    row_scale_smem = row_vectors_smem.at[0] if epi.row_scale else None
+    partial_smem = row_vectors_smem.at[1] if epi.backward and epi.row_scale else None
     gate_up_smem = next(buffers) if epi.operand_cols(cfg) else None
-    partial_smem = next(buffers) if epi.backward and epi.row_scale else None
     operand_gmem = iter(operand_gmem)
     row_scale_gmem = next(operand_gmem) if epi.row_scale else None
     gate_up_gmem = next(operand_gmem) if epi.backward else None
