@@ -348,8 +348,10 @@ def heuristic_config(
     # and each re-reads the group's weights from HBM where those are large; in group bands and in step they read them
     # once: at the deepseek-v3 layer's down shape (512 rows and 29 MB of weights a group) 14.6 -> 7.3 ms, at
     # gpt-oss-120b's (512 rows, 16.6 MB) 2.90 -> 2.69 ms; at qwen3-30b's (1024 rows, 3.1 MB) they were 8% slower
-    # (0.93 against 0.86 ms). (Device time, H100, row scale, 6 stages against the 5 that fitted before;
-    # benchmarks/RESULTS.md, thirteenth session.)
+    # (0.93 against 0.86 ms). (Device time, H100, row scale, 6 stages against the 5 that fitted before.) An H200
+    # ran both orders alike at the deepseek-v3 / gpt-oss-120b shapes (6.66 / 2.44 ms), and the whole deepseek-v3
+    # layer's forward + backward in 64.1 ms with group bands against 66.9 with "n" bands (spreads overlapping).
+    # (benchmarks/RESULTS.md, thirteenth session.)
     big_weights = kind == "glu_dgrad" and k * n * 2 > GLU_DGRAD_BAND_WEIGHT_BYTES
     if m <= SMALL_GROUP_ROWS * g or big_weights:
         order = dataclasses.replace(GROUP_BANDS, overlap_epilogue=kind != "glu_dgrad")
