@@ -344,9 +344,10 @@ def heuristic_config(
     # CTAs in step read the ideal bytes there. Inside the whole layers (512-1024 rows per group: qwen3-30b, gpt-oss-120b
     # and deepseek-v3 forwards, qwen3-30b's backward; H100) they measured no faster than clusters, although they won at
     # the named dsv3-ep8 / mixtral shapes (1024-2048 rows): TUNED's note.
-    # The GLU backward runs unclustered, so in "n" / "m" bands the CTAs computing one group's row tiles drift apart
-    # and each re-reads the group's weights from HBM where those are large; in group bands and in step they read them
-    # once: at the deepseek-v3 layer's down shape (512 rows and 29 MB of weights a group) 14.6 -> 7.3 ms, at
+    # The GLU backward runs unclustered. In "n" / "m" bands it ran much slower where a group's weights are large,
+    # presumably because the CTAs of a group's row tiles drift apart and each reads the weights from HBM (not
+    # profiled; the forward's ncu counts showed that: TUNED's note); group bands in lockstep read them together. At
+    # the deepseek-v3 layer's down shape (512 rows and 29 MB of weights a group) 14.6 -> 7.3 ms, at
     # gpt-oss-120b's (512 rows, 16.6 MB) 2.90 -> 2.69 ms; at qwen3-30b's (1024 rows, 3.1 MB) they were 8% slower
     # (0.93 against 0.86 ms). (Device time, H100, row scale, 6 stages against the 5 that fitted before.) An H200
     # ran both orders alike at the deepseek-v3 / gpt-oss-120b shapes (6.66 / 2.44 ms), and the whole deepseek-v3
