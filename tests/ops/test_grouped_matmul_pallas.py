@@ -540,15 +540,19 @@ def test_heuristic_walks_small_groups_in_group_bands(m, g):
         (131072, 2048, 7168, 256, True),  # deepseek-v3: 29 MB
         (131072, 2048, 2048, 128, False),  # 8 MB exactly
         (131072, 2048, 2048 + 64, 128, True),  # just past GLU_DGRAD_BAND_WEIGHT_BYTES
+        (32768, 14336, 4096, 8, True),  # a mixtral layer: 117 MB, a long contraction
+        (131072, 2880, 2880 + 64, 64, True),  # just past DEEP_RING_MAX_CONTRACTION
     ],
 )
 def test_heuristic_glu_backward_walks_group_bands_where_weights_are_large(m, f, d, g, bands):
     """Off the table and past SMALL_GROUP_ROWS rows a group, the GLU backward (w_down [G, F, D]) walks group bands in
     lockstep where a group's weights exceed GLU_DGRAD_BAND_WEIGHT_BYTES, "n" / "m" bands elsewhere; it takes 128 x 128
-    tiles with the 6 stages that fit next to a row scale either way."""
+    tiles either way, with the 6 stages that fit next to a row scale up to a contraction D of
+    DEEP_RING_MAX_CONTRACTION and 5 past it."""
     c = config.heuristic_config("glu_dgrad", m=m, k=f, n=d, g=g, row_scale=True)
     assert (c.grid_minor == "g", c.lockstep_tails) == (bands, bands)
-    assert (c.block_n, c.num_stages, c.cluster_m, c.overlap_epilogue) == (128, 6, 1, False)
+    stages = 6 if d <= config.DEEP_RING_MAX_CONTRACTION else 5
+    assert (c.block_n, c.num_stages, c.cluster_m, c.overlap_epilogue) == (128, stages, 1, False)
 
 
 @pytest.mark.parametrize(

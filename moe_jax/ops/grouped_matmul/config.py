@@ -35,6 +35,9 @@ SMALL_GROUP_ROWS = 256
 # Bytes of one group's 16-bit weights above which the heuristic's glu_dgrad walks group bands whatever the rows per
 # group (heuristic_config's note: measured slower below 3.1 MB, faster above 16.6 MB; 8 MB lies between).
 GLU_DGRAD_BAND_WEIGHT_BYTES = 8 * 2**20
+# Longest contraction (D) at which the heuristic's glu_dgrad takes 6 pipeline stages rather than 5 (measured: 6
+# faster at D = 2048 / 2880, slower at 4096 / 7168).
+DEEP_RING_MAX_CONTRACTION = 2880
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,8 +331,11 @@ def heuristic_config(
     block_n, stages = (256 if out_cols >= 1024 else 128), 4
     if kind == "glu_dgrad":
         # 128 x 128 tiles carry the epilogue's packed gate/up rows in the pipeline's ring (gate_up_ring_slots), which
-        # leaves room for 6 stages; TUNED's notes have the measurements.
-        block_n, stages = 128, 6
+        # leaves room for 6 stages. The sixth paid where the contraction (D, the op's n) is short and cost where it is
+        # long (GLU_DGRAD_DEEP_RING's note; H100, row scale): 3-5% faster at qwen3-30b / gpt-oss-120b down and at the
+        # qwen3-30b layer's shape, 2% / 5% slower at dsv3-ep8 / mixtral down and 0.6% at the deepseek-v3 layer's
+        # shape. The one point off the rule: 1% slower at the gpt-oss-120b layer's shape (D = 2880).
+        block_n, stages = 128, (6 if n <= DEEP_RING_MAX_CONTRACTION else 5)
     # 2-CTA clusters share a group's weight tile between two row tiles (the H200 sweep's choice at 13 of the table's 16
     # fwd / dgrad entries, before lockstep tails and group bands). At the whole layers' shapes (M = T * k = 131072;
     # H200, docs/kernels/grouped_matmul.md "Clusters"), they cut the forward kernels' time by 17-22% at DeepSeek-V3 (the
