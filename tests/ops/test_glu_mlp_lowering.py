@@ -201,15 +201,22 @@ def test_glu_backward_config_and_recomputed_grads(monkeypatch, model, activation
     assert epilogue.recompute_grads == recompute
 
 
+# Bytes by hand: stages x (x block [128, 64] + w block [block_n, 64]) bf16, the epilogue's double buffer
+# [2, 128, 64] bf16, and with a row scale one 1024-byte buffer for both [128] f32 vectors.
 @pytest.mark.parametrize(
-    "block_n, stages, row_scale, expected",
-    [(128, 6, True, True), (128, 7, False, False), (256, 4, True, True), (256, 5, False, False)],
+    "block_n, stages, row_scale, smem_bytes, expected",
+    [
+        (128, 6, True, 6 * 32768 + 32768 + 1024, True),
+        (128, 7, False, 7 * 32768 + 32768, False),
+        (256, 4, True, 4 * 49152 + 32768 + 1024, True),
+        (256, 5, False, 5 * 49152 + 32768, False),
+    ],
 )
-def test_ring_glu_backward_fits_exactly_where_it_lowers(block_n, stages, row_scale, expected):
-    """Config.fits, with the GLU backward's epilogue operands (none of its own where the ring carries the gate/up
-    rows), agrees with Mosaic GPU's shared-memory check: 6 stages of 128 x 128 tiles, or 4 of 128 x 256, fit with a
-    row scale (its two [128] f32 vectors share one 1024-byte buffer, and the row sums reserve no reduction
-    scratch), one more stage does not fit even without one."""
+def test_ring_glu_backward_fits_exactly_where_it_lowers(block_n, stages, row_scale, smem_bytes, expected):
+    """Config.smem_bytes counts the GLU backward's buffers (none for the gate/up rows, which the ring carries) as laid
+    out, and Config.fits agrees with Mosaic GPU's shared-memory check: 6 stages of 128 x 128 tiles, or 4 of 128 x 256,
+    fit with a row scale, exactly at the limit (its two [128] f32 vectors share one 1024-byte buffer and the row sums
+    reserve no reduction scratch); one more stage does not fit even without one."""
     c = dataclasses.replace(config.GLU_DGRAD_RING, block_n=block_n, num_stages=stages)
     m, d_ff, d, g = 1024, 256, 256, 4
     args = (
@@ -228,6 +235,7 @@ def test_ring_glu_backward_fits_exactly_where_it_lowers(block_n, stages, row_sca
         assert "exceeds available shared memory" in str(error)
         lowers = False
     assert config.gate_up_ring_slots(c) == block_n // 64
+    assert c.smem_bytes(2, 2, **config.epilogue_smem("glu_dgrad", c, row_scale)) == smem_bytes
     assert c.fits(**config.epilogue_smem("glu_dgrad", c, row_scale)) == lowers == expected
 
 

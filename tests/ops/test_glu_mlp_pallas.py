@@ -291,7 +291,8 @@ def test_glu_backward_epilogue(activation, config, with_row_scale):
 
 
 # Epilogue.recompute_grads moves where h, d_gate and d_up are computed (each in its store's branch), not what: on the
-# 128 x 128 ring and the 128 x 256 one, with a row scale, F = 192 (each ring's last tile has chunks wholly past F).
+# 128 x 128 ring (5 stages) and the 128 x 256 one (4), with a row scale, F = 192 (each ring's last tile has chunks
+# wholly past F).
 @pytest.mark.parametrize("config", [GLU_DGRAD_RING, GLU_DGRAD_WIDE_RING], ids=["ring-128", "ring-256"])
 @pytest.mark.usefixtures("interpret")
 def test_glu_backward_recomputed_per_store_is_bit_identical(monkeypatch, config):

@@ -213,18 +213,19 @@ GLU_DGRAD_RING = dataclasses.replace(GROUP_BANDS, block_n=128, num_stages=5, ove
 # reserves no reduction scratch (sm90.py), which frees 3 KB: 6 stages of 128 x 128 tiles fit next to a row scale.
 # They run faster at the short contractions of qwen3-30b / gpt-oss-120b down (D = 2048 / 2880), for every
 # activation, outputs bit-identical: swiglu 340 -> 328 / 1460 -> 1401 us, gpt_oss 390 -> 372 / 1664 -> 1614, geglu
-# 357 -> 345 / 1546 -> 1507; slower at dsv3-ep8 / mixtral down (swiglu 1747 -> 1783 / 3419 -> 3594 us). (Device time,
+# 357 -> 345 / 1546 -> 1507; slower at dsv3-ep8 / mixtral down (swiglu 1747 -> 1783 / 3419 -> 3594 us; gpt_oss and
+# geglu 0.1-2%). (Device time,
 # CUPTI, 3 alternated rounds of 10 calls, H100, row scale; benchmarks/RESULTS.md, thirteenth session.)
 GLU_DGRAD_DEEP_RING = dataclasses.replace(GLU_DGRAD_RING, num_stages=6)
-# At dsv3-ep8 down (D = 7168: a long contraction) 128 x 256 tiles run faster, the up block in the first half of a
-# slot's weight buffer, with the 3 stages that fit next to a row scale: 1745 -> 1620 us, outputs bit-identical but
-# the row-scale gradient (within 3e-4). Elsewhere they did not pay: tied at mixtral down (3487 / 3455 us), 21% / 32%
-# slower at qwen3-30b / gpt-oss-120b down (D = 2048 / 2880; the plain dgrad there runs 5% / 15% slower with 3
-# stages than with 4). Without a row scale 4 stages beat the 128 x 128 ring by 16% at dsv3-ep8 and 10% at mixtral.
-# (Device time, CUPTI, 3 alternated rounds of 10 calls, H100, swiglu; benchmarks/RESULTS.md, 2026-11-27, eleventh
-# session.) 4 stages fit next to a row scale since the thirteenth session (GLU_DGRAD_DEEP_RING's note): at dsv3-ep8
-# down swiglu 1630 -> 1601 us, geglu 1779 -> 1725 (the 128 x 128 ring: 1747 / 1773); at mixtral down swiglu 3429
-# against the 5-stage ring's 3419 (a tie, which keeps the ring).
+# At dsv3-ep8 down (D = 7168: a long contraction) 128 x 256 tiles run faster, the up block in the first half of a slot's
+# weight buffer, with the 3 stages that then fitted next to a row scale: 1745 -> 1620 us, outputs bit-identical but the
+# row-scale gradient (within 3e-4). Elsewhere they did not pay: tied at mixtral down (3487 / 3455 us), 21% / 32% slower
+# at qwen3-30b / gpt-oss-120b down (D = 2048 / 2880; the plain dgrad there runs 5% / 15% slower with 3 stages than with
+# 4). Without a row scale 4 stages beat the 128 x 128 ring by 16% at dsv3-ep8 and 10% at mixtral. (Device time, CUPTI, 3
+# alternated rounds of 10 calls, H100, swiglu; benchmarks/RESULTS.md, 2026-11-27, eleventh session.) 4 stages fit next
+# to a row scale since the thirteenth session (GLU_DGRAD_DEEP_RING's note): at dsv3-ep8 down swiglu 1630 -> 1601 us,
+# geglu 1779 -> 1725 (the 128 x 128 ring: 1747 / 1773); at mixtral down swiglu 3429 against the 5-stage ring's 3419 (a
+# tie, which keeps the ring).
 GLU_DGRAD_WIDE_RING = dataclasses.replace(GLU_DGRAD_RING, block_n=256, num_stages=4)
 TUNED: dict[tuple[str, int, int, int, int], Config] = {
     ("fwd", 128, 32768, 2048, 1536): GROUP_BANDS,
@@ -332,9 +333,9 @@ def heuristic_config(
     if kind == "glu_dgrad":
         # 128 x 128 tiles carry the epilogue's packed gate/up rows in the pipeline's ring (gate_up_ring_slots), which
         # leaves room for 6 stages. The sixth paid where the contraction (D, the op's n) is short and cost where it is
-        # long (GLU_DGRAD_DEEP_RING's note; H100, row scale): 3-5% faster at qwen3-30b / gpt-oss-120b down and at the
-        # qwen3-30b layer's shape, 2% / 5% slower at dsv3-ep8 / mixtral down and 0.6% at the deepseek-v3 layer's
-        # shape. The one point off the rule: 1% slower at the gpt-oss-120b layer's shape (D = 2880).
+        # long (GLU_DGRAD_DEEP_RING's note; H100, row scale): 2.5-5% faster at qwen3-30b / gpt-oss-120b down and at
+        # the qwen3-30b layer's shape; 2% slower at dsv3-ep8 down, 0.1-5% at mixtral down (5% swiglu) and 0.6% at the
+        # deepseek-v3 layer's shape. The one point off the rule: 1% slower at the gpt-oss-120b layer's shape (D = 2880).
         block_n, stages = 128, (6 if n <= DEEP_RING_MAX_CONTRACTION else 5)
     # 2-CTA clusters share a group's weight tile between two row tiles (the H200 sweep's choice at 13 of the table's 16
     # fwd / dgrad entries, before lockstep tails and group bands). At the whole layers' shapes (M = T * k = 131072;
@@ -355,7 +356,8 @@ def heuristic_config(
     # profiled; the forward's ncu counts showed that: TUNED's note); group bands in lockstep read them together. At
     # the deepseek-v3 layer's down shape (512 rows and 29 MB of weights a group) 14.6 -> 7.3 ms, at
     # gpt-oss-120b's (512 rows, 16.6 MB) 2.90 -> 2.69 ms; at qwen3-30b's (1024 rows, 3.1 MB) they were 8% slower
-    # (0.93 against 0.86 ms). (Device time, H100, row scale, 6 stages against the 5 that fitted before.) An H200
+    # (0.93 against 0.86 ms). (Device time, H100, row scale; the deepseek-v3 pair at 5 stages, gpt-oss-120b's 5 -> 6,
+    # qwen3-30b's at 6.) An H200
     # ran both orders alike at the deepseek-v3 / gpt-oss-120b shapes (6.66 / 2.44 ms), and the whole deepseek-v3
     # layer's forward + backward in 64.1 ms with group bands against 66.9 with "n" bands (spreads overlapping).
     # (benchmarks/RESULTS.md, thirteenth session.)
