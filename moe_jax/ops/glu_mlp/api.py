@@ -61,8 +61,9 @@ DOWN_NAMES = ArgNames(op="glu_mlp", lhs="x (the hidden activations' dtype)", rhs
 # RESULTS.md, 2026-11-27, twelfth session), together -> recomputed: gpt_oss 447 -> 394 us at qwen3-30b down, 2007 ->
 # 1675 at gpt-oss-120b down; geglu 1891 -> 1552 at gpt-oss-120b down; swiglu 342 -> 367 and 1480 -> 1562 (slower).
 # Next to a 256-column accumulator (GLU_DGRAD_WIDE_RING, dsv3-ep8 down) recomputing was slower for all three: swiglu
-# 1647 -> 2111, geglu 1796 -> 2180, gpt_oss 2500 -> 2590. Not measured: geglu at qwen3-30b, either at mixtral down
-# (whose table entry is GLU_DGRAD_RING); they follow the register counts, which depend on the tile, not the shape.
+# 1647 -> 2111, geglu 1796 -> 2180, gpt_oss 2500 -> 2590. The same held where first measured in the thirteenth
+# session (GLU_DGRAD_RING, H100): geglu 425 -> 364 us at qwen3-30b down; at mixtral down gpt_oss 4432 -> 3766, geglu
+# 4168 -> 3567, swiglu 3442 -> 3589 (slower): the register counts depend on the tile, not the shape.
 RECOMPUTED_GRADS = ("gpt_oss", "geglu")
 RECOMPUTE_MAX_BLOCK_N = 128
 
