@@ -214,8 +214,8 @@ GLU_DGRAD_RING = dataclasses.replace(GROUP_BANDS, block_n=128, num_stages=5, ove
 # They run faster at the short contractions of qwen3-30b / gpt-oss-120b down (D = 2048 / 2880), for every
 # activation, outputs bit-identical: swiglu 340 -> 328 / 1460 -> 1401 us, gpt_oss 390 -> 372 / 1664 -> 1614, geglu
 # 357 -> 345 / 1546 -> 1507; slower at dsv3-ep8 / mixtral down (swiglu 1747 -> 1783 / 3419 -> 3594 us; gpt_oss and
-# geglu 0.1-2%). (Device time,
-# CUPTI, 3 alternated rounds of 10 calls, H100, row scale; benchmarks/RESULTS.md, thirteenth session.)
+# geglu 0.1-2%). (Device time, CUPTI, 3 alternated rounds of 10 calls, H100, row scale; benchmarks/RESULTS.md,
+# thirteenth session.)
 GLU_DGRAD_DEEP_RING = dataclasses.replace(GLU_DGRAD_RING, num_stages=6)
 # At dsv3-ep8 down (D = 7168: a long contraction) 128 x 256 tiles run faster, the up block in the first half of a slot's
 # weight buffer, with the 3 stages that then fitted next to a row scale: 1745 -> 1620 us, outputs bit-identical but the
@@ -287,12 +287,17 @@ def gate_up_ring_slots(config: Config) -> int:
     return slots if shape and depth and config.cluster_m == 1 else 0
 
 
+def row_vector_count(row_scale: bool, glu_backward: bool) -> int:
+    """[wg_block_m] f32 shared-memory vectors per consumer: the row scale in and, in the GLU backward, the row-scale
+    gradient's partial sums out (sm90.py keeps them in one buffer)."""
+    return int(row_scale) * (2 if glu_backward else 1)
+
+
 def epilogue_smem(kind: str, config: Config, row_scale: bool) -> dict:
     """smem_bytes's epilogue operands of a kernel kind (``row_scale``: the epilogue scales rows)."""
-    if kind == "glu_dgrad":
-        operand_cols = 0 if gate_up_ring_slots(config) else 2 * config.block_n
-        return dict(operand_cols=operand_cols, row_vectors=2 * row_scale)
-    return dict(row_vectors=int(row_scale))
+    glu_backward = kind == "glu_dgrad"
+    operand_cols = 2 * config.block_n if glu_backward and not gate_up_ring_slots(config) else 0
+    return dict(operand_cols=operand_cols, row_vectors=row_vector_count(row_scale, glu_backward))
 
 
 def heuristic_config(
@@ -357,10 +362,9 @@ def heuristic_config(
     # the deepseek-v3 layer's down shape (512 rows and 29 MB of weights a group) 14.6 -> 7.3 ms, at
     # gpt-oss-120b's (512 rows, 16.6 MB) 2.90 -> 2.69 ms; at qwen3-30b's (1024 rows, 3.1 MB) they were 8% slower
     # (0.93 against 0.86 ms). (Device time, H100, row scale; the deepseek-v3 pair at 5 stages, gpt-oss-120b's 5 -> 6,
-    # qwen3-30b's at 6.) An H200
-    # ran both orders alike at the deepseek-v3 / gpt-oss-120b shapes (6.66 / 2.44 ms), and the whole deepseek-v3
-    # layer's forward + backward in 64.1 ms with group bands against 66.9 with "n" bands (spreads overlapping).
-    # (benchmarks/RESULTS.md, thirteenth session.)
+    # qwen3-30b's at 6.) An H200 ran both orders alike at the deepseek-v3 / gpt-oss-120b shapes (6.66 / 2.44 ms),
+    # and the whole deepseek-v3 layer's forward + backward in 64.1 ms with group bands against 66.9 with "n" bands
+    # (spreads overlapping). (benchmarks/RESULTS.md, thirteenth session.)
     big_weights = kind == "glu_dgrad" and k * n * 2 > GLU_DGRAD_BAND_WEIGHT_BYTES
     if m <= SMALL_GROUP_ROWS * g or big_weights:
         order = dataclasses.replace(GROUP_BANDS, overlap_epilogue=kind != "glu_dgrad")

@@ -53,7 +53,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moe_jax.ops.grouped_matmul import sm90_gather as gather
 from moe_jax.ops.grouped_matmul import sm90_pipeline as pipe
-from moe_jax.ops.grouped_matmul.config import Config, gate_up_ring_slots
+from moe_jax.ops.grouped_matmul.config import Config, gate_up_ring_slots, row_vector_count
 from moe_jax.ops.grouped_matmul.schedule import (
     BAND_FIRST,
     BAND_REVERSED,
@@ -150,8 +150,8 @@ class Epilogue:
         return config.wg_block_m * columns * itemsize
 
     def row_vectors(self) -> int:
-        """[wg_block_m] f32 shared-memory vectors per consumer: row_scale in, partial sums out."""
-        return self.row_scale * (2 if self.backward else 1)
+        """[wg_block_m] f32 shared-memory vectors per consumer (config.row_vector_count)."""
+        return row_vector_count(self.row_scale, self.backward)
 
 
 PLAIN = Epilogue()  # cast and store
