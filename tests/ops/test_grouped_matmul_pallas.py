@@ -533,25 +533,28 @@ def test_heuristic_walks_small_groups_in_group_bands(m, g):
 
 
 @pytest.mark.parametrize(
-    "m, f, d, g, bands, stages",
+    "m, f, d, g, bands, block_n, stages",
     [
-        (131072, 768, 2048, 128, False, 6),  # the qwen3-30b layer: 3.1 MB of weights a group
-        (65536, 2880, 2880, 128, True, 6),  # gpt-oss-120b: 16.6 MB
-        (131072, 2048, 7168, 256, True, 5),  # deepseek-v3: 29 MB, a long contraction
-        (131072, 2048, 2048, 128, False, 6),  # 8 MB exactly
-        (131072, 2048, 2048 + 64, 128, True, 6),  # just past GLU_DGRAD_BAND_WEIGHT_BYTES
-        (32768, 14336, 4096, 8, True, 5),  # a mixtral layer: 117 MB
-        (131072, 2880, 2880 + 64, 64, True, 5),  # just past DEEP_RING_MAX_CONTRACTION
+        (131072, 768, 2048, 128, False, 128, 6),  # the qwen3-30b layer: 3.1 MB of weights a group
+        (65536, 2880, 2880, 128, True, 128, 6),  # gpt-oss-120b: 16.6 MB
+        (131072, 2048, 7168, 256, True, 256, 4),  # deepseek-v3: 29 MB, a long contraction
+        (131072, 2048, 2048, 128, False, 128, 6),  # 8 MB exactly
+        (131072, 2048, 2048 + 64, 128, True, 128, 6),  # just past GLU_DGRAD_BAND_WEIGHT_BYTES
+        (32768, 14336, 4096, 8, True, 128, 5),  # a mixtral layer: 117 MB
+        (131072, 2880, 2880 + 64, 64, True, 128, 5),  # just past DEEP_RING_MAX_CONTRACTION
+        (131072, 2048, 4096 + 64, 64, True, 256, 4),  # just past WIDE_RING_MAX_CONTRACTION
+        (131072, 512, 7168, 256, False, 128, 5),  # a long contraction but 7.3 MB a group: "n" bands, 128 wide
     ],
 )
-def test_heuristic_glu_backward_walks_group_bands_where_weights_are_large(m, f, d, g, bands, stages):
+def test_heuristic_glu_backward_walks_group_bands_where_weights_are_large(m, f, d, g, bands, block_n, stages):
     """Off the table and past SMALL_GROUP_ROWS rows a group, the GLU backward (w_down [G, F, D]) walks group bands in
-    lockstep where a group's weights exceed GLU_DGRAD_BAND_WEIGHT_BYTES, "n" / "m" bands elsewhere; it takes 128 x 128
-    tiles either way, with the 6 stages that fit next to a row scale up to a contraction D of
-    DEEP_RING_MAX_CONTRACTION and 5 past it."""
+    lockstep where a group's weights exceed GLU_DGRAD_BAND_WEIGHT_BYTES, "n" / "m" bands elsewhere. It takes 128 x 128
+    tiles with the 6 stages that fit next to a row scale up to a contraction D of DEEP_RING_MAX_CONTRACTION and 5 past
+    it; in group bands past WIDE_RING_MAX_CONTRACTION, 128 x 256 tiles with 4 stages (which fit next to a row scale)."""
     c = config.heuristic_config("glu_dgrad", m=m, k=f, n=d, g=g, row_scale=True)
     assert (c.grid_minor == "g", c.lockstep_tails) == (bands, bands)
-    assert (c.block_n, c.num_stages, c.cluster_m, c.overlap_epilogue) == (128, stages, 1, False)
+    assert (c.block_n, c.num_stages, c.cluster_m, c.overlap_epilogue) == (block_n, stages, 1, False)
+    assert config.gate_up_ring_slots(c) == block_n // 64  # the gate/up rows ride the ring
 
 
 @pytest.mark.parametrize(

@@ -38,6 +38,11 @@ GLU_DGRAD_BAND_WEIGHT_BYTES = 8 * 2**20
 # Longest contraction (D) at which the heuristic's glu_dgrad takes 6 pipeline stages rather than 5 (measured: 6
 # faster at D = 2048 / 2880, slower at 4096 / 7168).
 DEEP_RING_MAX_CONTRACTION = 2880
+# Longest contraction (D) at which the heuristic's glu_dgrad in group bands keeps 128 x 128 tiles; past it it takes
+# 128 x 256 ones with 4 stages (GLU_DGRAD_WIDE_RING's shape). Measured with group bands (H100, row scale, swiglu): at
+# D = 7168 the wide tiles ran faster (dsv3-ep8 down 1747 -> 1601 us; the deepseek-v3 layer's shape 7277 -> 7089 us),
+# at D = 4096 alike (mixtral down 3419 / 3429 us), at D = 2048 / 2880 21-32% slower.
+WIDE_RING_MAX_CONTRACTION = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,6 +373,10 @@ def heuristic_config(
     big_weights = kind == "glu_dgrad" and k * n * 2 > GLU_DGRAD_BAND_WEIGHT_BYTES
     if m <= SMALL_GROUP_ROWS * g or big_weights:
         order = dataclasses.replace(GROUP_BANDS, overlap_epilogue=kind != "glu_dgrad")
+        if kind == "glu_dgrad" and n > WIDE_RING_MAX_CONTRACTION:
+            # A long contraction: wide tiles carry their gate/up rows in the ring too, with 4 stages next to a row
+            # scale (WIDE_RING_MAX_CONTRACTION's note; measured in group bands only).
+            block_n, stages = 256, 4
     elif kind == "fwd":
         order = Config(grid_minor="m", grid_width=8, cluster_m=2, overlap_epilogue=True)
     else:
