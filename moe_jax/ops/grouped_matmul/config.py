@@ -29,12 +29,16 @@ OVERLAP_REGISTERS = 64
 WGRAD_BAND_TILES = 16
 WGRAD_BAND_BYTES = 16 * 2**20
 # Mean rows per group at or below which the heuristic's fwd / dgrad / glu_dgrad run one CTA per span in group bands
-# with lockstep tails (GROUP_BANDS below): measured faster at 256 (qwen3-30b, gpt-oss-120b); inside the whole layers
-# (512-1024 rows) no faster than clusters.
+# (GROUP_BANDS below; fwd / dgrad in lockstep only past LOCKSTEP_WEIGHT_BYTES): measured faster at 256 (qwen3-30b,
+# gpt-oss-120b); inside the whole layers (512-1024 rows) no faster than clusters.
 SMALL_GROUP_ROWS = 256
 # Bytes of one group's 16-bit weights above which the heuristic's glu_dgrad walks group bands whatever the rows per
 # group (heuristic_config's note: measured slower below 3.1 MB, faster above 16.6 MB; 8 MB lies between).
 GLU_DGRAD_BAND_WEIGHT_BYTES = 8 * 2**20
+# Bytes of one group's 16-bit weights above which the fwd / dgrad in group bands of small groups keep their
+# warpgroups in lockstep (SMALL_WEIGHT_BANDS' note: without it 0-3% faster at 3.1 / 6.3 MB, 1.5-14% slower at 16.6 /
+# 33 MB; 8 MB lies between).
+LOCKSTEP_WEIGHT_BYTES = 8 * 2**20
 # Longest contraction (D) at which the heuristic's glu_dgrad takes 6 pipeline stages rather than 5 (measured: 6
 # faster at D = 2048 / 2880, slower at 4096 / 7168).
 DEEP_RING_MAX_CONTRACTION = 2880
@@ -202,6 +206,14 @@ WGRAD_BANDS = Config(grid_minor="m", grid_width=WGRAD_BAND_TILES, overlap_epilog
 # 2.2% slower so; all four do since GLU_DGRAD_RING below). Not measured on an H200
 # (benchmarks/results/2026-11-26_h100_group_bands.md).
 GROUP_BANDS = Config(grid_minor="g", grid_width=16, overlap_epilogue=True, lockstep_tails=True)
+# The qwen3-30b fwd / dgrad entries (3.1 / 6.3 MB of weights a group, shared by 2-3 row tiles) skip a tail tile's
+# idle MMAs since the fifteenth session (2026-11-27): device time (CUPTI, H100, 3-4 alternated rounds of 10 calls,
+# two calls with the order swapped, routings u0 / u1; outputs bit-identical) gate_up fwd 403.4 -> 397.4 and 383.4 ->
+# 378.4 us, gate_up dgrad 418.8 -> 404.4 and 401.6 -> 393.4, down fwd 214.2 -> 210.8 and 208.9 -> 206.4, down dgrad
+# 225.9 -> 225.6 and 229.7 -> 228.3. At gpt-oss-120b (16.6 / 33 MB a group) the lockstep keeps the CTAs sharing a
+# weight tile in step, and dropping it cost 1.5-14% (fwd gate_up 1926 -> 2002, down 1004 -> 1142 us; dgrad 2073 ->
+# 2248, 1045 -> 1061). (benchmarks/RESULTS.md, fifteenth session.)
+SMALL_WEIGHT_BANDS = dataclasses.replace(GROUP_BANDS, lockstep_tails=False)
 # The glu_dgrad entries take 128 x 128 tiles whose packed gate/up rows ride the pipeline's ring (gate_up_ring_slots)
 # since 2026-11-27 (tenth session). Before, each consumer loaded them into a buffer of its own, and that buffer left
 # room for 64-column tiles with 6 stages (qwen3-30b, gpt-oss-120b) or 128-column ones with 3 (dsv3-ep8, mixtral).
@@ -233,11 +245,11 @@ GLU_DGRAD_DEEP_RING = dataclasses.replace(GLU_DGRAD_RING, num_stages=6)
 # tie, which keeps the ring).
 GLU_DGRAD_WIDE_RING = dataclasses.replace(GLU_DGRAD_RING, block_n=256, num_stages=4)
 TUNED: dict[tuple[str, int, int, int, int], Config] = {
-    ("fwd", 128, 32768, 2048, 1536): GROUP_BANDS,
-    ("dgrad", 128, 32768, 2048, 1536): GROUP_BANDS,
+    ("fwd", 128, 32768, 2048, 1536): SMALL_WEIGHT_BANDS,
+    ("dgrad", 128, 32768, 2048, 1536): SMALL_WEIGHT_BANDS,
     ("wgrad", 128, 32768, 2048, 1536): WGRAD_BANDS,
-    ("fwd", 128, 32768, 768, 2048): GROUP_BANDS,
-    ("dgrad", 128, 32768, 768, 2048): GROUP_BANDS,
+    ("fwd", 128, 32768, 768, 2048): SMALL_WEIGHT_BANDS,
+    ("dgrad", 128, 32768, 768, 2048): SMALL_WEIGHT_BANDS,
     ("glu_dgrad", 128, 32768, 768, 2048): GLU_DGRAD_DEEP_RING,
     ("wgrad", 128, 32768, 768, 2048): WGRAD_BANDS,
     ("fwd", 128, 32768, 2880, 5760): GROUP_BANDS,
@@ -373,6 +385,9 @@ def heuristic_config(
     big_weights = kind == "glu_dgrad" and k * n * 2 > GLU_DGRAD_BAND_WEIGHT_BYTES
     if m <= SMALL_GROUP_ROWS * g or big_weights:
         order = dataclasses.replace(GROUP_BANDS, overlap_epilogue=kind != "glu_dgrad")
+        if kind in ("fwd", "dgrad") and k * n * 2 <= LOCKSTEP_WEIGHT_BYTES:
+            # Small weights a group: skipping a tail's idle MMAs paid more than the lockstep (SMALL_WEIGHT_BANDS).
+            order = dataclasses.replace(order, lockstep_tails=False)
         if kind == "glu_dgrad" and n > WIDE_RING_MAX_CONTRACTION:
             # A long contraction: wide tiles carry their gate/up rows in the ring too, with 4 stages next to a row
             # scale (WIDE_RING_MAX_CONTRACTION's note; measured in group bands only).
