@@ -36,7 +36,7 @@ SMALL_GROUP_ROWS = 256
 # group (heuristic_config's note: measured slower below 3.1 MB, faster above 16.6 MB; 8 MB lies between).
 GLU_DGRAD_BAND_WEIGHT_BYTES = 8 * 2**20
 # Bytes of one group's 16-bit weights above which the fwd / dgrad in group bands of small groups keep their
-# warpgroups in lockstep (SMALL_WEIGHT_BANDS' note: without it 0-3% faster at 3.1 / 6.3 MB, 1.5-14% slower at 16.6 /
+# warpgroups in lockstep (SMALL_WEIGHT_BANDS' note: without it 0-3.4% faster at 3.1 / 6.3 MB, 1.5-14% slower at 16.6 /
 # 33 MB; 8 MB lies between).
 LOCKSTEP_WEIGHT_BYTES = 8 * 2**20
 # Longest contraction (D) at which the heuristic's glu_dgrad takes 6 pipeline stages rather than 5 (measured: 6
