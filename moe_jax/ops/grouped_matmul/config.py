@@ -352,7 +352,14 @@ def heuristic_config(
         )
         return _fit(config, out_itemsize, kind, row_scale)
     block_n, stages = (256 if out_cols >= 1024 else 128), 4
-    if kind == "glu_dgrad":
+    # Bytes of one group's weights, and whether the kernel walks group bands (the order's note below).
+    weight_bytes = k * n * 2
+    banded = m <= SMALL_GROUP_ROWS * g or (kind == "glu_dgrad" and weight_bytes > GLU_DGRAD_BAND_WEIGHT_BYTES)
+    if kind == "glu_dgrad" and banded and n > WIDE_RING_MAX_CONTRACTION:
+        # A long contraction: GLU_DGRAD_WIDE_RING's tiles, whose gate/up rows ride the ring too, with the 4 stages
+        # that fit next to a row scale (WIDE_RING_MAX_CONTRACTION's note; measured in group bands only).
+        block_n, stages = GLU_DGRAD_WIDE_RING.block_n, GLU_DGRAD_WIDE_RING.num_stages
+    elif kind == "glu_dgrad":
         # 128 x 128 tiles carry the epilogue's packed gate/up rows in the pipeline's ring (gate_up_ring_slots), which
         # leaves room for 6 stages. The sixth paid where the contraction (D, the op's n) is short and cost where it is
         # long (GLU_DGRAD_DEEP_RING's note; H100, row scale): 2.5-5% faster at qwen3-30b / gpt-oss-120b down and at
@@ -382,16 +389,10 @@ def heuristic_config(
     # qwen3-30b's at 6.) An H200 ran both orders alike at the deepseek-v3 / gpt-oss-120b shapes (6.66 / 2.44 ms),
     # and the whole deepseek-v3 layer's forward + backward in 64.1 ms with group bands against 66.9 with "n" bands
     # (spreads overlapping). (benchmarks/RESULTS.md, thirteenth session.)
-    big_weights = kind == "glu_dgrad" and k * n * 2 > GLU_DGRAD_BAND_WEIGHT_BYTES
-    if m <= SMALL_GROUP_ROWS * g or big_weights:
-        order = dataclasses.replace(GROUP_BANDS, overlap_epilogue=kind != "glu_dgrad")
-        if kind in ("fwd", "dgrad") and k * n * 2 <= LOCKSTEP_WEIGHT_BYTES:
-            # Small weights a group: skipping a tail's idle MMAs paid more than the lockstep (SMALL_WEIGHT_BANDS).
-            order = dataclasses.replace(order, lockstep_tails=False)
-        if kind == "glu_dgrad" and n > WIDE_RING_MAX_CONTRACTION:
-            # A long contraction: wide tiles carry their gate/up rows in the ring too, with 4 stages next to a row
-            # scale (WIDE_RING_MAX_CONTRACTION's note; measured in group bands only).
-            block_n, stages = 256, 4
+    if banded:
+        # With small weights a group the fwd / dgrad skip a tail's idle MMAs (SMALL_WEIGHT_BANDS' note).
+        locked = kind == "glu_dgrad" or weight_bytes > LOCKSTEP_WEIGHT_BYTES
+        order = dataclasses.replace(GROUP_BANDS if locked else SMALL_WEIGHT_BANDS, overlap_epilogue=kind != "glu_dgrad")
     elif kind == "fwd":
         order = Config(grid_minor="m", grid_width=8, cluster_m=2, overlap_epilogue=True)
     else:
