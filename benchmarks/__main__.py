@@ -52,12 +52,17 @@ DEFAULT_ROUTING_SHAPES = {"bench": None, "ci": "ci/grouped"}
 
 
 def _names(text: str | None, registry: dict, default: list) -> list:
+    """The shapes named in ``text`` (comma-separated names, or a tag standing for every shape it marks)."""
     if text is None:
         return default
-    unknown = [name for name in text.split(",") if name not in registry]
+    names = []
+    for item in text.split(","):
+        tagged = [name for name, shape in registry.items() if shape.tag == item]
+        names.extend(tagged or [item])
+    unknown = [name for name in names if name not in registry]
     if unknown:
-        raise SystemExit(f"unknown shape(s) {unknown}; known: {', '.join(registry)}")
-    return [registry[name] for name in text.split(",")]
+        raise SystemExit(f"unknown shape(s) {unknown}; known: {', '.join(registry)} and the tags {shape_registry.TAGS}")
+    return [registry[name] for name in names]
 
 
 def _choices(text: str, allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
@@ -71,7 +76,11 @@ def _choices(text: str, allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     parser.add_argument("--bench", default="all", help=f"comma-separated from {BENCHES}, or 'all' (default)")
-    parser.add_argument("--shapes", help="grouped-matmul shapes for gmm/gmm-bwd (default: every 'bench' shape)")
+    parser.add_argument(
+        "--shapes",
+        help="grouped-matmul shapes for gmm/gmm-bwd, by name or tag, e.g. 'heuristic' for the models off the tuned "
+        "table (default: every 'bench' shape)",
+    )
     parser.add_argument("--skew-shapes", help=f"shapes for skew (default: {DEFAULT_SKEW_SHAPE['bench']})")
     parser.add_argument(
         "--layer-shapes",

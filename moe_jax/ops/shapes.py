@@ -1,6 +1,8 @@
 """Named problem shapes shared by tests and benchmarks (DESIGN §6).
 
-Two registries, each entry tagged "ci" (tiny: tests and the CPU benchmark smoke run) or "bench" (the real models):
+Two registries, each entry tagged "ci" (tiny: tests and the CPU benchmark smoke run), "bench" (the real models of
+DESIGN §6, which the tuned kernel tables cover) or "heuristic" (other models' grouped matmuls, off the tuned tables:
+what a user's own model gets from the kernels' config heuristics):
 
 - ``GMM_SHAPES``: grouped matmuls (G, M, K, N), one gate_up and one down projection per model;
 - ``LAYER_SHAPES``: whole MoE layers (T, D, F, E, k) with their routers' options, for ``moe_ffn`` and for the
@@ -23,7 +25,7 @@ import jax.numpy as jnp
 from moe_jax._core.checks import check_positive_int
 from moe_jax.ops.routing.api import check_routing_args
 
-TAGS = ("ci", "bench")
+TAGS = ("ci", "bench", "heuristic")
 ROUTINGS = ("uniform", "zipf1.2", "half")
 ZIPF_EXPONENT = 1.2
 
@@ -40,7 +42,7 @@ class GroupedMatmulShape:
     Attributes:
       name: "<model>/<projection>", e.g. "qwen3-30b/gate_up".
       g: groups (local experts).  m: routed rows.  k: contraction.  n: output columns.
-      tag: "ci" or "bench".
+      tag: "ci", "bench" or "heuristic".
     """
 
     name: str
@@ -68,7 +70,7 @@ class LayerShape:
       name: the model, e.g. "qwen3-30b-a3b".
       t, d, f, e, top_k: T, D, F, E, k.
       activation: the gated activation of the experts ("swiglu", "geglu", "gpt_oss").
-      tag: "ci" or "bench".
+      tag: "ci", "bench" or "heuristic".
       score, renormalize, num_groups, top_groups, scale: the router's options, as in ``moe_jax.route``.
       selection_bias: whether the router adds a bias [E] to the scores for selection (DeepSeek-V3's aux-loss-free
         balancing); its values are the user's (benchmarks and tests draw them at random).
@@ -160,6 +162,18 @@ GMM_SHAPES: dict[str, GroupedMatmulShape] = {
         GroupedMatmulShape("dsv3-ep8/down", g=32, m=32768, k=2048, n=7168, tag="bench"),
         GroupedMatmulShape("mixtral/gate_up", g=8, m=16384, k=4096, n=28672, tag="bench"),
         GroupedMatmulShape("mixtral/down", g=8, m=16384, k=14336, n=4096, tag="bench"),
+        # Other open MoE models (public configs: hidden D, expert width F, E experts, top k), M = T * k rows at T =
+        # 4096 tokens (8192 for phi-3.5-moe's top-2). gate_up is [M, D] x [E, D, 2F], down [M, F] x [E, F, D].
+        GroupedMatmulShape("olmoe-1b-7b/gate_up", g=64, m=32768, k=2048, n=2048, tag="heuristic"),
+        GroupedMatmulShape("olmoe-1b-7b/down", g=64, m=32768, k=1024, n=2048, tag="heuristic"),
+        GroupedMatmulShape("deepseek-v2-lite/gate_up", g=64, m=24576, k=2048, n=2816, tag="heuristic"),
+        GroupedMatmulShape("deepseek-v2-lite/down", g=64, m=24576, k=1408, n=2048, tag="heuristic"),
+        GroupedMatmulShape("qwen3-235b/gate_up", g=128, m=32768, k=4096, n=3072, tag="heuristic"),
+        GroupedMatmulShape("qwen3-235b/down", g=128, m=32768, k=1536, n=4096, tag="heuristic"),
+        GroupedMatmulShape("phi3.5-moe/gate_up", g=16, m=16384, k=4096, n=12800, tag="heuristic"),
+        GroupedMatmulShape("phi3.5-moe/down", g=16, m=16384, k=6400, n=4096, tag="heuristic"),
+        GroupedMatmulShape("granite-3b/gate_up", g=40, m=32768, k=1536, n=1024, tag="heuristic"),
+        GroupedMatmulShape("granite-3b/down", g=40, m=32768, k=512, n=1536, tag="heuristic"),
     )
 }
 
