@@ -507,17 +507,26 @@ def test_heuristic_configs_fit_in_shared_memory(kind):
             assert config.heuristic_config(kind, m=m, k=k, n=n, g=g, out_itemsize=out_itemsize).fits(2, out_itemsize)
 
 
-def test_heuristic_clusters_the_forward_and_the_dgrad_only():
-    """Off the table, where groups average more than SMALL_GROUP_ROWS rows, fwd and dgrad share weight tiles in 2-CTA
-    clusters (measured faster at the whole layers' shapes); the GLU backward measured slower with them, and so did
-    wgrad. All but the GLU backward overlap their epilogues (it measured slower with the overlap)."""
-    layer_shapes = [(131072, 2048, 1536, 128), (131072, 7168, 4096, 256), (512, 64, 64, 1)]
-    for m, k, n, g in layer_shapes:
-        configs = {kind: config.heuristic_config(kind, m=m, k=k, n=n, g=g) for kind in config.KINDS}
-        clusters = {kind: c.cluster_m for kind, c in configs.items()}
-        assert clusters == {"fwd": 2, "dgrad": 2, "glu_dgrad": 1, "wgrad": 1}, (m, k, n, g)
-        overlaps = {kind: c.overlap_epilogue for kind, c in configs.items()}
-        assert overlaps == {"fwd": True, "dgrad": True, "glu_dgrad": False, "wgrad": True}, (m, k, n, g)
+@pytest.mark.parametrize(
+    "m, k, n, g",
+    [
+        (131072, 2048, 1536, 128),  # the qwen3-30b-a3b layer's gate_up: 1024 rows, 6.3 MB of weights a group
+        (131072, 7168, 4096, 256),  # deepseek-v3's: 512 rows, 58.7 MB
+        (32768, 512, 1536, 40),  # granite-3b down: 819 rows, 1.6 MB
+        (512, 64, 64, 1),  # one group
+    ],
+)
+def test_heuristic_walks_large_groups_in_lockstep_group_bands(m, k, n, g):
+    """Off the table, where groups average more than SMALL_GROUP_ROWS rows, fwd and dgrad walk group bands with one
+    CTA per span in lockstep whatever a group's weights (faster than the 2-CTA clusters they took before at the
+    layers' and other models' shapes). No kind runs clusters; all but the GLU backward overlap their epilogues (it
+    measured slower with the overlap)."""
+    configs = {kind: config.heuristic_config(kind, m=m, k=k, n=n, g=g) for kind in config.KINDS}
+    for kind in ("fwd", "dgrad"):
+        assert (configs[kind].grid_minor, configs[kind].lockstep_tails) == ("g", True), kind
+    assert {kind: c.cluster_m for kind, c in configs.items()} == dict.fromkeys(config.KINDS, 1)
+    overlaps = {kind: c.overlap_epilogue for kind, c in configs.items()}
+    assert overlaps == {"fwd": True, "dgrad": True, "glu_dgrad": False, "wgrad": True}
 
 
 @pytest.mark.parametrize("m, g", [(32768, 128), (32768 - 8, 128), (256, 1), (64, 4)])
@@ -534,7 +543,8 @@ def test_heuristic_walks_small_groups_in_group_bands(m, g, k, n):
         assert c.lockstep_tails == (heavy or kind == "glu_dgrad"), kind
         assert c.overlap_epilogue == (kind != "glu_dgrad"), kind
     assert config.heuristic_config("wgrad", m=m, k=k, n=n, g=g).grid_minor == "m"
-    assert config.heuristic_config("fwd", m=config.SMALL_GROUP_ROWS * g + 8, k=k, n=n, g=g).grid_minor == "m"
+    past = config.heuristic_config("fwd", m=config.SMALL_GROUP_ROWS * g + 8, k=k, n=n, g=g)
+    assert (past.grid_minor, past.lockstep_tails) == ("g", True)
 
 
 @pytest.mark.parametrize(

@@ -28,9 +28,9 @@ OVERLAP_REGISTERS = 64
 # 50 MB; the named shapes' bands take 1-8 MB).
 WGRAD_BAND_TILES = 16
 WGRAD_BAND_BYTES = 16 * 2**20
-# Mean rows per group at or below which the heuristic's fwd / dgrad / glu_dgrad run one CTA per span in group bands
-# (GROUP_BANDS below; fwd / dgrad in lockstep only past LOCKSTEP_WEIGHT_BYTES): measured faster at 256 (qwen3-30b,
-# gpt-oss-120b); inside the whole layers (512-1024 rows) no faster than clusters.
+# Mean rows per group at or below which the heuristic's glu_dgrad runs one CTA per span in group bands (GROUP_BANDS
+# below; measured faster at 256: qwen3-30b, gpt-oss-120b), and its fwd / dgrad skip a tail's idle MMAs where a
+# group's weights are small (LOCKSTEP_WEIGHT_BYTES). The fwd / dgrad walk group bands at every size.
 SMALL_GROUP_ROWS = 256
 # Bytes of one group's 16-bit weights above which the heuristic's glu_dgrad walks group bands whatever the rows per
 # group (heuristic_config's note: measured slower below 3.1 MB, faster above 16.6 MB; 8 MB lies between).
@@ -354,7 +354,8 @@ def heuristic_config(
     block_n, stages = (256 if out_cols >= 1024 else 128), 4
     # Bytes of one group's weights, and whether the kernel walks group bands (the order's note below).
     weight_bytes = k * n * 2
-    banded = m <= SMALL_GROUP_ROWS * g or (kind == "glu_dgrad" and weight_bytes > GLU_DGRAD_BAND_WEIGHT_BYTES)
+    small_groups = m <= SMALL_GROUP_ROWS * g
+    banded = kind != "glu_dgrad" or small_groups or weight_bytes > GLU_DGRAD_BAND_WEIGHT_BYTES
     if kind == "glu_dgrad" and banded and n > WIDE_RING_MAX_CONTRACTION:
         # A long contraction: GLU_DGRAD_WIDE_RING's tiles, whose gate/up rows ride the ring too, with the 4 stages
         # that fit next to a row scale (WIDE_RING_MAX_CONTRACTION's note; measured in group bands only).
@@ -366,41 +367,43 @@ def heuristic_config(
         # the qwen3-30b layer's shape; 2% slower at dsv3-ep8 down, 0.1-5% at mixtral down (5% swiglu) and 0.6% at the
         # deepseek-v3 layer's shape. The one point off the rule: 1% slower at the gpt-oss-120b layer's shape (D = 2880).
         block_n, stages = 128, (6 if n <= DEEP_RING_MAX_CONTRACTION else 5)
-    # 2-CTA clusters share a group's weight tile between two row tiles (the H200 sweep's choice at 13 of the table's 16
-    # fwd / dgrad entries, before lockstep tails and group bands). At the whole layers' shapes (M = T * k = 131072;
-    # H200, docs/kernels/grouped_matmul.md "Clusters"), they cut the forward kernels' time by 17-22% at DeepSeek-V3 (the
-    # forward with m-fastest bands of 8 a little more) and by 0-3% at Qwen3, the gate_up dgrad's by 20% and 2%; the GLU
-    # backward's rose by 4-5%, so it stays unclustered. The forward and the dgrad also overlap their epilogue with the
-    # next tile (where the kept outputs fit: not next to a 256-wide GLU accumulator): at the layers' shapes the down
-    # projection (row_scale epilogue) ran 12% (Qwen3) and 4% (DeepSeek-V3) faster with it and the gate_up dgrad 8% and
-    # 3%, outputs bit-identical; the GLU backward ran 14% slower with it at Qwen3, so not there. Where a group holds at
-    # most two row tiles on average (M / G <= SMALL_GROUP_ROWS, like the named qwen3-30b / gpt-oss shapes), about half
-    # the groups have an odd number of tiles, so clustered pairs straddle groups, and fixed-width bands cut a group at
-    # every band edge: both make CTAs read a group's weight tile once more. One CTA per span, bands by group and the
-    # CTAs in step read the ideal bytes there. Inside the whole layers (512-1024 rows per group: qwen3-30b, gpt-oss-120b
-    # and deepseek-v3 forwards, qwen3-30b's backward; H100) they measured no faster than clusters, although they won at
-    # the named dsv3-ep8 / mixtral shapes (1024-2048 rows): TUNED's note.
-    # The GLU backward runs unclustered. In "n" / "m" bands it ran much slower where a group's weights are large,
-    # presumably because the CTAs of a group's row tiles drift apart and each reads the weights from HBM (not
-    # profiled; the forward's ncu counts showed that: TUNED's note); group bands in lockstep read them together. At
-    # the deepseek-v3 layer's down shape (512 rows and 29 MB of weights a group) 14.6 -> 7.3 ms, at
-    # gpt-oss-120b's (512 rows, 16.6 MB) 2.90 -> 2.69 ms; at qwen3-30b's (1024 rows, 3.1 MB) they were 8% slower
-    # (0.93 against 0.86 ms). (Device time, H100, row scale; the deepseek-v3 pair at 5 stages, gpt-oss-120b's 5 -> 6,
-    # qwen3-30b's at 6.) An H200 ran both orders alike at the deepseek-v3 / gpt-oss-120b shapes (6.66 / 2.44 ms),
-    # and the whole deepseek-v3 layer's forward + backward in 64.1 ms with group bands against 66.9 with "n" bands
-    # (spreads overlapping). (benchmarks/RESULTS.md, thirteenth session.)
+    # The fwd / dgrad walk group bands with one CTA per span and their warpgroups in lockstep (GROUP_BANDS' note):
+    # clustered pairs and fixed-width bands make CTAs read a group's weight tile once more wherever a pair straddles
+    # two groups or a band cuts one (about half the groups at 2-3 row tiles each, like the named qwen3-30b / gpt-oss
+    # shapes). Until the sixteenth session (2026-11-27) groups past SMALL_GROUP_ROWS took 2-CTA clusters in m8 (fwd)
+    # or n / m bands (dgrad) instead. Against those (device time, H100; benchmarks/RESULTS.md, sixteenth session;
+    # outputs bit-identical in the kernels' A/B, and every output of the layers with equal sums and sums of squares):
+    # - other models' shapes (384-1024 rows; shapes.py's "heuristic" tag): 0.3-6% faster at 15 of 16 kernels, a tie at
+    #   the 16th (olmoe-1b-7b gate_up fwd 430 -> 407 us, deepseek-v2-lite gate_up fwd 468 -> 439, phi3.5-moe gate_up
+    #   fwd 2388 -> 2295);
+    # - the whole layers (moe_ffn forward + backward, M = T * k): deepseek-v3 64.1 -> 62.2 ms (gathered gate_up 13.9 ->
+    #   13.3, down 6.30 -> 5.97, the two dgrads 12.2 -> 11.5), gpt-oss-120b's and qwen3-30b-a3b's kernels 0-4% faster.
+    # Without lockstep, small groups with small weights run faster (SMALL_WEIGHT_BANDS' note); past SMALL_GROUP_ROWS it
+    # gained at most 1.8% (granite-3b, olmoe-1b-7b down: 1.6-4.2 MB a group) and cost 6% at deepseek-v2-lite down's
+    # dgrad (5.8 MB, 384 rows) and 7-14% at phi3.5-moe (105 MB), so there they keep it. The fwd / dgrad overlap their
+    # epilogue with the next tile's first steps (where the kept outputs fit: not next to a 256-wide GLU accumulator): at
+    # the layers' shapes the down projection (row_scale epilogue) ran 12% (Qwen3) and 4% (DeepSeek-V3) faster with it
+    # and the gate_up dgrad 8% and 3% (H200, with clusters then).
+    # The GLU backward runs unclustered (clusters cost it 4-5% at the layers' shapes, H200) and without the overlap (14%
+    # slower with it at Qwen3). In "n" / "m" bands it ran much slower where a group's weights are large, presumably
+    # because the CTAs of a group's row tiles drift apart and each reads the weights from HBM (not profiled; the
+    # forward's ncu counts showed that: TUNED's note); group bands in lockstep read them together. At the deepseek-v3
+    # layer's down shape (512 rows and 29 MB of weights a group) 14.6 -> 7.3 ms, at gpt-oss-120b's (512 rows, 16.6 MB)
+    # 2.90 -> 2.69 ms; at qwen3-30b's (1024 rows, 3.1 MB) they were 8% slower (0.93 against 0.86 ms). (Device time,
+    # H100, row scale; the deepseek-v3 pair at 5 stages, gpt-oss-120b's 5 -> 6, qwen3-30b's at 6.) An H200 ran both
+    # orders alike at the deepseek-v3 / gpt-oss-120b shapes (6.66 / 2.44 ms), and the whole deepseek-v3 layer's
+    # forward + backward in 64.1 ms with group bands against 66.9 with "n" bands (spreads overlapping).
+    # (benchmarks/RESULTS.md, thirteenth session.)
     if banded:
-        # With small weights a group the fwd / dgrad skip a tail's idle MMAs (SMALL_WEIGHT_BANDS' note).
-        locked = kind == "glu_dgrad" or weight_bytes > LOCKSTEP_WEIGHT_BYTES
+        # Small groups with small weights: the fwd / dgrad skip a tail's idle MMAs (SMALL_WEIGHT_BANDS' note).
+        locked = kind == "glu_dgrad" or not small_groups or weight_bytes > LOCKSTEP_WEIGHT_BYTES
         order = dataclasses.replace(GROUP_BANDS if locked else SMALL_WEIGHT_BANDS, overlap_epilogue=kind != "glu_dgrad")
-    elif kind == "fwd":
-        order = Config(grid_minor="m", grid_width=8, cluster_m=2, overlap_epilogue=True)
     else:
-        # Wide outputs: walk a band of row tiles over all column tiles so rhs stays in L2; narrow ones: all columns
-        # of a row band are in flight at once and lhs stays in L2.
+        # The GLU backward of large groups with small weights. Wide outputs: walk a band of row tiles over all column
+        # tiles so rhs stays in L2; narrow ones: all columns of a row band are in flight at once and lhs stays in L2.
         n_tiles = math.ceil(out_cols / block_n)
         bands = dict(grid_minor="n", grid_width=n_tiles) if n_tiles <= 16 else dict(grid_minor="m", grid_width=16)
-        order = Config(**bands, cluster_m=2, overlap_epilogue=True) if kind == "dgrad" else Config(**bands)
+        order = Config(**bands)
     config = dataclasses.replace(order, block_m=128, block_n=block_n, block_k=64, num_stages=stages)
     return _fit(config, out_itemsize, kind, row_scale)
 
