@@ -15,6 +15,7 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Callable
 
 import jax
 
@@ -51,18 +52,21 @@ DEFAULT_SKEW_SHAPE = {"bench": "qwen3-30b/gate_up", "ci": "ci/gate_up"}
 DEFAULT_ROUTING_SHAPES = {"bench": None, "ci": "ci/grouped"}
 
 
-def _names(text: str | None, registry: dict, default: list) -> list:
-    """The shapes named in ``text`` (comma-separated names, or a tag standing for every shape it marks)."""
+def _names(text: str | None, registry: dict, by_tag: Callable[[str], list], default: list) -> list:
+    """The shapes ``text`` names: comma-separated names from ``registry``, or tags, each standing for by_tag(tag)."""
     if text is None:
         return default
-    names = []
+    chosen, unknown = [], []
     for item in text.split(","):
-        tagged = [name for name, shape in registry.items() if shape.tag == item]
-        names.extend(tagged or [item])
-    unknown = [name for name in names if name not in registry]
+        if item in shape_registry.TAGS:
+            chosen += by_tag(item)
+        elif item in registry:
+            chosen.append(registry[item])
+        else:
+            unknown.append(item)
     if unknown:
         raise SystemExit(f"unknown shape(s) {unknown}; known: {', '.join(registry)} and the tags {shape_registry.TAGS}")
-    return [registry[name] for name in names]
+    return chosen
 
 
 def _choices(text: str, allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
@@ -98,7 +102,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--glu-shapes",
-        help="gate_up shapes for glu (default: every 'bench' <model>/gate_up shape; with --tiny: ci/gate_up)",
+        help="gate_up shapes for glu, by name or tag (a tag's <model>/gate_up shapes; default: every 'bench' one; "
+        "with --tiny: ci/gate_up)",
     )
     parser.add_argument("--glu-activations", default="swiglu", help="comma-separated activations for glu")
     parser.add_argument("--routing", default="uniform", choices=shape_registry.ROUTINGS, help="for gmm/gmm-bwd/glu")
@@ -210,19 +215,19 @@ def main(argv: list[str] | None = None) -> list[common.Record]:
         timer=args.timer,
         deadline=time.perf_counter() + args.time_limit if args.time_limit else None,
     )
-    gmm_shapes = _names(args.shapes, shape_registry.GMM_SHAPES, shape_registry.gmm_shapes(tag))
-    skew_shapes = _names(
-        args.skew_shapes, shape_registry.GMM_SHAPES, [shape_registry.GMM_SHAPES[DEFAULT_SKEW_SHAPE[tag]]]
-    )
-    layer_shapes = _names(args.layer_shapes, shape_registry.LAYER_SHAPES, shape_registry.layer_shapes(tag))
+    gmms, layers = shape_registry.GMM_SHAPES, shape_registry.LAYER_SHAPES
+    gmm_shapes = _names(args.shapes, gmms, shape_registry.gmm_shapes, shape_registry.gmm_shapes(tag))
+    skew_shapes = _names(args.skew_shapes, gmms, shape_registry.gmm_shapes, [gmms[DEFAULT_SKEW_SHAPE[tag]]])
+    layer_shapes = _names(args.layer_shapes, layers, shape_registry.layer_shapes, shape_registry.layer_shapes(tag))
     default_routing = DEFAULT_ROUTING_SHAPES[tag]
     routing_shapes = _names(
         args.routing_shapes,
-        shape_registry.LAYER_SHAPES,
-        [shape_registry.LAYER_SHAPES[default_routing]] if default_routing else shape_registry.layer_shapes(tag),
+        layers,
+        shape_registry.layer_shapes,
+        [layers[default_routing]] if default_routing else shape_registry.layer_shapes(tag),
     )
     routing_stages = _choices(args.routing_stages, routing.STAGES, "routing stage")
-    glu_shapes = _names(args.glu_shapes, shape_registry.GMM_SHAPES, glu.glu_shapes(tag))
+    glu_shapes = _names(args.glu_shapes, gmms, glu.glu_shapes, glu.glu_shapes(tag))
     glu_activations = _choices(args.glu_activations, ACTIVATIONS, "activation")
 
     command = shlex.join(["python", "-m", "benchmarks", *(sys.argv[1:] if argv is None else argv)])

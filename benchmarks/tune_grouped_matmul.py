@@ -8,10 +8,9 @@
   python -m benchmarks.tune_grouped_matmul tune [--shapes ...] [--kinds ...]
       sweeps candidate configs and prints the fastest per (kind, shape) as a line to paste into config.TUNED
 
-A config on the command line is "table" (what the op would use: tuned entry or heuristic), "table-c" (the same
-without clusters), "table+o" (without clusters, with the overlapped epilogue), "table+oc" (clusters kept, with the
-overlapped epilogue), the table's config with fields replaced, "table/<field>=<value>[/<field>=<value>...]" (e.g.
-"table/cluster_m=2/grid_minor=m/grid_width=16"), or
+A config on the command line is "table" (what the op would use: tuned entry or heuristic), the table's config with
+fields replaced, "table/<field>=<value>[/<field>=<value>...]" (e.g. "table/cluster_m=2/grid_minor=m/grid_width=16"),
+or
 "<block_m>x<block_n>x<block_k>s<stages>e<epilogue_n><m|n|g><grid_width>[c<cluster_m>][o][t]", e.g. "128x256x64s4e64n8",
 "128x256x64s4e64n8c2" (2-CTA clusters sharing the weight tile), "128x256x64s4e64n8o" (the epilogue overlapped with
 the next tile's first steps) or "128x256x64s4e64n8t" (lockstep_tails: tail tiles run every warpgroup's MMAs).
@@ -51,20 +50,12 @@ SPEC = re.compile(r"(\d+)x(\d+)x(\d+)s(\d+)e(\d+)([mng])(\d+)(?:c(\d))?(o)?(t)?"
 
 def parse_config(spec: str):
     """A command-line config -> a function (kind, shape) -> Config (see the module docstring)."""
-    variants = {
-        "table": {},
-        "table-c": dict(cluster_m=1),
-        "table+o": dict(cluster_m=1, overlap_epilogue=True),
-        "table+oc": dict(overlap_epilogue=True),
-    }
-    if spec in variants:
-        return lambda kind, shape: dataclasses.replace(table_config(kind, shape), **variants[spec])
-    if spec.startswith("table/"):
+    if spec == "table" or spec.startswith("table/"):
         fields = dict(_field(assignment, spec) for assignment in spec.split("/")[1:])
         return lambda kind, shape: dataclasses.replace(table_config(kind, shape), **fields)
     match = SPEC.fullmatch(spec)
     if not match:
-        raise SystemExit(f"bad config {spec!r}: expected one of {list(variants)} or e.g. 128x256x64s4e64n8")
+        raise SystemExit(f"bad config {spec!r}: expected 'table', 'table/<field>=<value>' or e.g. 128x256x64s4e64n8")
     bm, bn, bk, stages, epi, minor, width, cluster, overlap, lockstep = match.groups()
     config = Config(
         block_m=int(bm),

@@ -20,8 +20,8 @@ from moe_jax.ops.shapes import GMM_SHAPES, GroupedMatmulShape
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FLOP_BENCHES = {"gmm", "gmm-bwd", "skew", "layer", "layer-bwd", "glu", "glu-bwd", "glu-mlp"}
 BENCHES = FLOP_BENCHES | {"routing", "ep", "ep-bwd"}  # routing: no FLOP model; ep: a table of its own
-# Off the tuned table with 1024 rows per group: the heuristic's fwd / dgrad configs have 2-CTA clusters.
-CLUSTERED_SHAPE = GroupedMatmulShape("layer/gate_up", g=32, m=32768, k=1024, n=1024, tag="ci")
+# Off the tuned table with 1024 rows per group: the heuristic's fwd / dgrad walk group bands in lockstep.
+LARGE_GROUPS_SHAPE = GroupedMatmulShape("layer/gate_up", g=32, m=32768, k=1024, n=1024, tag="ci")
 
 
 def run_cli(out_dir, *args: str, env: dict | None = None) -> tuple[str, dict, list[dict]]:
@@ -128,6 +128,23 @@ def test_missing_peer_is_reported_not_raised(tiny_run):
             assert r["status"] == "n/a" and r["note"], r  # no tokamax / no GPU here
         else:
             assert r["status"] == "ok", r
+
+
+def test_shape_options_take_names_and_tags():
+    """--shapes and the other shape options take names and tags; a tag stands for the shapes the bench would take of
+    it (--glu-shapes: the <model>/gate_up ones); anything else is refused, naming it."""
+    from benchmarks import glu
+    from benchmarks.__main__ import _names
+    from moe_jax.ops import shapes
+
+    heuristic = shapes.gmm_shapes("heuristic")
+    chosen = _names("heuristic,ci/ragged", GMM_SHAPES, shapes.gmm_shapes, [])
+    assert chosen == [*heuristic, GMM_SHAPES["ci/ragged"]]
+    assert _names("heuristic", GMM_SHAPES, glu.glu_shapes, []) == [s for s in heuristic if s.name.endswith("/gate_up")]
+    assert _names("bench", shapes.LAYER_SHAPES, shapes.layer_shapes, []) == shapes.layer_shapes("bench")
+    assert _names(None, GMM_SHAPES, shapes.gmm_shapes, ["default"]) == ["default"]
+    with pytest.raises(SystemExit, match=r"unknown shape\(s\) \['gpt-oss'\]"):
+        _names("ci/ragged,gpt-oss", GMM_SHAPES, shapes.gmm_shapes, [])
 
 
 def test_pallas_backend_is_picked_up(tmp_path):
@@ -439,35 +456,37 @@ def test_tuner_config_specs_round_trip_and_table_variants():
     from benchmarks import tune_grouped_matmul as tune
     from moe_jax.ops.grouped_matmul.config import Config
 
-    shape = CLUSTERED_SHAPE
+    shape = LARGE_GROUPS_SHAPE
     specs = (Config(), Config(block_n=128, num_stages=6, cluster_m=2), Config(overlap_epilogue=True))
     for config in (*specs, Config(grid_minor="m", cluster_m=2, overlap_epilogue=True, lockstep_tails=True)):
         assert tune.parse_config(tune.label(config))("fwd", shape) == config
-    table, no_cluster, overlapped = (tune.parse_config(s)("fwd", shape) for s in ("table", "table-c", "table+o"))
-    assert table.cluster_m == 2 and no_cluster == Config(**{**vars(table), "cluster_m": 1})
-    assert overlapped == Config(**{**vars(no_cluster), "overlap_epilogue": True})
-    replaced = tune.parse_config("table/grid_minor=n/grid_width=3/cluster_m=1/overlap_epilogue=false")("fwd", shape)
-    changed = {"grid_minor": "n", "grid_width": 3, "cluster_m": 1, "overlap_epilogue": False}
+    table = tune.parse_config("table")("fwd", shape)
+    assert table == tune.table_config("fwd", shape)
+    replaced = tune.parse_config("table/grid_minor=n/grid_width=3/cluster_m=2/overlap_epilogue=false")("fwd", shape)
+    changed = {"grid_minor": "n", "grid_width": 3, "cluster_m": 2, "overlap_epilogue": False}
     assert table.overlap_epilogue and replaced == Config(**{**vars(table), **changed})
-    for spec in ("128x256x64s4e64", "table/block_q=64", "table/block_n"):
+    for spec in ("128x256x64s4e64", "table/block_q=64", "table/block_n", "table-c"):
         with pytest.raises(SystemExit, match="bad config"):
             tune.parse_config(spec)
 
 
 def test_tuner_sweep_has_group_bands_in_lockstep():
-    """The sweep around a clustered (heuristic) config also walks group bands, always with lockstep tails (without
-    them group bands re-read weights); wgrad, whose tiles are one group's, never."""
+    """The sweep around the table's or the heuristic's config (itself a candidate) walks group bands with lockstep
+    tails (without them group bands re-read weights), the other orders with the base config's lockstep; wgrad, whose
+    tiles are one group's, never walks group bands."""
     from benchmarks import tune_grouped_matmul as tune
     from moe_jax.ops.grouped_matmul import config
 
-    shape = CLUSTERED_SHAPE
-    assert tune.table_config("fwd", shape).cluster_m == 2
-    for kind in ("fwd", "dgrad"):
-        candidates = tune.candidate_configs(kind, shape)
-        bands = [c for c in candidates if c.grid_minor == "g"]
-        assert config.GROUP_BANDS in candidates and all(c.lockstep_tails for c in bands)
-        assert not any(c.lockstep_tails for c in candidates if c.grid_minor != "g")
-    assert all(c.grid_minor != "g" for c in tune.candidate_configs("wgrad", shape))
+    # The heuristic in lockstep (large groups), and the qwen3-30b table entry without it (small groups and weights).
+    for shape in (LARGE_GROUPS_SHAPE, GMM_SHAPES["qwen3-30b/gate_up"]):
+        for kind in ("fwd", "dgrad"):
+            base = tune.table_config(kind, shape)
+            candidates = tune.candidate_configs(kind, shape)
+            assert config.GROUP_BANDS in candidates
+            assert all(c.lockstep_tails for c in candidates if c.grid_minor == "g" and c != base)
+            assert all(c.lockstep_tails == base.lockstep_tails for c in candidates if c.grid_minor != "g")
+    assert not tune.table_config("fwd", GMM_SHAPES["qwen3-30b/gate_up"]).lockstep_tails
+    assert all(c.grid_minor != "g" for c in tune.candidate_configs("wgrad", LARGE_GROUPS_SHAPE))
 
 
 def test_tuner_sweeps_the_glu_backward_with_wide_tiles_through_the_ring():

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from moe_jax.ops import shapes
+from moe_jax.ops.grouped_matmul import config
 
 # DESIGN §6, copied by hand: a change to the registry must be a deliberate change to this table too.
 DESIGN_SHAPES = {
@@ -25,6 +26,23 @@ DESIGN_SHAPES = {
 def test_bench_shapes_are_design_section_6():
     bench = {s.name: (s.g, s.m, s.k, s.n) for s in shapes.gmm_shapes("bench")}
     assert bench == DESIGN_SHAPES
+
+
+def test_heuristic_shapes_are_other_models_off_the_tuned_table():
+    """Each "heuristic" model has a gate_up [M, D] x [E, D, 2F] and a down [M, F] x [E, F, D] projection that the
+    kernels take (K and N multiples of 64) and that no tuned-table entry covers, so the heuristic picks the configs."""
+    models = {}
+    for shape in shapes.gmm_shapes("heuristic"):
+        model, projection = shape.name.split("/")
+        models.setdefault(model, {})[projection] = shape
+    assert len(models) == 5 and all(set(projections) == {"gate_up", "down"} for projections in models.values())
+    for model, projections in models.items():
+        gate_up, down = projections["gate_up"], projections["down"]
+        assert (gate_up.g, gate_up.m) == (down.g, down.m), model
+        assert (gate_up.n, gate_up.k) == (2 * down.k, down.n), model
+        for shape in (gate_up, down):
+            assert shape.k % 64 == 0 and shape.n % 64 == 0, shape
+            assert not any((kind, shape.g, shape.m, shape.k, shape.n) in config.TUNED for kind in config.KINDS), shape
 
 
 def test_ci_shapes_are_tiny():

@@ -99,7 +99,7 @@ def test_standalone_epilogues_lower_with_their_gradients():
 
 
 # routed_glu_mlp gathers the gate_up kernel's rows from the tokens (cp.async in the producer: only a real lowering
-# builds it) with each model's tuned gate_up config, 2-CTA clusters included (fuse_gather forced: by default only
+# builds it) with each model's tuned gate_up config, in group bands (fuse_gather forced: by default only
 # F <= 2048 fuses). Its backward adds a permute (the sorted rows for the gate_up wgrad) and a combine (d_x) to
 # glu_mlp's six kernels, at gpt-oss's D = 2880 (no multiple of 128) too.
 @pytest.mark.parametrize("model, top_k", [("qwen3-30b", 8), ("gpt-oss-120b", 4), ("dsv3-ep8", 8), ("mixtral", 2)])
