@@ -163,7 +163,7 @@ GMM_SHAPES: dict[str, GroupedMatmulShape] = {
         GroupedMatmulShape("mixtral/gate_up", g=8, m=16384, k=4096, n=28672, tag="bench"),
         GroupedMatmulShape("mixtral/down", g=8, m=16384, k=14336, n=4096, tag="bench"),
         # Other open MoE models (public configs: hidden D, expert width F, E experts, top k), M = T * k rows at T =
-        # 4096 tokens (8192 for phi-3.5-moe's top-2). gate_up is [M, D] x [E, D, 2F], down [M, F] x [E, F, D].
+        # 4096 tokens (8192 for phi3.5-moe's top-2). gate_up is [M, D] x [E, D, 2F], down [M, F] x [E, F, D].
         GroupedMatmulShape("olmoe-1b-7b/gate_up", g=64, m=32768, k=2048, n=2048, tag="heuristic"),
         GroupedMatmulShape("olmoe-1b-7b/down", g=64, m=32768, k=1024, n=2048, tag="heuristic"),
         GroupedMatmulShape("deepseek-v2-lite/gate_up", g=64, m=24576, k=2048, n=2816, tag="heuristic"),

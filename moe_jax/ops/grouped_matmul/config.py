@@ -373,14 +373,15 @@ def heuristic_config(
     # shapes). Until the sixteenth session (2026-11-27) groups past SMALL_GROUP_ROWS took 2-CTA clusters in m8 (fwd)
     # or n / m bands (dgrad) instead. Against those (device time, H100; benchmarks/RESULTS.md, sixteenth session;
     # outputs bit-identical in the kernels' A/B, and every output of the layers with equal sums and sums of squares):
-    # - other models' shapes (384-1024 rows; shapes.py's "heuristic" tag): 0.3-6% faster at 15 of 16 kernels, a tie at
+    # - other models' shapes (384-1024 rows; shapes.py's "heuristic" tag): 1-6% faster at 15 of 16 kernels, a tie at
     #   the 16th (olmoe-1b-7b gate_up fwd 430 -> 407 us, deepseek-v2-lite gate_up fwd 468 -> 439, phi3.5-moe gate_up
     #   fwd 2388 -> 2295);
     # - the whole layers (moe_ffn forward + backward, M = T * k): deepseek-v3 64.1 -> 62.2 ms (gathered gate_up 13.9 ->
-    #   13.3, down 6.30 -> 5.97, the two dgrads 12.2 -> 11.5), gpt-oss-120b's and qwen3-30b-a3b's kernels 0-4% faster.
+    #   13.3, down 6.30 -> 5.97, the two dgrads 12.2 -> 11.5); at gpt-oss-120b / qwen3-30b-a3b the changed kernels ran
+    #   0-4% faster or alike.
     # Without lockstep, small groups with small weights run faster (SMALL_WEIGHT_BANDS' note); past SMALL_GROUP_ROWS it
-    # gained at most 1.8% (granite-3b, olmoe-1b-7b down: 1.6-4.2 MB a group) and cost 6% at deepseek-v2-lite down's
-    # dgrad (5.8 MB, 384 rows) and 7-14% at phi3.5-moe (105 MB), so there they keep it. The fwd / dgrad overlap their
+    # gained at most 1.7% (granite-3b, olmoe-1b-7b down: 1.6-4.2 MB a group) and cost 6% at deepseek-v2-lite down's
+    # dgrad (5.8 MB, 384 rows) and 9-14% at phi3.5-moe (52-105 MB), so there they keep it. The fwd / dgrad overlap their
     # epilogue with the next tile's first steps (where the kept outputs fit: not next to a 256-wide GLU accumulator): at
     # the layers' shapes the down projection (row_scale epilogue) ran 12% (Qwen3) and 4% (DeepSeek-V3) faster with it
     # and the gate_up dgrad 8% and 3% (H200, with clusters then).
