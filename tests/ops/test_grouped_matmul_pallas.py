@@ -212,14 +212,24 @@ def test_lockstep_tails_match_reference(case, kind):
 
 
 # grid_minor="g": spans walked in bands that never mix groups (schedule.span_bands), with both cluster sizes and bands
-# narrower than a group (width 1: every span its own band), so the table's every field is read.
+# narrower than a group (width 1: every span its own band), so the table's every field is read; and as GROUP_BANDS
+# walks them (the table's and the heuristic's fwd / dgrad past 256 rows a group): in lockstep, each tile stored while
+# the next one's first steps run.
 @pytest.mark.parametrize("case", ["ragged", "hot expert", "tail tiles"])
-@pytest.mark.parametrize("cluster_m, grid_width", [(1, 1), (2, 2)])
+@pytest.mark.parametrize("cluster_m, grid_width, in_step", [(1, 1, False), (2, 2, False), (1, 16, True)])
 @pytest.mark.usefixtures("interpret")
-def test_group_bands_match_reference(case, cluster_m, grid_width):
+def test_group_bands_match_reference(case, cluster_m, grid_width, in_step):
     m, k, n, sizes = CASES[case]
     lhs, rhs, group_sizes = _inputs(61, m, k, n, sizes, False)
-    banded = config.Config(block_m=128, block_n=64, grid_minor="g", grid_width=grid_width, cluster_m=cluster_m)
+    banded = config.Config(
+        block_m=128,
+        block_n=64,
+        grid_minor="g",
+        grid_width=grid_width,
+        cluster_m=cluster_m,
+        overlap_epilogue=in_step,
+        lockstep_tails=in_step,
+    )
     out = api.run_rows_kernel("fwd", lhs, rhs, group_sizes, w_transposed=False, out_dtype=jnp.float32, config=banded)
     expected = reference.grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
     assert oracle.relative_error(out, expected) < F32_OUT_TOL
