@@ -15,7 +15,6 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import Callable
 
 import jax
 
@@ -50,23 +49,6 @@ DEVICE_TIMER_NOTE = (
 DEFAULT_SKEW_SHAPE = {"bench": "qwen3-30b/gate_up", "ci": "ci/gate_up"}
 # --tiny times the routing kernels under the (slow) GPU interpreter: one ci layer, the one with a group-limited router.
 DEFAULT_ROUTING_SHAPES = {"bench": None, "ci": "ci/grouped"}
-
-
-def _names(text: str | None, registry: dict, by_tag: Callable[[str], list], default: list) -> list:
-    """The shapes ``text`` names: comma-separated names from ``registry``, or tags, each standing for by_tag(tag)."""
-    if text is None:
-        return default
-    chosen, unknown = [], []
-    for item in text.split(","):
-        if item in shape_registry.TAGS:
-            chosen += by_tag(item)
-        elif item in registry:
-            chosen.append(registry[item])
-        else:
-            unknown.append(item)
-    if unknown:
-        raise SystemExit(f"unknown shape(s) {unknown}; known: {', '.join(registry)} and the tags {shape_registry.TAGS}")
-    return chosen
 
 
 def _choices(text: str, allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
@@ -216,18 +198,22 @@ def main(argv: list[str] | None = None) -> list[common.Record]:
         deadline=time.perf_counter() + args.time_limit if args.time_limit else None,
     )
     gmms, layers = shape_registry.GMM_SHAPES, shape_registry.LAYER_SHAPES
-    gmm_shapes = _names(args.shapes, gmms, shape_registry.gmm_shapes, shape_registry.gmm_shapes(tag))
-    skew_shapes = _names(args.skew_shapes, gmms, shape_registry.gmm_shapes, [gmms[DEFAULT_SKEW_SHAPE[tag]]])
-    layer_shapes = _names(args.layer_shapes, layers, shape_registry.layer_shapes, shape_registry.layer_shapes(tag))
+    gmm_shapes = common.named_shapes(args.shapes, gmms, shape_registry.gmm_shapes, shape_registry.gmm_shapes(tag))
+    skew_shapes = common.named_shapes(
+        args.skew_shapes, gmms, shape_registry.gmm_shapes, [gmms[DEFAULT_SKEW_SHAPE[tag]]]
+    )
+    layer_shapes = common.named_shapes(
+        args.layer_shapes, layers, shape_registry.layer_shapes, shape_registry.layer_shapes(tag)
+    )
     default_routing = DEFAULT_ROUTING_SHAPES[tag]
-    routing_shapes = _names(
+    routing_shapes = common.named_shapes(
         args.routing_shapes,
         layers,
         shape_registry.layer_shapes,
         [layers[default_routing]] if default_routing else shape_registry.layer_shapes(tag),
     )
     routing_stages = _choices(args.routing_stages, routing.STAGES, "routing stage")
-    glu_shapes = _names(args.glu_shapes, gmms, glu.glu_shapes, glu.glu_shapes(tag))
+    glu_shapes = common.named_shapes(args.glu_shapes, gmms, glu.glu_shapes, glu.glu_shapes(tag))
     glu_activations = _choices(args.glu_activations, ACTIVATIONS, "activation")
 
     command = shlex.join(["python", "-m", "benchmarks", *(sys.argv[1:] if argv is None else argv)])

@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_jax.ops import shapes as shape_registry
+
 # Input sets are rotated until together they are larger than this (H100/H200 L2: 50/60 MB), so that repeated calls
 # read device memory rather than L2.
 ROTATE_BYTES = 256 * 2**20
@@ -192,6 +194,24 @@ def split_calls(events: list[tuple[str, int, int]], calls: int) -> list[list[tup
         raise RuntimeError(f"{len(events)} GPU kernel events for {calls} calls: not the same kernels in every call")
     per_call = len(events) // calls
     return [events[i : i + per_call] for i in range(0, len(events), per_call)]
+
+
+def named_shapes(text: str | None, registry: dict, by_tag: Callable[[str], list], default: list) -> list:
+    """The shapes a command line's ``text`` names: comma-separated names from ``registry``, or tags of
+    ``moe_jax.ops.shapes`` (e.g. "heuristic"), each standing for ``by_tag(tag)``; ``default`` when ``text`` is None."""
+    if text is None:
+        return default
+    chosen, unknown = [], []
+    for item in text.split(","):
+        if item in shape_registry.TAGS:
+            chosen += by_tag(item)
+        elif item in registry:
+            chosen.append(registry[item])
+        else:
+            unknown.append(item)
+    if unknown:
+        raise SystemExit(f"unknown shape(s) {unknown}; known: {', '.join(registry)} and the tags {shape_registry.TAGS}")
+    return chosen
 
 
 def selection_bias(num_experts: int, seed: int) -> jax.Array:

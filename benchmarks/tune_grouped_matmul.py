@@ -337,7 +337,7 @@ def main(argv=None) -> None:
         prog="python -m benchmarks.tune_grouped_matmul", description=__doc__.split("\n")[0]
     )
     parser.add_argument("mode", choices=("check", "time", "tune"))
-    parser.add_argument("--shapes", help="comma-separated GMM shape names (default: every 'bench' shape)")
+    parser.add_argument("--shapes", help="comma-separated GMM shape names or tags (default: every 'bench' shape)")
     parser.add_argument("--kinds", default="fwd,dgrad,wgrad", help=f"comma-separated from {TIMED_KINDS}")
     parser.add_argument("--configs", default="table", help="comma-separated configs for 'time'")
     parser.add_argument("--routing", default="uniform", choices=(*shape_registry.ROUTINGS, "even"))
@@ -348,10 +348,8 @@ def main(argv=None) -> None:
     parser.add_argument("--jobs", type=int, default=8, help="threads compiling candidates at once")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per (kind, shape)")
     args = parser.parse_args(argv)
-    if args.shapes:
-        shapes = [shape_registry.GMM_SHAPES[name] for name in args.shapes.split(",")]
-    else:
-        shapes = shape_registry.gmm_shapes("bench")
+    registry = shape_registry.GMM_SHAPES
+    shapes = common.named_shapes(args.shapes, registry, shape_registry.gmm_shapes, shape_registry.gmm_shapes("bench"))
     if args.groups:
         shapes = [dataclasses.replace(shape, g=args.groups, name=f"{shape.name}@G{args.groups}") for shape in shapes]
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}, mode {args.mode}", flush=True)

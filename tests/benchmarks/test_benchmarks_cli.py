@@ -131,20 +131,21 @@ def test_missing_peer_is_reported_not_raised(tiny_run):
 
 
 def test_shape_options_take_names_and_tags():
-    """--shapes and the other shape options take names and tags; a tag stands for the shapes the bench would take of
-    it (--glu-shapes: the <model>/gate_up ones); anything else is refused, naming it."""
+    """The benchmarks' and the tuner's shape options take names and tags (common.named_shapes); a tag stands for the
+    shapes the bench would take of it (--glu-shapes: the <model>/gate_up ones); anything else is refused, naming it."""
     from benchmarks import glu
-    from benchmarks.__main__ import _names
     from moe_jax.ops import shapes
 
     heuristic = shapes.gmm_shapes("heuristic")
-    chosen = _names("heuristic,ci/ragged", GMM_SHAPES, shapes.gmm_shapes, [])
+    chosen = common.named_shapes("heuristic,ci/ragged", GMM_SHAPES, shapes.gmm_shapes, [])
     assert chosen == [*heuristic, GMM_SHAPES["ci/ragged"]]
-    assert _names("heuristic", GMM_SHAPES, glu.glu_shapes, []) == [s for s in heuristic if s.name.endswith("/gate_up")]
-    assert _names("bench", shapes.LAYER_SHAPES, shapes.layer_shapes, []) == shapes.layer_shapes("bench")
-    assert _names(None, GMM_SHAPES, shapes.gmm_shapes, ["default"]) == ["default"]
+    assert common.named_shapes("heuristic", GMM_SHAPES, glu.glu_shapes, []) == [
+        s for s in heuristic if s.name.endswith("/gate_up")
+    ]
+    assert common.named_shapes("bench", shapes.LAYER_SHAPES, shapes.layer_shapes, []) == shapes.layer_shapes("bench")
+    assert common.named_shapes(None, GMM_SHAPES, shapes.gmm_shapes, ["default"]) == ["default"]
     with pytest.raises(SystemExit, match=r"unknown shape\(s\) \['gpt-oss'\]"):
-        _names("ci/ragged,gpt-oss", GMM_SHAPES, shapes.gmm_shapes, [])
+        common.named_shapes("ci/ragged,gpt-oss", GMM_SHAPES, shapes.gmm_shapes, [])
 
 
 def test_pallas_backend_is_picked_up(tmp_path):
