@@ -537,6 +537,8 @@ def test_heuristic_walks_large_groups_in_lockstep_group_bands(m, k, n, g):
     assert {kind: c.cluster_m for kind, c in configs.items()} == dict.fromkeys(config.KINDS, 1)
     overlaps = {kind: c.overlap_epilogue for kind, c in configs.items()}
     assert overlaps == {"fwd": True, "dgrad": True, "glu_dgrad": False, "wgrad": True}
+    # The api runs table entries as they are on any device, also on a one-SM interpreter (no 2-CTA cluster there).
+    assert all(c.cluster_m == 1 for c in config.TUNED.values())
 
 
 @pytest.mark.parametrize("m, g", [(32768, 128), (32768 - 8, 128), (256, 1), (64, 4)])

@@ -215,14 +215,13 @@ def _padded_rows(x: jax.Array | None) -> jax.Array | None:
 
 def rows_config(kind, m, w, *, w_transposed, out_dtype, row_scale: bool, clamped: bool = False) -> Config:
     """config.get_config's choice for a fwd / dgrad / glu_dgrad kernel over m rows and weights ``w`` (as
-    run_rows_kernel takes them), fitted to the device; ``clamped``: get_config's."""
+    run_rows_kernel takes them); ``clamped``: get_config's."""
     num_groups, *w_dims = w.shape
     r, c = reversed(w_dims) if w_transposed else w_dims
     # The table is keyed by the op's K, N (rhs [G, K, N]): dgrad's contraction R is the op's N.
     k, n = (c, r) if kind in ("dgrad", "glu_dgrad") else (r, c)
     itemsize = jnp.dtype(out_dtype).itemsize
-    config = get_config(kind, m=m, k=k, n=n, g=num_groups, out_itemsize=itemsize, row_scale=row_scale, clamped=clamped)
-    return _fit_device(config, hardware.num_sms())
+    return get_config(kind, m=m, k=k, n=n, g=num_groups, out_itemsize=itemsize, row_scale=row_scale, clamped=clamped)
 
 
 def run_rows_kernel(
@@ -296,7 +295,7 @@ def run_wgrad_kernel(x, y, group_sizes, *, out_dtype, config=None, transposed=Fa
     num_sms, interpret = hardware.num_sms(), hardware.interpret_params()
     if config is None:
         itemsize = jnp.dtype(out_dtype).itemsize
-        config = _fit_device(get_config("wgrad", m=m, k=k, n=n, g=group_sizes.shape[0], out_itemsize=itemsize), num_sms)
+        config = get_config("wgrad", m=m, k=k, n=n, g=group_sizes.shape[0], out_itemsize=itemsize)
     config = _fit_interpreter(config, interpret)
     x, y = _padded_rows(x), _padded_rows(y)
     return sm90_wgrad.grouped_matmul_wgrad(
@@ -308,11 +307,6 @@ def run_wgrad_kernel(x, y, group_sizes, *, out_dtype, config=None, transposed=Fa
         num_sms=num_sms,
         interpret=interpret,
     )
-
-
-def _fit_device(config, num_sms: int):
-    """A table or heuristic config for this device: a one-SM device (the interpreter's can be) has no 2-CTA cluster."""
-    return dataclasses.replace(config, cluster_m=1) if config.cluster_m > num_sms else config
 
 
 def _fit_interpreter(config, interpret):
