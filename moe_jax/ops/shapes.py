@@ -1,8 +1,9 @@
 """Named problem shapes shared by tests and benchmarks (DESIGN §6).
 
 Two registries, each entry tagged "ci" (tiny: tests and the CPU benchmark smoke run), "bench" (the real models of
-DESIGN §6, which the tuned kernel tables cover) or "heuristic" (other models' grouped matmuls, off the tuned tables:
-what a user's own model gets from the kernels' config heuristics):
+DESIGN §6, which the tuned kernel tables cover), "heuristic" (other models' grouped matmuls, off the tuned tables:
+what a user's own model gets from the kernels' config heuristics) or "decode" (the bench models at decode-sized
+batches of tokens, a few rows per expert, also off the tables):
 
 - ``GMM_SHAPES``: grouped matmuls (G, M, K, N), one gate_up and one down projection per model;
 - ``LAYER_SHAPES``: whole MoE layers (T, D, F, E, k) with their routers' options, for ``moe_ffn`` and for the
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 from moe_jax._core.checks import check_positive_int
 from moe_jax.ops.routing.api import check_routing_args
 
-TAGS = ("ci", "bench", "heuristic")
+TAGS = ("ci", "bench", "heuristic", "decode")
 ROUTINGS = ("uniform", "zipf1.2", "half")
 ZIPF_EXPONENT = 1.2
 
@@ -42,7 +43,7 @@ class GroupedMatmulShape:
     Attributes:
       name: "<model>/<projection>", e.g. "qwen3-30b/gate_up".
       g: groups (local experts).  m: routed rows.  k: contraction.  n: output columns.
-      tag: "ci", "bench" or "heuristic".
+      tag: "ci", "bench", "heuristic" or "decode".
     """
 
     name: str
@@ -70,7 +71,7 @@ class LayerShape:
       name: the model, e.g. "qwen3-30b-a3b".
       t, d, f, e, top_k: T, D, F, E, k.
       activation: the gated activation of the experts ("swiglu", "geglu", "gpt_oss").
-      tag: "ci", "bench" or "heuristic".
+      tag: "ci", "bench", "heuristic" or "decode".
       score, renormalize, num_groups, top_groups, scale: the router's options, as in ``moe_jax.route``.
       selection_bias: whether the router adds a bias [E] to the scores for selection (DeepSeek-V3's aux-loss-free
         balancing); its values are the user's (benchmarks and tests draw them at random).
@@ -174,6 +175,14 @@ GMM_SHAPES: dict[str, GroupedMatmulShape] = {
         GroupedMatmulShape("phi3.5-moe/down", g=16, m=16384, k=6400, n=4096, tag="heuristic"),
         GroupedMatmulShape("granite-3b/gate_up", g=40, m=32768, k=1536, n=1024, tag="heuristic"),
         GroupedMatmulShape("granite-3b/down", g=40, m=32768, k=512, n=1536, tag="heuristic"),
+        # The bench models' projections at T = 128 tokens (a decode step's batch: 4-8 rows an expert) and qwen3-30b's
+        # at T = 1024 (64): reading the weights is the whole cost, so the benches' hbm-floor row is the bar.
+        GroupedMatmulShape("qwen3-30b-t128/gate_up", g=128, m=1024, k=2048, n=1536, tag="decode"),
+        GroupedMatmulShape("qwen3-30b-t128/down", g=128, m=1024, k=768, n=2048, tag="decode"),
+        GroupedMatmulShape("gpt-oss-120b-t128/gate_up", g=128, m=512, k=2880, n=5760, tag="decode"),
+        GroupedMatmulShape("gpt-oss-120b-t128/down", g=128, m=512, k=2880, n=2880, tag="decode"),
+        GroupedMatmulShape("qwen3-30b-t1024/gate_up", g=128, m=8192, k=2048, n=1536, tag="decode"),
+        GroupedMatmulShape("qwen3-30b-t1024/down", g=128, m=8192, k=768, n=2048, tag="decode"),
     )
 }
 
@@ -218,6 +227,9 @@ LAYER_SHAPES: dict[str, LayerShape] = {
             scale=2.5,
             selection_bias=True,
         ),
+        # Decode steps: the first two bench layers at T = 128 tokens.
+        LayerShape("qwen3-30b-a3b-t128", t=128, d=2048, f=768, e=128, top_k=8, activation="swiglu", tag="decode"),
+        LayerShape("gpt-oss-120b-t128", t=128, d=2880, f=2880, e=128, top_k=4, activation="gpt_oss", tag="decode"),
     )
 }
 

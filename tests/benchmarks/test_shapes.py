@@ -45,6 +45,26 @@ def test_heuristic_shapes_are_other_models_off_the_tuned_table():
             assert not any((kind, shape.g, shape.m, shape.k, shape.n) in config.TUNED for kind in config.KINDS), shape
 
 
+def test_decode_shapes_are_the_bench_models_at_few_tokens():
+    """Each "decode" grouped matmul is a bench model's projection (same G, K, N) at fewer rows, 4-64 a group, off the
+    tuned table; each "decode" layer is a bench layer at T = 128 with the same router and experts."""
+    bench = {s.name: s for s in shapes.gmm_shapes("bench")}
+    decode = shapes.gmm_shapes("decode")
+    assert len(decode) == 6
+    for shape in decode:
+        model, projection = shape.name.split("/")
+        full = bench[f"{model.rsplit('-t', 1)[0]}/{projection}"]
+        assert (shape.g, shape.k, shape.n) == (full.g, full.k, full.n), shape
+        assert 4 <= shape.m // shape.g <= config.TINY_GROUP_ROWS and shape.m < full.m, shape
+        assert not any((kind, shape.g, shape.m, shape.k, shape.n) in config.TUNED for kind in config.KINDS), shape
+    layers = shapes.layer_shapes("decode")
+    assert [s.name for s in layers] == ["qwen3-30b-a3b-t128", "gpt-oss-120b-t128"]
+    for layer in layers:
+        full = shapes.LAYER_SHAPES[layer.name.removesuffix("-t128")]
+        assert layer.t == 128
+        assert dataclasses.replace(layer, name=full.name, t=full.t, tag=full.tag) == full
+
+
 def test_ci_shapes_are_tiny():
     for shape in shapes.gmm_shapes("ci"):
         assert shape.m * shape.k * shape.n <= 2**23, shape  # milliseconds on a CPU, seconds under the interpreter

@@ -74,10 +74,11 @@ def test_heuristic_configs_lower(g, m, k, n, out_dtype):
     assert _lowered_fwd_bwd(g, m, k, n, out_dtype=out_dtype).count(MOSAIC_CALL) == 3
 
 
-@pytest.mark.parametrize("name", [s.name for s in shapes.gmm_shapes("heuristic")])
-def test_other_models_lower_with_heuristic_configs(name):
-    """The other models' shapes (shapes.py's "heuristic" tag) take heuristic configs at real sizes: group bands in
-    lockstep past 256 rows a group, which must lower within shared memory there too."""
+@pytest.mark.parametrize("name", [s.name for tag in ("heuristic", "decode") for s in shapes.gmm_shapes(tag)])
+def test_off_table_shapes_lower_with_heuristic_configs(name):
+    """The other models' shapes and the decode-sized ones (shapes.py's "heuristic" and "decode" tags) take heuristic
+    configs at real sizes: group bands in lockstep past 256 rows a group, 64-row tiles with one consumer up to 64,
+    which must lower within shared memory there too."""
     s = shapes.GMM_SHAPES[name]
     assert _lowered_fwd_bwd(s.g, s.m, s.k, s.n).count(MOSAIC_CALL) == 3
 
