@@ -65,7 +65,13 @@ def _fwd_bwd(inputs, w_gate_up, group_sizes, *, activation, backend, recompute=F
 
 @pytest.mark.parametrize(
     "model, activation",
-    [("qwen3-30b", "swiglu"), ("qwen3-30b", "geglu"), ("qwen3-30b", "gpt_oss"), ("gpt-oss-120b", "gpt_oss")],
+    [
+        ("qwen3-30b", "swiglu"),
+        ("qwen3-30b", "geglu"),
+        ("qwen3-30b", "gpt_oss"),
+        ("gpt-oss-120b", "gpt_oss"),
+        ("gpt-oss-120b-t128", "gpt_oss"),  # decode-sized groups: the forward on 64-row tiles, one consumer
+    ],
 )
 def test_named_shape_against_exact_groups(model, activation):
     shape = shapes.GMM_SHAPES[f"{model}/gate_up"]
@@ -120,11 +126,17 @@ def _routed_fwd_bwd(inputs, packed, group_sizes, sort_indices, *, top_k, fused):
 # The gathered gate_up kernel against the same kernels on permuted rows: the products are the same arithmetic, so
 # forward and weight gradients must be bit-identical; d_x sums each token's k row gradients in another order (TOL).
 # qwen3's layer, a gpt-oss-width one (D = 2880: no multiple of 128, so the row kernels' last chunk overlaps), a
-# deepseek-v3-width one (D = 7168, F = 2048: gathered by default since ea4baa0) and a narrow one (2F = 512: 128-wide
-# tiles, where the heuristic's clustered forward keeps its outputs across tiles).
+# deepseek-v3-width one (D = 7168, F = 2048: gathered by default since ea4baa0), a narrow one (2F = 512: 128-wide
+# tiles, where the forward keeps its outputs across tiles) and qwen3's decode step (T = 128).
 @pytest.mark.parametrize(
     "t, d, d_ff, e, top_k",
-    [(16384, 2048, 768, 128, 8), (4096, 2880, 2880, 32, 4), (4096, 7168, 2048, 32, 8), (4096, 1024, 256, 16, 4)],
+    [
+        (16384, 2048, 768, 128, 8),
+        (4096, 2880, 2880, 32, 4),
+        (4096, 7168, 2048, 32, 8),
+        (4096, 1024, 256, 16, 4),
+        (128, 2048, 768, 128, 8),  # a decode step: 8 rows an expert, gathered into 64-row tiles
+    ],
 )
 def test_routed_glu_mlp_matches_permuted_rows(t, d, d_ff, e, top_k):
     inputs = _inputs(jax.random.key(9), e, t * top_k, d, d_ff)

@@ -61,6 +61,8 @@ NAMED = [
     ("gpt-oss-120b/down", "uniform"),
     ("dsv3-ep8/gate_up", "uniform"),
     ("mixtral/down", "half"),
+    ("qwen3-30b-t128/gate_up", "uniform"),  # decode-sized groups (8 rows): the heuristic's 64-row tiles
+    ("gpt-oss-120b-t128/down", "zipf1.2"),
 ]
 
 

@@ -559,6 +559,19 @@ def test_heuristic_walks_small_groups_in_group_bands(m, g, k, n):
     assert (past.grid_minor, past.lockstep_tails) == ("g", True)
 
 
+@pytest.mark.parametrize("m, g, tiny", [(1024, 128, True), (8192, 128, True), (8192 + 8, 128, False), (64, 1, True)])
+def test_heuristic_takes_64_row_tiles_for_decode_sized_groups(m, g, tiny):
+    """Groups of at most TINY_GROUP_ROWS rows on average (a decode step's batch: qwen3-30b at T = 128 has 8 a group)
+    get fwd / dgrad tiles of 64 rows with one consumer warpgroup; past it, 128 rows with two. The GLU backward and
+    wgrad keep theirs."""
+    for kind in ("fwd", "dgrad"):
+        c = config.heuristic_config(kind, m=m, k=2048, n=1536, g=g)
+        assert (c.block_m, c.num_compute_wgs) == ((64, 1) if tiny else (128, 2)), kind
+        assert (c.grid_minor, c.overlap_epilogue, c.num_stages) == ("g", True, 4), kind
+    for kind in ("glu_dgrad", "wgrad"):
+        assert config.heuristic_config(kind, m=m, k=768, n=2048, g=g).block_m == 128, kind
+
+
 @pytest.mark.parametrize(
     "m, f, d, g, bands, block_n, stages",
     [

@@ -32,6 +32,10 @@ WGRAD_BAND_BYTES = 16 * 2**20
 # below; measured faster at 256: qwen3-30b, gpt-oss-120b), and its fwd / dgrad skip a tail's idle MMAs where a
 # group's weights are small (LOCKSTEP_WEIGHT_BYTES). The fwd / dgrad walk group bands at every size.
 SMALL_GROUP_ROWS = 256
+# Mean rows per group at or below which the heuristic's fwd / dgrad take 64-row tiles with one consumer warpgroup
+# (decode-sized batches, where a 128-row tile holds a group's few rows). Measured at 4-64 rows a group
+# (heuristic_config's note).
+TINY_GROUP_ROWS = 64
 # Bytes of one group's 16-bit weights above which the heuristic's glu_dgrad walks group bands whatever the rows per
 # group (heuristic_config's note: measured slower below 3.1 MB, faster above 16.6 MB; 8 MB lies between).
 GLU_DGRAD_BAND_WEIGHT_BYTES = 8 * 2**20
@@ -405,7 +409,17 @@ def heuristic_config(
         n_tiles = math.ceil(out_cols / block_n)
         bands = dict(grid_minor="n", grid_width=n_tiles) if n_tiles <= 16 else dict(grid_minor="m", grid_width=16)
         order = Config(**bands)
-    config = dataclasses.replace(order, block_m=128, block_n=block_n, block_k=64, num_stages=stages)
+    block_m, num_wgs = 128, 2
+    if kind != "glu_dgrad" and m <= TINY_GROUP_ROWS * g:
+        # Decode-sized groups (4-64 rows): one consumer warpgroup on 64-row tiles. Against two on 128-row tiles
+        # (H100, device time, outputs bit-identical; shapes.py's "decode" tag: qwen3-30b / gpt-oss-120b at T = 128,
+        # qwen3-30b at T = 1024): the plain fwd 0.4-3.6% faster, the dgrad 0.5-3.5%; 5 stages gained nothing more.
+        # In the decode layers (moe_ffn, T = 128) the forward's GLU / row-scale kernels ran alike, the forward +
+        # backward 0.3-1.0% faster (benchmarks/RESULTS.md, seventeenth session).
+        block_m, num_wgs = 64, 1
+    config = dataclasses.replace(
+        order, block_m=block_m, num_compute_wgs=num_wgs, block_n=block_n, block_k=64, num_stages=stages
+    )
     return _fit(config, out_itemsize, kind, row_scale)
 
 
