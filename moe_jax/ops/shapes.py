@@ -2,8 +2,8 @@
 
 Two registries, each entry tagged "ci" (tiny: tests and the CPU benchmark smoke run), "bench" (the real models of
 DESIGN §6, which the tuned kernel tables cover), "heuristic" (other models' grouped matmuls, off the tuned tables:
-what a user's own model gets from the kernels' config heuristics) or "decode" (the bench models at decode-sized
-batches of tokens, a few rows per expert, also off the tables):
+what a user's own model gets from the kernels' config heuristics) or "decode" (qwen3-30b's and gpt-oss-120b's at
+decode-sized batches of tokens, 4-64 rows per expert, also off the tables):
 
 - ``GMM_SHAPES``: grouped matmuls (G, M, K, N), one gate_up and one down projection per model;
 - ``LAYER_SHAPES``: whole MoE layers (T, D, F, E, k) with their routers' options, for ``moe_ffn`` and for the
@@ -175,8 +175,9 @@ GMM_SHAPES: dict[str, GroupedMatmulShape] = {
         GroupedMatmulShape("phi3.5-moe/down", g=16, m=16384, k=6400, n=4096, tag="heuristic"),
         GroupedMatmulShape("granite-3b/gate_up", g=40, m=32768, k=1536, n=1024, tag="heuristic"),
         GroupedMatmulShape("granite-3b/down", g=40, m=32768, k=512, n=1536, tag="heuristic"),
-        # The bench models' projections at T = 128 tokens (a decode step's batch: 4-8 rows an expert) and qwen3-30b's
-        # at T = 1024 (64): reading the weights is the whole cost, so the benches' hbm-floor row is the bar.
+        # qwen3-30b's and gpt-oss-120b's projections at T = 128 tokens (a decode step's batch: 8 / 4 rows an expert)
+        # and qwen3-30b's at T = 1024 (64): reading the weights is the whole cost, so the benches' hbm-floor row is
+        # the bar.
         GroupedMatmulShape("qwen3-30b-t128/gate_up", g=128, m=1024, k=2048, n=1536, tag="decode"),
         GroupedMatmulShape("qwen3-30b-t128/down", g=128, m=1024, k=768, n=2048, tag="decode"),
         GroupedMatmulShape("gpt-oss-120b-t128/gate_up", g=128, m=512, k=2880, n=5760, tag="decode"),

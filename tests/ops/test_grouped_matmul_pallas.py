@@ -14,6 +14,8 @@ GLU_GRAD_TOL: through a fused activation the kernel's backward starts from the p
 reference's from f32 (measured 3.3e-3).
 """
 
+import dataclasses
+from contextlib import nullcontext
 from unittest import mock
 
 import jax
@@ -30,7 +32,9 @@ F32_OUT_TOL = 1e-5
 GRAD_TOL = 1e-3
 GLU_GRAD_TOL = 1e-2
 
-# (M, K, N, group sizes): each row is one ragged situation on 128-row tiles split over two 64-row warpgroups.
+# (M, K, N, group sizes): each row is one ragged situation. The heuristic gives "ragged" (42 rows a group on average)
+# one consumer warpgroup on 64-row tiles and the others two on 128-row tiles (config.TINY_GROUP_ROWS);
+# test_forward_matches_reference also runs every case on the other tiling.
 CASES = {
     "ragged": (296, 128, 192, [100, 0, 37, 3, 61, 64, 2]),  # empty, tiny, sizes off 8; rows 267.. past the sum
     "hot expert": (256, 64, 128, [0, 256, 0]),  # one group takes every row: two full tiles
@@ -54,15 +58,32 @@ def interpret():
         yield
 
 
+def _other_tiling(get_config):
+    """get_config with the fwd / dgrad tiles the heuristic would not give the shape: 64 rows on one consumer
+    warpgroup where it gives 128 on two, and the other way round."""
+
+    def swapped(kind, **shape):
+        c = get_config(kind, **shape)
+        if kind not in ("fwd", "dgrad"):
+            return c
+        other = (128, 2) if c.num_compute_wgs == 1 else (64, 1)
+        return dataclasses.replace(c, block_m=other[0], num_compute_wgs=other[1])
+
+    return swapped
+
+
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("transpose_rhs, out_dtype", [(False, jnp.bfloat16), (True, jnp.float32)])
+@pytest.mark.parametrize("tiling", ["heuristic", "other"])
 @pytest.mark.usefixtures("interpret")
-def test_forward_matches_reference(case, transpose_rhs, out_dtype):
+def test_forward_matches_reference(case, transpose_rhs, out_dtype, tiling):
     m, k, n, sizes = CASES[case]
     lhs, rhs, group_sizes = _inputs(list(CASES).index(case), m, k, n, sizes, transpose_rhs)
-    out = moe_jax.grouped_matmul(
-        lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, preferred_element_type=out_dtype, backend="pallas"
-    )
+    patch = mock.patch.object(api, "get_config", _other_tiling(api.get_config)) if tiling == "other" else nullcontext()
+    with patch:
+        out = moe_jax.grouped_matmul(
+            lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, preferred_element_type=out_dtype, backend="pallas"
+        )
     expected = reference.grouped_matmul(
         lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, preferred_element_type=jnp.float32
     )
@@ -541,11 +562,11 @@ def test_heuristic_walks_large_groups_in_lockstep_group_bands(m, k, n, g):
     assert all(c.cluster_m == 1 for c in config.TUNED.values())
 
 
-@pytest.mark.parametrize("m, g", [(32768, 128), (32768 - 8, 128), (256, 1), (64, 4)])
+@pytest.mark.parametrize("m, g", [(32768, 128), (32768 - 8, 128), (256, 1), (1024, 4)])
 @pytest.mark.parametrize("k, n", [(2048, 1536), (2880, 5760), (2048, 2048), (2048, 2048 + 64)])
 def test_heuristic_walks_small_groups_in_group_bands(m, g, k, n):
-    """Groups of at most 256 rows on average (2-3 row tiles) get one CTA per span and bands by group for fwd / dgrad /
-    glu_dgrad (pairs and fixed bands re-read weights there), the fwd / dgrad warpgroups in lockstep only where a
+    """Groups of 65-256 rows on average (2-3 row tiles of 128) get one CTA per span and bands by group for fwd / dgrad
+    / glu_dgrad (pairs and fixed bands re-read weights there), the fwd / dgrad warpgroups in lockstep only where a
     group's weights pass LOCKSTEP_WEIGHT_BYTES (qwen3-30b's 6.3 MB: not; gpt-oss-120b's 33 MB: yes; 8 MB: not; just
     past it: yes); wgrad keeps its row bands."""
     heavy = k * n * 2 > config.LOCKSTEP_WEIGHT_BYTES
@@ -559,17 +580,24 @@ def test_heuristic_walks_small_groups_in_group_bands(m, g, k, n):
     assert (past.grid_minor, past.lockstep_tails) == ("g", True)
 
 
-@pytest.mark.parametrize("m, g, tiny", [(1024, 128, True), (8192, 128, True), (8192 + 8, 128, False), (64, 1, True)])
-def test_heuristic_takes_64_row_tiles_for_decode_sized_groups(m, g, tiny):
-    """Groups of at most TINY_GROUP_ROWS rows on average (a decode step's batch: qwen3-30b at T = 128 has 8 a group)
-    get fwd / dgrad tiles of 64 rows with one consumer warpgroup; past it, 128 rows with two. The GLU backward and
-    wgrad keep theirs."""
+@pytest.mark.parametrize(
+    "m, g, tiny",
+    [(1024, 128, True), (8, 128, True), (8192, 128, True), (8192 + 8, 128, False), (64, 1, True), (65, 1, False)],
+)
+@pytest.mark.parametrize("k, n", [(2048, 1536), (2880, 5760)])  # 6.3 / 33 MB of weights a group
+def test_heuristic_takes_64_row_tiles_for_decode_sized_groups(m, g, tiny, k, n):
+    """Groups of at most TINY_GROUP_ROWS rows on average (a decode step's batch: qwen3-30b at T = 128 has 8 a group,
+    fewer rows than groups too) get fwd / dgrad tiles of 64 rows with one consumer warpgroup, which has no idle half
+    to keep in lockstep; past it, 128 rows with two. The GLU backward and wgrad keep two warpgroups on 128 rows."""
     for kind in ("fwd", "dgrad"):
-        c = config.heuristic_config(kind, m=m, k=2048, n=1536, g=g)
+        c = config.heuristic_config(kind, m=m, k=k, n=n, g=g)
         assert (c.block_m, c.num_compute_wgs) == ((64, 1) if tiny else (128, 2)), kind
         assert (c.grid_minor, c.overlap_epilogue, c.num_stages) == ("g", True, 4), kind
+        if tiny:
+            assert not c.lockstep_tails, kind
     for kind in ("glu_dgrad", "wgrad"):
-        assert config.heuristic_config(kind, m=m, k=768, n=2048, g=g).block_m == 128, kind
+        c = config.heuristic_config(kind, m=m, k=n // 2, n=k, g=g)
+        assert (c.block_m, c.num_compute_wgs) == (128, 2), kind
 
 
 @pytest.mark.parametrize(

@@ -399,9 +399,12 @@ def heuristic_config(
     # orders alike at the deepseek-v3 / gpt-oss-120b shapes (6.66 / 2.44 ms), and the whole deepseek-v3 layer's
     # forward + backward in 64.1 ms with group bands against 66.9 with "n" bands (spreads overlapping).
     # (benchmarks/RESULTS.md, thirteenth session.)
+    # Decode-sized groups: the fwd / dgrad on 64-row tiles with one consumer warpgroup (the note below).
+    tiny = kind != "glu_dgrad" and m <= TINY_GROUP_ROWS * g
     if banded:
-        # Small groups with small weights: the fwd / dgrad skip a tail's idle MMAs (SMALL_WEIGHT_BANDS' note).
-        locked = kind == "glu_dgrad" or not small_groups or weight_bytes > LOCKSTEP_WEIGHT_BYTES
+        # Small groups with small weights: the fwd / dgrad skip a tail's idle MMAs (SMALL_WEIGHT_BANDS' note). One
+        # consumer warpgroup has no idle half to keep in step.
+        locked = not tiny and (kind == "glu_dgrad" or not small_groups or weight_bytes > LOCKSTEP_WEIGHT_BYTES)
         order = dataclasses.replace(GROUP_BANDS if locked else SMALL_WEIGHT_BANDS, overlap_epilogue=kind != "glu_dgrad")
     else:
         # The GLU backward of large groups with small weights. Wide outputs: walk a band of row tiles over all column
@@ -409,14 +412,13 @@ def heuristic_config(
         n_tiles = math.ceil(out_cols / block_n)
         bands = dict(grid_minor="n", grid_width=n_tiles) if n_tiles <= 16 else dict(grid_minor="m", grid_width=16)
         order = Config(**bands)
-    block_m, num_wgs = 128, 2
-    if kind != "glu_dgrad" and m <= TINY_GROUP_ROWS * g:
-        # Decode-sized groups (4-64 rows): one consumer warpgroup on 64-row tiles. Against two on 128-row tiles
-        # (H100, device time, outputs bit-identical; shapes.py's "decode" tag: qwen3-30b / gpt-oss-120b at T = 128,
-        # qwen3-30b at T = 1024): the plain fwd 0.4-3.6% faster, the dgrad 0.5-3.5%; 5 stages gained nothing more.
-        # In the decode layers (moe_ffn, T = 128) the forward's GLU / row-scale kernels ran alike, the forward +
-        # backward 0.3-1.0% faster (benchmarks/RESULTS.md, seventeenth session).
-        block_m, num_wgs = 64, 1
+    # Decode-sized groups (at most TINY_GROUP_ROWS rows on average) take one consumer warpgroup on 64-row tiles.
+    # Against two on 128-row tiles (H100, device time, outputs bit-identical; shapes.py's "decode" tag, uniform
+    # routings: 4-8 rows a group at T = 128, 64 at T = 1024): the plain fwd 0.4-3.6% faster at the six shapes, the
+    # dgrad 0.5-3.5% at five; 5 stages gained nothing more. In the decode layers (moe_ffn, T = 128) the forward's GLU
+    # / row-scale kernels ran alike, the forward + backward 0.3-1.0% faster (benchmarks/RESULTS.md, seventeenth
+    # session). A skewed routing with that mean gives its large groups more, narrower tiles.
+    block_m, num_wgs = (64, 1) if tiny else (128, 2)
     config = dataclasses.replace(
         order, block_m=block_m, num_compute_wgs=num_wgs, block_n=block_n, block_k=64, num_stages=stages
     )
