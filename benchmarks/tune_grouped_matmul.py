@@ -348,8 +348,9 @@ def main(argv=None) -> None:
     parser.add_argument("--jobs", type=int, default=8, help="threads compiling candidates at once")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per (kind, shape)")
     args = parser.parse_args(argv)
-    registry = shape_registry.GMM_SHAPES
-    shapes = common.named_shapes(args.shapes, registry, shape_registry.gmm_shapes, shape_registry.gmm_shapes("bench"))
+    shapes = common.named_shapes(
+        args.shapes, shape_registry.GMM_SHAPES, shape_registry.gmm_shapes, shape_registry.gmm_shapes("bench")
+    )
     if args.groups:
         shapes = [dataclasses.replace(shape, g=args.groups, name=f"{shape.name}@G{args.groups}") for shape in shapes]
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}, mode {args.mode}", flush=True)
