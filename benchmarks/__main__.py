@@ -7,6 +7,7 @@ Examples:
   python -m benchmarks --bench routing --routing-shapes deepseek-v3 --routing-stages glue,glue-bwd
   python -m benchmarks --bench glu --glu-activations swiglu,gpt_oss --backends pallas   # issue #4's targets
   python -m benchmarks --bench ep --backends pallas     # expert vs data parallel over all local GPUs
+  python -m benchmarks --plot benchmarks/results/<run>.jsonl   # bar charts of a recorded run (<run>.png)
 """
 
 import argparse
@@ -18,7 +19,7 @@ import time
 
 import jax
 
-from benchmarks import common, expert_parallel, glu, grouped_matmul, layer, routing, tokamax_peer
+from benchmarks import common, expert_parallel, glu, grouped_matmul, layer, plot, routing, tokamax_peer
 from moe_jax.ops import shapes as shape_registry
 from moe_jax.ops.grouped_matmul.reference import ACTIVATIONS
 
@@ -130,6 +131,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="JSONL",
         help="time nothing: print the tables of a run streamed with --jsonl (one cut short before it printed)",
     )
+    parser.add_argument(
+        "--plot",
+        metavar="JSONL",
+        help="time nothing: draw a run streamed with --jsonl as bar charts of TF/s per shape (PNG; needs matplotlib)",
+    )
+    parser.add_argument("--plot-out", metavar="PNG", help="where --plot writes (default: the JSONL's name with .png)")
     return parser.parse_args(argv)
 
 
@@ -167,9 +174,7 @@ def print_tables(records: list[common.Record]) -> None:
 
 def render(path: str) -> list[common.Record]:
     """Prints the header and tables of a --jsonl stream, exactly as the run would have printed them at its end."""
-    with open(path) as f:
-        lines = [json.loads(line) for line in f if line.strip()]
-    meta, records = lines[0]["meta"], [common.Record.from_json(line) for line in lines[1:]]
+    meta, records = common.read_run(path)
     print_header(meta)
     print(f"(rendered from {os.path.basename(path)}: {len(records)} records)")
     print_tables(records)
@@ -180,6 +185,8 @@ def main(argv: list[str] | None = None) -> list[common.Record]:
     args = parse_args(argv)
     if args.render:
         return render(args.render)
+    if args.plot:
+        return plot.plot_run(args.plot, TITLES, args.plot_out)
     platform = jax.devices()[0].platform
     if args.timer == "device" and platform != "gpu":
         raise SystemExit(f"--timer device reads GPU kernel times (CUPTI); this machine's jax runs on {platform}")

@@ -397,6 +397,13 @@ def run_metadata(command: str, peers: dict[str, str]) -> dict:
     }
 
 
+def read_run(path: str) -> tuple[dict, list[Record]]:
+    """(meta, records) of a run streamed with ``JsonlWriter``: its metadata line, then one line per record."""
+    with open(path) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    return lines[0]["meta"], [Record.from_json(line) for line in lines[1:]]
+
+
 class JsonlWriter:
     """Appends one JSON line per record as soon as it exists, so a run cut short still leaves its numbers."""
 
