@@ -3,12 +3,13 @@
 ``python -m benchmarks --plot RUN.jsonl [--plot-out FIG.png]`` draws a run streamed with ``--jsonl`` (those in
 ``benchmarks/results/`` included). A family of implementations is drawn as one bar at its best: tokamax's swept
 configs (``tokamax[...]``) as the fastest of them, since the issues' bar is tokamax tuned. The dense matmul of the same
-FLOPs is a bar of its own and the ``hbm-floor`` (the bytes the op must move, at the run's copy rate) a black tick; our
-bar is labelled with its TF/s and its ratios to the dense bar and to tokamax's. Benches without a FLOP model (routing) or with a table of their own
-(ep) are not drawn.
+FLOPs is a bar of its own and the ``hbm-floor`` (the bytes the op must move, at the run's copy rate) a black tick where
+it lies below the dense bar (where the op is memory-bound); our bar is labelled with its TF/s and its ratios to the
+dense bar and to tokamax's. Benches without a FLOP model (routing) or with a table of their own (ep) are not drawn.
 """
 
 import dataclasses
+import math
 import os
 
 from benchmarks import common
@@ -47,6 +48,13 @@ class Row:
 
     def ours(self) -> str | None:
         return next((family for family in OURS if family in self.tflops), None)
+
+    def binding_floor(self) -> float | None:
+        """The HBM floor where it binds, below the dense bar; above it the op is compute-bound and the floor would
+        only stretch the axis."""
+        if self.floor_tflops and self.floor_tflops < self.tflops.get(DENSE, math.inf):
+            return self.floor_tflops
+        return None
 
     def annotation(self) -> str:
         """Our TF/s and its ratios to the dense matmul and to the fastest tokamax family ("" without ours)."""
@@ -142,13 +150,16 @@ def _draw_panel(ax, title: str, rows: list[Row], colors: dict) -> None:
         height = BAR_HEIGHT / len(present)
         for i, name in enumerate(present):
             center = y - BAR_HEIGHT / 2 + (i + 0.5) * height
-            ax.barh(center, row.tflops[name], height=height, color=colors[name], label=LEGEND.get(name, name))
-        if row.ours():
-            ax.annotate(
-                row.annotation(), (row.tflops[row.ours()], y - BAR_HEIGHT / 2 + 0.5 * height), va="center", fontsize=7
-            )
-        if row.floor_tflops:
+            value = row.tflops[name]
+            ax.barh(center, value, height=height, color=colors[name], label=LEGEND.get(name, name))
+            if name == row.ours():
+                ax.annotate(row.annotation(), (value, center), va="center", fontsize=7)
+            else:  # a bar's own value, so that one too short to see still says what it is
+                ax.annotate(f" {value:.3g}", (value, center), va="center", fontsize=6, color="0.35")
+        if row.binding_floor():
             ax.plot([row.floor_tflops] * 2, [y - 0.45, y + 0.45], color="black", linewidth=1.5, label=LEGEND[FLOOR])
+    # Room right of the longest bar for our label.
+    ax.set_xlim(0, 1.4 * max(max(row.tflops.values()) for row in rows))
     ax.set_yticks(range(len(rows)), [row.label for row in rows], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("TF/s")

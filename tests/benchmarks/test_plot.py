@@ -1,5 +1,7 @@
 """``python -m benchmarks --plot``: which bars a recorded run becomes, and the PNG it writes."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -98,7 +100,15 @@ def test_the_figure_has_a_panel_per_bench_and_a_bar_per_family(run):
     gmm_panel, skew_panel = fig.axes  # in the order of TITLES; the routing records have none
     assert gmm_panel.get_title() == TITLES["gmm"] and skew_panel.get_title() == TITLES["skew"]
     assert len(gmm_panel.patches) == 4 + 2 and len(skew_panel.patches) == 2 + 2
-    assert sum(line.get_label() == plot.LEGEND["hbm-floor"] for line in gmm_panel.lines) == 1
+    floor, dense = plot.bench_rows(records, "gmm")[0].floor_tflops, plot.bench_rows(records, "gmm")[0].tflops["dense"]
+    assert sum(line.get_label() == plot.LEGEND["hbm-floor"] for line in gmm_panel.lines) == (floor < dense)
+
+
+def test_the_floor_is_drawn_only_where_it_binds():
+    row = plot.Row("a", {"moe_jax:pallas": 400.0, "dense": 800.0}, floor_tflops=600.0)
+    assert row.binding_floor() == 600.0
+    assert dataclasses.replace(row, floor_tflops=900.0).binding_floor() is None  # compute-bound
+    assert dataclasses.replace(row, tflops={"moe_jax:pallas": 400.0}, floor_tflops=900.0).binding_floor() == 900.0
 
 
 def test_cli_writes_a_png(run, tmp_path):
