@@ -17,10 +17,17 @@ from benchmarks import common
 OURS = ("moe_jax:pallas", "fused:pallas")  # the first of these a row has is "ours"
 DENSE, FLOOR = "dense", "hbm-floor"
 PEER = "tokamax"  # the families named tokamax* (its grouped matmul, alone or with XLA's glue) are the peer
-LEGEND = {
+LEGEND = {  # the benches' implementation names, in words (benchmarks/glu.py and layer.py define them)
     "moe_jax:pallas": "moe_jax, Mosaic GPU kernels",
     "moe_jax:xla": "moe_jax, XLA reference",
+    "fused:pallas": "moe_jax, GLU fused into the GEMMs",
+    "fused-recompute:pallas": "moe_jax fused, gate_up recomputed in the backward",
+    "gemm:pallas": "moe_jax gate_up GEMM alone, no GLU",
+    "gemm+xla-glu:pallas": "moe_jax GEMM, then the GLU in XLA",
+    "unfused:pallas": "moe_jax GEMMs with XLA elementwise glue",
     "tokamax": "tokamax, its fastest config in the run",
+    "tokamax-gemms": "tokamax grouped matmuls + XLA glue",
+    "tokamax+xla-glu": "tokamax grouped matmul, then the GLU in XLA",
     "ragged_dot": "jax.lax.ragged_dot",
     DENSE: "dense XLA matmul, same FLOPs",
     FLOOR: "HBM floor: the bytes at the run's copy rate",
