@@ -187,6 +187,8 @@ def main(argv: list[str] | None = None) -> list[common.Record]:
         return render(args.render)
     if args.plot:
         return plot.plot_run(args.plot, TITLES, args.plot_out)
+    if args.plot_out:
+        raise SystemExit("--plot-out names where --plot writes; give --plot RUN.jsonl too")
     platform = jax.devices()[0].platform
     if args.timer == "device" and platform != "gpu":
         raise SystemExit(f"--timer device reads GPU kernel times (CUPTI); this machine's jax runs on {platform}")

@@ -9,6 +9,7 @@ dense bar and to tokamax's. Benches without a FLOP model (routing) or with a tab
 """
 
 import dataclasses
+import itertools
 import math
 import os
 
@@ -139,7 +140,7 @@ def figure(meta: dict, records: list[common.Record], titles: dict[str, str]):
 
 def _colors(families: list[str]) -> dict[str, str]:
     """Fixed colours for the families in COLORS, orange for tokamax's, the rest in turn."""
-    others = iter(OTHER_COLORS * len(families))
+    others = itertools.cycle(OTHER_COLORS)
     return {
         f: COLORS.get(f) or ("tab:orange" if f.startswith(PEER) else next(others))
         for f in sorted(families, key=_draw_order)

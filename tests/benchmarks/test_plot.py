@@ -100,8 +100,10 @@ def test_the_figure_has_a_panel_per_bench_and_a_bar_per_family(run):
     gmm_panel, skew_panel = fig.axes  # in the order of TITLES; the routing records have none
     assert gmm_panel.get_title() == TITLES["gmm"] and skew_panel.get_title() == TITLES["skew"]
     assert len(gmm_panel.patches) == 4 + 2 and len(skew_panel.patches) == 2 + 2
-    floor, dense = plot.bench_rows(records, "gmm")[0].floor_tflops, plot.bench_rows(records, "gmm")[0].tflops["dense"]
-    assert sum(line.get_label() == plot.LEGEND["hbm-floor"] for line in gmm_panel.lines) == (floor < dense)
+    a = plot.bench_rows(records, "gmm")[0]
+    assert sum(line.get_label() == plot.LEGEND["hbm-floor"] for line in gmm_panel.lines) == (
+        a.floor_tflops < a.tflops["dense"]
+    )
 
 
 def test_the_floor_is_drawn_only_where_it_binds():
@@ -127,3 +129,8 @@ def test_a_run_without_flop_records_is_refused():
     records = [common.Record("routing", "layer", "router", "moe_jax:pallas", 0, {}, stage="route")]
     with pytest.raises(SystemExit, match="nothing to plot"):
         plot.figure(META, records, TITLES)
+
+
+def test_plot_out_without_a_run_is_refused():
+    with pytest.raises(SystemExit, match="give --plot RUN.jsonl too"):
+        main(["--plot-out", "figure.png"])
