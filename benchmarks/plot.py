@@ -164,8 +164,9 @@ def _draw_panel(ax, title: str, rows: list[Row], colors: dict) -> None:
                 ax.annotate(row.annotation(), (value, center), va="center", fontsize=7)
             else:  # a bar's own value, so that one too short to see still says what it is
                 ax.annotate(f" {value:.3g}", (value, center), va="center", fontsize=6, color="0.35")
-        if row.binding_floor():
-            ax.plot([row.floor_tflops] * 2, [y - 0.45, y + 0.45], color="black", linewidth=1.5, label=LEGEND[FLOOR])
+        floor = row.binding_floor()
+        if floor:
+            ax.plot([floor] * 2, [y - 0.45, y + 0.45], color="black", linewidth=1.5, label=LEGEND[FLOOR])
     # Room right of the longest bar for our label.
     ax.set_xlim(0, 1.4 * max(max(row.tflops.values()) for row in rows))
     ax.set_yticks(range(len(rows)), [row.label for row in rows], fontsize=8)
