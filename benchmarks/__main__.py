@@ -157,7 +157,7 @@ def print_tables(records: list[common.Record]) -> None:
     print(
         "\nspread = (p90 - p10) / median of the samples; vs dense = TF/s over the dense row's TF/s; hbm-floor = the "
         "least bytes the grouped matmul moves (weights, x and output once; three times that with the backward) at the "
-        "copy rate measured in this run (the record's note); "
+        "read rate measured in this run, the fastest rate of any HBM stream (the record's note); "
         "rel err = max over outputs and gradients of ||out - ref|| / ||ref||; ref = exact f32 products of three groups "
         "(grouped matmul), the first layer implementation that ran (layer)"
     )
