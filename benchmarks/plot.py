@@ -3,9 +3,10 @@
 ``python -m benchmarks --plot RUN.jsonl [--plot-out FIG.png]`` draws a run streamed with ``--jsonl`` (those in
 ``benchmarks/results/`` included). A family of implementations is drawn as one bar at its best: tokamax's swept
 configs (``tokamax[...]``) as the fastest of them, since the issues' bar is tokamax tuned. The dense matmul of the same
-FLOPs is a bar of its own and the ``hbm-floor`` (the bytes the op must move, at the run's read rate) a black tick where
-it lies below the dense bar (where the op is memory-bound); our bar is labelled with its TF/s and its ratios to the
-dense bar and to tokamax's. Benches without a FLOP model (routing) or with a table of their own (ep) are not drawn.
+FLOPs is a bar of its own and the ``hbm-floor`` (the bytes the op must move, at the HBM rate the run measured: the read
+rate since 2026-11-28, the copy rate before) a black tick where it lies below the dense bar (where the op is
+memory-bound); our bar is labelled with its TF/s and its ratios to the dense bar and to tokamax's. Benches without a
+FLOP model (routing) or with a table of their own (ep) are not drawn.
 """
 
 import dataclasses
@@ -31,7 +32,7 @@ LEGEND = {  # the benches' implementation names, in words (benchmarks/glu.py and
     "tokamax+xla-glu": "tokamax grouped matmul, then the GLU in XLA",
     "ragged_dot": "jax.lax.ragged_dot",
     DENSE: "dense XLA matmul, same FLOPs",
-    FLOOR: "HBM floor: the bytes at the run's read rate",
+    FLOOR: "HBM floor: the least bytes at the run's measured HBM rate",
 }
 UNPLOTTED_BENCHES = ("routing", "ep", "ep-bwd")
 BAR_HEIGHT = 0.8  # of a row's height, shared by its bars
