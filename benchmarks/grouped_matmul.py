@@ -11,7 +11,7 @@ Side by side at each named shape (``moe_jax.ops.shapes.GMM_SHAPES``):
 - "hbm-floor" (with "dense"): not an implementation but the memory roofline, the least bytes the op moves
   (``hbm_floor_bytes``) at the device's read rate measured in the same run, the fastest any HBM stream runs (a copy,
   which also writes, runs slower). Where its "vs dense" is below a target, no kernel can meet that target on this
-  device.
+  device (but for bytes the L2 keeps: ``measure_hbm_floor``).
 
 Every ragged implementation's output (and gradients) is checked against ``moe_jax._core.testing.GroupOracle``: exact
 f32 products of a few groups computed from their slices, independent of every implementation timed (ragged_dot may run
@@ -99,8 +99,8 @@ def hbm_floor_bytes(shape: GroupedMatmulShape, *, backward: bool) -> int:
 
 
 def measure_hbm_floor(record: common.Record, num_bytes: int, options: common.Options) -> None:
-    """Times a row reduction over a bf16 buffer (it reads every byte once and writes one f32 per 2048 read) and records
-    ``num_bytes`` at the rate it reached; the note says the bytes and the rate.
+    """Times a row reduction over a bf16 buffer (it reads every byte once and writes one f32 per row of 2048) and
+    records ``num_bytes`` at the rate it reached; the note says the bytes and the rate.
 
     Reading is the fastest way through the HBM: on an H100 the reduction ran at 3.19 TB/s, a copy (which reads and
     writes every byte) at 2.94 and a copy with two inputs at 3.07 (device time, 2-GiB buffers, 2026-11-28). So no
