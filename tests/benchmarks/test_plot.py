@@ -100,9 +100,9 @@ def test_the_figure_has_a_panel_per_bench_and_a_bar_per_family(run):
     gmm_panel, skew_panel = fig.axes  # in the order of TITLES; the routing records have none
     assert gmm_panel.get_title() == TITLES["gmm"] and skew_panel.get_title() == TITLES["skew"]
     assert len(gmm_panel.patches) == 4 + 2 and len(skew_panel.patches) == 2 + 2
-    a = plot.bench_rows(records, "gmm")[0]
+    first_row = plot.bench_rows(records, "gmm")[0]
     assert sum(line.get_label() == plot.LEGEND["hbm-floor"] for line in gmm_panel.lines) == (
-        a.floor_tflops < a.tflops["dense"]
+        first_row.floor_tflops < first_row.tflops["dense"]
     )
 
 
