@@ -116,13 +116,21 @@ _gate.defvjp(_gate_fwd, _gate_bwd, symbolic_zeros=True)
 
 def _sort_by_expert(experts, ranks, counts) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(group_sizes [E], sort_indices [T * k], positions [T, k]) from the kernel's in-block ranks and per-block
-    histograms."""
+    histograms (counts [T_pad / 64, E]).
+
+    Written for what XLA makes of it on the GPU (docs/kernels/routing.md, "The counting sort's end in XLA"): the
+    group sizes are the cumsum's last row, not a sum of their own, which XLA made the hero of the cumsum's fusion and
+    ran on 2 CTAs; and the positions gather from the flattened [blocks * E] first rows, which XLA fuses with the clamp
+    that a caller's positions get.
+    """
     num_tokens, top_k = experts.shape
-    group_sizes = counts.sum(0)
+    num_experts = counts.shape[1]
+    through_block = jnp.cumsum(counts, axis=0)
+    group_sizes = through_block[-1]
     group_starts = jnp.cumsum(group_sizes) - group_sizes
-    block_firsts = group_starts[None, :] + jnp.cumsum(counts, axis=0) - counts  # [blocks, E]: first row per expert
+    block_firsts = group_starts[None, :] + through_block - counts  # [blocks, E]: first row per expert
     block = jnp.arange(num_tokens, dtype=jnp.int32) // BLOCK_TOKENS
-    positions = block_firsts[block[:, None], experts] + ranks
+    positions = block_firsts.reshape(-1)[block[:, None] * num_experts + experts] + ranks
     num_rows = num_tokens * top_k
     rows = jnp.arange(num_rows, dtype=jnp.int32)
     sort_indices = jnp.zeros((num_rows,), jnp.int32).at[positions.reshape(-1)].set(rows, unique_indices=True)
