@@ -98,6 +98,14 @@ def hbm_floor_bytes(shape: GroupedMatmulShape, *, backward: bool) -> int:
     return 2 * elements * (3 if backward else 1)
 
 
+def read_pass(num_bytes: int) -> tuple[Callable, jax.Array, int]:
+    """The pass the read rate is timed with: (a jitted row sum, its zeroed bf16 buffer [rows, READ_ROW] of
+    ``num_bytes`` capped at READ_BYTES_CAP, the bytes one call moves: the buffer plus one f32 per row)."""
+    rows = max(min(num_bytes, READ_BYTES_CAP) // (2 * READ_ROW), 1)
+    buffer = jnp.zeros((rows, READ_ROW), jnp.bfloat16)
+    return jax.jit(lambda a: jnp.sum(a, axis=1, dtype=jnp.float32)), buffer, buffer.nbytes + rows * 4
+
+
 def measure_hbm_floor(record: common.Record, num_bytes: int, options: common.Options) -> None:
     """Times a row reduction over a bf16 buffer (it reads every byte once and writes one f32 per row of 2048) and
     records ``num_bytes`` at the rate it reached; the note says the bytes and the rate.
@@ -106,10 +114,8 @@ def measure_hbm_floor(record: common.Record, num_bytes: int, options: common.Opt
     writes every byte) at 2.94 and a copy with two inputs at 3.07 (device time, 2-GiB buffers, 2026-11-28). So no
     kernel moving ``num_bytes`` beats the record's time, except by bytes the L2 holds from before or still holds dirty
     when the kernel ends (at most its 50 MB each way; the benches rotate inputs to defeat the first)."""
-    rows = max(min(num_bytes, READ_BYTES_CAP) // (2 * READ_ROW), 1)
-    buffer = jnp.zeros((rows, READ_ROW), jnp.bfloat16)
-    moved = buffer.nbytes + rows * 4
-    common.measure(record, jax.jit(lambda a: jnp.sum(a, axis=1, dtype=jnp.float32)), [(buffer,)], options)
+    read, buffer, moved = read_pass(num_bytes)
+    common.measure(record, read, [(buffer,)], options)
     if record.timing is None:
         return
     rate = moved / record.timing.median_s

@@ -23,6 +23,11 @@ difference where it is a cost (a gathered kernel faster than the sorted-rows one
 its share is over the layer's span (first kernel start to last kernel end of a call, which also
 counts any gap between kernels). Medians over the calls.
 
+Issue #5 asks for glue <= 10% of the span. Each shape's table also says how much glue that allows while the other
+kernels keep their time, and how much of it the combine (and the permute, where the layer permutes first) needs at
+the least: their bf16 rows' bytes at the read rate, the fastest pass through this card's HBM, measured once per run
+(``grouped_matmul.read_pass``, in device time like everything here).
+
 Usage (GPU machine): ``python -m benchmarks.profile_layer [--shapes qwen3-30b-a3b,deepseek-v3] --calls 20 [--glue]``
 (by default every benchmark layer: qwen3-30b-a3b, gpt-oss-120b, deepseek-v3).
 """
@@ -38,10 +43,11 @@ import jax
 import numpy as np
 
 import moe_jax
-from benchmarks import common, layer, routing
+from benchmarks import common, grouped_matmul, layer, routing
 from moe_jax.ops.shapes import LAYER_SHAPES, layer_shapes
 
 GLUE_STAGES = ("gating", "xla-glue", "permute", "combine")
+GLUE_TARGET_SHARE = 0.10  # issue #5: the glue's share of the layer's forward span, at most
 GLUE_FUNCTIONS = ("glue", "glue-fused")  # routing.stage_functions profiled by --glue
 GLUE_BACKENDS = ("xla", "pallas")
 STAGES = ("router", "gating", "xla-glue", "permute", "gate_up", "down", "combine", "other")
@@ -87,8 +93,28 @@ def medians(calls: list[list[tuple[str, int, int]]]) -> dict[str, float]:
     return _medians([stage_times(call) for call in calls])
 
 
-def profile_shape(shape, calls: int, seed: int) -> dict:
-    """Stage medians of the layer and of the expert kernels on sorted rows, and the glue they imply (µs)."""
+def read_rate_bytes_per_s(calls: int) -> float:
+    """The HBM read rate: bytes of ``grouped_matmul.read_pass`` over its median device time."""
+    read, buffer, moved = grouped_matmul.read_pass(grouped_matmul.READ_BYTES_CAP)
+    per_call = common.kernel_calls(read, [(buffer,)], calls)
+    return moved / (float(np.median([sum(d for _, _, d in call) for call in per_call])) / 1e9)
+
+
+def row_bytes(shape, *, permutes: bool) -> int:
+    """The bf16 bytes the combine moves at the least: it reads the [T * k, D] expert rows and writes y [T, D]. A
+    layer that permutes first moves as many again the other way (reads x [T, D], writes the sorted rows)."""
+    one_way = 2 * shape.t * shape.d * (shape.top_k + 1)
+    return one_way * (2 if permutes else 1)
+
+
+def glue_budget_us(span: float, glue: float, share: float = GLUE_TARGET_SHARE) -> float:
+    """The most glue for glue / span <= ``share`` while the other kernels keep their (span - glue) µs."""
+    return (span - glue) * share / (1.0 - share)
+
+
+def profile_shape(shape, calls: int, seed: int, read_rate: float) -> dict:
+    """Stage medians of the layer and of the expert kernels on sorted rows, the glue they imply, and the glue issue
+    #5's share allows next to the combine's floor at ``read_rate`` (bytes / s). Times in µs."""
     route_kwargs = common.routing_kwargs(shape, seed)
     inputs = layer.make_inputs(shape, seed=seed)[0]
 
@@ -119,6 +145,7 @@ def profile_shape(shape, calls: int, seed: int) -> dict:
     glue = layer_glue_us(glue_kernels, gather_cost)
     kernels = collections.Counter(name for name, _, _ in layer_calls[-1])
     kernel_us = kernel_medians(layer_calls)
+    moved = row_bytes(shape, permutes="permute" in stages)
     return {
         "shape": shape.name,
         "stages_us": stages,
@@ -127,6 +154,10 @@ def profile_shape(shape, calls: int, seed: int) -> dict:
         "glue_kernels_us": glue_kernels,
         "glue_us": glue,
         "glue_share": glue / stages["span"],
+        "glue_budget_us": glue_budget_us(stages["span"], glue),
+        "row_bytes": moved,
+        "read_rate_tbs": read_rate / 1e12,
+        "row_floor_us": moved / read_rate * 1e6,
         "kernels": {
             name: {"count": count, "stage": stage_of(name), "us": kernel_us[name]} for name, count in kernels.items()
         },
@@ -222,6 +253,13 @@ def markdown(result: dict) -> str:
         f"{result['glue_kernels_us'] / span:.1%} |",
         f"| **glue** = glue kernels + gather cost (a gain counts 0) | **{result['glue_us']:.1f}** | "
         f"**{result['glue_share']:.1%}** |",
+        f"| glue allowed at <= {GLUE_TARGET_SHARE:.0%} (the other kernels' {span - result['glue_us']:.1f} µs x "
+        f"{GLUE_TARGET_SHARE:g} / {1 - GLUE_TARGET_SHARE:g}) | {result['glue_budget_us']:.1f} | |",
+        f"| the rows' floor: combine{' + permute' if 'permute' in stages else ''}, "
+        f"{result['row_bytes'] / 1e6:.0f} MB at the read rate ({result['read_rate_tbs']:.2f} TB/s) | "
+        f"{result['row_floor_us']:.1f} | {result['row_floor_us'] / span:.1%} |",
+        f"| left of the allowance for the rest of the glue, were the rows at their floor | "
+        f"{result['glue_budget_us'] - result['row_floor_us']:.1f} | |",
         "",
         "| glue kernel | launches | µs |",
         "|---|---:|---:|",
@@ -250,9 +288,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     meta = common.run_metadata(command, {})
     print(f"{meta['date']} | {meta['device_kind']} | jax {meta['jax']} | git {meta['git_revision']}\n")
     print(f"command: `{command}`\n")
+    read_rate = read_rate_bytes_per_s(args.calls)
+    print(
+        f"HBM read rate (device time, {grouped_matmul.READ_BYTES_CAP / 2**30:g} GiB row sum): "
+        f"{read_rate / 1e12:.3f} TB/s\n"
+    )
     results = []
     for name in args.shapes.split(","):
-        results.append(profile_shape(LAYER_SHAPES[name], args.calls, args.seed))
+        results.append(profile_shape(LAYER_SHAPES[name], args.calls, args.seed, read_rate))
         print(markdown(results[-1]) + "\n", flush=True)
         if args.glue:
             results[-1]["glue_functions"] = profile_glue(LAYER_SHAPES[name], args.calls, args.seed)

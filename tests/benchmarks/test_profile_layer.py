@@ -6,6 +6,7 @@ import pytest
 
 from benchmarks import profile_layer
 from moe_jax.ops.grouped_matmul import glu, sm90
+from moe_jax.ops.shapes import LAYER_SHAPES
 
 
 def _kernel(epilogue, gathered=False) -> str:
@@ -75,3 +76,39 @@ def test_a_gather_that_speeds_the_kernel_up_counts_as_no_glue():
     # A faster gathered kernel is the GEMM's gain: the glue is then its kernels alone, never less.
     assert profile_layer.layer_glue_us(800.0, 65.5) == pytest.approx(865.5)
     assert profile_layer.layer_glue_us(800.0, -926.0) == 800.0
+
+
+def test_glue_budget_is_the_target_share_of_the_span_it_would_leave():
+    span, glue = 2139.4, 340.9
+    budget = profile_layer.glue_budget_us(span, glue)
+    assert budget / (span - glue + budget) == pytest.approx(profile_layer.GLUE_TARGET_SHARE)
+    assert profile_layer.glue_budget_us(1000.0, 100.0, share=0.25) == pytest.approx(300.0)
+
+
+def test_row_bytes_count_the_expert_rows_and_the_tokens_rows_once_per_direction():
+    shape = LAYER_SHAPES["qwen3-30b-a3b"]  # T 16384, D 2048, k 8: 537 MB of expert rows read, 67 MB of y written
+    assert profile_layer.row_bytes(shape, permutes=False) == 2 * 16384 * 2048 * (8 + 1)
+    assert profile_layer.row_bytes(shape, permutes=True) == 2 * profile_layer.row_bytes(shape, permutes=False)
+
+
+def test_markdown_states_the_allowance_and_the_rows_floor():
+    stages = {"router": 20.0, "gating": 10.0, "xla-glue": 5.0, "gate_up": 600.0, "down": 250.0, "combine": 100.0}
+    stages["span"] = 1000.0
+    result = {
+        "shape": "demo",
+        "stages_us": stages,
+        "sorted_rows_gate_up_us": 585.0,
+        "gather_cost_us": 15.0,
+        "glue_kernels_us": 115.0,
+        "glue_us": 130.0,
+        "glue_share": 0.13,
+        "glue_budget_us": profile_layer.glue_budget_us(1000.0, 130.0),
+        "row_bytes": 300_000_000,
+        "read_rate_tbs": 3.0,
+        "row_floor_us": 100.0,
+        "kernels": {},
+    }
+    table = profile_layer.markdown(result)
+    assert "| glue allowed at <= 10% (the other kernels' 870.0 µs x 0.1 / 0.9) | 96.7 | |" in table
+    assert "| the rows' floor: combine, 300 MB at the read rate (3.00 TB/s) | 100.0 | 10.0% |" in table
+    assert "| left of the allowance for the rest of the glue, were the rows at their floor | -3.3 | |" in table
