@@ -223,12 +223,14 @@ def routed_glu_mlp(
 # Fusing the gather saves the permute, whose share of the gate_up kernel's time shrinks as 1 / F (bytes ~ M D against
 # FLOPs ~ M D F), and changes what the kernel reads: cp.async rows of x [T, D] instead of TMA boxes of the sorted rows
 # [T * k, D]. At qwen3 (F = 768) that costs the kernel 4-7% and wins (H200 and H100). At deepseek-v3 (F = 2048) the
-# gathered kernel is *faster* than the one on sorted rows on an H100 (x, 8x smaller than the rows, stays in L2): the
-# layer's forward span 23180 / 23355 -> 21651 / 21694 µs (device time, two alternating rounds, 2026-11-26), where on an
-# H200 with the kernels of 2026-11-22 it was 2-6% slower (benchmarks/RESULTS.md, 1a72dcc; not re-measured since). At
-# gpt-oss-120b (F = 2880, H100) the gather costs the kernel 187-215 µs against a 171-µs permute: the layer's span
-# 5437 / 5423 -> 5471 / 5445 µs. At F = 14336 (mixtral, H200) a 5% loss. docs/kernels/routing.md, "The gather inside
-# the gate_up kernel".
+# gathered kernel was *faster* than the one on sorted rows on an H100 on 2026-11-26 (the layer's forward span
+# 23180 / 23355 -> 21651 / 21694 µs); with the configs of 2026-11-28 it is 7-9% slower as a kernel, and the layer's
+# span ties with permuting first (20579 against 20590 µs, median of 60 calls each, alternating; RESULTS.md,
+# 2026-11-28 twenty-third session), so gathering stays: it also keeps x [T, D] for the backward instead of the sorted
+# rows. (On an H200 with the kernels of 2026-11-22 the layer was 2-6% slower gathering: RESULTS.md, 1a72dcc; not
+# re-measured since.) At gpt-oss-120b (F = 2880, H100) the gather costs the kernel 187-215 µs against a 171-µs
+# permute: the layer's span 5437 / 5423 -> 5471 / 5445 µs. At F = 14336 (mixtral, H200) a 5% loss.
+# docs/kernels/routing.md, "The gather inside the gate_up kernel".
 GATHER_MAX_D_FF = 2048
 
 
