@@ -94,10 +94,10 @@ def medians(calls: list[list[tuple[str, int, int]]]) -> dict[str, float]:
 
 
 def read_rate_bytes_per_s(calls: int) -> float:
-    """The HBM read rate: bytes of ``grouped_matmul.read_pass`` over its median device time."""
+    """The HBM read rate: bytes of ``grouped_matmul.read_pass`` over its median device time (``calls`` calls)."""
     read, buffer, moved = grouped_matmul.read_pass(grouped_matmul.READ_BYTES_CAP)
-    per_call = common.kernel_calls(read, [(buffer,)], calls)
-    return moved / (float(np.median([sum(d for _, _, d in call) for call in per_call])) / 1e9)
+    timing, _ = common.device_time_fn(read, [(buffer,)], iters=calls, warmup=3, max_seconds=1.0, min_samples=calls)
+    return moved / timing.median_s
 
 
 def row_bytes(shape, *, permutes: bool) -> int:
