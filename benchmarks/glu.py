@@ -14,7 +14,8 @@ implementations; "<b>" is each moe_jax backend of ``--backends`` (on CPU, "xla" 
 "glu-bwd" — the backward of y = row_scale * (h W_down) alone, from the residuals of one forward (the jitted pullback
 of a jax.vjp), 2x the forward's 6*M*D*F; "glu-mlp" — forward + backward, 18*M*D*F:
 - "fused:<b>": ``glu_mlp`` (pallas: the GLU backward in the down projection's dgrad epilogue, pre-activation kept);
-- "fused-recompute:pallas": ``glu_mlp(recompute_gate_up=True)`` (its extra GEMM is not counted in the FLOPs);
+- "fused-recompute:pallas": the same kernels recomputing the pre-activation in the backward instead of keeping it
+  (its extra GEMM is not counted in the FLOPs);
 - "unfused:<b>": plain grouped matmuls with XLA elementwise glue (GEMM, XLA GLU, GEMM, XLA row scale) differentiated
   by JAX — with "pallas", the issue-#3 kernels (target: fused backward >= 1.5x faster);
 - "tokamax-gemms": the same composition with tokamax's ragged dot (target: the fused forward + backward beats it);
@@ -39,8 +40,9 @@ import moe_jax
 from benchmarks import common, tokamax_peer
 from moe_jax._core.testing import GroupOracle, MLPGroupOracle
 from moe_jax.ops import shapes as shape_registry
+from moe_jax.ops.glu_mlp import api as glu_mlp_api
+from moe_jax.ops.grouped_matmul.glu import glu
 from moe_jax.ops.grouped_matmul.packing import gate_up_block, split_gate_up
-from moe_jax.ops.grouped_matmul.reference import gated_activation
 from moe_jax.ops.shapes import GroupedMatmulShape
 
 BENCHES = ("glu", "glu-bwd", "glu-mlp")
@@ -73,7 +75,7 @@ def xla_glu(gate_up: jax.Array, activation: str, block: int | None = None) -> ja
     """The GLU of a [M, 2F] GEMM output in XLA: f32 math, result in the GEMM's dtype. Columns are ``[gate | up]``, or
     packed in blocks of ``block`` (``split_gate_up``) when the GEMM multiplied packed weights."""
     gate, up = split_gate_up(gate_up.astype(jnp.float32), block or gate_up.shape[1] // 2)
-    return gated_activation(gate, up, activation).astype(gate_up.dtype)
+    return glu(gate, up, activation).astype(gate_up.dtype)
 
 
 def composed_mlp(gmm: Callable, x, w_gate_up, w_down, group_sizes, row_scale, *, activation: str, block=None):
@@ -96,6 +98,12 @@ def _gmm(lhs, rhs, group_sizes, *, backend: str):
 
 def _glu_mlp(x, w_gate_up, w_down, group_sizes, row_scale, **options):
     return moe_jax.glu_mlp(x, w_gate_up, w_down, group_sizes, row_scale=row_scale, **options)
+
+
+def _glu_mlp_recomputed(x, w_gate_up, w_down, group_sizes, row_scale, *, activation: str):
+    """The kernels' GLU MLP recomputing the pre-activation in its backward instead of keeping it."""
+    args = (x, w_gate_up, w_down, group_sizes.astype(jnp.int32), activation, row_scale, True, "pallas")
+    return glu_mlp_api._glu_mlp(*args, recompute_gate_up=True)
 
 
 def glu_candidates(options: common.Options, activation: str) -> list[tuple[str, Callable, tuple[str, ...], str]]:
@@ -137,7 +145,7 @@ def mlp_candidates(options: common.Options, activation: str) -> list[tuple[str, 
         candidates.append((f"unfused:{backend}", functools.partial(composed_mlp, gmm, **act), plain))
         candidates.append((f"fused:{backend}", functools.partial(_glu_mlp, backend=backend, **act), packed))
         if backend == "pallas":
-            recompute = functools.partial(_glu_mlp, backend=backend, recompute_gate_up=True, **act)
+            recompute = functools.partial(_glu_mlp_recomputed, **act)
             candidates.append(("fused-recompute:pallas", recompute, packed))
     return candidates
 
@@ -341,7 +349,7 @@ def memory_implementations(activation: str) -> list[tuple[str, Callable]]:
             functools.partial(composed_mlp, functools.partial(_gmm, backend="pallas"), **act),
         ),
         ("fused (glu_mlp)", functools.partial(_glu_mlp, backend="pallas", **act)),
-        ("fused, recompute_gate_up", functools.partial(_glu_mlp, backend="pallas", recompute_gate_up=True, **act)),
+        ("fused, recompute_gate_up", functools.partial(_glu_mlp_recomputed, **act)),
     ]
 
 

@@ -9,7 +9,7 @@ Side by side at each named layer shape (``moe_jax.ops.shapes.LAYER_SHAPES``), ro
 - "experts:pallas": the two expert kernels of moe_jax:pallas alone, ``moe_jax.glu_mlp`` on rows already sorted by the
   same routing (computed outside the timing, like its group sizes and row weights): no router, routing, permute or
   combine; "experts:pallas-gathered": the same two kernels with the gate_up kernel gathering its rows from x by the
-  sort indices (``routed_glu_mlp(fuse_gather=True)``, what moe_ffn runs where F <= 2048); forward only,
+  sort indices (``routed_glu_mlp(backend="pallas_gather")``, what moe_ffn runs where F <= 2048); forward only,
   "router:xla": the router matmul ``router_logits(x, router_kernel)`` alone. The layer's "glue" (issue #5: routing,
   permute, combine and the aux losses, including whatever the gathered gate_up loads cost over plain ones) is
   ``moe_jax:pallas - experts:pallas - router:xla``; the gather's own cost is ``experts:pallas-gathered -
@@ -108,8 +108,7 @@ def gathered_expert_gemms(x, sort_indices, w_gate_up, w_down, group_sizes, row_w
         group_sizes,
         activation=activation,
         row_scale=row_weights,
-        fuse_gather=True,
-        backend="pallas",
+        backend="pallas_gather",
     )
     return y, ()
 

@@ -33,11 +33,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import moe_jax
 from benchmarks import common
 from moe_jax._core.testing import GroupOracle
 from moe_jax.ops import shapes as shape_registry
-from moe_jax.ops.glu_mlp import api as glu_mlp_api
-from moe_jax.ops.grouped_matmul import api
+from moe_jax.ops.grouped_matmul import launch
 from moe_jax.ops.grouped_matmul.config import Config, epilogue_smem, get_config
 
 # The kernels this script drives.
@@ -104,15 +104,19 @@ def kernel_fn(kind: str, config: Config | None):
     """kernel_args(kind, ...) -> kernel output, for rhs [G, K, N]: fwd (lhs, rhs), dgrad (dout, rhs), wgrad
     (lhs, dout), glu_dgrad (dout, rhs, row_scale, packed gate_up [M, 2K])."""
     if kind == "glu_dgrad":
-        return lambda d_y, w_down, group_sizes, row_scale, gate_up: glu_mlp_api.run_glu_dgrad(
+        return lambda d_y, w_down, group_sizes, row_scale, gate_up: launch.run_glu_dgrad(
             d_y, w_down, group_sizes, gate_up, row_scale, GLU_DGRAD_ACTIVATION, config=config
         )
     if kind == "fwd":
-        return functools.partial(api.run_rows_kernel, "fwd", w_transposed=False, out_dtype=jnp.bfloat16, config=config)
+        return functools.partial(
+            launch.run_rows_kernel, "fwd", w_transposed=False, out_dtype=jnp.bfloat16, config=config
+        )
     if kind == "dgrad":
-        return functools.partial(api.run_rows_kernel, "dgrad", w_transposed=True, out_dtype=jnp.bfloat16, config=config)
+        return functools.partial(
+            launch.run_rows_kernel, "dgrad", w_transposed=True, out_dtype=jnp.bfloat16, config=config
+        )
     assert kind == "wgrad", kind  # main() admits TIMED_KINDS only
-    return functools.partial(api.run_wgrad_kernel, out_dtype=jnp.bfloat16, config=config)
+    return functools.partial(launch.run_wgrad_kernel, out_dtype=jnp.bfloat16, config=config)
 
 
 @functools.partial(jax.jit, static_argnames=("g", "m", "k", "n", "glu"))
@@ -310,7 +314,7 @@ def run_check(shapes, routings, seed: int) -> bool:
 
         @jax.jit
         def run(lhs, rhs, ct, group_sizes, transpose=transpose):
-            op = functools.partial(api.grouped_matmul, transpose_rhs=transpose, backend="pallas")
+            op = functools.partial(moe_jax.grouped_matmul, transpose_rhs=transpose, backend="pallas")
             out, vjp = jax.vjp(lambda a, b: op(a, b, group_sizes), lhs, rhs)
             d_lhs, d_rhs = vjp(ct)
             return out, d_lhs, jnp.swapaxes(d_rhs, 1, 2) if transpose else d_rhs

@@ -1,9 +1,9 @@
 """moe_jax: fused Mixture-of-Experts layers for JAX on NVIDIA Hopper.
 
-The public surface (re-exports only): ``route`` (with ``Routing``, ``apply_capacity``, ``load_balancing_loss`` and
-``z_loss``), ``grouped_matmul`` (with ``pack_gate_up`` / ``unpack_gate_up`` / ``PackedGateUp`` for the GLU weight
-layout), ``glu_mlp``, ``permute``, ``combine``, ``moe_ffn`` (with ``MoEAux``), the Flax NNX modules in ``moe_jax.nn``
-and expert parallelism in ``moe_jax.parallel``.
+The public surface (re-exports only): ``route`` (with ``Routing``, ``RoutingOptions``, ``apply_capacity``,
+``load_balancing_loss`` and ``z_loss``), ``grouped_matmul`` (with ``pack_gate_up`` / ``unpack_gate_up`` /
+``PackedGateUp`` for the GLU weight layout), ``glu_mlp``, ``permute``, ``combine``, ``moe_ffn`` (with ``MoEAux``), the
+Flax NNX modules in ``moe_jax.nn`` and expert parallelism in ``moe_jax.parallel``.
 """
 
 from moe_jax._core.hardware import serialize_interpreted_kernels
@@ -16,12 +16,20 @@ from moe_jax.ops.grouped_matmul.api import grouped_matmul  # noqa: E402
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp, pack_gate_up, unpack_gate_up  # noqa: E402
 from moe_jax.ops.moe_ffn.api import MoEAux, moe_ffn  # noqa: E402
 from moe_jax.ops.permute.api import combine, permute  # noqa: E402
-from moe_jax.ops.routing.api import Routing, apply_capacity, load_balancing_loss, route, z_loss  # noqa: E402
+from moe_jax.ops.routing.api import (  # noqa: E402
+    Routing,
+    RoutingOptions,
+    apply_capacity,
+    load_balancing_loss,
+    route,
+    z_loss,
+)
 
 __all__ = [
     "MoEAux",
     "PackedGateUp",
     "Routing",
+    "RoutingOptions",
     "apply_capacity",
     "combine",
     "glu_mlp",

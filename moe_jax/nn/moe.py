@@ -13,7 +13,7 @@ from flax import nnx
 from moe_jax.ops.glu_mlp.api import glu_mlp
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp, gate_up_block, pack_gate_up
 from moe_jax.ops.moe_ffn.api import MoEAux, moe_ffn
-from moe_jax.ops.routing.api import Routing, balancing_bias_update, route, router_logits
+from moe_jax.ops.routing.api import Routing, RoutingOptions, balancing_bias_update, route, router_logits
 from moe_jax.parallel.expert_parallel import moe_ffn_expert_parallel
 
 # Experts are stacked on axis 0; "expert" is the mesh axis expert parallelism shards them over.
@@ -62,7 +62,7 @@ class Router(nnx.Module):
 
     Args:
       d_model: D.  num_experts: E.  top_k: k.
-      score, renormalize, num_groups, top_groups, scale: as in ``moe_jax.route``.
+      routing: a ``RoutingOptions`` as in ``moe_jax.route``; its fields may also be passed as keywords.
       balance_bias: keep an aux-loss-free ``RouterBias`` [E] (zeros at init).
       param_dtype: dtype of the kernel [D, E].
       backend: "auto", "xla" or "pallas".
@@ -75,27 +75,18 @@ class Router(nnx.Module):
         num_experts: int,
         top_k: int,
         *,
-        score: str = "softmax",
-        renormalize: bool = True,
-        num_groups: int = 1,
-        top_groups: int = 1,
-        scale: float = 1.0,
+        routing: RoutingOptions | None = None,
         balance_bias: bool = False,
         param_dtype=jnp.float32,
         backend: str = "auto",
         rngs: nnx.Rngs,
+        **routing_keywords,
     ):
         init = nnx.initializers.normal(d_model**-0.5)
         self.kernel = _param(init(rngs.params(), (d_model, num_experts), param_dtype), (None, None))
         self.bias = RouterBias(jnp.zeros((num_experts,), jnp.float32)) if balance_bias else None
         self.top_k = top_k
-        self.routing_options = dict(
-            score=score,
-            renormalize=renormalize,
-            num_groups=num_groups,
-            top_groups=top_groups,
-            scale=scale,
-        )
+        self.routing = RoutingOptions.of(routing, routing_keywords)
         self.backend = backend
 
     @property
@@ -107,9 +98,9 @@ class Router(nnx.Module):
         return route(
             router_logits(x, self.kernel[...]),
             self.top_k,
+            routing=self.routing,
             bias=self.bias_value,
             backend=self.backend,
-            **self.routing_options,
         )
 
     def update_bias(self, expert_counts: jax.Array, rate: float) -> None:
@@ -144,7 +135,7 @@ class MoE(nnx.Module):
     Args:
       d_model: D.  d_ff: F, the hidden size of one expert.  num_experts: E.  top_k: k.
       activation: "swiglu", "geglu" or "gpt_oss".
-      score, renormalize, num_groups, top_groups, scale: routing, as in ``moe_jax.route``.
+      routing: a ``RoutingOptions`` as in ``moe_jax.route``; its fields may also be passed as keywords.
       capacity_factor: None (dropless) or the per-expert capacity factor.
       balance_bias: keep an aux-loss-free router bias (see ``update_bias``).
       num_shared_experts: width, in units of d_ff, of an always-on shared expert MLP (0: none).
@@ -170,11 +161,7 @@ class MoE(nnx.Module):
         top_k: int,
         *,
         activation: str = "swiglu",
-        score: str = "softmax",
-        renormalize: bool = True,
-        num_groups: int = 1,
-        top_groups: int = 1,
-        scale: float = 1.0,
+        routing: RoutingOptions | None = None,
         capacity_factor: float | None = None,
         balance_bias: bool = False,
         num_shared_experts: int = 0,
@@ -183,16 +170,13 @@ class MoE(nnx.Module):
         backend: str = "auto",
         expert_parallel: bool = False,
         rngs: nnx.Rngs,
+        **routing_keywords,
     ):
         self.router = Router(
             d_model,
             num_experts,
             top_k,
-            score=score,
-            renormalize=renormalize,
-            num_groups=num_groups,
-            top_groups=top_groups,
-            scale=scale,
+            routing=RoutingOptions.of(routing, routing_keywords),
             balance_bias=balance_bias,
             param_dtype=param_dtype,
             backend=backend,
@@ -237,7 +221,7 @@ class MoE(nnx.Module):
             bias=self.router.bias_value,
             capacity_factor=self.capacity_factor,
             backend=self.backend,
-            **self.router.routing_options,
+            routing=self.router.routing,
         )
         if self.shared is not None:
             y = y + self.shared(tokens)

@@ -12,7 +12,7 @@ device's kernels move about 1 / P of the group's rows, and their MMAs and weight
 What every device still does for the whole group: the router matmul and the routing, and (backward) the combine's
 transpose, which writes a gradient row, zero for another device's experts, for each of the T_group * k rows, and,
 where the gather is fused into the gate_up kernel, the permuted copy of x that its weight gradient reads.
-Measured on two H100s: ``benchmarks/RESULTS.md`` ("ep" bench).
+``python -m benchmarks --bench ep`` measures it against one device.
 """
 
 import functools
@@ -25,8 +25,8 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp
-from moe_jax.ops.moe_ffn.api import MoEAux, check_moe_args, expert_rows, route_tokens, routed_experts
-from moe_jax.ops.routing.api import z_loss
+from moe_jax.ops.moe_ffn.api import LayerBackends, MoEAux, check_moe_args, expert_rows, route_tokens, routed_experts
+from moe_jax.ops.routing.api import RoutingOptions, z_loss
 from moe_jax.ops.routing.reference import load_balancing_loss_from
 
 
@@ -54,15 +54,12 @@ def moe_ffn_expert_parallel(
     *,
     top_k: int,
     activation: str = "swiglu",
-    score: str = "softmax",
-    renormalize: bool = True,
-    num_groups: int = 1,
-    top_groups: int = 1,
+    routing: RoutingOptions | None = None,
     bias: jax.Array | None = None,
-    scale: float = 1.0,
     capacity_factor: float | None = None,
     expert_axis: str = "expert",
     backend: str = "auto",
+    **routing_keywords,
 ) -> tuple[jax.Array, MoEAux]:
     """``moe_jax.moe_ffn`` with the E experts split over the mesh axis ``expert_axis`` (P devices, E / P each).
 
@@ -78,14 +75,13 @@ def moe_ffn_expert_parallel(
       x: [T, D], T a multiple of the mesh size; router_kernel [D, E]; w_gate_up [E, D, 2F] (or its
         ``PackedGateUp``); w_down [E, F, D]; E a multiple of P.
       expert_axis: the mesh axis the experts are split over; its size may be 1.
-      The rest: as in ``moe_jax.moe_ffn``.
+      top_k, activation, routing (or its fields as keywords), bias, capacity_factor, backend: as in
+        ``moe_jax.moe_ffn``.
 
     Returns:
       (y [T, D] sharded like x, MoEAux replicated).
     """
-    routing_options = dict(
-        score=score, renormalize=renormalize, num_groups=num_groups, top_groups=top_groups, bias=bias, scale=scale
-    )
+    routing = RoutingOptions.of(routing, routing_keywords)
     num_experts = check_moe_args(
         x,
         router_kernel,
@@ -94,7 +90,8 @@ def moe_ffn_expert_parallel(
         top_k=top_k,
         activation=activation,
         capacity_factor=capacity_factor,
-        routing_options=routing_options,
+        routing=routing,
+        bias=bias,
     )
     mesh = jax.sharding.get_abstract_mesh()
     if expert_axis not in mesh.axis_names:
@@ -113,11 +110,13 @@ def moe_ffn_expert_parallel(
         _expert_parallel_body,
         top_k=top_k,
         activation=activation,
-        routing_options={k: v for k, v in routing_options.items() if k != "bias"},
+        routing=routing,
         capacity_factor=capacity_factor,
         expert_axis=expert_axis,
         data_axes=data_axes,
-        backend=backend,
+        backends=LayerBackends.select(
+            backend, x, num_experts, w_down.shape[1], top_k=top_k, activation=activation, routing=routing
+        ),
     )
     in_specs = (token_spec, P(), P(expert_axis), P(expert_axis), P())
     operands = (x, router_kernel, w_gate_up, w_down, bias)
@@ -143,30 +142,30 @@ def _expert_parallel_body(
     *,
     top_k,
     activation,
-    routing_options,
+    routing,
     capacity_factor,
     expert_axis,
     data_axes,
-    backend,
+    backends,
 ):
     """One device: x [T / mesh size, D] -> (its y rows, the batch's MoEAux); w_* hold its E / P experts."""
     group_x = lax.all_gather(x, expert_axis, tiled=True)  # the tokens of this device's expert-axis group
-    routing = route_tokens(group_x, router_kernel, top_k=top_k, bias=bias, backend=backend, **routing_options)
-    group_sizes, sort_indices = expert_rows(routing, capacity_factor)
+    routed = route_tokens(group_x, router_kernel, top_k, routing, bias, backends.route)
+    group_sizes, sort_indices = expert_rows(routed, capacity_factor)
     num_local = w_down.shape[0]
     local_sizes, local_indices = local_expert_rows(
         group_sizes, sort_indices, lax.axis_index(expert_axis) * num_local, num_local
     )
     partial_y = routed_experts(
         group_x,
-        routing,
+        routed,
         local_sizes,
         local_indices,
         w_gate_up,
         w_down,
         activation=activation,
-        rows_past_sum=True,  # the other devices' experts' rows
-        backend=backend,
+        zero_tail=False,  # the other devices' experts' rows lie past the local sum
+        backends=backends,
     )
     y = lax.psum_scatter(partial_y, expert_axis, tiled=True)
 
@@ -175,12 +174,12 @@ def _expert_parallel_body(
     def over_groups(collective, value):
         return collective(value, data_axes) if data_axes else value
 
-    counts = over_groups(lax.psum, routing.group_sizes)
+    counts = over_groups(lax.psum, routed.group_sizes)
     num_token_groups = math.prod(lax.axis_size(axis) for axis in data_axes)
-    share = counts.astype(routing.mean_probs.dtype) / (routing.sort_indices.shape[0] * num_token_groups)
+    share = counts.astype(routed.mean_probs.dtype) / (routed.sort_indices.shape[0] * num_token_groups)
     aux = MoEAux(
-        load_balancing_loss=load_balancing_loss_from(share, over_groups(lax.pmean, routing.mean_probs)),
-        z_loss=over_groups(lax.pmean, z_loss(routing)),
+        load_balancing_loss=load_balancing_loss_from(share, over_groups(lax.pmean, routed.mean_probs)),
+        z_loss=over_groups(lax.pmean, z_loss(routed)),
         expert_counts=counts,
     )
     return y, aux

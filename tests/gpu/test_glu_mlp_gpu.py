@@ -26,6 +26,7 @@ from moe_jax._core.testing import MLPGroupOracle, random_group_sizes, relative_e
 from moe_jax.ops import shapes
 from moe_jax.ops.glu_mlp import api as glu_mlp_api
 from moe_jax.ops.grouped_matmul import config as gmm_config
+from moe_jax.ops.grouped_matmul import glu, launch
 from moe_jax.ops.grouped_matmul import reference as gmm_reference
 from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, split_gate_up
 
@@ -47,16 +48,8 @@ def _inputs(key, g, m, d, d_ff, x_scale=1.0):
 @functools.partial(jax.jit, static_argnames=("activation", "backend", "recompute"))
 def _fwd_bwd(inputs, w_gate_up, group_sizes, *, activation, backend, recompute=False):
     def mlp(x, w_gate_up, w_down, row_scale):
-        return moe_jax.glu_mlp(
-            x,
-            w_gate_up,
-            w_down,
-            group_sizes,
-            activation=activation,
-            row_scale=row_scale,
-            recompute_gate_up=recompute,
-            backend=backend,
-        )
+        args = (x, w_gate_up, w_down, group_sizes, activation, row_scale, True, backend)
+        return glu_mlp_api._glu_mlp(*args, recompute_gate_up=recompute)
 
     args = (inputs["x"], w_gate_up, inputs["w_down"], inputs["row_scale"])
     y, pullback = jax.vjp(mlp, *args)
@@ -113,8 +106,7 @@ def _routed_fwd_bwd(inputs, packed, group_sizes, sort_indices, *, top_k, fused):
                 w_down,
                 group_sizes,
                 row_scale=row_scale,
-                fuse_gather=True,
-                backend="pallas",
+                backend="pallas_gather",
             )
         rows = moe_jax.permute(x, sort_indices, top_k)
         return moe_jax.glu_mlp(rows, w_gate_up, w_down, group_sizes, row_scale=row_scale, backend="pallas")
@@ -207,11 +199,11 @@ def test_glu_backward_ring_configs_against_reference(config, activation, d_ff):
     row_scale = jax.random.uniform(keys[3], (m,), jnp.float32, 0.1, 1.0)
     group_sizes = jnp.asarray(random_group_sizes(np.random.default_rng(10), g, m, "empty"), jnp.int32)
     packed_rows = moe_jax.pack_gate_up(jnp.concatenate([gate, up], axis=1)[None]).array[0].astype(jnp.bfloat16)
-    run = jax.jit(functools.partial(glu_mlp_api.run_glu_dgrad, activation=activation, config=config))
+    run = jax.jit(functools.partial(launch.run_glu_dgrad, activation=activation, config=config))
     d_gate_up, hidden, d_row_scale = run(d_y, w_down, group_sizes, packed_rows, row_scale)
 
     d_h = gmm_reference.grouped_matmul(d_y, w_down, group_sizes, transpose_rhs=True, preferred_element_type=jnp.float32)
-    expected_hidden, pullback = jax.vjp(lambda a, b: gmm_reference.gated_activation(a, b, activation), gate, up)
+    expected_hidden, pullback = jax.vjp(lambda a, b: glu.glu(a, b, activation), gate, up)
     expected = {
         "d_gate_up": jnp.concatenate(pullback(d_h * row_scale[:, None]), axis=1),
         "hidden": expected_hidden * row_scale[:, None],

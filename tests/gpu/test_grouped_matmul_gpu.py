@@ -23,7 +23,7 @@ import pytest
 import moe_jax
 from moe_jax._core.testing import GroupOracle, random_group_sizes, relative_error
 from moe_jax.ops import shapes
-from moe_jax.ops.grouped_matmul import api, reference
+from moe_jax.ops.grouped_matmul import launch, reference
 from moe_jax.ops.grouped_matmul.config import Config
 
 pytestmark = pytest.mark.gpu
@@ -158,9 +158,9 @@ def test_every_config_field_value_runs_on_device(config):
         "wgrad": np.stack([a[s:e].T @ b[s:e] for s, e in zip(offsets[:-1], offsets[1:], strict=True)]),
     }
     kernels = {
-        "fwd": functools.partial(api.run_rows_kernel, "fwd", lhs, rhs, group_sizes, w_transposed=False),
-        "dgrad": functools.partial(api.run_rows_kernel, "dgrad", dout, rhs, group_sizes, w_transposed=True),
-        "wgrad": functools.partial(api.run_wgrad_kernel, lhs, dout, group_sizes),
+        "fwd": functools.partial(launch.run_rows_kernel, "fwd", lhs, rhs, group_sizes, w_transposed=False),
+        "dgrad": functools.partial(launch.run_rows_kernel, "dgrad", dout, rhs, group_sizes, w_transposed=True),
+        "wgrad": functools.partial(launch.run_wgrad_kernel, lhs, dout, group_sizes),
     }
     ran = 0
     for (kind, kernel), out_dtype in itertools.product(kernels.items(), (jnp.bfloat16, jnp.float32)):
@@ -207,7 +207,7 @@ def test_wgrad_ignores_nonfinite_neighbouring_rows(config, poison):
     else:
         y[330, 7] = -np.inf  # group 3's row; group 2 (rows 300-304) reads rows 296-359 (block_k 64)
     x, y = jnp.asarray(x, jnp.bfloat16), jnp.asarray(y, jnp.bfloat16)
-    out = np.asarray(api.run_wgrad_kernel(x, y, jnp.asarray(sizes, jnp.int32), out_dtype=jnp.float32, config=config))
+    out = np.asarray(launch.run_wgrad_kernel(x, y, jnp.asarray(sizes, jnp.int32), out_dtype=jnp.float32, config=config))
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     xb, yb = np.asarray(x, np.float64), np.asarray(y, np.float64)
     clean = [0, 1, 2, 4] if poison == "inside a neighbour" else [0, 1, 2, 3, 4]  # group 3 owns its -inf

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import moe_jax
-from moe_jax._core.backend import resolve_backend
+from moe_jax._core import backend as dispatch
 
 T, D, F, E, K, M, N, G = 8, 16, 4, 6, 2, 10, 12, 3
 
@@ -158,7 +158,26 @@ def test_there_are_at_least_twenty_distinct_bad_inputs():
     assert len({re.sub(r"\W", "", message) for _, _, message in BAD_INPUTS.values()}) >= 20
 
 
-def test_pallas_backend_without_a_kernel_names_the_op():
-    with pytest.raises(NotImplementedError, match="some_op: no Pallas Mosaic GPU kernel"):
-        resolve_backend("pallas", op="some_op", has_kernel=False)
-    assert resolve_backend("auto", op="some_op", has_kernel=False) == "xla"
+def test_pallas_backend_without_a_kernel_names_the_op_and_the_reason():
+    table = (dispatch.Implementation("pallas", lambda call: f"K={call} is odd"), dispatch.XLA)
+    with pytest.raises(NotImplementedError, match="some_op: K=3 is odd; use backend='xla'"):
+        dispatch.select("some_op", "pallas", table, 3)
+    assert dispatch.select("some_op", "auto", table, 3).name == "xla"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        dispatch.select("some_op", "triton", table, 3)
+
+
+def test_pallas_backend_prefers_the_preferred_kernel_and_takes_another_when_none_is():
+    table = (
+        dispatch.Implementation("pallas_a", preferred=lambda call: call > 0),
+        dispatch.Implementation("pallas_b", lambda call: "too large" if call > 5 else None, lambda call: call < 0),
+        dispatch.XLA,
+    )
+    assert dispatch.select("op", "pallas", table, 1).name == "pallas_a"
+    assert dispatch.select("op", "pallas", table, -3).name == "pallas_b"
+    assert dispatch.select("op", "pallas", table, 0).name == "pallas_a"  # none prefers it: the first that can
+    assert dispatch.select("op", "pallas_b", table, 1).name == "pallas_b"
+    with pytest.raises(NotImplementedError, match="op: too large"):
+        dispatch.select("op", "pallas_b", table, 9)
+    kernel_host = dispatch.has_sm90_gpu()  # "auto" takes kernels on an sm90 GPU only
+    assert dispatch.select("op", "auto", table, 1).name == ("pallas_a" if kernel_host else "xla")

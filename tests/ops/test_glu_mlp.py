@@ -1,6 +1,6 @@
 """The GLU MLP op on CPU (backend "xla"), the gate/up packing, the epilogues' GLU math and the partial-sum gather.
 
-Oracles: the NumPy float64 ``moe_jax._core.testing`` for values, ``jax.vjp`` of ``reference.gated_activation`` for
+Oracles: the NumPy float64 ``moe_jax._core.testing`` for values, ``jax.vjp`` of ``glu.glu`` for
 the hand-derived GLU gradient, ``check_grads`` (float64) for the reference op's gradients. Tolerances are stated
 where used.
 """
@@ -14,7 +14,7 @@ from jax.test_util import check_grads
 import moe_jax
 from moe_jax._core import testing as oracle
 from moe_jax.ops.glu_mlp import reference as mlp_reference
-from moe_jax.ops.grouped_matmul import glu, reference, schedule
+from moe_jax.ops.grouped_matmul import glu, schedule
 from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, gate_up_block, split_gate_up
 
 F32_TOL = 1e-5  # f32 end to end
@@ -72,7 +72,7 @@ def test_packed_weights_are_a_pytree_whose_gradient_stays_packed():
     assert oracle.relative_error(moe_jax.unpack_gate_up(grad_packed), grad_plain) < F32_TOL
 
 
-@pytest.mark.parametrize("activation", reference.ACTIVATIONS)
+@pytest.mark.parametrize("activation", glu.ACTIVATIONS)
 def test_reference_reads_packed_weights_without_unpacking(activation):
     x, w_gate_up, _, sizes, row_scale = _mlp_problem(2, 30, 16, PACK_BLOCK, [10, 0, 17], x_scale=4.0)
     packed = moe_jax.pack_gate_up(jnp.asarray(w_gate_up))
@@ -96,14 +96,14 @@ def test_packed_weights_need_an_activation_and_their_own_layout():
 # ----------------------------------------------------------------------------------------------- the epilogues' math
 
 
-@pytest.mark.parametrize("activation", reference.ACTIVATIONS)
+@pytest.mark.parametrize("activation", glu.ACTIVATIONS)
 def test_glu_and_its_hand_derived_gradient(activation):
     rng = np.random.default_rng(3)
     gate, up, d_h = (jnp.asarray(rng.normal(scale=5.0, size=(64, 32)), jnp.float32) for _ in range(3))
     # Hit the clamp bounds exactly too: there the derivative is 1/2, as jax.numpy's min/max give it.
     gate, up = gate.at[0, :4].set(7.0), up.at[1, :4].set(jnp.array([7.0, -7.0, 7.0, -7.0]))
     h, d_gate, d_up = glu.glu_grad(gate, up, d_h, activation)
-    expected_h, pullback = jax.vjp(lambda g, u: reference.gated_activation(g, u, activation), gate, up)
+    expected_h, pullback = jax.vjp(lambda g, u: glu.glu(g, u, activation), gate, up)
     expected_d_gate, expected_d_up = pullback(d_h)
     assert oracle.relative_error(glu.glu(gate, up, activation), expected_h) < F32_TOL
     assert oracle.relative_error(h, expected_h) < F32_TOL
@@ -118,7 +118,7 @@ def test_kept_pre_activation_never_rounds_across_a_clamp_bound(dtype):
     near = np.concatenate([7.0 + rng.uniform(-0.05, 0.05, 4000), -7.0 + rng.uniform(-0.05, 0.05, 4000), [7.0, -7.0]])
     values = jnp.asarray(near.reshape(-1, 2), jnp.float32)
     gate, up = values[:, 0], values[:, 1]
-    for activation in reference.ACTIVATIONS:
+    for activation in glu.ACTIVATIONS:
         kept_gate, kept_up = glu.kept_pre_activation(gate, up, activation, dtype)
         for x, kept in ((gate, kept_gate), (up, kept_up)):
             np.testing.assert_array_equal(kept, kept.astype(dtype).astype(jnp.float32))  # representable
@@ -132,7 +132,7 @@ def test_kept_pre_activation_never_rounds_across_a_clamp_bound(dtype):
 # ------------------------------------------------------------------------------------------- glu_mlp, backend "xla"
 
 
-@pytest.mark.parametrize("activation", reference.ACTIVATIONS)
+@pytest.mark.parametrize("activation", glu.ACTIVATIONS)
 @pytest.mark.parametrize("with_row_scale", [False, True])
 def test_glu_mlp_matches_the_oracle(activation, with_row_scale):
     x, w_gate_up, w_down, sizes, row_scale = _mlp_problem(5, 40, 16, 12, [0, 15, 3, 14], x_scale=4.0)
@@ -150,7 +150,7 @@ def test_glu_mlp_matches_the_oracle(activation, with_row_scale):
     np.testing.assert_array_equal(np.asarray(y)[sizes.sum() :], 0.0)
 
 
-@pytest.mark.parametrize("activation", reference.ACTIVATIONS)
+@pytest.mark.parametrize("activation", glu.ACTIVATIONS)
 def test_glu_mlp_reference_gradients(activation):
     x, w_gate_up, w_down, sizes, row_scale = _mlp_problem(6, 11, 5, 3, [4, 0, 5], np.float64, x_scale=3.0)
 

@@ -21,8 +21,7 @@ from jax.sharding import AbstractMesh
 import moe_jax
 from moe_jax.ops import shapes
 from moe_jax.ops.glu_mlp import api as glu_mlp_api
-from moe_jax.ops.grouped_matmul import api as gmm_api
-from moe_jax.ops.grouped_matmul import config
+from moe_jax.ops.grouped_matmul import config, launch
 
 MOSAIC_CALL = "mosaic_gpu_v2"
 H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
@@ -40,15 +39,10 @@ def _lowered(model: str, activation: str, *, row_scale: bool, recompute: bool, b
     )
 
     def loss(x, w_gate_up, w_down, group_sizes, scale):
-        y = moe_jax.glu_mlp(
-            x,
-            moe_jax.PackedGateUp(w_gate_up, 64),
-            w_down,
-            group_sizes,
-            activation=activation,
-            row_scale=scale if row_scale else None,
-            recompute_gate_up=recompute,
-            backend="pallas",
+        packed = moe_jax.PackedGateUp(w_gate_up, 64)
+        row_scales = scale if row_scale else None
+        y = glu_mlp_api._glu_mlp(
+            x, packed, w_down, group_sizes, activation, row_scales, True, "pallas", recompute_gate_up=recompute
         )
         return jnp.sum(y.astype(jnp.float32))
 
@@ -99,7 +93,7 @@ def test_standalone_epilogues_lower_with_their_gradients():
 
 
 # routed_glu_mlp gathers the gate_up kernel's rows from the tokens (cp.async in the producer: only a real lowering
-# builds it) with each model's tuned gate_up config, in group bands (fuse_gather forced: by default only
+# builds it) with each model's tuned gate_up config, in group bands (the gather forced: by default only
 # F <= 2048 fuses). Its backward adds a permute (the sorted rows for the gate_up wgrad) and a combine (d_x) to
 # glu_mlp's six kernels, at gpt-oss's D = 2880 (no multiple of 128) too.
 @pytest.mark.parametrize("model, top_k", [("qwen3-30b", 8), ("gpt-oss-120b", 4), ("dsv3-ep8", 8), ("mixtral", 2)])
@@ -118,7 +112,7 @@ def test_routed_glu_mlp_lowers_with_its_gather(model, top_k):
     def loss(x, sort_indices, w_gate_up, w_down, group_sizes, scale):
         packed = moe_jax.PackedGateUp(w_gate_up, 64)
         y = glu_mlp_api.routed_glu_mlp(
-            x, sort_indices, top_k, packed, w_down, group_sizes, row_scale=scale, fuse_gather=True, backend="pallas"
+            x, sort_indices, top_k, packed, w_down, group_sizes, row_scale=scale, backend="pallas_gather"
         )
         return jnp.sum(y.astype(jnp.float32))
 
@@ -144,7 +138,7 @@ def test_forward_keeping_the_pre_activation_takes_the_table_tiles(monkeypatch, m
     def capture(*args, **kwargs):
         raise _Captured(kwargs["config"])
 
-    monkeypatch.setattr(gmm_api.sm90, "grouped_matmul_rows", capture)
+    monkeypatch.setattr(launch.sm90, "grouped_matmul_rows", capture)
     args = (
         jax.ShapeDtypeStruct((shape.m, shape.k), jnp.bfloat16),
         jax.ShapeDtypeStruct((shape.g, shape.k, shape.n), jnp.bfloat16),
@@ -152,7 +146,7 @@ def test_forward_keeping_the_pre_activation_takes_the_table_tiles(monkeypatch, m
     )
 
     def forward(x, w, group_sizes):
-        return gmm_api.run_forward_kernel(x, w, group_sizes, None, activation, jnp.bfloat16, False, keep=True)
+        return launch.run_forward_kernel(x, w, group_sizes, None, activation, jnp.bfloat16, False, keep=True)
 
     h200 = jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=H200))
     with h200, pytest.raises(_Captured) as captured:
@@ -176,14 +170,14 @@ def test_forward_keeping_the_pre_activation_takes_the_table_tiles(monkeypatch, m
 def test_glu_backward_config_and_recomputed_grads(monkeypatch, model, activation, expected, recompute):
     """The GLU-backward dgrad carries its packed gate/up rows in the pipeline's ring (the table's tiles; gpt_oss's at
     most config.CLAMPED_BLOCK_N columns wide), and recomputes h, d_gate and d_up per store for the activations of
-    glu_mlp.api.RECOMPUTED_GRADS on tiles of at most RECOMPUTE_MAX_BLOCK_N columns."""
+    launch.RECOMPUTED_GRADS on tiles of at most RECOMPUTE_MAX_BLOCK_N columns."""
     shape = shapes.GMM_SHAPES[f"{model}/down"]  # (G, M, F, D)
     g, m, d_ff, d = shape.g, shape.m, shape.k, shape.n
 
     def capture(*args, **kwargs):
         raise _Captured(kwargs["config"], kwargs["epilogue"])
 
-    monkeypatch.setattr(gmm_api.sm90, "grouped_matmul_rows", capture)
+    monkeypatch.setattr(launch.sm90, "grouped_matmul_rows", capture)
     args = (
         jax.ShapeDtypeStruct((m, d), jnp.bfloat16),
         jax.ShapeDtypeStruct((g, d_ff, d), jnp.bfloat16),
@@ -193,7 +187,7 @@ def test_glu_backward_config_and_recomputed_grads(monkeypatch, model, activation
     )
     h200 = jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=H200))
     with h200, pytest.raises(_Captured) as captured:
-        jax.eval_shape(functools.partial(glu_mlp_api.run_glu_dgrad, activation=activation), *args)
+        jax.eval_shape(functools.partial(launch.run_glu_dgrad, activation=activation), *args)
     chosen, epilogue = captured.value.args
     configs = {"table": config.TUNED[("glu_dgrad", g, m, d_ff, d)], "128 x 128 ring": config.GLU_DGRAD_RING}
     assert chosen == configs[expected]
@@ -226,7 +220,7 @@ def test_ring_glu_backward_fits_exactly_where_it_lowers(block_n, stages, row_sca
         jax.ShapeDtypeStruct((m, 2 * d_ff), jnp.bfloat16),
         jax.ShapeDtypeStruct((m,), jnp.float32) if row_scale else None,
     )
-    dgrad = functools.partial(glu_mlp_api.run_glu_dgrad, activation="swiglu", config=c)
+    dgrad = functools.partial(launch.run_glu_dgrad, activation="swiglu", config=c)
     try:
         with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=H200)):
             jax.jit(dgrad).trace(*args).lower(lowering_platforms=("cuda",))

@@ -31,8 +31,7 @@ import moe_jax
 from moe_jax._core import testing as oracle
 from moe_jax.ops.glu_mlp import api as glu_mlp_api
 from moe_jax.ops.glu_mlp import reference as mlp_reference
-from moe_jax.ops.grouped_matmul import api as gmm_api
-from moe_jax.ops.grouped_matmul import reference
+from moe_jax.ops.grouped_matmul import glu, launch, reference
 from moe_jax.ops.grouped_matmul.config import GLU_DGRAD_RING, GLU_DGRAD_WIDE_RING, Config, get_config
 from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, split_gate_up
 
@@ -78,7 +77,7 @@ def _inputs(case):
 
 def _overlapped_get_config(*args, **kwargs) -> Config:
     """config.get_config with the overlapped epilogue switched on (the small shapes here get heuristic configs) and
-    no cluster: under the interpreter a clustered config runs without the overlap (api.run_rows_kernel)."""
+    no cluster: under the interpreter a clustered config runs without the overlap (launch.run_rows_kernel)."""
     return dataclasses.replace(get_config(*args, **kwargs), overlap_epilogue=True, cluster_m=1)
 
 
@@ -104,7 +103,7 @@ def test_glu_mlp_forward_and_gradients_match_reference(
     activation, case, with_row_scale, recompute, num_sms, overlap, zero_tail
 ):
     if overlap:
-        with mock.patch.object(gmm_api, "get_config", _overlapped_get_config):
+        with mock.patch.object(launch, "get_config", _overlapped_get_config):
             _check_glu_mlp(activation, case, with_row_scale, recompute, zero_tail)
     else:
         _check_glu_mlp(activation, case, with_row_scale, recompute, zero_tail)
@@ -121,14 +120,7 @@ def _check_glu_mlp(activation, case, with_row_scale, recompute, zero_tail):
         return (out, *pullback(inputs["cotangent"]))
 
     kernel = vjp(
-        lambda *a: moe_jax.glu_mlp(
-            *a[:4],
-            activation=activation,
-            row_scale=a[4],
-            recompute_gate_up=recompute,
-            zero_tail=zero_tail,
-            backend="pallas",
-        ),
+        lambda *a: glu_mlp_api._glu_mlp(*a[:4], activation, a[4], zero_tail, "pallas", recompute_gate_up=recompute),
         packed,
     )
     expected = vjp(lambda *a: mlp_reference.glu_mlp(*a[:4], activation=activation, row_scale=a[4]), w_gate_up)
@@ -156,7 +148,7 @@ def _check_glu_mlp(activation, case, with_row_scale, recompute, zero_tail):
 # routed_glu_mlp gathers the gate_up kernel's rows from the tokens (no permuted copy): its output and gradients must
 # be the permute-then-MLP reference's. T = 40 tokens with k = 3 distinct experts each over G = 4 (expert 2 never
 # chosen); with "dropped", the last group is cut by 7 rows (as a capacity drop does), which must come out as zeros and
-# send no gradient to their tokens. fuse_gather=False takes the permute-then-glu_mlp path that wide layers get.
+# send no gradient to their tokens. "pallas_sorted" takes the permute-then-glu_mlp path that wide layers get.
 # zero_tail=False (what moe_ffn runs): the dropped rows are left unwritten, compared before the sum only.
 @pytest.mark.parametrize(
     "activation, dropped, fuse_gather, zero_tail",
@@ -200,9 +192,8 @@ def test_routed_glu_mlp_matches_permuted_reference(activation, dropped, fuse_gat
             group_sizes,
             activation=activation,
             row_scale=s,
-            fuse_gather=fuse_gather,
             zero_tail=zero_tail,
-            backend="pallas",
+            backend="pallas_gather" if fuse_gather else "pallas_sorted",
         ),
         moe_jax.pack_gate_up(w_gate_up),
     )
@@ -268,12 +259,12 @@ def test_glu_backward_epilogue(activation, config, with_row_scale):
     gate_up = 5.0 * jax.random.normal(jax.random.key(1), (d_y.shape[0], 2 * d_ff), jnp.float32)
     gate, up = (half.astype(jnp.bfloat16).astype(jnp.float32) for half in jnp.split(gate_up, 2, axis=1))
     packed_rows = moe_jax.pack_gate_up(jnp.concatenate([gate, up], axis=1)[None]).array[0]  # [M, 2F], packed
-    d_gate_up, hidden, d_row_scale = glu_mlp_api.run_glu_dgrad(
+    d_gate_up, hidden, d_row_scale = launch.run_glu_dgrad(
         d_y, w_down, group_sizes, packed_rows.astype(d_y.dtype), row_scale, activation, config=config
     )
     d_h = reference.grouped_matmul(d_y, w_down, group_sizes, transpose_rhs=True, preferred_element_type=jnp.float32)
     scale = 1.0 if row_scale is None else row_scale[:, None]
-    expected_hidden, pullback = jax.vjp(lambda g, u: reference.gated_activation(g, u, activation), gate, up)
+    expected_hidden, pullback = jax.vjp(lambda g, u: glu.glu(g, u, activation), gate, up)
     expected_d_gate_up = jnp.concatenate(pullback(d_h * scale), axis=1)
     past = int(np.sum(CASES["ragged"][3]))
     d_gate_up = jnp.concatenate(split_gate_up(d_gate_up, PACK_BLOCK), axis=1)
@@ -304,13 +295,11 @@ def test_glu_backward_recomputed_per_store_is_bit_identical(monkeypatch, config)
     packed_rows = moe_jax.pack_gate_up(gate_up).array[0].astype(jnp.bfloat16)
     row_scale = jnp.asarray(rng.uniform(0.1, 1.0, size=m), jnp.float32)
     group_sizes = jnp.asarray(sizes, jnp.int32)
-    monkeypatch.setattr(glu_mlp_api, "RECOMPUTE_MAX_BLOCK_N", config.block_n)
+    monkeypatch.setattr(launch, "RECOMPUTE_MAX_BLOCK_N", config.block_n)
     outputs = []
     for recomputed in ((), ("gpt_oss",)):
-        monkeypatch.setattr(glu_mlp_api, "RECOMPUTED_GRADS", recomputed)
-        outputs.append(
-            glu_mlp_api.run_glu_dgrad(d_y, w_down, group_sizes, packed_rows, row_scale, "gpt_oss", config=config)
-        )
+        monkeypatch.setattr(launch, "RECOMPUTED_GRADS", recomputed)
+        outputs.append(launch.run_glu_dgrad(d_y, w_down, group_sizes, packed_rows, row_scale, "gpt_oss", config=config))
     for together, per_store in zip(*outputs, strict=True):
         assert np.isfinite(np.asarray(per_store, np.float32)).all()
         np.testing.assert_array_equal(np.asarray(together), np.asarray(per_store))

@@ -15,7 +15,7 @@ from jax.sharding import AbstractMesh
 
 import moe_jax
 from moe_jax.ops import shapes
-from moe_jax.ops.grouped_matmul import api, config
+from moe_jax.ops.grouped_matmul import config, launch
 
 MOSAIC_CALL = "mosaic_gpu_v2"
 H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
@@ -96,7 +96,7 @@ def test_clustered_wgrad_lowers(wgrad_config):
     x = jax.ShapeDtypeStruct((32768, 2880), jnp.bfloat16)
     y = jax.ShapeDtypeStruct((32768, 5760), jnp.bfloat16)
     group_sizes = jax.ShapeDtypeStruct((128,), jnp.int32)
-    wgrad = functools.partial(api.run_wgrad_kernel, out_dtype=jnp.bfloat16, config=wgrad_config)
+    wgrad = functools.partial(launch.run_wgrad_kernel, out_dtype=jnp.bfloat16, config=wgrad_config)
     with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=H200)):
         text = jax.jit(wgrad).trace(x, y, group_sizes).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count(MOSAIC_CALL) == 1

@@ -25,7 +25,7 @@ import pytest
 
 import moe_jax
 from moe_jax._core import testing as oracle
-from moe_jax.ops.grouped_matmul import api, config, reference, schedule
+from moe_jax.ops.grouped_matmul import api, config, glu, launch, reference, schedule
 
 BF16_OUT_TOL = 5e-3
 F32_OUT_TOL = 1e-5
@@ -152,7 +152,7 @@ def test_two_cta_clusters_match_reference(case, transpose_rhs):
     m, k, n, sizes = CLUSTER_CASES[case]
     lhs, rhs, group_sizes = _inputs(21, m, k, n, sizes, transpose_rhs)
     cluster = config.Config(block_m=128, block_n=64, cluster_m=2)
-    out = api.run_rows_kernel(
+    out = launch.run_rows_kernel(
         "fwd", lhs, rhs, group_sizes, w_transposed=transpose_rhs, out_dtype=jnp.float32, config=cluster
     )
     expected = reference.grouped_matmul(
@@ -169,7 +169,7 @@ def test_clusters_with_the_overlap_run_without_it_under_the_interpreter():
     m, k, n, sizes = CASES["ragged"]
     lhs, rhs, group_sizes = _inputs(22, m, k, n, sizes, False)
     both = config.Config(block_m=128, block_n=64, cluster_m=2, overlap_epilogue=True)
-    out = api.run_rows_kernel("fwd", lhs, rhs, group_sizes, w_transposed=False, out_dtype=jnp.float32, config=both)
+    out = launch.run_rows_kernel("fwd", lhs, rhs, group_sizes, w_transposed=False, out_dtype=jnp.float32, config=both)
     expected = reference.grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
     assert oracle.relative_error(out, expected) < F32_OUT_TOL
     np.testing.assert_array_equal(np.asarray(out)[sum(sizes) :], 0.0)
@@ -190,13 +190,15 @@ def test_overlapped_epilogue_matches_reference(case, kind):
     dout = jnp.asarray(np.random.default_rng(32).normal(size=(m, n)), jnp.bfloat16)
     bf16 = jnp.bfloat16
     if kind == "wgrad":
-        out = api.run_wgrad_kernel(lhs, dout, group_sizes, out_dtype=bf16, config=OVERLAPPED)
+        out = launch.run_wgrad_kernel(lhs, dout, group_sizes, out_dtype=bf16, config=OVERLAPPED)
         offsets = np.concatenate([[0], np.cumsum(sizes)])
         a, b = (np.asarray(v, np.float64) for v in (lhs, dout))
         expected = np.stack([a[s:e].T @ b[s:e] for s, e in zip(offsets[:-1], offsets[1:], strict=True)])
     else:
         x, transposed = (lhs, False) if kind == "fwd" else (dout, True)
-        out = api.run_rows_kernel(kind, x, rhs, group_sizes, w_transposed=transposed, out_dtype=bf16, config=OVERLAPPED)
+        out = launch.run_rows_kernel(
+            kind, x, rhs, group_sizes, w_transposed=transposed, out_dtype=bf16, config=OVERLAPPED
+        )
         expected = reference.grouped_matmul(
             x, rhs, group_sizes, transpose_rhs=transposed, preferred_element_type=jnp.float32
         )
@@ -216,7 +218,7 @@ def test_lockstep_tails_match_reference(case, kind):
     dout = jnp.asarray(np.random.default_rng(52).normal(size=(m, n)), jnp.bfloat16)
     x, transposed = (lhs, False) if kind == "fwd" else (dout, True)
     lockstep = config.Config(block_m=128, block_n=64, lockstep_tails=True)
-    out = api.run_rows_kernel(
+    out = launch.run_rows_kernel(
         kind,
         x.at[total:].set(jnp.nan),
         rhs,
@@ -251,7 +253,7 @@ def test_group_bands_match_reference(case, cluster_m, grid_width, in_step):
         overlap_epilogue=in_step,
         lockstep_tails=in_step,
     )
-    out = api.run_rows_kernel("fwd", lhs, rhs, group_sizes, w_transposed=False, out_dtype=jnp.float32, config=banded)
+    out = launch.run_rows_kernel("fwd", lhs, rhs, group_sizes, w_transposed=False, out_dtype=jnp.float32, config=banded)
     expected = reference.grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
     assert oracle.relative_error(out, expected) < F32_OUT_TOL
     np.testing.assert_array_equal(np.asarray(out)[sum(sizes) :], 0.0)
@@ -262,7 +264,7 @@ def test_wgrad_rejects_group_bands():
     x, y = jnp.ones((64, 64), jnp.bfloat16), jnp.ones((64, 64), jnp.bfloat16)
     banded = config.Config(grid_minor="g")
     with pytest.raises(ValueError, match="grid_minor must be 'm' or 'n'"):
-        api.run_wgrad_kernel(x, y, jnp.asarray([64], jnp.int32), out_dtype=jnp.bfloat16, config=banded)
+        launch.run_wgrad_kernel(x, y, jnp.asarray([64], jnp.int32), out_dtype=jnp.bfloat16, config=banded)
 
 
 # Gathered rows (sm90_gather.py): row r of the product is x[row_tokens[r]] for tokens drawn with repeats from the odd
@@ -281,7 +283,7 @@ def test_gathered_rows_match_reference(case, cluster_m):
     _, rhs, group_sizes = _inputs(42, m, k, n, sizes, False)
     x = jnp.asarray(x, jnp.bfloat16)
     cfg = config.Config(block_m=128, block_n=64, cluster_m=cluster_m)
-    out = api.run_rows_kernel(
+    out = launch.run_rows_kernel(
         "fwd",
         x,
         rhs,
@@ -297,7 +299,7 @@ def test_gathered_rows_match_reference(case, cluster_m):
     np.testing.assert_array_equal(np.asarray(out)[sum(sizes) :], 0.0)
 
 
-@pytest.mark.parametrize("activation", reference.ACTIVATIONS)
+@pytest.mark.parametrize("activation", glu.ACTIVATIONS)
 @pytest.mark.usefixtures("interpret")
 def test_jax_grad_through_gated_activation_and_row_scale(activation):
     m, k, n, sizes = 160, 64, 128, [3, 77, 0, 40]
@@ -322,7 +324,7 @@ def test_jax_grad_through_gated_activation_and_row_scale(activation):
 # the overlapped epilogue's registers. On 256-column tiles a tile holds two hidden chunks, each of whose three values
 # (kept gate, kept up, h) is computed in its own store's branch; N = 384 leaves the second tile's second chunk wholly
 # past N.
-@pytest.mark.parametrize("activation", reference.ACTIVATIONS)
+@pytest.mark.parametrize("activation", glu.ACTIVATIONS)
 @pytest.mark.usefixtures("interpret")
 def test_forward_keeping_the_pre_activation_on_256_column_tiles(activation):
     m, k, n, sizes = 136, 64, 384, [0, 61, 3, 0, 40]
@@ -333,7 +335,7 @@ def test_forward_keeping_the_pre_activation_on_256_column_tiles(activation):
     wide = config.Config(block_n=256, num_stages=2)
     args = (lhs, packed, group_sizes, row_scale, activation, jnp.bfloat16, False)
     with mock.patch.object(api, "get_config", lambda *_, **__: wide):
-        out, kept = api.run_forward_kernel(*args, keep=True)
+        out, kept = launch.run_forward_kernel(*args, keep=True)
     past = sum(sizes)
     expected = reference.grouped_matmul(lhs, rhs, group_sizes, activation=activation, row_scale=row_scale)
     pre_activation = reference.grouped_matmul(lhs, packed, group_sizes, preferred_element_type=jnp.float32)
@@ -347,7 +349,7 @@ def _wgrad_and_oracle(x, y, sizes, wgrad_config=None):
     """The wgrad kernel on x [M, P], y [M, Q] (f32, rounded to bf16) and its exact per-group oracle [G, P, Q] f64."""
     xb, yb = (jnp.asarray(a, jnp.bfloat16) for a in (x, y))
     group_sizes = jnp.asarray(sizes, jnp.int32)
-    out = api.run_wgrad_kernel(xb, yb, group_sizes, out_dtype=jnp.float32, config=wgrad_config)
+    out = launch.run_wgrad_kernel(xb, yb, group_sizes, out_dtype=jnp.float32, config=wgrad_config)
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     a, b = (np.asarray(v, np.float64) for v in (xb, yb))
     return out, np.stack([a[s:e].T @ b[s:e] for s, e in zip(offsets[:-1], offsets[1:], strict=True)])
@@ -526,7 +528,7 @@ def test_wgrad_rejects_a_consumer_split_off_the_swizzle():
     """Two consumers would each zero 96 columns of a 192-wide y tile: not whole 128-byte swizzle rows."""
     lhs, dout = jnp.ones((64, 128), jnp.bfloat16), jnp.ones((64, 192), jnp.bfloat16)
     with pytest.raises(ValueError, match="block_n must be a multiple of 128"):
-        api.run_wgrad_kernel(
+        launch.run_wgrad_kernel(
             lhs, dout, jnp.array([64], jnp.int32), out_dtype=jnp.bfloat16, config=config.Config(block_n=192)
         )
 

@@ -1,7 +1,7 @@
 """``moe_jax.glu_mlp``: the routed experts' gated MLP ``(act(x W_gate) * x W_up) W_down``, scaled per row, as one op.
 
 As two ``grouped_matmul`` calls the forward is already fused (GLU in the gate_up epilogue, row scale in the down
-epilogue); what one op adds is the backward. Its ``custom_vjp`` (backend="pallas") runs
+epilogue); what one op adds is the backward. Its ``custom_vjp`` (the kernel implementations) runs
 
     forward   h, gu = gate_up kernel (x, W_gu)          GLU epilogue; gu = the packed pre-activation [M, 2F], kept
               y     = down kernel (h, W_d)              row-scale epilogue
@@ -11,65 +11,54 @@ epilogue); what one op adds is the backward. Its ``custom_vjp`` (backend="pallas
               d x    = dgrad (d_gu, W_gu^T);  d W_gu = wgrad (x, d_gu)        both in the packed layout
 
 so no elementwise pass over [M, 2F] runs outside a GEMM epilogue, and h is never kept: the epilogue recomputes it
-from gu. What the backward keeps is x and gu (bf16, M * 2F * 2 bytes). With ``recompute_gate_up=True`` it keeps only
-x and recomputes gu = x W_gu with the forward kernel at the start of the backward: one more GEMM (2 M D 2F FLOPs,
-two thirds of the MLP's forward FLOPs) for M * 2F * 2 fewer bytes. Keeping gu is the default: at the
-Qwen3-30B-A3B layer (M = 131072, D = 2048, F = 768) it is 0.4 GB written once and read once (~0.3 ms at 3 TB/s)
-against a 0.82-TFLOP GEMM (~1.9 ms at the 430 TF/s issue #3's gate_up kernel reached). Measured on an H200
-(``python -m benchmarks --bench glu``, benchmarks/RESULTS.md): the backward with gu kept took 22-26% less time than
-with the recompute at the qwen3-30b, dsv3-ep8 and mixtral gate_up shapes.
+from gu. What the backward keeps is x and gu (M * 2F * 2 bytes in bf16). Recomputing gu in the backward instead
+(``_glu_mlp(..., recompute_gate_up=True)``) costs one more GEMM, two thirds of the forward's FLOPs, to save those
+bytes; keeping gu measured faster at every named shape (docs/kernels/grouped_matmul.md).
 
 ``routed_glu_mlp`` (what ``moe_ffn`` calls) takes the tokens [T, D] and the routing's sort indices instead of sorted
-rows: where that pays (F <= 2048) the gate_up kernel gathers its rows from the tokens, so the [T * k, D] permuted copy
-is never written, and the backward keeps the tokens rather than the rows.
+rows. Its implementations, in order: "pallas_gather" (the gate_up kernel gathers its rows from the tokens, so the
+[T * k, D] permuted copy is never written and the backward keeps the tokens; preferred up to ``GATHER_MAX_D_FF``),
+"pallas_sorted" (permute first, then the sorted-rows kernels) and "xla".
 """
 
+import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
 
+from moe_jax._core import backend as dispatch
 from moe_jax._core import checks
-from moe_jax._core.backend import resolve_backend
 from moe_jax.ops.glu_mlp import reference
-from moe_jax.ops.grouped_matmul import sm90
-from moe_jax.ops.grouped_matmul.api import (
+from moe_jax.ops.grouped_matmul.api import check_grouped_matmul_args
+from moe_jax.ops.grouped_matmul.glu import ACTIVATIONS
+from moe_jax.ops.grouped_matmul.launch import (
     ArgNames,
-    check_grouped_matmul_args,
     gemm_grads,
     kernel_unsupported,
-    rows_config,
+    rows_in_groups,
     run_forward_kernel,
-    run_rows_kernel,
+    run_glu_dgrad,
     run_wgrad_kernel,
 )
-from moe_jax.ops.grouped_matmul.glu import glu_grad
-from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, PackedGateUp, pack_gate_up
-from moe_jax.ops.grouped_matmul.reference import ACTIVATIONS
-from moe_jax.ops.permute.api import combine, permute
-from moe_jax.ops.permute.config import supports as permute_supports
+from moe_jax.ops.grouped_matmul.packing import PackedGateUp, pack_gate_up
+from moe_jax.ops.permute import api as permute_api
 
 # The two GEMMs' operands and dimensions as glu_mlp's caller knows them; the down projection's lhs is the hidden
 # activation, which has x's dtype.
 GATE_UP_NAMES = ArgNames(op="glu_mlp", lhs="x", rhs="w_gate_up", k="D", n="2F")
 DOWN_NAMES = ArgNames(op="glu_mlp", lhs="x (the hidden activations' dtype)", rhs="w_down", k="F", n="D")
 
-# The GLU backwards that compute h, d_gate and d_up each in its own store's branch (sm90.Epilogue.recompute_grads),
-# on tiles of at most RECOMPUTE_MAX_BLOCK_N columns. Computed together, next to a 128-column accumulator, gpt_oss's
-# and geglu's terms spill registers (292 / 320 bytes, swiglu's 44); recomputed per output nothing spills, for two
-# more sigmoids (or tanhs) per element. CUPTI device time with GLU_DGRAD_RING, H100, row scale (benchmarks/
-# RESULTS.md, 2026-11-27, twelfth session), together -> recomputed: gpt_oss 447 -> 394 us at qwen3-30b down, 2007 ->
-# 1675 at gpt-oss-120b down; geglu 1891 -> 1552 at gpt-oss-120b down; swiglu 342 -> 367 and 1480 -> 1562 (slower).
-# Next to a 256-column accumulator (GLU_DGRAD_WIDE_RING, dsv3-ep8 down) recomputing was slower for all three: swiglu
-# 1647 -> 2111, geglu 1796 -> 2180, gpt_oss 2500 -> 2590. The same held where first measured in the thirteenth
-# session (GLU_DGRAD_RING, H100): geglu 425 -> 364 us at qwen3-30b down; at mixtral down gpt_oss 4432 -> 3766, geglu
-# 4168 -> 3567, swiglu 3442 -> 3589 (slower): the register counts depend on the tile, not the shape.
-RECOMPUTED_GRADS = ("gpt_oss", "geglu")
-RECOMPUTE_MAX_BLOCK_N = 128
+# The gather inside the gate_up kernel saves the permute, whose share of the kernel's time shrinks as 1 / F (bytes
+# ~ M D against FLOPs ~ M D F), and changes what the kernel reads: cp.async rows of x [T, D] instead of TMA boxes of
+# the sorted rows. Up to F = 2048 (qwen3-30b-a3b, deepseek-v3) gathering wins or ties at the layer and keeps the
+# smaller x for the backward; at F = 2880 (gpt-oss-120b) the gather costs the kernel more than the permute it saves.
+GATHER_MAX_D_FF = 2048
 
 
-def check_glu_mlp_args(x, w_gate_up, w_down, group_sizes, *, activation, row_scale, backend="xla") -> tuple:
-    """Validates ``glu_mlp``'s arguments; returns (M, D, F, G). backend="pallas" checks the kernels' limits too."""
+def check_glu_mlp_args(x, w_gate_up, w_down, group_sizes, *, activation, row_scale) -> tuple:
+    """Validates ``glu_mlp``'s arguments; returns (M, D, F, G)."""
     checks.check_choice("activation", activation, ACTIVATIONS)
     if isinstance(w_gate_up, PackedGateUp) and w_gate_up.transposed:
         raise ValueError("w_gate_up: glu_mlp takes [G, D, 2F] weights; got a transposed PackedGateUp")
@@ -81,7 +70,6 @@ def check_glu_mlp_args(x, w_gate_up, w_down, group_sizes, *, activation, row_sca
         row_scale=None,
         preferred_element_type=None,
         transpose_rhs=False,
-        backend=backend,
         names=GATE_UP_NAMES,
     )
     d_ff = gate_up_cols // 2
@@ -97,10 +85,44 @@ def check_glu_mlp_args(x, w_gate_up, w_down, group_sizes, *, activation, row_sca
         row_scale=row_scale,
         preferred_element_type=None,
         transpose_rhs=False,
-        backend=backend,
         names=DOWN_NAMES,
     )
     return num_rows, d_model, d_ff, num_groups
+
+
+@dataclasses.dataclass(frozen=True)
+class MlpCall:
+    """What the GLU MLP implementations decide on: the compute dtype, D, F and the activation."""
+
+    dtype: jnp.dtype
+    d_model: int
+    d_ff: int
+    activation: str
+
+
+def _kernels_unsupported(call: MlpCall) -> str | None:
+    """Why the gate_up or the down kernels cannot run the MLP (None: both can)."""
+    x = jax.ShapeDtypeStruct((0, call.d_model), call.dtype)
+    gate_up = kernel_unsupported(x, call.d_model, 2 * call.d_ff, call.activation, GATE_UP_NAMES)
+    return gate_up or kernel_unsupported(x, call.d_ff, call.d_model, None, DOWN_NAMES)
+
+
+def _gather_preferred(call: MlpCall) -> bool:
+    return call.d_ff <= GATHER_MAX_D_FF
+
+
+IMPLEMENTATIONS = (dispatch.Implementation("pallas", _kernels_unsupported), dispatch.XLA)
+ROUTED_IMPLEMENTATIONS = (
+    dispatch.Implementation("pallas_gather", _kernels_unsupported, _gather_preferred),
+    dispatch.Implementation("pallas_sorted", _kernels_unsupported),
+    dispatch.XLA,
+)
+
+
+def select_routed(backend: str, call: MlpCall) -> str:
+    """The implementation of ``routed_glu_mlp`` that ``backend`` selects: "pallas_gather", "pallas_sorted" or
+    "xla" (each may also be named as the backend)."""
+    return dispatch.select("glu_mlp", backend, ROUTED_IMPLEMENTATIONS, call).name
 
 
 def glu_mlp(
@@ -111,9 +133,9 @@ def glu_mlp(
     *,
     activation: str = "swiglu",
     row_scale: jax.Array | None = None,
-    recompute_gate_up: bool = False,
     zero_tail: bool = True,
     backend: str = "auto",
+    recompute_gate_up: bool | None = None,
 ) -> jax.Array:
     """Grouped gated MLP: ``y_r = row_scale_r * (act(x_r W_gate[g]) * (x_r W_up[g])) W_down[g]`` for rows r of group g.
 
@@ -128,24 +150,39 @@ def glu_mlp(
       group_sizes: [G] int32; rows at or past ``sum(group_sizes)`` give zeros.
       activation: "swiglu", "geglu" or "gpt_oss" (defined in ``grouped_matmul``).
       row_scale: optional [M] float (the routing weights); gets a gradient.
-      recompute_gate_up: backend="pallas": recompute the [M, 2F] pre-activation in the backward instead of keeping
-        it (less activation memory, one more GEMM).
       zero_tail: False lets the Pallas path leave the result's rows past ``sum(group_sizes)`` unwritten (their
         values unspecified) and skip them in every kernel of the backward: for callers that never read those rows,
         e.g. ``combine(..., num_rows=sum(group_sizes))``. Gradients stay exact.
       backend: "auto", "xla" or "pallas" ("pallas" needs bf16/f16, D and F multiples of 64).
+      recompute_gate_up: deprecated and ignored (results are the same either way): the backward keeps the
+        pre-activation.
 
     Returns:
       [M, D] in x.dtype.
     """
+    if recompute_gate_up is not None:
+        warnings.warn(
+            "glu_mlp(recompute_gate_up=...) is deprecated and has no effect: the backward keeps the pre-activation, "
+            "which measured faster, and the results are identical either way",
+            DeprecationWarning,
+            stacklevel=2,
+        )
     _, d_model, d_ff, _ = check_glu_mlp_args(
-        x, w_gate_up, w_down, group_sizes, activation=activation, row_scale=row_scale, backend=backend
+        x, w_gate_up, w_down, group_sizes, activation=activation, row_scale=row_scale
     )
-    supported = (
-        kernel_unsupported(x, d_model, 2 * d_ff, activation) is None and kernel_unsupported(x, d_ff, d_model) is None
+    call = MlpCall(jnp.dtype(x.dtype), d_model, d_ff, activation)
+    implementation = dispatch.select("glu_mlp", backend, IMPLEMENTATIONS, call).name
+    return _glu_mlp(
+        x, w_gate_up, w_down, group_sizes.astype(jnp.int32), activation, row_scale, zero_tail, implementation
     )
-    group_sizes = group_sizes.astype(jnp.int32)
-    if resolve_backend(backend, op="glu_mlp", has_kernel=supported) == "xla":
+
+
+def _glu_mlp(
+    x, w_gate_up, w_down, group_sizes, activation, row_scale, zero_tail, implementation, *, recompute_gate_up=False
+):
+    """``glu_mlp`` on checked arguments by ``implementation`` ("pallas" or "xla"); ``recompute_gate_up`` (kernels
+    only) recomputes the pre-activation in the backward instead of keeping it (the same results)."""
+    if implementation == "xla":
         return reference.glu_mlp(x, w_gate_up, w_down, group_sizes, activation=activation, row_scale=row_scale)
     return _run_pallas(
         x, None, None, w_gate_up, w_down, group_sizes, row_scale, activation, recompute_gate_up, zero_tail
@@ -162,28 +199,25 @@ def routed_glu_mlp(
     *,
     activation: str = "swiglu",
     row_scale: jax.Array | None = None,
-    fuse_gather: bool | None = None,
     zero_tail: bool = True,
     positions: jax.Array | None = None,
     backend: str = "auto",
 ) -> jax.Array:
-    """``glu_mlp(permute(x, sort_indices, top_k), ...)``, on the Pallas path with the permute fused into the gate_up
-    kernel's loads where that pays.
+    """``glu_mlp(permute(x, sort_indices, top_k), ...)``, on the kernel path with the permute fused into the
+    gate_up kernel's loads where that pays.
 
-    Fused, the expert-sorted rows [T * k, D] are never written: the gate_up kernel gathers row r from
-    ``x[sort_indices[r] // top_k]`` (grouped_matmul/sm90_gather.py), and the backward recomputes the sorted rows for
-    the gate_up weights' gradient and sums each token's k row gradients (``combine``) for x's. Otherwise (backend
-    "xla", shapes without a kernel, or ``fuse_gather`` off) it is the composition itself.
+    Fused ("pallas_gather"), the expert-sorted rows [T * k, D] are never written: the gate_up kernel gathers row r
+    from ``x[sort_indices[r] // top_k]`` (grouped_matmul/sm90_gather.py), and the backward recomputes the sorted rows
+    for the gate_up weights' gradient and sums each token's k row gradients (``combine``) for x's. Otherwise it is
+    the composition itself.
 
     Args:
       x: [T, D] tokens.
       sort_indices: [T * k] int32 from ``Routing.sort_indices`` (or ``apply_capacity``).
       top_k: k, the experts per token.
-      w_gate_up, w_down, group_sizes, activation, row_scale, zero_tail, backend: as ``glu_mlp``'s, for the T * k
-        sorted rows.
-      fuse_gather: Pallas path: gather inside the gate_up kernel (True) or permute first (False); None decides by
-        the hidden width F (``fuses_gather``).
+      w_gate_up, w_down, group_sizes, activation, row_scale, zero_tail: as ``glu_mlp``'s, for the T * k sorted rows.
       positions: optional [T, k] int32, the inverse of ``sort_indices`` (``Routing.positions``), for ``permute``.
+      backend: "auto", "xla", "pallas", or one implementation by name: "pallas_gather", "pallas_sorted".
 
     Returns:
       [T * k, D] in x.dtype, in expert-sorted order (what ``combine`` takes).
@@ -194,54 +228,32 @@ def routed_glu_mlp(
     checks.check_int32("sort_indices", sort_indices)
     checks.check_dim("sort_indices", sort_indices.shape[0], num_tokens * top_k, "length (T * top_k)")
     rows = jax.ShapeDtypeStruct((num_tokens * top_k, d_model), x.dtype)
-    _, _, d_ff, _ = check_glu_mlp_args(
-        rows, w_gate_up, w_down, group_sizes, activation=activation, row_scale=row_scale, backend=backend
-    )
-    supported = (
-        kernel_unsupported(x, d_model, 2 * d_ff, activation) is None and kernel_unsupported(x, d_ff, d_model) is None
-    )
-    pallas = resolve_backend(backend, op="glu_mlp", has_kernel=supported) == "pallas"
-    if pallas and (fuses_gather(d_ff) if fuse_gather is None else fuse_gather):
-        group_sizes = group_sizes.astype(jnp.int32)
+    _, _, d_ff, _ = check_glu_mlp_args(rows, w_gate_up, w_down, group_sizes, activation=activation, row_scale=row_scale)
+    implementation = select_routed(backend, MlpCall(jnp.dtype(x.dtype), d_model, d_ff, activation))
+    group_sizes = group_sizes.astype(jnp.int32)
+    if implementation == "pallas_gather":
         return _run_pallas(
             x, sort_indices, top_k, w_gate_up, w_down, group_sizes, row_scale, activation, False, zero_tail
         )
-    rows = permute(x, sort_indices, top_k, positions=positions, backend=_rows_backend(x) if pallas else "xla")
-    mlp_backend = "pallas" if pallas else "xla"
-    return glu_mlp(
-        rows,
-        w_gate_up,
-        w_down,
-        group_sizes,
+    rows_backend = _rows_backend(x) if implementation == "pallas_sorted" else "xla"
+    rows = permute_api.permute(x, sort_indices, top_k, positions=positions, backend=rows_backend)
+    mlp_implementation = "xla" if implementation == "xla" else "pallas"
+    return _glu_mlp(
+        x=rows,
+        w_gate_up=w_gate_up,
+        w_down=w_down,
+        group_sizes=group_sizes,
         activation=activation,
         row_scale=row_scale,
         zero_tail=zero_tail,
-        backend=mlp_backend,
+        implementation=mlp_implementation,
     )
 
 
-# Fusing the gather saves the permute, whose share of the gate_up kernel's time shrinks as 1 / F (bytes ~ M D against
-# FLOPs ~ M D F), and changes what the kernel reads: cp.async rows of x [T, D] instead of TMA boxes of the sorted rows
-# [T * k, D]. At qwen3 (F = 768) that costs the kernel 4-7% and wins (H200 and H100). At deepseek-v3 (F = 2048) the
-# gathered kernel was *faster* than the one on sorted rows on an H100 on 2026-11-26 (the layer's forward span
-# 23180 / 23355 -> 21651 / 21694 µs); with the configs of 2026-11-28 it is 7-9% slower as a kernel, and the layer's
-# span ties with permuting first (20579 against 20590 µs, median of 60 calls each, alternating; RESULTS.md,
-# 2026-11-28 twenty-third session), so gathering stays: it also keeps x [T, D] for the backward instead of the sorted
-# rows. (On an H200 with the kernels of 2026-11-22 the layer was 2-6% slower gathering: RESULTS.md, 1a72dcc; not
-# re-measured since.) At gpt-oss-120b (F = 2880, H100) the gather costs the kernel 187-215 µs against a 171-µs
-# permute: the layer's span 5437 / 5423 -> 5471 / 5445 µs. At F = 14336 (mixtral, H200) a 5% loss.
-# docs/kernels/routing.md, "The gather inside the gate_up kernel".
-GATHER_MAX_D_FF = 2048
-
-
-def fuses_gather(d_ff: int) -> bool:
-    """Whether ``routed_glu_mlp`` gathers inside the gate_up kernel by default, for hidden width ``d_ff`` (F)."""
-    return d_ff <= GATHER_MAX_D_FF
-
-
 def _rows_backend(x) -> str:
-    """Where the sorted rows of x are moved: the permute/combine kernels where they take x's width, else XLA."""
-    return "pallas" if permute_supports(x.shape[1], x.dtype) else "xla"
+    """Where the kernel path moves the sorted rows of x: the permute/combine kernels where they take x's width,
+    else XLA."""
+    return "pallas" if permute_api.kernel_unsupported(x) is None else "xla"
 
 
 def _run_pallas(
@@ -307,63 +319,6 @@ def _glu_mlp_fwd(
     return y, (x, w_gate_up, w_down, group_sizes, row_scale, sort_indices, gate_up)
 
 
-def rows_in_groups(group_sizes, num_rows: int) -> jax.Array:
-    """int32 scalar: the rows of the M = ``num_rows`` that belong to a group, ``sum(group_sizes)`` clipped to M."""
-    return jnp.minimum(jnp.sum(jnp.maximum(group_sizes, 0)), num_rows).astype(jnp.int32)
-
-
-def run_glu_dgrad(d_y, w_down, group_sizes, gate_up, row_scale, activation: str, *, config=None, zero_tail=True):
-    """The down projection's dgrad with the GLU backward in its epilogue (the "glu_dgrad" kernel).
-
-    Args:
-      d_y: [M, D]; w_down: [G, F, D], read transposed (the kernel's output columns are F); group_sizes: [G] int32;
-      gate_up: [M, 2F] packed pre-activation in d_y's dtype; row_scale: [M] f32 or None; activation: the GLU's;
-      config: the tile config (None: the table's or the heuristic's); zero_tail: run_rows_kernel's.
-
-    Returns:
-      (d_gate_up [M, 2F] packed, h * row_scale [M, F], d_row_scale [M] f32 or None), in d_y's dtype. Rows past
-      sum(group_sizes) have no product (it is 0 there), so their d_gate_up and d_row_scale are 0; h * row_scale is
-      computed from ``gate_up`` on every row (zero in ``glu_mlp``, whose forward writes zero pre-activations there).
-      With ``zero_tail=False`` the first two are left unwritten there and d_row_scale is still 0.
-    """
-    if config is None:
-        # gpt_oss's clamps narrow the table's tiles (config.CLAMPED_BLOCK_N).
-        config = rows_config(
-            "glu_dgrad",
-            d_y.shape[0],
-            w_down,
-            w_transposed=True,
-            out_dtype=d_y.dtype,
-            row_scale=row_scale is not None,
-            clamped=activation == "gpt_oss",
-        )
-    epilogue = sm90.Epilogue(
-        activation_grad=functools.partial(glu_grad, activation=activation),
-        row_scale=row_scale is not None,
-        recompute_grads=activation in RECOMPUTED_GRADS and config.block_n <= RECOMPUTE_MAX_BLOCK_N,
-        pack=PACK_BLOCK,
-    )
-    d_gate_up, hidden_scaled, d_row_scale = run_rows_kernel(
-        "glu_dgrad",
-        d_y,
-        w_down,
-        group_sizes,
-        w_transposed=True,
-        out_dtype=d_y.dtype,
-        config=config,
-        epilogue=epilogue,
-        row_scale=row_scale,
-        gate_up=gate_up,
-        zero_tail=zero_tail,
-    )
-    if zero_tail or d_row_scale is None:
-        return d_gate_up, hidden_scaled, d_row_scale
-    # The row sums of rows without a tile are read from other tiles' partials: select them away.
-    rows = jnp.arange(d_y.shape[0], dtype=jnp.int32)
-    d_row_scale = jnp.where(rows < rows_in_groups(group_sizes, d_y.shape[0]), d_row_scale, 0)
-    return d_gate_up, hidden_scaled, d_row_scale
-
-
 def _glu_mlp_bwd(top_k, activation, recompute_gate_up, zero_tail, residuals, d_y):
     """The GLU MLP's VJP. Without ``zero_tail`` (d_y's rows past the sum are not the result's: ignored) the kernels
     skip those rows and what is left unwritten there never reaches a gradient: the wgrad kernels mask rows outside
@@ -385,12 +340,12 @@ def _glu_mlp_bwd(top_k, activation, recompute_gate_up, zero_tail, residuals, d_y
     else:
         # The gate_up wgrad contracts the sorted rows: with the gather fused they exist only here, for the backward.
         rows_backend = _rows_backend(x)
-        rows = permute(x, sort_indices, top_k, backend=rows_backend)
+        rows = permute_api.permute(x, sort_indices, top_k, backend=rows_backend)
         d_rows, d_w_gate_up = gemm_grads(
             rows, w_gate_up, group_sizes, d_gate_up, transpose_rhs=False, zero_tail=zero_tail
         )
         num_rows = None if zero_tail else rows_in_groups(group_sizes, d_rows.shape[0])
-        d_x = combine(d_rows, sort_indices, top_k, num_rows=num_rows, backend=rows_backend)
+        d_x = permute_api.combine(d_rows, sort_indices, top_k, num_rows=num_rows, backend=rows_backend)
     return d_x, d_w_gate_up, d_w_down, None, d_row_scale, None
 
 

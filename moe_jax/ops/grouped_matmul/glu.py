@@ -1,8 +1,9 @@
-"""The gated activations as the kernels' epilogues compute them: value and hand-derived gradient, in f32.
+"""The gated activations (GLUs): the one definition, value and hand-derived gradient.
 
-Written with the operations Mosaic GPU lowers on register arrays (exp, tanh, min/max, select, arithmetic) and passed
-to the kernels as plain functions, so a kernel holds no activation policy. ``reference.gated_activation`` (through
-``jax.nn``) stays the independent definition; the tests hold these to it and to ``jax.vjp`` of it.
+Written with the operations Mosaic GPU lowers on register arrays (exp, tanh, min/max, select, arithmetic), so the
+same functions serve the XLA reference and the kernels' epilogues (passed to them as plain functions: a kernel holds
+no activation policy). The tests hold them to an independent NumPy float64 oracle and ``glu_grad`` to ``jax.vjp`` of
+that oracle's JAX form.
 
     swiglu   h = g s(g) u                          d_g = d_h u s(g) (1 + g (1 - s(g)))     d_u = d_h g s(g)
     geglu    h = gelu_tanh(g) u                    d_g = d_h u gelu_tanh'(g)               d_u = d_h gelu_tanh(g)
@@ -22,8 +23,11 @@ import math
 import jax
 import jax.numpy as jnp
 
-from moe_jax.ops.grouped_matmul.reference import ACTIVATIONS, GPT_OSS_ALPHA, GPT_OSS_LIMIT
+ACTIVATIONS = ("swiglu", "geglu", "gpt_oss")
 
+# GPT-OSS clamps the gate from above and the up projection on both sides, and uses a sharpened sigmoid.
+GPT_OSS_LIMIT = 7.0
+GPT_OSS_ALPHA = 1.702
 GELU_C = math.sqrt(2.0 / math.pi)
 GELU_CUBIC = 0.044715
 
@@ -68,7 +72,9 @@ def _check(activation: str) -> None:
 
 
 def glu(gate: jax.Array, up: jax.Array, activation: str) -> jax.Array:
-    """h = act(gate) * up for f32 arrays of one shape (DESIGN §3)."""
+    """h = act(gate) * up for arrays of one shape, computed in their dtype (call it with f32 or f64):
+    swiglu ``silu(g) u``, geglu ``gelu_tanh(g) u`` (``jax.nn.gelu``'s default form), gpt_oss
+    ``(u' + 1) g' sigmoid(1.702 g')`` with ``g' = min(g, 7)``, ``u' = clip(u, -7, 7)``."""
     _check(activation)
     if activation == "swiglu":
         return gate * _sigmoid(gate) * up

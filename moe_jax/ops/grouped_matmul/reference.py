@@ -8,26 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax._core.checks import accumulation_dtype
+from moe_jax.ops.grouped_matmul.glu import glu
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp, split_gate_up
-
-ACTIVATIONS = ("swiglu", "geglu", "gpt_oss")
-
-# GPT-OSS clamps the gate from above and the up projection on both sides, and uses a sharpened sigmoid.
-GPT_OSS_LIMIT = 7.0
-GPT_OSS_ALPHA = 1.702
-
-
-def gated_activation(gate: jax.Array, up: jax.Array, activation: str) -> jax.Array:
-    """Elementwise GLU of two equally shaped arrays (computed in their dtype; call it with f32)."""
-    if activation == "swiglu":
-        return jax.nn.silu(gate) * up
-    if activation == "geglu":
-        return jax.nn.gelu(gate, approximate=True) * up
-    if activation == "gpt_oss":
-        gate = jnp.minimum(gate, GPT_OSS_LIMIT)
-        up = jnp.clip(up, -GPT_OSS_LIMIT, GPT_OSS_LIMIT)
-        return (up + 1.0) * gate * jax.nn.sigmoid(GPT_OSS_ALPHA * gate)
-    raise ValueError(f"activation must be one of {ACTIVATIONS} or None, got {activation!r}")
 
 
 def row_mask(group_sizes: jax.Array, num_rows: int) -> jax.Array:
@@ -62,7 +44,7 @@ def grouped_matmul(
     out = jnp.where(row_mask(group_sizes, lhs.shape[0])[:, None], out, 0.0)
     if activation is not None:
         gate, up = split_gate_up(out, block or out.shape[-1] // 2)
-        out = gated_activation(gate, up, activation)
+        out = glu(gate, up, activation)
     if row_scale is not None:
         out = out * row_scale.astype(acc_dtype)[:, None]
     return out.astype(preferred_element_type or lhs.dtype)

@@ -6,19 +6,13 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax._core import checks
-from moe_jax.ops.glu_mlp.api import routed_glu_mlp, rows_in_groups
+from moe_jax.ops.glu_mlp import api as glu_mlp_api
+from moe_jax.ops.grouped_matmul.glu import ACTIVATIONS
+from moe_jax.ops.grouped_matmul.launch import rows_in_groups
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp
-from moe_jax.ops.grouped_matmul.reference import ACTIVATIONS
-from moe_jax.ops.permute.api import combine
-from moe_jax.ops.routing.api import (
-    Routing,
-    apply_capacity,
-    check_routing_args,
-    load_balancing_loss,
-    route,
-    router_logits,
-    z_loss,
-)
+from moe_jax.ops.permute import api as permute_api
+from moe_jax.ops.routing import api as routing_api
+from moe_jax.ops.routing.api import Routing, RoutingOptions, apply_capacity, load_balancing_loss, router_logits, z_loss
 
 
 @jax.tree_util.register_dataclass
@@ -37,9 +31,11 @@ class MoEAux:
     expert_counts: jax.Array
 
 
-def check_moe_args(x, router_kernel, w_gate_up, w_down, *, top_k, activation, capacity_factor, routing_options) -> int:
-    """Checks one MoE layer call: the arrays' shapes and dtypes, the activation, the capacity and the routing
-    options (``moe_jax.route``'s keywords, as a dict); returns E."""
+def check_moe_args(
+    x, router_kernel, w_gate_up, w_down, *, top_k, activation, capacity_factor, routing: RoutingOptions, bias
+) -> int:
+    """Checks one MoE layer call: the arrays' shapes and dtypes, the activation, the capacity, the routing options
+    and bias; returns E."""
     _, d_model = checks.check_rank("x", x, 2, "[T, D]")
     router_d, num_experts = checks.check_rank("router_kernel", router_kernel, 2, "[D, E]")
     checks.check_dim("router_kernel", router_d, d_model, "shape[0] (D, from x [T, D])")
@@ -66,8 +62,33 @@ def check_moe_args(x, router_kernel, w_gate_up, w_down, *, top_k, activation, ca
     checks.check_choice("activation", activation, ACTIVATIONS)
     if capacity_factor is not None and checks.check_static_float("capacity_factor", capacity_factor) <= 0:
         raise ValueError(f"capacity_factor must be > 0 (or None for dropless), got {capacity_factor}")
-    check_routing_args(num_experts, top_k, **routing_options)
+    routing.check(num_experts, top_k, bias)
     return num_experts
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerBackends:
+    """The implementations one MoE layer call runs, chosen once per call from the user's backend string.
+
+    Attributes:
+      route: ``route``'s ("pallas" or "xla").
+      experts: ``routed_glu_mlp``'s ("pallas_gather", "pallas_sorted" or "xla").
+      combine: ``combine``'s ("pallas" or "xla").
+    """
+
+    route: str
+    experts: str
+    combine: str
+
+    @classmethod
+    def select(cls, backend: str, x, num_experts: int, d_ff: int, *, top_k: int, activation: str, routing):
+        """What ``backend`` selects for a layer over tokens x [T, D], E experts of hidden width F."""
+        mlp_call = glu_mlp_api.MlpCall(jnp.dtype(x.dtype), x.shape[1], d_ff, activation)
+        return cls(
+            route=routing_api.select(backend, num_experts, top_k, routing),
+            experts=glu_mlp_api.select_routed(backend, mlp_call),
+            combine=permute_api.select("combine", backend, x),
+        )
 
 
 def moe_ffn(
@@ -78,14 +99,11 @@ def moe_ffn(
     *,
     top_k: int,
     activation: str = "swiglu",
-    score: str = "softmax",
-    renormalize: bool = True,
-    num_groups: int = 1,
-    top_groups: int = 1,
+    routing: RoutingOptions | None = None,
     bias: jax.Array | None = None,
-    scale: float = 1.0,
     capacity_factor: float | None = None,
     backend: str = "auto",
+    **routing_keywords,
 ) -> tuple[jax.Array, MoEAux]:
     """Routed-expert FFN: ``y_t = sum_j weight_tj * FFN_{e_tj}(x_t)``, ``FFN_e(x) = (act(x W_gate) * x W_up) W_down``.
 
@@ -95,20 +113,21 @@ def moe_ffn(
       w_gate_up: [E, D, 2F], the ``[gate | up]`` halves along the last axis, or a ``PackedGateUp`` of them
         (``pack_gate_up``; what the Pallas kernels read, so store weights packed: a plain array is packed per call).
       w_down: [E, F, D].
-      top_k, score, renormalize, num_groups, top_groups, bias, scale: routing, as in ``moe_jax.route``.
+      top_k: experts per token.
       activation: "swiglu", "geglu" or "gpt_oss".
+      routing: a ``RoutingOptions`` (score, renormalize, num_groups, top_groups, scale), as in ``moe_jax.route``;
+        its fields may also be passed as keywords (``score="sigmoid"``), which override it.
+      bias: optional [E] f32 selection bias (aux-loss-free balancing), as in ``moe_jax.route``.
       capacity_factor: None (dropless) or > 0: each expert keeps at most ``ceil(cf * T * k / E)`` rows, dropping
         its lowest-score assignments (``Routing.selected_scores``, as ``apply_capacity``; a dropped assignment
         contributes zero).
-      backend: "auto", "xla" or "pallas", for every op of the layer.
+      backend: "auto", "xla" or "pallas", for every op of the layer (``LayerBackends``).
 
     Returns:
       (y [T, D] in x.dtype, MoEAux).
     """
-    routing_options = dict(
-        score=score, renormalize=renormalize, num_groups=num_groups, top_groups=top_groups, bias=bias, scale=scale
-    )
-    check_moe_args(
+    routing = RoutingOptions.of(routing, routing_keywords)
+    num_experts = check_moe_args(
         x,
         router_kernel,
         w_gate_up,
@@ -116,35 +135,39 @@ def moe_ffn(
         top_k=top_k,
         activation=activation,
         capacity_factor=capacity_factor,
-        routing_options=routing_options,
+        routing=routing,
+        bias=bias,
     )
-    routing = route_tokens(x, router_kernel, top_k=top_k, backend=backend, **routing_options)
-    group_sizes, sort_indices = expert_rows(routing, capacity_factor)
+    backends = LayerBackends.select(
+        backend, x, num_experts, w_down.shape[1], top_k=top_k, activation=activation, routing=routing
+    )
+    routed = route_tokens(x, router_kernel, top_k, routing, bias, backends.route)
+    group_sizes, sort_indices = expert_rows(routed, capacity_factor)
     y = routed_experts(
         x,
-        routing,
+        routed,
         group_sizes,
         sort_indices,
         w_gate_up,
         w_down,
         activation=activation,
-        rows_past_sum=capacity_factor is not None,
-        positions=routing.positions if capacity_factor is None else None,
-        backend=backend,
+        zero_tail=capacity_factor is None,
+        positions=routed.positions if capacity_factor is None else None,
+        backends=backends,
     )
     aux = MoEAux(
-        load_balancing_loss=load_balancing_loss(routing),
-        z_loss=z_loss(routing),
-        expert_counts=routing.group_sizes,
+        load_balancing_loss=load_balancing_loss(routed),
+        z_loss=z_loss(routed),
+        expert_counts=routed.group_sizes,
     )
     return y, aux
 
 
-def route_tokens(x, router_kernel, *, top_k: int, backend: str, **routing_options) -> Routing:
-    """The Routing of tokens x [T, D] under router_kernel [D, E] (logits in f32); options as in ``moe_jax.route``."""
+def route_tokens(x, router_kernel, top_k: int, routing: RoutingOptions, bias, implementation: str) -> Routing:
+    """The Routing of tokens x [T, D] under router_kernel [D, E] (logits in f32), by ``route``'s ``implementation``."""
     with jax.named_scope("router"):
         logits = router_logits(x, router_kernel)
-        return route(logits, top_k, backend=backend, **routing_options)
+        return routing_api.route_with(implementation, logits, top_k, routing, bias)
 
 
 def expert_rows(routing: Routing, capacity_factor: float | None) -> tuple[jax.Array, jax.Array]:
@@ -163,26 +186,24 @@ def routed_experts(
     w_down,
     *,
     activation,
-    rows_past_sum: bool,
+    zero_tail: bool,
     positions=None,
-    backend,
+    backends: LayerBackends,
 ) -> jax.Array:
     """y [T, D] = the routing-weighted sum of each token's expert outputs, over the expert-sorted rows
     ``sort_indices`` [T*k] whose first ``sum(group_sizes)`` belong to the G experts of w_gate_up [G, D, 2F] /
     w_down [G, F, D] in order; rows past that sum contribute nothing. ``positions`` [T, k]: the inverse of
     ``sort_indices`` where the caller has it (``Routing.positions`` when every row is routed), else None.
 
-    ``rows_past_sum``: whether there can be such rows (a capacity's drops, another device's experts). Then the
-    kernels skip them and the combine does not read them. Without (every row routed), the kernels keep their zero
-    tail, which is empty: two A/Bs of the whole layer measured the skipping program's forward + backward 2.5% (H100)
-    and 5% (H200) slower there, with rounds alternating between two speeds (benchmarks/RESULTS.md, 2026-11-25).
+    ``zero_tail``: ``glu_mlp``'s. False where rows past the sum can exist (a capacity's drops, another device's
+    experts): the kernels then skip them and the combine does not read them. True where every row is routed (the
+    tail is empty): the kernels keep the plain schedule, which measured faster there than the skipping one.
     """
     with jax.named_scope("experts"):
-        # The permute runs inside the gate_up kernel's loads where that pays (routed_glu_mlp). The routing weights
-        # scale the down projection's rows (its epilogue), so the combine is a plain sum. Gathered by sort_indices,
-        # which is apply_capacity's when it ran (so not Routing.sorted_weights).
+        # The routing weights scale the down projection's rows (its epilogue), so the combine is a plain sum.
+        # Gathered by sort_indices, which is apply_capacity's when it ran (so not Routing.sorted_weights).
         row_weights = routing.weights.reshape(-1)[sort_indices]
-        out_rows = routed_glu_mlp(
+        out_rows = glu_mlp_api.routed_glu_mlp(
             x,
             sort_indices,
             routing.top_k,
@@ -191,12 +212,12 @@ def routed_experts(
             group_sizes,
             activation=activation,
             row_scale=row_weights,
-            zero_tail=not rows_past_sum,
+            zero_tail=zero_tail,
             positions=positions,
-            backend=backend,
+            backend=backends.experts,
         )
     with jax.named_scope("combine"):
-        num_rows = None
-        if rows_past_sum:
-            num_rows = rows_in_groups(group_sizes, sort_indices.shape[0])
-        return combine(out_rows, sort_indices, routing.top_k, num_rows=num_rows, positions=positions, backend=backend)
+        num_rows = None if zero_tail else rows_in_groups(group_sizes, sort_indices.shape[0])
+        return permute_api.combine(
+            out_rows, sort_indices, routing.top_k, num_rows=num_rows, positions=positions, backend=backends.combine
+        )

@@ -3,21 +3,27 @@
 import jax
 import jax.numpy as jnp
 
+from moe_jax._core import backend as dispatch
 from moe_jax._core import checks
-from moe_jax._core.backend import resolve_backend
 from moe_jax.ops.permute import reference, sm90_vjp
+from moe_jax.ops.permute.config import DTYPES, LANES
 from moe_jax.ops.permute.config import supports as kernel_supports
 
 
-def _resolve(backend: str, op: str, rows) -> str:
-    """The backend for ``rows`` [., D]: the kernels move rows of a float dtype at least 128 columns wide."""
-    supported = kernel_supports(rows.shape[1], rows.dtype)
-    if backend == "pallas" and not supported:
-        raise NotImplementedError(
-            f"{op}: the Pallas kernel needs rows of float32/bfloat16/float16 with D >= 128, got D="
-            f"{rows.shape[1]} and dtype {rows.dtype}; use backend='xla' (or 'auto', which falls back to it)"
-        )
-    return resolve_backend(backend, op=op, has_kernel=supported)
+def kernel_unsupported(rows) -> str | None:
+    """Why the row-moving kernels cannot move ``rows`` [., D] (None: they can)."""
+    if kernel_supports(rows.shape[1], rows.dtype):
+        return None
+    names = "/".join(jnp.dtype(d).name for d in DTYPES)
+    return f"the Pallas kernel needs rows of {names} with D >= {LANES}, got D={rows.shape[1]} and dtype {rows.dtype}"
+
+
+IMPLEMENTATIONS = (dispatch.Implementation("pallas", kernel_unsupported), dispatch.XLA)
+
+
+def select(op: str, backend: str, rows) -> str:
+    """The implementation ("pallas" or "xla") that ``backend`` selects for moving ``rows`` [., D]."""
+    return dispatch.select(op, backend, IMPLEMENTATIONS, rows).name
 
 
 def _check_sort_indices(sort_indices, num_rows: int, what: str) -> None:
@@ -61,7 +67,7 @@ def permute(
     checks.check_positive_int("top_k", top_k)
     _check_sort_indices(sort_indices, num_tokens * top_k, "length (T * top_k)")
     _check_positions(positions, num_tokens, top_k)
-    if _resolve(backend, "permute", x) == "pallas":
+    if select("permute", backend, x) == "pallas":
         return sm90_vjp.permute(x, sort_indices, top_k, positions)
     return reference.permute(x, sort_indices, top_k)
 
@@ -110,6 +116,6 @@ def combine(
         if num_rows.shape != () or not jnp.issubdtype(num_rows.dtype, jnp.integer):
             raise ValueError(f"num_rows must be an integer scalar, got {num_rows.dtype}{list(num_rows.shape)}")
     _check_positions(positions, total_rows // top_k, top_k)
-    if _resolve(backend, "combine", y_sorted) == "pallas":
+    if select("combine", backend, y_sorted) == "pallas":
         return sm90_vjp.combine(y_sorted, sort_indices, top_k, weights, num_rows, positions)
     return reference.combine(y_sorted, sort_indices, top_k, weights, num_rows, positions)

@@ -1,10 +1,12 @@
 """``moe_jax.route``: router logits -> top-k selection, weights and the expert-sorted permutation."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
+from moe_jax._core import backend as dispatch
 from moe_jax._core import checks
-from moe_jax._core.backend import resolve_backend
 from moe_jax.ops.routing import config as routing_config
 from moe_jax.ops.routing import reference, sm90_vjp
 from moe_jax.ops.routing.reference import Routing
@@ -12,62 +14,110 @@ from moe_jax.ops.routing.reference import Routing
 SCORES = ("softmax", "sigmoid")
 
 
-def check_routing_args(
-    num_experts: int,
-    top_k,
-    *,
-    score: str,
-    num_groups,
-    top_groups,
-    bias,
-    scale,
-    renormalize=True,
-) -> None:
-    """Checks the routing options against ``num_experts`` (shared by ``route`` and ``moe_ffn``)."""
-    checks.check_choice("score", score, SCORES)
-    checks.check_static_bool("renormalize", renormalize)
-    checks.check_positive_int("num_groups", num_groups, upper=num_experts, upper_name="E")
-    if num_experts % num_groups:
-        raise ValueError(f"num_groups must divide the number of experts E={num_experts}, got {num_groups}")
-    checks.check_positive_int("top_groups", top_groups, upper=num_groups, upper_name="num_groups")
-    eligible = top_groups * (num_experts // num_groups)
-    checks.check_positive_int(
-        "top_k",
-        top_k,
-        upper=eligible,
-        upper_name="E" if eligible == num_experts else "top_groups * E / num_groups",
-    )
-    if bias is not None:
-        checks.check_rank("bias", bias, 1, "[E]")
-        checks.check_dim("bias", bias.shape[0], num_experts, "length (E, the number of experts)")
-        checks.check_float("bias", bias)
-    checks.check_static_float("scale", scale)
+@dataclasses.dataclass(frozen=True)
+class RoutingOptions:
+    """How a router turns scores into a top-k selection and weights (everything but ``top_k`` and ``bias``).
+
+    Attributes:
+      score: "softmax" (over experts) or "sigmoid" (per expert).
+      renormalize: divide the selected scores by their sum.
+      num_groups: split E into this many contiguous groups (DeepSeek-V3 group-limited routing); 1 turns it off.
+      top_groups: only the best ``top_groups`` groups (a group scores the sum of its two best biased scores) are
+        eligible.
+      scale: multiplies the final weights.
+
+    Every function that routes takes these as ``routing=RoutingOptions(...)`` or as keywords of the same names.
+    """
+
+    score: str = "softmax"
+    renormalize: bool = True
+    num_groups: int = 1
+    top_groups: int = 1
+    scale: float = 1.0
+
+    def __post_init__(self):
+        checks.check_choice("score", self.score, SCORES)
+        checks.check_static_bool("renormalize", self.renormalize)
+        checks.check_positive_int("num_groups", self.num_groups)
+        checks.check_positive_int("top_groups", self.top_groups, upper=self.num_groups, upper_name="num_groups")
+        checks.check_static_float("scale", self.scale)
+
+    @classmethod
+    def of(cls, routing: "RoutingOptions | None", keywords: dict) -> "RoutingOptions":
+        """``routing`` (default: the defaults) with the fields named in ``keywords`` replaced; TypeError naming any
+        keyword that is not a field."""
+        if routing is not None and not isinstance(routing, RoutingOptions):
+            raise TypeError(f"routing must be a RoutingOptions, got {type(routing).__name__}")
+        fields = {field.name for field in dataclasses.fields(cls)}
+        if unknown := sorted(set(keywords) - fields):
+            raise TypeError(f"unexpected keyword argument(s) {unknown}; the routing keywords are {sorted(fields)}")
+        return dataclasses.replace(routing or cls(), **keywords)
+
+    def check(self, num_experts: int, top_k, bias=None) -> None:
+        """Checks the options, ``top_k`` and ``bias`` [E] against E = ``num_experts``."""
+        checks.check_positive_int("num_groups", self.num_groups, upper=num_experts, upper_name="E")
+        if num_experts % self.num_groups:
+            raise ValueError(f"num_groups must divide the number of experts E={num_experts}, got {self.num_groups}")
+        eligible = self.top_groups * (num_experts // self.num_groups)
+        checks.check_positive_int(
+            "top_k",
+            top_k,
+            upper=eligible,
+            upper_name="E" if eligible == num_experts else "top_groups * E / num_groups",
+        )
+        if bias is not None:
+            checks.check_rank("bias", bias, 1, "[E]")
+            checks.check_dim("bias", bias.shape[0], num_experts, "length (E, the number of experts)")
+            checks.check_float("bias", bias)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RouteCall:
+    """What the routing implementations decide on."""
+
+    num_experts: int
+    top_k: int
+    num_groups: int
+
+
+def _kernel_unsupported(call: _RouteCall) -> str | None:
+    if routing_config.supports(call.num_experts):
+        return None
+    return f"the gating kernel takes up to {routing_config.MAX_EXPERTS} experts, got E={call.num_experts}"
+
+
+def _kernel_preferred(call: _RouteCall) -> bool:
+    return routing_config.prefers_kernel(call.num_experts, call.top_k, call.num_groups)
+
+
+# The gating kernel takes any T and every option; it pads E, up to MAX_EXPERTS. "auto" takes it where it measured
+# faster than XLA's route.
+IMPLEMENTATIONS = (dispatch.Implementation("pallas", _kernel_unsupported, _kernel_preferred), dispatch.XLA)
+
+
+def select(backend: str, num_experts: int, top_k: int, routing: RoutingOptions) -> str:
+    """The implementation ("pallas" or "xla") of ``route`` that ``backend`` selects."""
+    call = _RouteCall(num_experts, top_k, routing.num_groups)
+    return dispatch.select(f"route (E={num_experts})", backend, IMPLEMENTATIONS, call).name
 
 
 def route(
     logits: jax.Array,
     top_k: int,
     *,
-    score: str = "softmax",
-    renormalize: bool = True,
-    num_groups: int = 1,
-    top_groups: int = 1,
+    routing: RoutingOptions | None = None,
     bias: jax.Array | None = None,
-    scale: float = 1.0,
     backend: str = "auto",
+    **routing_keywords,
 ) -> Routing:
     """Routes T tokens over E experts.
 
     Args:
       logits: [T, E] router logits (any float dtype; scores are computed in f32).
       top_k: experts per token, in [1, E] (in [1, top_groups * E / num_groups] with group-limited routing).
-      score: "softmax" (over experts) or "sigmoid" (per expert).
-      renormalize: divide the selected scores by their sum.
-      num_groups: split E into this many contiguous groups (DeepSeek-V3 group-limited routing); 1 turns it off.
-      top_groups: only the best ``top_groups`` groups (a group scores the sum of its two best biased scores) are
-        eligible.
+      routing: a ``RoutingOptions`` (score, renormalize, num_groups, top_groups, scale); its fields may also be
+        passed as keywords (``route(logits, 8, score="sigmoid")``), which override it.
       bias: [E] f32, added to the scores for *selection only* (aux-loss-free balancing); never changes the weights.
-      scale: multiplies the final weights.
       backend: "auto", "xla" or "pallas".
 
     Returns:
@@ -82,35 +132,17 @@ def route(
     all NaN (so that token takes experts 0..k-1 with NaN weights); a sigmoid score is per expert (NaN stays NaN and
     is never chosen over a number). Weights of a selected NaN score are NaN.
     """
+    routing = RoutingOptions.of(routing, routing_keywords)
     _, num_experts = checks.check_rank("logits", logits, 2, "[T, E]")
     checks.check_float("logits", logits)
-    check_routing_args(
-        num_experts,
-        top_k,
-        score=score,
-        num_groups=num_groups,
-        top_groups=top_groups,
-        bias=bias,
-        scale=scale,
-        renormalize=renormalize,
-    )
-    # The gating kernel takes any T and every option; it pads E, up to MAX_EXPERTS. "auto" takes it where it
-    # measured faster than XLA's route (``prefers_kernel``).
-    has_kernel = routing_config.supports(num_experts)
-    if backend == "auto":
-        has_kernel = has_kernel and routing_config.prefers_kernel(num_experts, top_k, num_groups)
-    use_kernel = resolve_backend(backend, op=f"route (E={num_experts})", has_kernel=has_kernel) == "pallas"
-    route_impl = sm90_vjp.route if use_kernel else reference.route
-    return route_impl(
-        logits,
-        top_k,
-        score=score,
-        renormalize=renormalize,
-        num_groups=num_groups,
-        top_groups=top_groups,
-        bias=bias,
-        scale=scale,
-    )
+    routing.check(num_experts, top_k, bias)
+    return route_with(select(backend, num_experts, top_k, routing), logits, top_k, routing, bias)
+
+
+def route_with(implementation: str, logits, top_k: int, routing: RoutingOptions, bias) -> Routing:
+    """``route`` by the implementation ``select`` chose, on checked arguments."""
+    route_impl = sm90_vjp.route if implementation == "pallas" else reference.route
+    return route_impl(logits, top_k, bias=bias, **dataclasses.asdict(routing))
 
 
 def router_logits(x: jax.Array, router_kernel: jax.Array) -> jax.Array:

@@ -1,0 +1,294 @@
+"""How the sm90 grouped-matmul kernels are launched: the limits they take, tile configs, row padding, the tile
+schedule, and the epilogues the ops ask for. ``grouped_matmul`` and ``glu_mlp`` both run these kernels (the GLU MLP's
+backward adds the "glu_dgrad" kernel); this module holds no choice between backends.
+
+    kind        kernel                      computes
+    fwd         sm90.grouped_matmul_rows    out [M, C] = x [M, R] . w[g] per group, any ``sm90.Epilogue``
+    dgrad       sm90.grouped_matmul_rows    d x = d out . w[g]^T (the fwd kernel reading w the other way round)
+    glu_dgrad   sm90.grouped_matmul_rows    the down projection's dgrad with the GLU backward in its epilogue
+    wgrad       sm90_wgrad                  d w[g] = x_g^T . d out_g, contracting the group's ragged rows
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax._core import hardware
+from moe_jax.ops.grouped_matmul import schedule, sm90, sm90_wgrad
+from moe_jax.ops.grouped_matmul.config import Config, get_config
+from moe_jax.ops.grouped_matmul.glu import glu, glu_grad, kept_pre_activation
+from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK
+
+KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
+# Mosaic GPU tiles a whole operand in GMEM by its 128-byte swizzle width (64 bf16 elements) for TMA, so K and N must
+# be multiples of it; M is padded to a multiple of 8 rows (the shared-memory tile height) when it is not one.
+KERNEL_DIM_MULTIPLE = 64
+KERNEL_ROW_MULTIPLE = 8
+
+# The GLU backwards that compute h, d_gate and d_up each in its own store's branch (sm90.Epilogue.recompute_grads),
+# on tiles of at most RECOMPUTE_MAX_BLOCK_N columns: computed together next to a 128-column accumulator, gpt_oss's
+# and geglu's terms spill registers (swiglu's do not), while recomputed per output nothing spills, for two more
+# sigmoids (or tanhs) per element. Next to a 256-column accumulator recomputing is slower for all three.
+RECOMPUTED_GRADS = ("gpt_oss", "geglu")
+RECOMPUTE_MAX_BLOCK_N = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class ArgNames:
+    """What the caller calls the operands and dimensions of one grouped matmul, so that a check's message names the
+    caller's argument (``glu_mlp``'s ``w_down``, not ``rhs``)."""
+
+    op: str = "grouped_matmul"
+    lhs: str = "lhs"
+    rhs: str = "rhs"
+    k: str = "K"
+    n: str = "N"
+
+
+GROUPED_MATMUL_NAMES = ArgNames()
+
+
+def kernel_unsupported(
+    lhs, contraction: int, num_cols: int, activation: str | None = None, names: ArgNames = GROUPED_MATMUL_NAMES
+) -> str | None:
+    """Why the Pallas kernels cannot run this call (None when they can)."""
+    if jnp.dtype(lhs.dtype) not in map(jnp.dtype, KERNEL_DTYPES):
+        dtype = jnp.dtype(lhs.dtype).name
+        return f"{names.lhs} and {names.rhs} must be bfloat16 or float16 for backend='pallas', got {dtype}"
+    for name, size in ((names.k, contraction), (names.n, num_cols)):
+        if size <= 0 or size % KERNEL_DIM_MULTIPLE:
+            return f"{name} must be a positive multiple of {KERNEL_DIM_MULTIPLE} for backend='pallas', got {size}"
+    if activation is not None and (num_cols // 2) % PACK_BLOCK:
+        # The GLU epilogue pairs gate and up columns in blocks of PACK_BLOCK (packing.py).
+        return (
+            f"with an activation F = {names.n}/2 must be a multiple of {PACK_BLOCK} for backend='pallas', got "
+            f"{num_cols // 2}"
+        )
+    return None
+
+
+def _padded_rows(x: jax.Array | None) -> jax.Array | None:
+    """x with its rows padded to a multiple of KERNEL_ROW_MULTIPLE (a copy only when M is not one already)."""
+    if x is None:
+        return None
+    extra = -x.shape[0] % KERNEL_ROW_MULTIPLE
+    return jnp.pad(x, [(0, extra)] + [(0, 0)] * (x.ndim - 1)) if extra else x
+
+
+def rows_config(kind, m, w, *, w_transposed, out_dtype, row_scale: bool, clamped: bool = False) -> Config:
+    """config.get_config's choice for a fwd / dgrad / glu_dgrad kernel over m rows and weights ``w`` (as
+    run_rows_kernel takes them); ``clamped``: get_config's."""
+    num_groups, *w_dims = w.shape
+    r, c = reversed(w_dims) if w_transposed else w_dims
+    # The table is keyed by the op's K, N (rhs [G, K, N]): dgrad's contraction R is the op's N.
+    k, n = (c, r) if kind in ("dgrad", "glu_dgrad") else (r, c)
+    itemsize = jnp.dtype(out_dtype).itemsize
+    return get_config(kind, m=m, k=k, n=n, g=num_groups, out_itemsize=itemsize, row_scale=row_scale, clamped=clamped)
+
+
+def run_rows_kernel(
+    kind,
+    x,
+    w,
+    group_sizes,
+    *,
+    w_transposed,
+    out_dtype,
+    config=None,
+    epilogue=sm90.PLAIN,
+    row_scale=None,
+    gate_up=None,
+    row_tokens=None,
+    zero_tail=True,
+):
+    """fwd / dgrad / glu_dgrad kernel: x[M, R] · w[g] per group (w [G, R, C], or [G, C, R] when ``w_transposed``).
+
+    ``config=None`` takes ``rows_config``'s choice; the tuning script and the GLU backward pass their own.
+    ``epilogue``, ``row_scale`` [M] f32, ``gate_up`` [M, 2C] and ``row_tokens`` [M] int32 are
+    sm90.grouped_matmul_rows's (with ``row_tokens``, x is [T, R] and row r is x[row_tokens[r]]). ``zero_tail``:
+    schedule.row_tiles's (False: the outputs' rows past sum(group_sizes) are left unwritten).
+
+    Returns:
+      sm90.grouped_matmul_rows's outputs, rows past M dropped; for the GLU backward (d_gate_up [M, 2C],
+      h_scaled [M, C], d_row_scale [M] f32 or None), the row-scale gradient summed from the kernel's partial sums.
+    """
+    m = x.shape[0] if row_tokens is None else row_tokens.shape[0]
+    num_sms, interpret = hardware.num_sms(), hardware.interpret_params()
+    if config is None:
+        config = rows_config(kind, m, w, w_transposed=w_transposed, out_dtype=out_dtype, row_scale=epilogue.row_scale)
+    if row_tokens is None:
+        x = _padded_rows(x)
+    else:
+        row_tokens = _padded_rows(row_tokens)
+    padded_m = x.shape[0] if row_tokens is None else row_tokens.shape[0]
+    tiles, num_tiles = schedule.row_tiles(group_sizes, padded_m, config.block_m, zero_tail=zero_tail)
+    outs = sm90.grouped_matmul_rows(
+        x,
+        w,
+        tiles,
+        num_tiles,
+        w_transposed=w_transposed,
+        out_dtype=out_dtype,
+        config=config,
+        num_sms=num_sms,
+        interpret=interpret,
+        epilogue=epilogue,
+        row_scale=_padded_rows(row_scale),
+        gate_up=_padded_rows(gate_up),
+        row_tokens=row_tokens,
+    )
+    if not isinstance(outs, tuple):
+        return outs[:m]
+    if not epilogue.backward:
+        return tuple(out[:m] for out in outs)
+    d_gate_up, hidden_scaled, *partials = outs
+    d_row_scale = None
+    if partials:
+        d_row_scale = schedule.gather_row_partials(partials[0], tiles, num_tiles, padded_m)[:m]
+    return d_gate_up[:m], hidden_scaled[:m], d_row_scale
+
+
+def run_wgrad_kernel(x, y, group_sizes, *, out_dtype, config=None, transposed=False):
+    """wgrad kernel: out[g] = x[rows of g]^T · y[rows of g] -> [G, P, Q] (the op's [G, K, N], or [G, N, K] when
+    ``transposed``, which only matters for the config lookup)."""
+    m, p, q = x.shape[0], x.shape[1], y.shape[1]
+    k, n = (q, p) if transposed else (p, q)
+    num_sms, interpret = hardware.num_sms(), hardware.interpret_params()
+    if config is None:
+        itemsize = jnp.dtype(out_dtype).itemsize
+        config = get_config("wgrad", m=m, k=k, n=n, g=group_sizes.shape[0], out_itemsize=itemsize)
+    x, y = _padded_rows(x), _padded_rows(y)
+    return sm90_wgrad.grouped_matmul_wgrad(
+        x,
+        y,
+        schedule.wgrad_groups(group_sizes, y, config.block_k),
+        out_dtype=out_dtype,
+        config=config,
+        num_sms=num_sms,
+        interpret=interpret,
+    )
+
+
+def gemm_grads(
+    lhs, rhs, group_sizes, d_out, *, transpose_rhs: bool, zero_tail: bool = True
+) -> tuple[jax.Array, jax.Array]:
+    """(d lhs, d rhs) of lhs · rhs[g]: d lhs = d_out · rhs[g]^T (the rows kernel reading rhs the other way round);
+    d rhs = lhs_g^T · d_out_g (the wgrad kernel). ``zero_tail=False`` leaves d lhs's rows past the sum unwritten."""
+    d_out = d_out.astype(lhs.dtype)  # wgmma multiplies equal dtypes; accumulation stays f32
+    d_lhs = run_rows_kernel(
+        "dgrad", d_out, rhs, group_sizes, w_transposed=not transpose_rhs, out_dtype=lhs.dtype, zero_tail=zero_tail
+    )
+    # [G, N, K] weights get their gradient in the same layout: d_out_g^T · lhs_g.
+    x, y = (d_out, lhs) if transpose_rhs else (lhs, d_out)
+    d_rhs = run_wgrad_kernel(x, y, group_sizes, out_dtype=rhs.dtype, transposed=transpose_rhs)
+    return d_lhs, d_rhs
+
+
+def forward_epilogue(activation: str | None, row_scale: bool, *, keep_dtype=None) -> sm90.Epilogue:
+    """The forward kernel's epilogue: GLU over packed gate/up columns and/or a row scale.
+
+    ``keep_dtype``: also store the pre-activation, in this dtype (the output's), rounded as the GLU backward needs it
+    (``glu.kept_pre_activation``).
+    """
+    if activation is None:
+        return sm90.Epilogue(row_scale=row_scale, keep_acc=keep_dtype is not None, pack=PACK_BLOCK)
+    rounding = None
+    if keep_dtype is not None:
+        rounding = functools.partial(kept_pre_activation, activation=activation, dtype=keep_dtype)
+    return sm90.Epilogue(
+        activation=functools.partial(glu, activation=activation),
+        row_scale=row_scale,
+        keep_acc=keep_dtype is not None,
+        keep_rounding=rounding,
+        pack=PACK_BLOCK,
+    )
+
+
+def run_forward_kernel(
+    lhs,
+    rhs,
+    group_sizes,
+    row_scale,
+    activation,
+    out_dtype,
+    transpose_rhs,
+    *,
+    keep: bool,
+    row_tokens=None,
+    zero_tail: bool = True,
+):
+    """The forward kernel with its epilogue (plain when neither ``activation`` nor ``row_scale``); ``keep`` also
+    returns the pre-activation [M, N], rounded for the GLU backward. With ``row_tokens`` [M], lhs is [T, K] and row r
+    of the product is lhs[row_tokens[r]]. ``zero_tail=False`` leaves the outputs' rows past the sum unwritten."""
+    epilogue = forward_epilogue(activation, row_scale is not None, keep_dtype=out_dtype if keep else None)
+    return run_rows_kernel(
+        "fwd",
+        lhs,
+        rhs,
+        group_sizes,
+        w_transposed=transpose_rhs,
+        out_dtype=out_dtype,
+        epilogue=epilogue,
+        row_scale=row_scale,
+        row_tokens=row_tokens,
+        zero_tail=zero_tail,
+    )
+
+
+def rows_in_groups(group_sizes, num_rows: int) -> jax.Array:
+    """int32 scalar: the rows of the M = ``num_rows`` that belong to a group, ``sum(group_sizes)`` clipped to M."""
+    return jnp.minimum(jnp.sum(jnp.maximum(group_sizes, 0)), num_rows).astype(jnp.int32)
+
+
+def run_glu_dgrad(d_y, w_down, group_sizes, gate_up, row_scale, activation: str, *, config=None, zero_tail=True):
+    """The down projection's dgrad with the GLU backward in its epilogue (the "glu_dgrad" kernel).
+
+    Args:
+      d_y: [M, D]; w_down: [G, F, D], read transposed (the kernel's output columns are F); group_sizes: [G] int32;
+      gate_up: [M, 2F] packed pre-activation in d_y's dtype; row_scale: [M] f32 or None; activation: the GLU's;
+      config: the tile config (None: the table's or the heuristic's); zero_tail: run_rows_kernel's.
+
+    Returns:
+      (d_gate_up [M, 2F] packed, h * row_scale [M, F], d_row_scale [M] f32 or None), in d_y's dtype. Rows past
+      sum(group_sizes) have no product (it is 0 there), so their d_gate_up and d_row_scale are 0; h * row_scale is
+      computed from ``gate_up`` on every row (zero in ``glu_mlp``, whose forward writes zero pre-activations there).
+      With ``zero_tail=False`` the first two are left unwritten there and d_row_scale is still 0.
+    """
+    if config is None:
+        # gpt_oss's clamps narrow the table's tiles (config.CLAMPED_BLOCK_N).
+        config = rows_config(
+            "glu_dgrad",
+            d_y.shape[0],
+            w_down,
+            w_transposed=True,
+            out_dtype=d_y.dtype,
+            row_scale=row_scale is not None,
+            clamped=activation == "gpt_oss",
+        )
+    epilogue = sm90.Epilogue(
+        activation_grad=functools.partial(glu_grad, activation=activation),
+        row_scale=row_scale is not None,
+        recompute_grads=activation in RECOMPUTED_GRADS and config.block_n <= RECOMPUTE_MAX_BLOCK_N,
+        pack=PACK_BLOCK,
+    )
+    d_gate_up, hidden_scaled, d_row_scale = run_rows_kernel(
+        "glu_dgrad",
+        d_y,
+        w_down,
+        group_sizes,
+        w_transposed=True,
+        out_dtype=d_y.dtype,
+        config=config,
+        epilogue=epilogue,
+        row_scale=row_scale,
+        gate_up=gate_up,
+        zero_tail=zero_tail,
+    )
+    if zero_tail or d_row_scale is None:
+        return d_gate_up, hidden_scaled, d_row_scale
+    # The row sums of rows without a tile are read from other tiles' partials: select them away.
+    rows = jnp.arange(d_y.shape[0], dtype=jnp.int32)
+    d_row_scale = jnp.where(rows < rows_in_groups(group_sizes, d_y.shape[0]), d_row_scale, 0)
+    return d_gate_up, hidden_scaled, d_row_scale
