@@ -1,1 +1,1 @@
-"""Benchmarks: the only place speed is asserted (DESIGN §6). Run ``python -m benchmarks --help``."""
+"""Benchmarks: the only place speed is asserted (docs/design.md, "Benchmarks"). Run ``python -m benchmarks --help``."""

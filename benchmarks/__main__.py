@@ -3,11 +3,12 @@
 Examples:
   python -m benchmarks --tiny                                    # CPU smoke run on the "ci" shapes
   python -m benchmarks --bench gmm,gmm-bwd --shapes qwen3-30b/gate_up --out bench_out/gmm.json
-  python -m benchmarks --bench all --out bench_out/all.json     # the RESULTS.md table (GPU machine)
+  python -m benchmarks --bench all --out bench_out/all.json     # every bench (GPU machine)
   python -m benchmarks --bench routing --routing-shapes deepseek-v3 --routing-stages glue,glue-bwd
-  python -m benchmarks --bench glu --glu-activations swiglu,gpt_oss --backends pallas   # issue #4's targets
+  python -m benchmarks --bench glu --glu-activations swiglu,gpt_oss --backends pallas   # the GLU's targets
   python -m benchmarks --bench ep --backends pallas     # expert vs data parallel over all local GPUs
   python -m benchmarks --plot benchmarks/results/<run>.jsonl   # bar charts of a recorded run (<run>.png)
+  python -m benchmarks --report                                 # benchmarks/RESULTS.md from benchmarks/results/
 """
 
 import argparse
@@ -19,7 +20,7 @@ import time
 
 import jax
 
-from benchmarks import common, expert_parallel, glu, grouped_matmul, layer, plot, routing, tokamax_peer
+from benchmarks import common, expert_parallel, glu, grouped_matmul, layer, plot, report, routing, tokamax_peer
 from moe_jax.ops import shapes as shape_registry
 from moe_jax.ops.grouped_matmul.reference import ACTIVATIONS
 
@@ -43,6 +44,13 @@ TABLES = {  # benches without a FLOP model (routing) or with a baseline of their
     "ep": expert_parallel.scaling_table,
     "ep-bwd": expert_parallel.scaling_table,
 }
+TABLE_NOTE = (
+    "spread = (p90 - p10) / median of the samples; vs dense = TF/s over the dense row's TF/s; hbm-floor = the least "
+    "bytes the grouped matmul moves (weights, x and output once; three times that with the backward) at the read rate "
+    "measured in this run, the fastest rate of any HBM stream (the record's note); rel err = max over outputs and "
+    "gradients of ||out - ref|| / ||ref||; ref = exact f32 products of three groups (grouped matmul), the first layer "
+    "implementation that ran (layer)"
+)
 DEVICE_TIMER_NOTE = (
     "--timer device: ms = the median over calls of the sum of a call's GPU kernel durations (CUPTI): the host's "
     "dispatch and sync and the gaps between kernels are not counted"
@@ -137,6 +145,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="time nothing: draw a run streamed with --jsonl as bar charts of TF/s per shape (PNG; needs matplotlib)",
     )
     parser.add_argument("--plot-out", metavar="PNG", help="where --plot writes (default: the JSONL's name with .png)")
+    parser.add_argument(
+        "--report",
+        nargs="?",
+        const=report.RESULTS_DIR,
+        metavar="DIR",
+        help="time nothing: write the current results of the records in DIR (default: benchmarks/results) as markdown",
+    )
+    parser.add_argument(
+        "--report-out",
+        metavar="MD",
+        help="where --report writes (default: benchmarks/RESULTS.md)",
+    )
     return parser.parse_args(argv)
 
 
@@ -154,13 +174,7 @@ def print_tables(records: list[common.Record]) -> None:
         rows = [r for r in records if r.bench == bench]
         if rows:
             print(f"\n### {title}\n\n{TABLES.get(bench, common.markdown_table)(rows)}")
-    print(
-        "\nspread = (p90 - p10) / median of the samples; vs dense = TF/s over the dense row's TF/s; hbm-floor = the "
-        "least bytes the grouped matmul moves (weights, x and output once; three times that with the backward) at the "
-        "read rate measured in this run, the fastest rate of any HBM stream (the record's note); "
-        "rel err = max over outputs and gradients of ||out - ref|| / ||ref||; ref = exact f32 products of three groups "
-        "(grouped matmul), the first layer implementation that ran (layer)"
-    )
+    print(f"\n{TABLE_NOTE}")
     if any(r.timing is not None and r.timing.timer == "device" for r in records):
         print(f"\n{DEVICE_TIMER_NOTE}")
     if any(r.bench == "routing" for r in records):
@@ -189,6 +203,14 @@ def main(argv: list[str] | None = None) -> list[common.Record]:
         return plot.plot_run(args.plot, TITLES, args.plot_out)
     if args.plot_out:
         raise SystemExit("--plot-out names where --plot writes; give --plot RUN.jsonl too")
+    if args.report:
+        notes = [TABLE_NOTE, DEVICE_TIMER_NOTE, routing.TABLE_NOTE, f"FLOP model: {common.FLOP_MODEL}"]
+        out = args.report_out or report.REPORT_PATH
+        report.write_report(args.report, out, TITLES, TABLES, notes)
+        print(f"wrote {out}")
+        return []
+    if args.report_out:
+        raise SystemExit("--report-out names where --report writes; give --report too")
     platform = jax.devices()[0].platform
     if args.timer == "device" and platform != "gpu":
         raise SystemExit(f"--timer device reads GPU kernel times (CUPTI); this machine's jax runs on {platform}")

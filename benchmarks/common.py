@@ -1,11 +1,11 @@
 """What every benchmark shares: the FLOP model, the timer, result records, run metadata and the markdown table.
 
-Timing method (DESIGN §6): compile and run once, warm up, then take ``iters`` samples; a sample runs the function
-``reps`` times back to back (rotating over the input sets) and blocks on the last result, so that host dispatch overlaps
-device work even for sub-millisecond calls; its time divided by ``reps`` is one per-call time. We report the median of
-the samples and their spread (p10 to p90, relative to the median). With ``--timer device`` a sample is instead one
-call's GPU time: the sum of its kernels' durations as CUPTI records them (``jax.profiler``), without the host's dispatch
-and sync and the gaps between kernels (``device_time_fn``).
+Timing method (docs/design.md, "Benchmarks"): compile and run once, warm up, then take ``iters`` samples; a sample
+runs the function ``reps`` times back to back (rotating over the input sets) and blocks on the last result, so that
+host dispatch overlaps device work even for sub-millisecond calls; its time divided by ``reps`` is one per-call time.
+We report the median of the samples and their spread (p10 to p90, relative to the median). With ``--timer device`` a
+sample is instead one call's GPU time: the sum of its kernels' durations as CUPTI records them (``jax.profiler``),
+without the host's dispatch and sync and the gaps between kernels (``device_time_fn``).
 """
 
 import dataclasses
@@ -130,7 +130,7 @@ def time_fn(
     ``reps`` calls dispatched back to back and one host sync, as many as fill ``min_sample_seconds``, so that the
     first dispatch and the sync spread over many calls. With 2-ms samples the grouped forward at qwen3-30b/gate_up
     timed 0.499-0.515 ms per call against 0.457-0.461 ms of kernel time in a sustained loop (CUPTI); with 20-ms
-    samples, 0.472-0.483 ms (H100, 2026-11-25).
+    samples, 0.472-0.483 ms (H100).
     """
     first_output, first_call_s, estimate = _first_calls(fn, arg_sets, warmup)
     call = warmup

@@ -1,4 +1,4 @@
-"""GLU benches (issue #4): the gate_up GEMM with its activation epilogue; the GLU MLP's backward and forward+backward.
+"""GLU benches: the gate_up GEMM with its activation epilogue; the GLU MLP's backward and forward+backward.
 
 Shapes are the models' gate_up projections (``GMM_SHAPES["<model>/gate_up"]``: G, M, K = D, N = 2F); the MLP adds
 the down projection [G, F, D] and a row scale (the routing weights). Benches, with FLOPs (M routed rows), and their
@@ -17,12 +17,12 @@ of a jax.vjp), 2x the forward's 6*M*D*F; "glu-mlp" — forward + backward, 18*M*
 - "fused-recompute:pallas": the same kernels recomputing the pre-activation in the backward instead of keeping it
   (its extra GEMM is not counted in the FLOPs);
 - "unfused:<b>": plain grouped matmuls with XLA elementwise glue (GEMM, XLA GLU, GEMM, XLA row scale) differentiated
-  by JAX — with "pallas", the issue-#3 kernels (target: fused backward >= 1.5x faster);
+  by JAX — with "pallas", the plain grouped-matmul kernels (target: fused backward >= 1.5x faster);
 - "tokamax-gemms": the same composition with tokamax's ragged dot (target: the fused forward + backward beats it);
 - "dense" (glu-mlp only): the MLP's matmuls dense, with the XLA GLU (the ceiling).
 
 Every output and gradient is checked against exact f32 results of three groups (``GroupOracle`` for the GEMM,
-``MLPGroupOracle`` for the MLP). ``targets_table`` turns the records into the issue's ratios.
+``MLPGroupOracle`` for the MLP). ``targets_table`` turns the records into the targets' ratios.
 
 ``python -m benchmarks.glu`` prints the activation-memory table instead (no timing, any host): the bytes each
 implementation keeps for the backward at the Qwen3-30B-A3B layer, from the residuals of ``jax.vjp`` (``jax.make_jaxpr``
@@ -47,7 +47,7 @@ from moe_jax.ops.shapes import GroupedMatmulShape
 
 BENCHES = ("glu", "glu-bwd", "glu-mlp")
 TARGETS_NOTE = (
-    "targets (issue #4): fused / gemm <= 1.05; (gemm+xla-glu) / fused >= 1.3; unfused / fused backward >= 1.5; "
+    "targets: fused / gemm <= 1.05; (gemm+xla-glu) / fused >= 1.3; unfused / fused backward >= 1.5; "
     "tokamax-gemms / fused forward + backward > 1 (ratios of median times). "
     "FLOPs: glu = 2*M*D*2F; glu-bwd = 12*M*D*F; glu-mlp = 18*M*D*F"
 )
@@ -281,7 +281,7 @@ def run(shapes, options: common.Options, *, activations, routing: str, emit) -> 
 
 
 def targets_table(records: list[common.Record], backend: str = "pallas") -> str:
-    """The issue's ratios per (shape, activation) from the glu benches' median times of ``backend``'s implementations
+    """The targets' ratios per (shape, activation) from the glu benches' median times of ``backend``'s implementations
     ("-" where one side did not run)."""
     times = {(r.bench, r.shape, r.dims.get("activation"), r.impl): r.timing.median_s for r in records if r.timing}
     rows = [
@@ -345,7 +345,7 @@ def memory_implementations(activation: str) -> list[tuple[str, Callable]]:
             lambda x, w, wd, gs, s: moe_jax.glu_mlp(x, w, wd, gs, row_scale=s, backend="xla", **act),
         ),
         (
-            "unfused (#3 kernels + XLA glue)",
+            "unfused (plain kernels + XLA glue)",
             functools.partial(composed_mlp, functools.partial(_gmm, backend="pallas"), **act),
         ),
         ("fused (glu_mlp)", functools.partial(_glu_mlp, backend="pallas", **act)),

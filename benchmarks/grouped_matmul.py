@@ -111,7 +111,7 @@ def measure_hbm_floor(record: common.Record, num_bytes: int, options: common.Opt
     records ``num_bytes`` at the rate it reached; the note says the bytes and the rate.
 
     Reading is the fastest way through the HBM: on an H100 the reduction ran at 3.19 TB/s, a copy (which reads and
-    writes every byte) at 2.94 and a copy with two inputs at 3.07 (device time, 2-GiB buffers, 2026-11-28). So no
+    writes every byte) at 2.94 and a copy with two inputs at 3.07 (device time, 2-GiB buffers). So no
     kernel moving ``num_bytes`` beats the record's time, except by bytes the L2 holds from before or still holds dirty
     when the kernel ends (at most its 50 MB each way; the benches rotate inputs to defeat the first)."""
     read, buffer, moved = read_pass(num_bytes)

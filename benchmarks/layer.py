@@ -10,7 +10,7 @@ Side by side at each named layer shape (``moe_jax.ops.shapes.LAYER_SHAPES``), ro
   same routing (computed outside the timing, like its group sizes and row weights): no router, routing, permute or
   combine; "experts:pallas-gathered": the same two kernels with the gate_up kernel gathering its rows from x by the
   sort indices (``routed_glu_mlp(backend="pallas_gather")``, what moe_ffn runs where F <= 2048); forward only,
-  "router:xla": the router matmul ``router_logits(x, router_kernel)`` alone. The layer's "glue" (issue #5: routing,
+  "router:xla": the router matmul ``router_logits(x, router_kernel)`` alone. The layer's "glue" (routing,
   permute, combine and the aux losses, including whatever the gathered gate_up loads cost over plain ones) is
   ``moe_jax:pallas - experts:pallas - router:xla``; the gather's own cost is ``experts:pallas-gathered -
   experts:pallas``.

@@ -2,9 +2,9 @@
 
 ``python -m benchmarks --plot RUN.jsonl [--plot-out FIG.png]`` draws a run streamed with ``--jsonl`` (those in
 ``benchmarks/results/`` included). A family of implementations is drawn as one bar at its best: tokamax's swept
-configs (``tokamax[...]``) as the fastest of them, since the issues' bar is tokamax tuned. The dense matmul of the same
+configs (``tokamax[...]``) as the fastest of them, since the targets' bar is tokamax tuned. The dense matmul of the same
 FLOPs is a bar of its own and the ``hbm-floor`` (the bytes the op must move, at the HBM rate the run measured: the read
-rate since 2026-11-28, the copy rate before) a black tick where it lies below the dense bar (where the op is
+rate, or the copy rate in older records) a black tick where it lies below the dense bar (where the op is
 memory-bound); our bar is labelled with its TF/s and its ratios to the dense bar and to tokamax's. Benches without a
 FLOP model (routing) or with a table of their own (ep) are not drawn.
 """

@@ -1,7 +1,7 @@
 """Device time of the MoE layer's forward, kernel by kernel and stage by stage (``python -m benchmarks.profile_layer``).
 
 The layer bench (``layer.py``) times whole calls from the host: each sample also holds the call's dispatch, and the
-issue #5 glue it derives (layer - experts - router) is a difference of three such medians, which moved by up to
+glue it derives (layer - experts - router) is a difference of three such medians, which moved by up to
 0.2 ms between runs at the Qwen3 layer. Here ``jax.profiler`` (CUPTI) records every kernel of ``--calls`` calls of
 the jitted ``moe_ffn`` forward (backend "pallas") after a warm-up, and each kernel is put in a stage by its name
 (the Mosaic GPU kernels are named for what they do, ``moe_gating``, ``moe_gmm_gather_glu``, ...):
@@ -13,7 +13,7 @@ the jitted ``moe_ffn`` forward (backend "pallas") after a warm-up, and each kern
   other      a Mosaic GPU kernel the forward should not run (listed, never counted as glue)
 
 With ``--glue`` it also profiles the routing bench's glue functions (``routing.stage_functions``: "glue" with the
-permute, "glue-fused" without) on both backends, so that issue #5's "glue >= 2x XLA's" can be read in device time as
+permute, "glue-fused" without) on both backends, so that the target "glue >= 2x XLA's" can be read in device time as
 well as in the bench's wall clock, which holds each call's dispatch and host sync.
 
 The same is done for the expert kernels alone on rows already sorted (``glu_mlp``, the layer bench's
@@ -23,7 +23,7 @@ difference where it is a cost (a gathered kernel faster than the sorted-rows one
 its share is over the layer's span (first kernel start to last kernel end of a call, which also
 counts any gap between kernels). Medians over the calls.
 
-Issue #5 asks for glue <= 10% of the span. Each shape's table also says how much glue that allows while the other
+The target is glue <= 10% of the span. Each shape's table also says how much glue that allows while the other
 kernels keep their time, and how much of it the combine (and the permute, where the layer permutes first) needs at
 the least: their bf16 rows' bytes at the read rate, the fastest pass through this card's HBM, measured once per run
 (``grouped_matmul.read_pass``, in device time like everything here).
@@ -47,7 +47,7 @@ from benchmarks import common, grouped_matmul, layer, routing
 from moe_jax.ops.shapes import LAYER_SHAPES, layer_shapes
 
 GLUE_STAGES = ("gating", "xla-glue", "permute", "combine")
-GLUE_TARGET_SHARE = 0.10  # issue #5: the glue's share of the layer's forward span, at most
+GLUE_TARGET_SHARE = 0.10  # the target: the glue's share of the layer's forward span, at most
 GLUE_FUNCTIONS = ("glue", "glue-fused")  # routing.stage_functions profiled by --glue
 GLUE_BACKENDS = ("xla", "pallas")
 STAGES = ("router", "gating", "xla-glue", "permute", "gate_up", "down", "combine", "other")
@@ -113,8 +113,8 @@ def glue_budget_us(span: float, glue: float, share: float = GLUE_TARGET_SHARE) -
 
 
 def profile_shape(shape, calls: int, seed: int, read_rate: float) -> dict:
-    """Stage medians of the layer and of the expert kernels on sorted rows, the glue they imply, and the glue issue
-    #5's share allows next to the combine's floor at ``read_rate`` (bytes / s). Times in µs."""
+    """Stage medians of the layer and of the expert kernels on sorted rows, the glue they imply, and the glue the
+    target share allows next to the combine's floor at ``read_rate`` (bytes / s). Times in µs."""
     route_kwargs = common.routing_kwargs(shape, seed)
     inputs = layer.make_inputs(shape, seed=seed)[0]
 

@@ -12,7 +12,7 @@ selection bias ``common.selection_bias`` where the router has one), per backend,
 - "glue-bwd": "glue" and its vjp for cotangents of rows, y and the loss: gradients of logits, x and y_sorted.
 - "glue-fused": what ``moe_ffn`` runs outside its kernels now that the permute happens inside the gate_up kernel's
               loads (``routed_glu_mlp``): route + the sorted rows' routing weights (``row_scale``) + an unweighted
-              combine + the aux losses. Issue #5's forward glue on the Pallas path is this plus the gathered gate_up
+              combine + the aux losses. The forward glue on the Pallas path is this plus the gathered gate_up
               kernel's extra time over a plain one (the layer bench's experts:pallas-gathered - experts:pallas).
 
 ``y_sorted`` stands for the expert outputs: an input, so that XLA cannot fold combine into permute. permute and

@@ -2,7 +2,7 @@
 
 tokamax is optional. Where it is not installed (CI, CPU hosts) or there is no NVIDIA GPU, every call raises
 NotImplementedError, which the benchmarks report as "n/a". On the GPU machine it travels as wheels
-(``benchmarks/RESULTS.md``, "How a run is made", gives the commands).
+(``docs/design.md``, "Benchmarks", gives the commands).
 
 What a user tuning it would sweep: tokamax's own sm90 autotuning space (``PallasMosaicGpuRaggedDot.
 _get_sm90_autotuning_configs``) varies block_m in {16, 32, 64, 128}, block_k in {128, 256, 512}, num_stages in {2, 4},

@@ -271,10 +271,9 @@ def candidate_configs(kind: str, shape) -> list[Config]:
     """
     base = table_config(kind, shape)
     out_cols = shape.k if kind in ("dgrad", "glu_dgrad") else shape.n
-    # Column- and row-fastest orders (for wgrad, of a group's [K, N] output tiles; "n" over all columns is the order
-    # it walked before it had one). The row kernels also walk bands by group, with lockstep tails: without them the
-    # CTAs drift apart and group bands re-read as many weight tiles as the other orders (the table's fwd / dgrad
-    # entries are group bands since 2026-11-26).
+    # Column- and row-fastest orders (for wgrad, of a group's [K, N] output tiles; "n" over all columns walks whole
+    # rows). The row kernels also walk bands by group, with lockstep tails: without them the CTAs drift apart and
+    # group bands re-read as many weight tiles as the other orders (the table's fwd / dgrad entries are group bands).
     orders = [("n", max(1, -(-out_cols // 256))), ("m", 8), ("m", 16)]
     orders.append(("n", 8) if kind == "wgrad" else ("g", 16))
     # glu_dgrad's consumers load [gate | up] tiles of 2 * block_n <= 256 columns themselves, or the pipeline's ring

@@ -1,0 +1,255 @@
+"""``python -m benchmarks --report``: ``benchmarks/RESULTS.md``, the current results, rebuilt from the records.
+
+It reads every record under ``benchmarks/results/`` and writes, per bench and GPU, the newest measurement of each
+shape: for each (bench, GPU, shape) the run that timed it last wins, runs in GPU kernel time (``--timer device``)
+before wall-clock ones, since their numbers leave out the host's dispatch. A winning run's records of that shape are
+shown as the run printed them (``TABLES`` of ``python -m benchmarks``), so every ratio in a table (vs dense, vs xla,
+speed-up over one device) compares numbers of one run. Each table says which run it comes from: date, GPU, jax
+version, git revision, timer and the command. The other two kinds of record get a section each: the layer's forward
+kernel by kernel (``python -m benchmarks.profile_layer --out``) and the toy LM's training throughput
+(``python -m train --config gpu --metrics``).
+
+Record files, by what their lines or keys hold:
+  ``*.jsonl`` with ``{"meta"}`` lines   ``python -m benchmarks --jsonl``: each meta line starts a run, records follow
+  ``*.json`` ``{meta, records}``        ``python -m benchmarks --out``
+  ``*.json`` ``{meta, results}``        ``python -m benchmarks.profile_layer --out``
+  ``*_train_gpu_<backend>.jsonl``       ``python -m train --metrics``: a run is a pair of files, xla and pallas, named
+                                        ``<date>_<gpu>_<git>``; the records hold no date, so it comes from the name
+Anything else (notes of one-off experiments) is not read.
+"""
+
+import dataclasses
+import glob
+import json
+import os
+import re
+from collections.abc import Callable
+
+import numpy as np
+
+from benchmarks import common
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+REPORT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+TIMER_WORDS = {"device": "GPU kernel time (CUPTI)", "wall": "wall clock"}
+PROFILE_STAGES = ("router", "gating", "xla-glue", "permute", "gate_up", "down", "combine")
+TRAIN_SUFFIX = "_train_gpu_"
+TRAIN_BACKENDS = ("xla", "pallas")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Run:
+    """One benchmark command's output: its metadata and records, and the file that holds them."""
+
+    meta: dict
+    records: tuple[common.Record, ...]
+    path: str
+
+    @property
+    def timer(self) -> str:
+        """How the run's samples were taken (all of one run's records share the timer)."""
+        return next((r.timing.timer for r in self.records if r.timing), "wall")
+
+    def provenance(self) -> str:
+        """One line: date, GPU, jax version, git revision, timer, record file and command."""
+        meta = self.meta
+        gpus = (
+            f"{meta['num_devices']} x {meta['device_kind']}" if meta.get("num_devices", 1) > 1 else meta["device_kind"]
+        )
+        return (
+            f"{meta['date'][:10]}, {gpus}, jax {meta['jax']}, git {short_revision(meta['git_revision'])}, "
+            f"{TIMER_WORDS[self.timer]}; "
+            f"record `{os.path.basename(self.path)}`: `{meta['command']}`"
+        )
+
+
+def short_revision(revision: str) -> str:
+    """A commit hash cut to 7 digits, its suffix (``-dirty``) kept."""
+    return re.sub(r"^([0-9a-f]{7})[0-9a-f]+", r"\1", revision)
+
+
+def read_runs(path: str) -> list[Run]:
+    """The benchmark runs in one record file (none where it holds something else)."""
+    if path.endswith(".jsonl"):
+        with open(path) as f:
+            lines = [json.loads(line) for line in f if line.strip()]
+        runs: list[tuple[dict, list]] = []
+        for line in lines:
+            if "meta" in line:
+                runs.append((line["meta"], []))
+            elif "bench" in line and runs:
+                runs[-1][1].append(common.Record.from_json(line))
+        return [Run(meta, tuple(records), path) for meta, records in runs]
+    with open(path) as f:
+        content = json.load(f)
+    if isinstance(content, dict) and "meta" in content and "records" in content:
+        return [Run(content["meta"], tuple(common.Record.from_json(r) for r in content["records"]), path)]
+    return []
+
+
+def latest_runs(runs: list[Run]) -> dict[tuple[str, str], list[tuple[Run, list[common.Record]]]]:
+    """Per (bench, GPU): the runs that measured some shape last, newest first, each with its records of those shapes
+    (in the run's order). A device-timer run beats a wall-clock one whatever their dates."""
+    winner: dict[tuple[str, str, str], int] = {}  # (bench, GPU, shape) -> index of the run
+    for index, run in enumerate(runs):
+        for record in run.records:
+            key = (record.bench, run.meta["device_kind"], record.shape)
+            if record.timing is not None and (key not in winner or _rank(run) > _rank(runs[winner[key]])):
+                winner[key] = index
+    shapes_of: dict[tuple[str, str], dict[int, set[str]]] = {}
+    for (bench, gpu, shape), index in winner.items():
+        shapes_of.setdefault((bench, gpu), {}).setdefault(index, set()).add(shape)
+    sections = {}
+    for (bench, gpu), by_run in sorted(shapes_of.items()):
+        newest_first = sorted(by_run, key=lambda index: _rank(runs[index]), reverse=True)
+        sections[(bench, gpu)] = [
+            (runs[i], [r for r in runs[i].records if r.bench == bench and r.shape in by_run[i]]) for i in newest_first
+        ]
+    return sections
+
+
+def _rank(run: Run) -> tuple[bool, str]:
+    return run.timer == "device", run.meta["date"]
+
+
+def bench_report(runs: list[Run], titles: dict[str, str], tables: dict[str, Callable]) -> list[str]:
+    """Markdown of the benches, in ``titles``' order: a heading per (bench, GPU), a table per winning run."""
+    sections = latest_runs(runs)
+    lines = []
+    for bench, title in titles.items():
+        for gpu in sorted(g for b, g in sections if b == bench):
+            lines += [f"## {title}: {gpu}", ""]
+            for run, records in sections[(bench, gpu)]:
+                lines += [run.provenance(), "", tables.get(bench, common.markdown_table)(records), ""]
+    return lines
+
+
+def read_profiles(paths: list[str]) -> list[tuple[dict, dict, str]]:
+    """(meta, result, path) of every shape in ``profile_layer`` records."""
+    profiles = []
+    for path in paths:
+        with open(path) as f:
+            content = json.load(f)
+        if isinstance(content, dict) and "meta" in content and "results" in content:
+            profiles += [(content["meta"], result, path) for result in content["results"]]
+    return profiles
+
+
+def profile_report(profiles: list[tuple[dict, dict, str]]) -> list[str]:
+    """The newest profile of each (GPU, layer shape), a table per GPU: µs per stage, the span and the glue's share."""
+    newest: dict[tuple[str, str], tuple[dict, dict, str]] = {}
+    for meta, result, path in profiles:
+        key = (meta["device_kind"], result["shape"])
+        if key not in newest or meta["date"] > newest[key][0]["date"]:
+            newest[key] = (meta, result, path)
+    if not newest:
+        return []
+    lines = [
+        "## moe_ffn forward (pallas), kernel by kernel: `python -m benchmarks.profile_layer`",
+        "",
+        "GPU kernel time per call, µs (median over the calls); glue = gating + XLA's glue kernels + permute + combine "
+        "+ what gathering the rows costs the gate_up kernel (over the same kernel on sorted rows; a gain counts 0).",
+        "",
+    ]
+    for gpu in sorted({gpu for gpu, _ in newest}):
+        lines += [f"### {gpu}", ""]
+        header = ["shape", *PROFILE_STAGES, "span", "glue", "glue / span", "record"]
+        lines += ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 2) + "---|"]
+        for (g, _), (meta, result, path) in sorted(newest.items()):
+            if g != gpu:
+                continue
+            stages = result["stages_us"]
+            cells = [result["shape"], *(f"{stages[s]:.1f}" if s in stages else "-" for s in PROFILE_STAGES)]
+            cells += [f"{stages['span']:.1f}", f"{result['glue_us']:.1f}", f"{result['glue_share']:.1%}"]
+            revision = short_revision(meta["git_revision"])
+            cells.append(f"{meta['date'][:10]}, jax {meta['jax']}, git {revision}: `{os.path.basename(path)}`")
+            lines.append("| " + " | ".join(cells) + " |")
+        commands = sorted({meta["command"] for (g, _), (meta, _, _) in newest.items() if g == gpu})
+        lines += ["", "Commands: " + "; ".join(f"`{c}`" for c in commands), ""]
+    return lines
+
+
+def read_training(paths: list[str]) -> dict[str, dict[str, list[dict]]]:
+    """{run name: {backend: records}} of the training records that come as an xla / pallas pair."""
+    runs: dict[str, dict[str, list[dict]]] = {}
+    for path in paths:
+        name = os.path.basename(path)
+        run, _, backend = name.removesuffix(".jsonl").rpartition(TRAIN_SUFFIX)
+        if backend in TRAIN_BACKENDS:
+            with open(path) as f:
+                runs.setdefault(run, {})[backend] = [json.loads(line) for line in f if line.strip()]
+    return {run: pair for run, pair in runs.items() if set(pair) == set(TRAIN_BACKENDS)}
+
+
+def training_row(backend: str, records: list[dict]) -> str:
+    """One backend's row: medians over the 20-step intervals after the first (the first holds the warm-up)."""
+    intervals = [r for r in records if r["kind"] == "train"]
+    steady = intervals[1:] or intervals
+    compile_s = next(r["seconds"] for r in records if r["kind"] == "compile")
+    tokens = float(np.median([r["tokens_per_s"] for r in steady]))
+    mfu = float(np.median([r["mfu"] for r in steady]))
+    memory = max(r["peak_memory_bytes"] for r in intervals) / 1e9
+    last = intervals[-1]
+    return (
+        f"| {backend} | {tokens:.0f} | {mfu:.4f} | {memory:.2f} | {compile_s:.1f} | {last['step']} | "
+        f"{last['loss']:.4f} |"
+    )
+
+
+def training_report(runs: dict[str, dict[str, list[dict]]]) -> list[str]:
+    """The newest training pair of each GPU: tokens/s, MFU, peak memory, compile time and loss per backend."""
+    newest: dict[str, str] = {}
+    for run in sorted(runs):  # <date>_<gpu>_<git>: sorted by date
+        setup = next(r for r in runs[run]["pallas"] if r["kind"] == "setup")
+        newest[setup["device_kind"]] = run
+    if not newest:
+        return []
+    lines = ["## Toy MoE LM training throughput: `python -m train --config gpu`", ""]
+    for gpu, run in sorted(newest.items()):
+        setup = next(r for r in runs[run]["pallas"] if r["kind"] == "setup")
+        parameters = setup["parameters"]
+        lines += [
+            f"### {gpu}",
+            "",
+            f"{run[:10]}, {gpu}, git {run.split('_')[2]}; records `{run}{TRAIN_SUFFIX}{{xla,pallas}}.jsonl` (the "
+            "records hold the config, not the command line: `python -m train --config gpu --backend {xla,pallas} "
+            f"--metrics FILE`); {parameters['total'] / 1e6:.1f}M parameters, {parameters['active'] / 1e6:.1f}M "
+            f"active per token, batch {setup['config']['batch_size']} x {setup['config']['seq_len']} bytes.",
+            "",
+            "| backend | tokens/s | MFU | peak GPU memory, GB | first step (compile), s | last step | its loss |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+            *(training_row(backend, runs[run][backend]) for backend in TRAIN_BACKENDS),
+            "",
+        ]
+    return lines
+
+
+def build_report(results_dir: str, titles: dict[str, str], tables: dict[str, Callable], notes: list[str]) -> str:
+    """RESULTS.md's text from the records in ``results_dir``; ``titles`` / ``tables`` / ``notes``: the benchmark
+    CLI's bench titles, table functions and the notes that explain the tables."""
+    jsonl = sorted(glob.glob(os.path.join(results_dir, "*.jsonl")))
+    json_files = sorted(glob.glob(os.path.join(results_dir, "*.json")))
+    bench_files = [p for p in jsonl if TRAIN_SUFFIX not in os.path.basename(p)] + json_files
+    runs = [run for path in bench_files for run in read_runs(path)]
+    lines = [
+        "# Benchmark results",
+        "",
+        "Generated by `python -m benchmarks --report` from the records in `results/`: edit those, not this file. Per "
+        "bench, GPU and shape it shows the newest run (runs in GPU kernel time before wall-clock ones), as that run "
+        "printed it; every ratio compares numbers of one run. How the benches measure: `docs/design.md`, "
+        '"Benchmarks".',
+        "",
+        *(f"{note}\n" for note in notes),
+    ]
+    lines += bench_report(runs, titles, tables)
+    lines += profile_report(read_profiles(json_files))
+    lines += training_report(read_training([p for p in jsonl if TRAIN_SUFFIX in os.path.basename(p)]))
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_report(results_dir: str, out: str, titles, tables, notes) -> str:
+    """Writes ``build_report``'s text to ``out``; returns it."""
+    text = build_report(results_dir, titles, tables, notes)
+    with open(out, "w") as f:
+        f.write(text)
+    return text

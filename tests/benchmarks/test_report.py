@@ -1,0 +1,220 @@
+"""``python -m benchmarks --report``: RESULTS.md from small synthetic records, checked number by number."""
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+from benchmarks import common, report
+from benchmarks.__main__ import main
+
+GPU = "NVIDIA H100 80GB HBM3"
+FLOPS = 2 * 10**12  # 2 TFLOP: 1 ms is 2000 TF/s
+GMM_TITLE = "## Grouped matmul, forward: " + GPU
+
+
+def meta(date: str, revision: str, command: str, *, device_kind: str = GPU, num_devices: int = 1) -> dict:
+    return {
+        "date": f"{date}T12:00:00+00:00",
+        "device_kind": device_kind,
+        "platform": "gpu",
+        "num_devices": num_devices,
+        "jax": "0.11.2",
+        "jaxlib": "0.11.2",
+        "git_revision": revision,
+        "command": command,
+        "peers": {},
+        "flop_model": common.FLOP_MODEL,
+    }
+
+
+def record(shape: str, impl: str, ms: float, *, bench: str = "gmm", timer: str = "wall", **fields) -> dict:
+    seconds = ms / 1e3
+    timing = common.Timing(seconds, 0.99 * seconds, 1.01 * seconds, 0.98 * seconds, 10, 1, 1.0, timer)
+    dims = {"g": 8, "m": 4096, "k": 1024, "n": 1024}
+    return common.Record(bench, shape, "uniform", impl, FLOPS, dims, timing=timing, **fields).to_json()
+
+
+def write_jsonl(path, *runs: tuple[dict, list[dict]]) -> None:
+    with open(path, "w") as f:
+        for run_meta, records in runs:
+            f.write(json.dumps({"meta": run_meta}) + "\n")
+            f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def table_rows(text: str, provenance: str) -> list[list[str]]:
+    """The cells of the table that follows the line starting with ``provenance``, header and rule left out."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(provenance))
+    rows = []
+    for line in lines[start + 4 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def build(results_dir) -> str:
+    return report.build_report(str(results_dir), {"gmm": "Grouped matmul, forward"}, {}, ["a note"])
+
+
+def test_each_shape_comes_from_its_newest_run(tmp_path):
+    older = meta("2026-01-01", "aaaaaaa1234", "python -m benchmarks --bench gmm --shapes a,b")
+    newer = meta("2026-01-02", "bbbbbbb5678", "python -m benchmarks --bench gmm --shapes a")
+    write_jsonl(
+        tmp_path / "old.jsonl",
+        (older, [record("a", "dense", 1.0), record("a", "moe_jax:pallas", 2.0)]),
+    )
+    write_jsonl(
+        tmp_path / "more.jsonl",
+        (older, [record("b", "dense", 1.0), record("b", "moe_jax:pallas", 1.6)]),
+    )
+    write_jsonl(tmp_path / "new.jsonl", (newer, [record("a", "dense", 1.0), record("a", "moe_jax:pallas", 1.25)]))
+    text = build(tmp_path)
+
+    assert text.count(GMM_TITLE) == 1
+    new_line = f"2026-01-02, {GPU}, jax 0.11.2, git bbbbbbb, wall clock; record `new.jsonl`: `{newer['command']}`"
+    assert new_line in text.splitlines()
+    assert text.index(new_line) < text.index("2026-01-01")  # newest run first
+    # Shape a from the newer run only: 1.25 ms is 1600 TF/s, 0.80 of the dense 2000.
+    assert table_rows(text, "2026-01-02") == [
+        ["a", "uniform", "dense", "2000.0", "1.000", "2%", "2000.0", "1.00", ""],
+        ["a", "uniform", "moe_jax:pallas", "2000.0", "1.250", "2%", "1600.0", "0.80", ""],
+    ]
+    # Shape b, which the newer run did not time, from the older one.
+    assert table_rows(text, "2026-01-01, ") == [
+        ["b", "uniform", "dense", "2000.0", "1.000", "2%", "2000.0", "1.00", ""],
+        ["b", "uniform", "moe_jax:pallas", "2000.0", "1.600", "2%", "1250.0", "0.62", ""],
+    ]
+    assert "2.000" not in text  # the older run's time of shape a is superseded
+
+
+def test_device_time_wins_over_a_newer_wall_clock_run(tmp_path):
+    device = meta("2026-01-01", "ccccccc", "python -m benchmarks --bench gmm --timer device")
+    wall = meta("2026-01-05", "ddddddd", "python -m benchmarks --bench gmm")
+    write_jsonl(tmp_path / "device.jsonl", (device, [record("a", "dense", 1.0, timer="device")]))
+    write_jsonl(tmp_path / "wall.jsonl", (wall, [record("a", "dense", 0.5)]))
+    text = build(tmp_path)
+    assert "GPU kernel time (CUPTI); record `device.jsonl`" in text
+    assert "wall.jsonl" not in text
+
+
+def test_runs_of_one_stream_and_json_records_are_read_and_untimed_records_do_not_count(tmp_path):
+    first = meta("2026-01-01", "eeeeeee", "first")
+    second = meta("2026-01-02", "fffffff", "second")
+    skipped = dataclasses.replace(common.Record.from_json(record("a", "dense", 1.0)), timing=None, status="skipped")
+    write_jsonl(tmp_path / "ab.jsonl", (first, [record("a", "dense", 1.0)]), (second, [skipped.to_json()]))
+    two_gpus = meta("2026-01-03", "0123456", "json", device_kind="NVIDIA H200", num_devices=2)
+    with open(tmp_path / "run.json", "w") as f:
+        json.dump({"meta": two_gpus, "records": [record("a", "dense", 4.0)]}, f)
+    with open(tmp_path / "note.json", "w") as f:
+        json.dump({"note": "an A/B of two trees", "runs": []}, f)
+    text = build(tmp_path)
+    # The second run of the stream timed nothing: shape a comes from the first.
+    assert "record `ab.jsonl`: `first`" in text and "`second`" not in text
+    assert "## Grouped matmul, forward: NVIDIA H200" in text
+    assert table_rows(text, "2026-01-03, 2 x NVIDIA H200")[0][4] == "4.000"
+
+
+def test_every_bench_gets_its_own_table_function(tmp_path):
+    run = meta("2026-01-01", "1111111", "python -m benchmarks --bench routing")
+    write_jsonl(tmp_path / "r.jsonl", (run, [record("layer", "moe_jax:xla", 3.0, bench="routing", stage="glue")]))
+
+    def stage_table(records):
+        return "| stage | ms |\n|---|---:|\n" + "\n".join(
+            f"| {r.stage} | {r.timing.median_s * 1e3:.1f} |" for r in records
+        )
+
+    text = report.build_report(str(tmp_path), {"routing": "Routing glue"}, {"routing": stage_table}, [])
+    assert "## Routing glue: " + GPU in text
+    assert table_rows(text, "2026-01-01") == [["glue", "3.0"]]
+
+
+def profile_result(shape: str, gate_up: float) -> dict:
+    stages = {"router": 10.0, "gating": 20.0, "xla-glue": 5.0, "gate_up": gate_up, "down": 50.0, "combine": 15.0}
+    stages["span"] = sum(stages.values())
+    return {"shape": shape, "stages_us": stages, "glue_us": 40.0, "glue_share": 40.0 / stages["span"]}
+
+
+def test_profile_section_takes_each_layers_newest_profile(tmp_path):
+    old = {"meta": meta("2026-01-01", "2222222", "old profile"), "results": [profile_result("layer", 900.0)]}
+    new = {"meta": meta("2026-01-02", "3333333", "new profile"), "results": [profile_result("layer", 100.0)]}
+    for name, content in (("old.json", old), ("new.json", new)):
+        with open(tmp_path / name, "w") as f:
+            json.dump(content, f)
+    text = build(tmp_path)
+    row = next(line for line in text.splitlines() if line.startswith("| layer |"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    # router, gating, xla-glue, permute (none), gate_up, down, combine, span, glue, its share of the span.
+    assert cells[1:11] == ["10.0", "20.0", "5.0", "-", "100.0", "50.0", "15.0", "200.0", "40.0", "20.0%"]
+    assert "`new profile`" in text and "old profile" not in text
+
+
+def train_records(tokens_per_s: list[float], *, device_kind: str = GPU) -> list[dict]:
+    setup = {
+        "kind": "setup",
+        "device_kind": device_kind,
+        "parameters": {"total": 2_000_000, "active": 1_000_000},
+        "config": {"batch_size": 8, "seq_len": 1024},
+    }
+    intervals = [
+        {
+            "kind": "train",
+            "step": 20 * (i + 1),
+            "loss": 3.0 - 0.5 * i,
+            "tokens_per_s": t,
+            "mfu": t / 1e6,
+            "peak_memory_bytes": 1e9,
+        }
+        for i, t in enumerate(tokens_per_s)
+    ]
+    return [setup, {"kind": "compile", "step": 1, "seconds": 12.5}, *intervals]
+
+
+def test_training_section_takes_medians_past_the_first_interval_of_the_newest_pair(tmp_path):
+    for run, speed in (("2026-01-01_h100_aaaaaaa", 1.0), ("2026-01-02_h100_bbbbbbb", 2.0)):
+        for backend, factor in (("xla", 1.0), ("pallas", 3.0)):
+            # The first interval holds the warm-up and is left out: the median of the rest is the middle one.
+            records = train_records([1.0, 100.0 * speed * factor, 300.0 * speed * factor, 200.0 * speed * factor])
+            with open(tmp_path / f"{run}_train_gpu_{backend}.jsonl", "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in records)
+    # A pallas run without its xla partner is not a comparison.
+    with open(tmp_path / "2026-01-03_h100_ccccccc_train_gpu_pallas.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in train_records([5.0, 5.0]))
+    text = build(tmp_path)
+    assert "2026-01-02, " + GPU + ", git bbbbbbb" in text and "aaaaaaa" not in text and "ccccccc" not in text
+    rows = table_rows(text, "2026-01-02, " + GPU)
+    assert rows == [
+        ["xla", "400", "0.0004", "1.00", "12.5", "80", "1.5000"],
+        ["pallas", "1200", "0.0012", "1.00", "12.5", "80", "1.5000"],
+    ]
+
+
+def test_cli_writes_the_report_where_asked(tmp_path):
+    write_jsonl(tmp_path / "r.jsonl", (meta("2026-01-01", "4444444", "cli"), [record("a", "dense", 1.0)]))
+    out = tmp_path / "RESULTS.md"
+    assert main(["--report", str(tmp_path), "--report-out", str(out)]) == []
+    text = out.read_text()
+    assert text.startswith("# Benchmark results")
+    assert common.FLOP_MODEL in text and table_rows(text, "2026-01-01")[0][2] == "dense"
+
+
+def test_report_out_needs_report():
+    with pytest.raises(SystemExit, match="--report-out"):
+        main(["--report-out", "x.md"])
+
+
+def test_committed_results_are_the_report_of_the_committed_records(tmp_path):
+    out = tmp_path / "RESULTS.md"
+    main(["--report", report.RESULTS_DIR, "--report-out", str(out)])
+    with open(report.REPORT_PATH) as f:
+        committed = f.read()
+    assert out.read_text() == committed, "benchmarks/RESULTS.md is stale: run `python -m benchmarks --report`"
+
+
+def test_short_revision_keeps_the_suffix():
+    assert report.short_revision("de9ff708846d85aad33001d0450e486a768fcb8c-dirty") == "de9ff70-dirty"
+    assert report.short_revision("89de3b0+h") == "89de3b0+h"
+    assert report.short_revision("unknown") == "unknown"
+    assert os.path.basename(report.REPORT_PATH) == "RESULTS.md"
