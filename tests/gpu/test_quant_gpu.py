@@ -1,8 +1,8 @@
 """The sm90 quantizer kernel on the device against the XLA reference on the same device.
 
 Run on the GPU machine: ``PYTHONPATH=. python3 -m pytest -m gpu tests/gpu/test_quant_gpu.py``. Both compute each block
-with the same f32 operations (an IEEE division for the quotient, a round-to-nearest-even cast to FP8), so values and
-scales must be equal bit for bit; only a NaN's sign bit may differ.
+with the same f32 operations (IEEE products and one IEEE division per block, a round-to-nearest-even cast to FP8),
+so values and scales must be equal bit for bit; only a NaN's sign bit may differ.
 """
 
 import jax

@@ -2,8 +2,9 @@
 
 The oracle rounds to FP8 by its own arithmetic (exponent from ``math.frexp``, quantum, round half to even), not by
 ml_dtypes or XLA; it finds a power-of-two scale by exact comparisons, not from bits. Like the definition, it computes
-the other scales as the f32 product ``amax * (1 / max)`` and the quotient ``x / scale`` in f32 (NumPy's f32
-arithmetic is correctly rounded), and rounds that quotient once to FP8. Values and scales must match exactly.
+the other scales as the f32 product ``amax * (1 / max)`` and the scaled values as the f32 product
+``x * (1 / scale)`` (NumPy's f32 arithmetic is correctly rounded), and rounds that product once to FP8. Values and
+scales must match exactly.
 """
 
 import functools
@@ -63,8 +64,8 @@ def _oracle(x: np.ndarray, block_shape, dtype, pow2_scales: bool):
         else:
             scale = max(float(np.float32(amax) * np.float32(1 / largest)), 2.0**-126)
         scales[index] = scale
-        quotients = np.asarray(np.float32(block) / np.float32(scale), np.float64)
-        values[window] = np.vectorize(lambda q: _round_to_fp8(q, dtype))(quotients)
+        scaled = np.asarray(np.float32(block) * (np.float32(1) / np.float32(scale)), np.float64)
+        values[window] = np.vectorize(lambda v: _round_to_fp8(v, dtype))(scaled)
     return values, scales
 
 
@@ -156,7 +157,7 @@ def test_all_zero_blocks_dequantize_to_exact_zeros():
 
 
 def test_ties_round_to_the_even_neighbour():
-    # One block with amax 448 has scale 1: each value below is its own quotient. e4m3's numbers near 1 are 1/8
+    # One block with amax 448 has scale 1: each value below is its own scaled value. e4m3's numbers near 1 are 1/8
     # apart, near 16 two apart; below 2**-6 they are subnormal, 2**-9 apart.
     ties = [1.0625, 1.1875, 17.0, 19.0, -19.0, 1.5 * 2.0**-9, 0.5 * 2.0**-9, 2.5 * 2.0**-9]
     expected = [1.0, 1.25, 16.0, 20.0, -20.0, 2.0**-8, 0.0, 2.0**-8]
@@ -194,7 +195,7 @@ def test_dequantize_is_within_half_an_fp8_step_of_x(dtype, bits, pow2_scales):
     scales = np.repeat(np.asarray(q.scales.astype(jnp.float32), np.float64), 128, axis=1)
     error = np.abs(np.asarray(q.dequantize(), np.float64) - x)
     bound = np.maximum(2.0 ** -(bits + 1) * np.abs(x), 2.0 ** (min_exponent - bits - 1) * scales)
-    assert np.all(error <= bound * (1 + 2**-16))  # and the f32 rounding of the quotient and the product
+    assert np.all(error <= bound * (1 + 2**-16))  # and the f32 roundings of 1 / scale and both products
 
 
 def test_dequantize_broadcasts_scales_over_partial_blocks():

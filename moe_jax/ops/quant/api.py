@@ -79,8 +79,9 @@ def quantize_blockwise(
 
     Per block: ``scale = amax(|block|) / finfo(dtype).max`` in f32 (at least 2**-126; with ``pow2_scales`` rounded up
     to a power of two, so nothing saturates), ``values = round_to_nearest_even(x / scale)`` clipped to
-    ``+-finfo(dtype).max``. An all-zero block dequantizes to exact zeros; a block holding Inf or NaN dequantizes to
-    non-finite values only. A block that runs past the end of an axis covers the elements that exist.
+    ``+-finfo(dtype).max``, with ``x / scale`` the f32 product ``x * (1 / scale)``. An all-zero block dequantizes to
+    exact zeros; a block holding Inf or NaN dequantizes to non-finite values only. A block that runs past the end of
+    an axis covers the elements that exist (moe_jax/ops/quant/reference.py has the arithmetic to the bit).
 
     Args:
       x: any rank, float dtype. Activations [M, K] take block_shape (1, 128); weights [G, K, N] (1, 128, 128);

@@ -20,9 +20,9 @@ registers (a TMA box needs 16-byte rows, and a [M, K / b] f32 array rarely has t
 read as zeros, which no amax notices; the FP8 stores drop them, and the scales arrays get whole tiles of rows, sliced
 to size after the kernel.
 
-The arithmetic per block is ``reference.scales_from_amax`` and ``reference.scaled_values`` on the registers, so the
-kernel and the XLA path agree bit for bit. Power-of-two scales leave as their exponent byte (uint8: what
-float8_e8m0fnu stores; sm90 has no conversion to that type).
+The arithmetic per block is the reference's (``scales_from_amax``, ``reciprocals``, ``scaled_values``) on the
+registers, so the kernel and the XLA path agree bit for bit. Power-of-two scales leave as their exponent byte (uint8:
+what float8_e8m0fnu stores; sm90 has no conversion to that type).
 """
 
 import math
@@ -66,7 +66,7 @@ def _quantize_rows(tile, block: int, dtype, pow2_scales: bool):
     column_blocks = [tile[:, c : c + block] for c in range(0, TILE, block)]
     amax = [jnp.max(jnp.abs(values), axis=1).astype(jnp.float32) for values in column_blocks]
     scales = [reference.scales_from_amax(a, dtype, pow2_scales) for a in amax]
-    per_element = [lax.broadcast_in_dim(s, (tile.shape[0], block), (0,)) for s in scales]
+    per_element = [lax.broadcast_in_dim(reference.reciprocals(s), (tile.shape[0], block), (0,)) for s in scales]
     per_element = plgpu.layout_cast(lax.concatenate(per_element, 1) if len(scales) > 1 else per_element[0], _LAYOUT)
     values = reference.scaled_values(tile.astype(jnp.float32), per_element, dtype)
     if pow2_scales:
