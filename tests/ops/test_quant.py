@@ -219,6 +219,13 @@ def test_transposed_pair_quantizes_x_and_x_transposed_along_their_rows():
     assert columns.shape == (160, 96) and columns.scales.shape == (160, 3)
 
 
+def test_the_k_major_weight_copy_is_the_transpose_of_the_quantized_weights():
+    w = _random(12, (2, 160, 130))
+    q, q_k_major = _quantized(w, (1, 128, 128)), _quantized(w.transpose(0, 2, 1), (1, 128, 128))
+    for actual, expected in ((q_k_major.values, q.values), (q_k_major.scales, q.scales)):
+        np.testing.assert_array_equal(actual.astype(jnp.float32), expected.astype(jnp.float32).transpose(0, 2, 1))
+
+
 def test_block_scaled_is_a_pytree_with_a_static_block_shape():
     q = _quantized(_random(11, (4, 128)), (1, 128))
     leaves, treedef = jax.tree.flatten(q)

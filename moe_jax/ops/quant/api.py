@@ -91,7 +91,10 @@ def quantize_blockwise(
       pow2_scales: power-of-two scales, stored as float8_e8m0fnu; otherwise f32 scales.
       backend: "auto", "xla" or "pallas". The Pallas kernel (an H100/H200's default under "auto") takes
         [M, K] bf16/f16/f32 with block_shape (1, 128) or (1, 32) and K a multiple of 64; "auto" falls back to "xla"
-        elsewhere (weights take the XLA path: once per step, in one fusion bound by memory like the kernel).
+        elsewhere. Weights take the XLA path: they are quantized once per step, against every activation's
+        quantization per GEMM, and a 128 x 128 block is the same block of w [G, K, N] and of its K-major copy
+        [G, N, K], so ``quantize_blockwise(w.transpose(0, 2, 1), (1, 128, 128))`` gives that copy (its scales are
+        the transposed scales of w's).
 
     Returns:
       ``BlockScaled`` with values [x.shape] in ``dtype`` and scales [ceil(x.shape / block_shape)].
