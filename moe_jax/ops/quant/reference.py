@@ -83,8 +83,8 @@ def scales_from_amax(amax: jax.Array, dtype, pow2_scales: bool) -> jax.Array:
     """Each block's f32 scale from its f32 amax (the kernel calls this on its registers too)."""
     largest = float(jnp.finfo(dtype).max)
     if not pow2_scales:
-        # A product, not a division: XLA rewrites x / c into x * (1 / c) for a constant c, so that is what every
-        # backend computes (within one rounding of amax / max).
+        # A product, not a division: XLA:CPU turns amax / 448 into amax * (1 / 448) (jax 0.11.2; the oracle test saw
+        # 1-ulp differences), so every backend computes the product (within one rounding of amax / max).
         return jnp.maximum(amax * jnp.float32(1 / largest), jnp.float32(SMALLEST_SCALE))
     # The smallest power of two p with max * p >= amax, exactly, from the bits: with amax = f * 2**e and
     # max = g * 2**m (f, g in [1, 2)), p = 2**(e - m), doubled when f > g. Biased exponents stay biased.
