@@ -1,0 +1,1 @@
+"""See api.py for the public functions."""

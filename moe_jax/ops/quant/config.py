@@ -1,0 +1,68 @@
+"""Tiles, pipeline depth and reach of the sm90 quantizer kernel (sm90.py)."""
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from moe_jax.ops.quant.reference import FP8_DTYPES
+
+TILE = 128  # a tile is [TILE, TILE] of x: TILE / b blocks of x in each of its rows, of x^T in each column
+BLOCKS = (32, 128)  # block lengths along a row: 1 x 128 (DeepSeek-V3's activations) and MXFP8's 1 x 32
+CONSUMERS = 2  # compute warpgroups; each takes TILE / CONSUMERS rows (and columns, for x^T) of a tile
+# Registers per thread: the producer only computes addresses; the consumers share the rest of an SM's 64k
+# (512 per thread of one warpgroup), in multiples of 8.
+PRODUCER_REGISTERS = 40
+CONSUMER_REGISTERS = (512 - PRODUCER_REGISTERS) // CONSUMERS // 8 * 8
+MAX_STAGES = 4
+SMEM_BYTES = 227 * 1024  # shared memory of one CTA on sm90
+INPUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+# A buffer's swizzle is the widest whose columns divide the array's (Mosaic GPU's rule for TMA with a tiled buffer):
+# with K (and M, for x^T) multiples of 64 every buffer gets 64 or 128 bytes. Narrower ones (16 FP8 columns: no
+# swizzle) failed Mosaic GPU's layout inference.
+DIM_MULTIPLE = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """How one launch buffers its tiles.
+
+    Attributes:
+      stages: input tiles in the ring. The consumers release a slot as soon as its tile is in registers, so up to
+        ``stages`` loads are in flight while they compute. Each consumer double-buffers its FP8 outputs.
+    """
+
+    stages: int
+
+    def __post_init__(self):
+        if not 2 <= self.stages <= MAX_STAGES:
+            raise ValueError(f"stages must be in [2, {MAX_STAGES}], got {self.stages}")
+
+    def smem_bytes(self, in_dtype, with_transpose: bool) -> int:
+        inputs = self.stages * TILE * TILE * jnp.dtype(in_dtype).itemsize
+        outputs = (2 if with_transpose else 1) * 2 * TILE * TILE  # [2 buffers, TILE, TILE] FP8 per copy
+        return inputs + outputs
+
+
+def heuristic_config(in_dtype, with_transpose: bool) -> Config:
+    """The deepest ring (at most MAX_STAGES) that fits in shared memory: a memory-bound kernel wants bytes in flight."""
+    stages = MAX_STAGES
+    while Config(stages).smem_bytes(in_dtype, with_transpose) > SMEM_BYTES:
+        stages -= 1
+    return Config(stages)
+
+
+def refusal(shape: tuple[int, ...], in_dtype, block_shape: tuple[int, ...], dtype, with_transpose: bool) -> str | None:
+    """Why the kernel cannot quantize an array of ``shape`` and ``in_dtype`` this way; None when it can."""
+    if len(shape) != 2:
+        return f"takes [M, K] arrays, got rank {len(shape)}"
+    if tuple(block_shape) not in [(1, block) for block in BLOCKS]:
+        return f"takes block_shape (1, b) with b in {BLOCKS}, got {tuple(block_shape)}"
+    if jnp.dtype(in_dtype) not in map(jnp.dtype, INPUT_DTYPES):
+        return f"takes bfloat16, float16 or float32 inputs, got {jnp.dtype(in_dtype).name}"
+    if jnp.dtype(dtype) not in map(jnp.dtype, FP8_DTYPES):
+        return f"writes float8_e4m3fn or float8_e5m2, got {jnp.dtype(dtype).name}"
+    rows, cols = shape
+    if min(shape) == 0 or cols % DIM_MULTIPLE or (with_transpose and rows % DIM_MULTIPLE):
+        axes = "M and K" if with_transpose else "K"
+        return f"needs M > 0 and {axes} positive multiples of {DIM_MULTIPLE}, got [M, K] = {list(shape)}"
+    return None

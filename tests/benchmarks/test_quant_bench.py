@@ -1,0 +1,33 @@
+"""The quantizer bench on CPU: its floor's bytes, and one tiny run through both backends (the kernel under the GPU
+interpreter) with its bit-for-bit check and table."""
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import common, quant
+
+TINY = common.Options(iters=1, warmup=0, max_seconds=0.05, min_samples=1)
+
+
+def test_floor_bytes_are_the_input_and_every_output_once():
+    x = jax.ShapeDtypeStruct((192, 320), jnp.bfloat16)
+    # x in bf16; per copy FP8 values and f32 scales of 1 x 128 blocks (3 per row of x, 2 per row of x^T).
+    rows = 192 * 320 * 2 + 192 * 320 + 192 * 3 * 4
+    transposed = 320 * 192 + 320 * 2 * 4
+    variants = quant.variants(quant.SHAPES["ci/x"])
+    assert quant.moved_bytes(lambda x: variants["1x128"](x, "xla"), x) == rows
+    assert quant.moved_bytes(lambda x: variants["1x128+t"](x, "xla"), x) == rows + transposed
+    # MXFP8: 1 x 32 blocks with one-byte e8m0 scales.
+    assert quant.moved_bytes(lambda x: variants["mxfp8"](x, "xla"), x) == 192 * 320 * 3 + 192 * 10
+
+
+def test_tiny_run_times_both_backends_and_finds_them_equal():
+    records = quant.run([quant.SHAPES["ci/x"], quant.SHAPES["ci/w"]], TINY, emit=lambda record: None)
+    rows = [(r.shape, r.stage, r.impl) for r in records]
+    impls = ["hbm-floor", "moe_jax:xla", "moe_jax:pallas"]
+    expected = [("ci/x", variant, impl) for variant in ("1x128", "1x128+t", "mxfp8") for impl in impls]
+    assert rows == expected + [("ci/w", "128x128", "hbm-floor"), ("ci/w", "128x128", "moe_jax:xla")]
+    assert all(r.status == "ok" and r.timing is not None for r in records)
+    assert [r.rel_err for r in records if r.impl == "moe_jax:pallas"] == [0.0] * 3  # no byte differs
+    table = quant.markdown_table(records)
+    assert table.count("bit-exact") == 3 and "| ci/w | 128x128 |" in table

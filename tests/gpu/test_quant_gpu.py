@@ -1,0 +1,86 @@
+"""The sm90 quantizer kernel on the device against the XLA reference on the same device.
+
+Run on the GPU machine: ``PYTHONPATH=. python3 -m pytest -m gpu tests/gpu/test_quant_gpu.py``. Both compute each block
+with the same f32 operations (IEEE products and one IEEE division per block, a round-to-nearest-even cast to FP8),
+so values and scales must be equal bit for bit; only a NaN's sign bit may differ.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_jax.ops.quant import reference
+from moe_jax.ops.quant.api import quantize_blockwise, quantize_blockwise_with_transpose
+
+pytestmark = pytest.mark.gpu
+
+E4M3 = jnp.float8_e4m3fn
+
+
+def _random(seed: int, shape, dtype) -> jax.Array:
+    key, spread = jax.random.split(jax.random.key(seed))
+    # Values across 16 binades, so that blocks hit FP8 subnormals and every exponent.
+    x = jax.random.normal(key, shape, jnp.float32) * 2.0 ** jax.random.uniform(spread, shape, minval=-8, maxval=8)
+    return x.astype(dtype)
+
+
+def _assert_same_bits(actual, expected) -> None:
+    """Equal bits, but for the sign of a NaN (each side makes its own NaN)."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    nan = np.isnan(expected.astype(np.float32))
+    np.testing.assert_array_equal(np.isnan(actual.astype(np.float32)), nan)
+    bits = f"u{actual.dtype.itemsize}"  # an unsigned integer as wide as an element
+    np.testing.assert_array_equal(actual.view(bits)[~nan], expected.view(bits)[~nan])
+
+
+def _assert_same(actual, expected) -> None:
+    assert actual.block_shape == expected.block_shape
+    _assert_same_bits(actual.values, expected.values)
+    _assert_same_bits(actual.scales, expected.scales)
+
+
+# (M, K, block, x dtype, FP8 dtype, pow2_scales): the benchmark models' widths (7168, 2880: a partial block, 768),
+# M off a multiple of 8, f32 / f16 inputs, e5m2, MXFP8.
+CASES = [
+    (8192, 7168, 128, jnp.bfloat16, E4M3, False),
+    (4100, 2880, 128, jnp.bfloat16, E4M3, False),
+    (16384, 768, 32, jnp.bfloat16, E4M3, True),
+    (3000, 2048, 128, jnp.float32, jnp.float8_e5m2, True),
+    (2048, 4096, 32, jnp.float16, E4M3, False),
+]
+
+
+@pytest.mark.parametrize("rows, cols, block, x_dtype, dtype, pow2_scales", CASES)
+def test_kernel_matches_reference(rows, cols, block, x_dtype, dtype, pow2_scales):
+    x = _random(rows + cols, (rows, cols), x_dtype)
+
+    def quantize(x, backend):
+        return quantize_blockwise(x, (1, block), dtype=dtype, pow2_scales=pow2_scales, backend=backend)
+
+    _assert_same(jax.jit(quantize, static_argnums=1)(x, "pallas"), jax.jit(quantize, static_argnums=1)(x, "xla"))
+
+
+@pytest.mark.parametrize("rows, cols, block, pow2_scales", [(8192, 7168, 128, False), (4096, 2880, 32, True)])
+def test_transposed_copy_matches_reference(rows, cols, block, pow2_scales):
+    x = _random(rows * cols, (rows, cols), jnp.bfloat16)
+
+    def quantize(x, backend):
+        return quantize_blockwise_with_transpose(x, block, pow2_scales=pow2_scales, backend=backend)
+
+    kernel = jax.jit(quantize, static_argnums=1)(x, "pallas")
+    expected = jax.jit(quantize, static_argnums=1)(x, "xla")
+    for actual, wanted in zip(kernel, expected, strict=True):
+        _assert_same(actual, wanted)
+
+
+def test_zero_and_non_finite_blocks_match_reference():
+    x = np.array(_random(0, (1024, 1024), jnp.float32))
+    x[3] = 0.0
+    x[:, 130] = 0.0
+    x[5, 7], x[9, 200], x[64, 255], x[700, 900] = np.nan, np.inf, -np.inf, 3e38
+    x = jnp.asarray(x)
+    kernel = jax.jit(lambda x: quantize_blockwise_with_transpose(x, backend="pallas"))(x)
+    for actual, wanted in zip(kernel, (x, x.T), strict=True):
+        _assert_same(actual, jax.jit(lambda a: reference.quantize_blockwise(a, (1, 128), E4M3, False))(wanted))

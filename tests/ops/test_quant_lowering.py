@@ -1,0 +1,46 @@
+"""Every configuration of the sm90 quantizer kernel lowers for CUDA from a CPU host, at activation sizes of the
+benchmark models (rows M = 32768 routed tokens; columns the models' d_model and d_ff: K = 2880 is no multiple of
+128, and 768 FP8 columns take the 128-byte swizzle, 2880 the 64-byte one). Shared memory must fit at every size."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src.mesh import AbstractDevice
+from jax.sharding import AbstractMesh
+
+from moe_jax.ops.quant.api import quantize_blockwise, quantize_blockwise_with_transpose
+
+MOSAIC_CALL = "mosaic_gpu_v2"
+H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+
+
+def _lowered(fn, shape, dtype) -> str:
+    with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=H200)):
+        return jax.jit(fn).trace(jax.ShapeDtypeStruct(shape, dtype)).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, block, pow2_scales",
+    [
+        ((32768, 7168), jnp.bfloat16, 128, False),
+        ((32768, 2880), jnp.bfloat16, 128, False),
+        ((32768, 768), jnp.bfloat16, 32, True),
+        ((4100, 2048), jnp.float32, 128, True),  # M off a multiple of 8: one-row buffer tiles
+    ],
+)
+def test_quantizer_lowers(shape, dtype, block, pow2_scales):
+    def quantize(x):
+        return quantize_blockwise(x, (1, block), pow2_scales=pow2_scales, backend="pallas")
+
+    assert _lowered(quantize, shape, dtype).count(MOSAIC_CALL) == 1
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, block",
+    [((32768, 7168), jnp.bfloat16, 128), ((32768, 2880), jnp.float16, 32), ((4096, 2048), jnp.float32, 128)],
+)
+def test_quantizer_with_transposed_copy_lowers(shape, dtype, block):
+    def quantize(x):
+        return quantize_blockwise_with_transpose(x, block, dtype=jnp.float8_e5m2, backend="pallas")
+
+    assert _lowered(quantize, shape, dtype).count(MOSAIC_CALL) == 1
