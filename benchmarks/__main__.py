@@ -20,12 +20,12 @@ import time
 
 import jax
 
-from benchmarks import common, expert_parallel, glu, grouped_matmul, layer, plot, report, routing, tokamax_peer
+from benchmarks import common, expert_parallel, glu, grouped_matmul, layer, plot, quant, report, routing, tokamax_peer
 from moe_jax.ops import shapes as shape_registry
-from moe_jax.ops.grouped_matmul.reference import ACTIVATIONS
+from moe_jax.ops.grouped_matmul.glu import ACTIVATIONS
 
 # Run in this order of priority, so that a --time-limit leaves out the least needed.
-BENCHES = ("gmm", "layer", "skew", "gmm-bwd", "routing", "glu", "ep")
+BENCHES = ("gmm", "layer", "skew", "gmm-bwd", "routing", "glu", "ep", "quant")
 TITLES = {
     "gmm": "Grouped matmul, forward",
     "gmm-bwd": "Grouped matmul, forward + backward (gradients of lhs and rhs)",
@@ -38,11 +38,13 @@ TITLES = {
     "glu-mlp": "GLU MLP (gate_up, GLU, down, row scale), forward + backward",
     "ep": "moe_ffn layer over all local devices (expert and data parallel), forward",
     "ep-bwd": "moe_ffn layer over all local devices (expert and data parallel), forward + backward",
+    "quant": "Block-scaled FP8 quantization (sm90 kernel vs XLA), fraction of the HBM roofline",
 }
 TABLES = {  # benches without a FLOP model (routing) or with a baseline of their own (ep) have their own table
     "routing": routing.markdown_table,
     "ep": expert_parallel.scaling_table,
     "ep-bwd": expert_parallel.scaling_table,
+    "quant": quant.markdown_table,
 }
 TABLE_NOTE = (
     "spread = (p90 - p10) / median of the samples; vs dense = TF/s over the dense row's TF/s; hbm-floor = the least "
@@ -179,6 +181,8 @@ def print_tables(records: list[common.Record]) -> None:
         print(f"\n{DEVICE_TIMER_NOTE}")
     if any(r.bench == "routing" for r in records):
         print(f"\n{routing.TABLE_NOTE}")
+    if any(r.bench == "quant" for r in records):
+        print(f"\n{quant.TABLE_NOTE}")
     glu_backends = sorted({r.impl.split(":")[1] for r in records if r.bench in glu.BENCHES and ":" in r.impl})
     for backend in glu_backends:
         print(f"\n### GLU targets ({backend})\n\n{glu.targets_table(records, backend)}")
@@ -204,7 +208,13 @@ def main(argv: list[str] | None = None) -> list[common.Record]:
     if args.plot_out:
         raise SystemExit("--plot-out names where --plot writes; give --plot RUN.jsonl too")
     if args.report:
-        notes = [TABLE_NOTE, DEVICE_TIMER_NOTE, routing.TABLE_NOTE, f"FLOP model: {common.FLOP_MODEL}"]
+        notes = [
+            TABLE_NOTE,
+            DEVICE_TIMER_NOTE,
+            routing.TABLE_NOTE,
+            quant.TABLE_NOTE,
+            f"FLOP model: {common.FLOP_MODEL}",
+        ]
         out = args.report_out or report.REPORT_PATH
         report.write_report(args.report, out, TITLES, TABLES, notes)
         print(f"wrote {out}")
@@ -284,6 +294,8 @@ def main(argv: list[str] | None = None) -> list[common.Record]:
             )
         elif bench == "glu":
             records += glu.run(glu_shapes, options, activations=glu_activations, routing=args.routing, emit=emit)
+        elif bench == "quant":
+            records += quant.run(quant.shapes(tag), options, emit=emit)
         else:
             records += routing.run(routing_shapes, options, stages=routing_stages, emit=emit)
 

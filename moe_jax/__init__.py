@@ -2,8 +2,9 @@
 
 The public surface (re-exports only): ``route`` (with ``Routing``, ``RoutingOptions``, ``apply_capacity``,
 ``load_balancing_loss`` and ``z_loss``), ``grouped_matmul`` (with ``pack_gate_up`` / ``unpack_gate_up`` /
-``PackedGateUp`` for the GLU weight layout), ``glu_mlp``, ``permute``, ``combine``, ``moe_ffn`` (with ``MoEAux``), the
-Flax NNX modules in ``moe_jax.nn`` and expert parallelism in ``moe_jax.parallel``.
+``PackedGateUp`` for the GLU weight layout), ``glu_mlp``, ``permute``, ``combine``, ``moe_ffn`` (with ``MoEAux``),
+``quantize_blockwise`` (block-scaled FP8, ``BlockScaled``), the Flax NNX modules in ``moe_jax.nn`` and expert
+parallelism in ``moe_jax.parallel``.
 """
 
 from moe_jax._core.hardware import serialize_interpreted_kernels
@@ -16,6 +17,7 @@ from moe_jax.ops.grouped_matmul.api import grouped_matmul  # noqa: E402
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp, pack_gate_up, unpack_gate_up  # noqa: E402
 from moe_jax.ops.moe_ffn.api import MoEAux, moe_ffn  # noqa: E402
 from moe_jax.ops.permute.api import combine, permute  # noqa: E402
+from moe_jax.ops.quant.api import BlockScaled, quantize_blockwise, quantize_blockwise_with_transpose  # noqa: E402
 from moe_jax.ops.routing.api import (  # noqa: E402
     Routing,
     RoutingOptions,
@@ -26,6 +28,7 @@ from moe_jax.ops.routing.api import (  # noqa: E402
 )
 
 __all__ = [
+    "BlockScaled",
     "MoEAux",
     "PackedGateUp",
     "Routing",
@@ -40,6 +43,8 @@ __all__ = [
     "parallel",
     "pack_gate_up",
     "permute",
+    "quantize_blockwise",
+    "quantize_blockwise_with_transpose",
     "route",
     "unpack_gate_up",
     "z_loss",

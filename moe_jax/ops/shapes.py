@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax._core.checks import check_positive_int
-from moe_jax.ops.routing.api import check_routing_args
+from moe_jax.ops.routing.api import RoutingOptions
 
 TAGS = ("ci", "bench", "heuristic", "decode")
 ROUTINGS = ("uniform", "zipf1.2", "half")
@@ -96,15 +96,9 @@ class LayerShape:
         _check_tag(self.tag)
         for field in ("t", "d", "f", "e"):
             check_positive_int(f"{self.name}: {field}", getattr(self, field))
-        check_routing_args(
-            self.e,
-            self.top_k,
-            score=self.score,
-            num_groups=self.num_groups,
-            top_groups=self.top_groups,
-            bias=None,
-            scale=self.scale,
-        )
+        RoutingOptions(
+            score=self.score, num_groups=self.num_groups, top_groups=self.top_groups, scale=self.scale
+        ).check(self.e, self.top_k)
 
     @property
     def m(self) -> int:

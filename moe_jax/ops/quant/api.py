@@ -1,13 +1,15 @@
 """``moe_jax.quantize_blockwise``: block-scaled FP8 quantization (1 x 128 activations, 128 x 128 weights, MXFP8's
 1 x 32 with power-of-two scales), and the activation quantizer's fused transposed copy for weight gradients."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from moe_jax._core import backend as dispatch
 from moe_jax._core import checks
-from moe_jax._core.backend import resolve_backend
 from moe_jax._core.hardware import interpret_params, num_sms
 from moe_jax.ops.quant import config, reference, sm90
 from moe_jax.ops.quant.reference import FP8_DTYPES, POW2_SCALE_DTYPE, BlockScaled
@@ -38,13 +40,28 @@ def _check_options(x, dtype, pow2_scales) -> None:
     checks.check_static_bool("pow2_scales", pow2_scales)
 
 
+@dataclasses.dataclass(frozen=True)
+class _QuantizeCall:
+    """What the quantizer implementations decide on."""
+
+    shape: tuple[int, ...]
+    in_dtype: jnp.dtype
+    block_shape: tuple[int, ...]
+    dtype: jnp.dtype
+    with_transpose: bool
+
+
+def _kernel_unsupported(call: _QuantizeCall) -> str | None:
+    refusal = config.refusal(call.shape, call.in_dtype, call.block_shape, call.dtype, call.with_transpose)
+    return None if refusal is None else f"the Pallas kernel {refusal}"
+
+
+IMPLEMENTATIONS = (dispatch.Implementation("pallas", _kernel_unsupported), dispatch.XLA)
+
+
 def _use_kernel(op: str, x, block_shape, dtype, with_transpose: bool, backend: str) -> bool:
-    refusal = config.refusal(x.shape, x.dtype, block_shape, dtype, with_transpose)
-    if backend == "pallas" and refusal is not None:
-        raise NotImplementedError(
-            f"{op}: the Pallas kernel {refusal}; use backend='xla' (or 'auto', which falls back to it)"
-        )
-    return resolve_backend(backend, op=op, has_kernel=refusal is None) == "pallas"
+    call = _QuantizeCall(tuple(x.shape), jnp.dtype(x.dtype), block_shape, jnp.dtype(dtype), with_transpose)
+    return dispatch.select(op, backend, IMPLEMENTATIONS, call).is_kernel
 
 
 def _kernel(x, block: int, dtype, pow2_scales: bool, with_transpose: bool) -> list[BlockScaled]:
