@@ -8,7 +8,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from moe_jax.ops.grouped_matmul.reference import ACTIVATIONS
+from moe_jax.ops.grouped_matmul.glu import ACTIVATIONS
 from moe_jax.ops.routing.api import SCORES
 
 DTYPES = ("float32", "bfloat16")
