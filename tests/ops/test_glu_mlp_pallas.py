@@ -77,9 +77,8 @@ def _inputs(case):
 
 
 def _overlapped_get_config(*args, **kwargs) -> Config:
-    """config.get_config with the overlapped epilogue switched on (the small shapes here get heuristic configs) and
-    no cluster: under the interpreter a clustered config runs without the overlap (api.run_rows_kernel)."""
-    return dataclasses.replace(get_config(*args, **kwargs), overlap_epilogue=True, cluster_m=1)
+    """config.get_config with the overlapped epilogue switched on (the small shapes here get heuristic configs)."""
+    return dataclasses.replace(get_config(*args, **kwargs), overlap_epilogue=True)
 
 
 # zero_tail=False: the rows past the sum are left unwritten (compared before it only), every backward kernel skips
@@ -243,19 +242,18 @@ def test_glu_mlp_without_rows_and_zero_tail_off_gives_zero_gradients():
 
 
 # None: the table's / heuristic's config (128 x 128 ring tiles, on which geglu and gpt_oss compute h, d_gate and d_up
-# each in its own store's branch: glu_mlp.api.RECOMPUTED_GRADS). The 2-CTA cluster (spans of two row tiles; "ragged"
-# has a span of two groups and one of a real and a zero tile) must skip the epilogue for nothing but a phantom tile.
-# The wide ring (dsv3-ep8 down's entry, here with 3 stages) carries each tile's four gate/up chunks through a ring of
-# three slots, with a row scale.
+# each in its own store's branch: glu_mlp.api.RECOMPUTED_GRADS). 64-column tiles cannot carry the gate/up rows in the
+# ring (config.gate_up_ring_slots): each consumer loads them into a buffer of its own. The wide ring (dsv3-ep8 down's
+# entry, here with 3 stages) carries each tile's four gate/up chunks through a ring of three slots, with a row scale.
 @pytest.mark.parametrize(
     "activation, config, with_row_scale",
     [
         ("geglu", None, False),
         ("gpt_oss", None, True),
-        ("swiglu", Config(block_n=128, num_stages=3, cluster_m=2), False),
+        ("swiglu", Config(block_n=64, num_stages=4), False),
         ("swiglu", dataclasses.replace(GLU_DGRAD_WIDE_RING, num_stages=3), True),
     ],
-    ids=["geglu", "gpt_oss-row-scale", "swiglu-cluster", "swiglu-wide-ring-row-scale"],
+    ids=["geglu", "gpt_oss-row-scale", "swiglu-own-buffer", "swiglu-wide-ring-row-scale"],
 )
 @pytest.mark.usefixtures("interpret")
 def test_glu_backward_epilogue(activation, config, with_row_scale):

@@ -67,16 +67,13 @@ class Config:
         multiple of 64.
       grid_minor: which output-tile axis varies fastest over the persistent grid ("m" or "n"); for wgrad, over
         one group's [K, N] output tiles. fwd / dgrad / glu_dgrad also take "g": row tiles fastest, in bands that
-        never mix two groups (schedule.span_bands: a group's spans split evenly into bands of at most grid_width).
+        never mix two groups (schedule.row_tile_bands: a group's row tiles split evenly into bands of at most
+        grid_width).
       grid_width: tiles along the minor axis before the major one advances (a band that stays in L2).
-      cluster_m: CTAs of a cluster (1 or 2), computing consecutive row tiles of one column tile. fwd / dgrad /
-        glu_dgrad: where those tiles belong to one group their weight tile is multicast. wgrad: the two tiles always
-        share their group's rows, and the y block of every step is multicast.
       overlap_epilogue: a consumer keeps its tile's outputs in registers and stores them while the tensor cores run
         the first steps of its next tile, instead of between the two tiles. Applies where the kept outputs fit in
         OVERLAP_REGISTERS registers per thread (so not to f32 outputs of 256-column tiles, nor to a forward that
-        also keeps its accumulator next to a GLU); elsewhere the epilogue runs between the tiles. With clusters it
-        runs on the GPU only (the interpreter runs such a config without the overlap: see api.run_rows_kernel).
+        also keeps its accumulator next to a GLU); elsewhere the epilogue runs between the tiles.
       lockstep_tails: fwd / dgrad / glu_dgrad: every compute warpgroup of a tile issues its MMAs, also one none of
         whose rows is stored (in a group's tail tile of at most 64 rows). Skipping them makes such a tile shorter
         than the others, and the persistent CTAs drift apart: the CTAs that share a weight tile then no longer read
@@ -91,7 +88,6 @@ class Config:
     epilogue_n: int = 64
     grid_minor: Literal["m", "n", "g"] = "n"
     grid_width: int = 8
-    cluster_m: int = 1
     overlap_epilogue: bool = False
     lockstep_tails: bool = False
 
@@ -116,8 +112,6 @@ class Config:
             raise ValueError(f"grid_minor must be 'm', 'n' or 'g', got {self.grid_minor!r}")
         if self.grid_width < 1:
             raise ValueError(f"grid_width must be >= 1, got {self.grid_width}")
-        if self.cluster_m not in (1, 2):
-            raise ValueError(f"cluster_m must be 1 or 2, got {self.cluster_m}")
 
     @property
     def wg_block_m(self) -> int:
@@ -298,14 +292,13 @@ def gate_up_ring_slots(config: Config) -> int:
     chunk's gate and up blocks per slot: the gate block [block_m, block_k] in the x buffer, the up block in the first
     block_m rows of the weights' [block_n, block_k] (read transposed), so block_n is block_m or twice it and block_k
     == PACK_BLOCK. That frees the [block_m, 2 * block_n] buffer the consumers would otherwise load them into, for
-    deeper pipelines or wider tiles (sm90.py, "GLU backward"). Not with clusters (the ring's release barrier spans
-    both CTAs). An overlapped epilogue reads a tile's slots after the next tile's first steps, so the ring must then
-    keep a slot for those.
+    deeper pipelines or wider tiles (sm90.py, "GLU backward"). An overlapped epilogue reads a tile's slots after the
+    next tile's first steps, so the ring must then keep a slot for those.
     """
     slots = config.block_n // PACK_BLOCK
     shape = config.block_n in (config.block_m, 2 * config.block_m) and config.block_k == PACK_BLOCK
     depth = config.num_stages > slots or not config.overlap_epilogue
-    return slots if shape and depth and config.cluster_m == 1 else 0
+    return slots if shape and depth else 0
 
 
 def row_vector_count(row_scale: bool, glu_backward: bool) -> int:
