@@ -6,13 +6,14 @@
   python -m benchmarks.tune_grouped_matmul time [--shapes ...] [--kinds fwd,dgrad,wgrad,glu_dgrad] [--configs ...]
       each kernel alone next to one dense XLA matmul of the same FLOPs (the practical ceiling)
   python -m benchmarks.tune_grouped_matmul tune [--shapes ...] [--kinds ...]
-      sweeps candidate configs and prints the fastest per (kind, shape) as a line to paste into config.TUNED
+      sweeps candidate configs and prints the fastest per (kind, shape) as an entry of the tuned table
+      (moe_jax/ops/grouped_matmul/tuned/sm90.json)
 
 A config on the command line is "table" (what the op would use: tuned entry or heuristic), the table's config with
 fields replaced, "table/<field>=<value>[/<field>=<value>...]" (e.g. "table/grid_minor=m/grid_width=16"), or
 "<block_m>x<block_n>x<block_k>s<stages>e<epilogue_n><m|n|g><grid_width>[o][t]", e.g. "128x256x64s4e64n8",
 "128x256x64s4e64n8o" (the epilogue overlapped with the next tile's first steps) or "128x256x64s4e64n8t"
-(lockstep_tails: tail tiles run every warpgroup's MMAs).
+(keep_ctas_in_step: tail tiles run every warpgroup's MMAs).
 The candidates of one (kind, shape) are compiled in parallel threads (--jobs: the kernels' compilation is CPU-bound
 and most of a sweep's time), then timed with the dense ceiling in interleaved rounds
 (--rounds; see run_time); every output is compared with the first candidate's, so a config that computes something
@@ -25,6 +26,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import itertools
+import json
 import re
 import sys
 
@@ -65,7 +67,7 @@ def parse_config(spec: str):
         grid_minor=minor,
         grid_width=int(width),
         overlap_epilogue=overlap == "o",
-        lockstep_tails=in_step == "t",
+        keep_ctas_in_step=in_step == "t",
     )
     return lambda kind, shape: config
 
@@ -82,17 +84,18 @@ def _field(assignment: str, spec: str) -> tuple[str, object]:
     return name, kind(value)
 
 
-def config_source(config: Config) -> str:
-    """``Config(...)`` naming only the fields that differ from the defaults, as config.TUNED lists its entries."""
+def tuned_entry(kind: str, shape, config: Config) -> str:
+    """One entry of tuned/sm90.json: the (kind, G, M, K, N) key and the Config fields that differ from the defaults."""
     default = Config()
-    changed = [f for f in dataclasses.fields(Config) if getattr(config, f.name) != getattr(default, f.name)]
-    return f"Config({', '.join(f'{f.name}={getattr(config, f.name)!r}' for f in changed)})"
+    changed = {f.name: getattr(config, f.name) for f in dataclasses.fields(Config)}
+    changed = {name: value for name, value in changed.items() if value != getattr(default, name)}
+    return json.dumps({"kind": kind, "g": shape.g, "m": shape.m, "k": shape.k, "n": shape.n, "config": changed})
 
 
 def label(config: Config) -> str:
     c = config
     overlap = "o" if c.overlap_epilogue else ""
-    in_step = "t" if c.lockstep_tails else ""
+    in_step = "t" if c.keep_ctas_in_step else ""
     tile = f"{c.block_m}x{c.block_n}x{c.block_k}s{c.num_stages}e{c.epilogue_n}"
     return f"{tile}{c.grid_minor}{c.grid_width}{overlap}{in_step}"
 
@@ -226,9 +229,7 @@ def run_time(shapes, kinds, configs, routing: str, seed: int, iters: int, sweep:
             results = _print_rows(kind, shape, routing, flops, medians, errors)
             if sweep and results:
                 best = min(results, key=lambda r: r[0])[1]
-                print(
-                    f"TUNED entry: {(kind, shape.g, shape.m, shape.k, shape.n)!r}: {config_source(best)},", flush=True
-                )
+                print(f"tuned entry: {tuned_entry(kind, shape, best)},", flush=True)
 
 
 def _print_rows(kind, shape, routing, flops, medians, errors) -> list[tuple[float, Config]]:
@@ -283,7 +284,7 @@ def candidate_configs(kind: str, shape) -> list[Config]:
                 grid_minor=minor,
                 grid_width=width,
                 overlap_epilogue=overlap,
-                lockstep_tails=base.lockstep_tails or minor == "g",
+                keep_ctas_in_step=base.keep_ctas_in_step or minor == "g",
             )
             if config.fits(**epilogue_smem(kind, config, row_scale=kind == "glu_dgrad")):
                 candidates.add(config)

@@ -459,7 +459,7 @@ def test_tuner_config_specs_round_trip_and_table_variants():
 
     shape = LARGE_GROUPS_SHAPE
     specs = (Config(), Config(block_n=128, num_stages=6), Config(overlap_epilogue=True))
-    for config in (*specs, Config(grid_minor="m", overlap_epilogue=True, lockstep_tails=True)):
+    for config in (*specs, Config(grid_minor="m", overlap_epilogue=True, keep_ctas_in_step=True)):
         assert tune.parse_config(tune.label(config))("fwd", shape) == config
     table = tune.parse_config("table")("fwd", shape)
     assert table == tune.table_config("fwd", shape)
@@ -469,6 +469,10 @@ def test_tuner_config_specs_round_trip_and_table_variants():
     for spec in ("128x256x64s4e64", "table/block_q=64", "table/block_n", "table-c"):
         with pytest.raises(SystemExit, match="bad config"):
             tune.parse_config(spec)
+    # The sweep's winner comes out as an entry of the tuned table's file.
+    entry = json.loads(tune.tuned_entry("fwd", shape, table))
+    key = (entry.pop("kind"), entry.pop("g"), entry.pop("m"), entry.pop("k"), entry.pop("n"))
+    assert key == ("fwd", shape.g, shape.m, shape.k, shape.n) and Config(**entry.pop("config")) == table and not entry
 
 
 def test_tuner_sweep_has_group_bands_in_step():
@@ -484,9 +488,9 @@ def test_tuner_sweep_has_group_bands_in_step():
             base = tune.table_config(kind, shape)
             candidates = tune.candidate_configs(kind, shape)
             assert config.GROUP_BANDS in candidates
-            assert all(c.lockstep_tails for c in candidates if c.grid_minor == "g" and c != base)
-            assert all(c.lockstep_tails == base.lockstep_tails for c in candidates if c.grid_minor != "g")
-    assert not tune.table_config("fwd", GMM_SHAPES["qwen3-30b/gate_up"]).lockstep_tails
+            assert all(c.keep_ctas_in_step for c in candidates if c.grid_minor == "g" and c != base)
+            assert all(c.keep_ctas_in_step == base.keep_ctas_in_step for c in candidates if c.grid_minor != "g")
+    assert not tune.table_config("fwd", GMM_SHAPES["qwen3-30b/gate_up"]).keep_ctas_in_step
     assert all(c.grid_minor != "g" for c in tune.candidate_configs("wgrad", LARGE_GROUPS_SHAPE))
 
 

@@ -33,7 +33,7 @@ from moe_jax.ops.glu_mlp import api as glu_mlp_api
 from moe_jax.ops.glu_mlp import reference as mlp_reference
 from moe_jax.ops.grouped_matmul import api as gmm_api
 from moe_jax.ops.grouped_matmul import reference
-from moe_jax.ops.grouped_matmul.config import GLU_DGRAD_RING, GLU_DGRAD_WIDE_RING, Config, get_config
+from moe_jax.ops.grouped_matmul.config import GLU_DGRAD_LONG_D_TILES, GLU_DGRAD_TILES, Config, get_config
 from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, split_gate_up
 
 
@@ -251,7 +251,7 @@ def test_glu_mlp_without_rows_and_zero_tail_off_gives_zero_gradients():
         ("geglu", None, False),
         ("gpt_oss", None, True),
         ("swiglu", Config(block_n=64, num_stages=4), False),
-        ("swiglu", dataclasses.replace(GLU_DGRAD_WIDE_RING, num_stages=3), True),
+        ("swiglu", dataclasses.replace(GLU_DGRAD_LONG_D_TILES, num_stages=3), True),
     ],
     ids=["geglu", "gpt_oss-row-scale", "swiglu-own-buffer", "swiglu-wide-ring-row-scale"],
 )
@@ -291,7 +291,7 @@ def test_glu_backward_epilogue(activation, config, with_row_scale):
 # Epilogue.recompute_grads moves where h, d_gate and d_up are computed (each in its store's branch), not what: on the
 # 128 x 128 ring (5 stages) and the 128 x 256 one (4), with a row scale, F = 192 (each ring's last tile has chunks
 # wholly past F).
-@pytest.mark.parametrize("config", [GLU_DGRAD_RING, GLU_DGRAD_WIDE_RING], ids=["ring-128", "ring-256"])
+@pytest.mark.parametrize("config", [GLU_DGRAD_TILES, GLU_DGRAD_LONG_D_TILES], ids=["ring-128", "ring-256"])
 @pytest.mark.usefixtures("interpret")
 def test_glu_backward_recomputed_per_store_is_bit_identical(monkeypatch, config):
     m, d, d_ff, sizes = 136, 64, 192, [0, 61, 3, 0, 40]

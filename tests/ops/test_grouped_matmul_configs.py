@@ -8,42 +8,42 @@ import pytest
 
 from moe_jax.ops.grouped_matmul import config
 
-# The tuned table (config.TUNED) in terms of its named presets: (kind, G, M, K, N) -> config.
+# The tuned table (tuned/sm90.json) in terms of the named presets: (kind, G, M, K, N) -> config.
 TABLE = {
-    ("fwd", 128, 32768, 2048, 1536): config.SMALL_WEIGHT_BANDS,
-    ("dgrad", 128, 32768, 2048, 1536): config.SMALL_WEIGHT_BANDS,
+    ("fwd", 128, 32768, 2048, 1536): config.GROUP_BANDS_SHORT_TAILS,
+    ("dgrad", 128, 32768, 2048, 1536): config.GROUP_BANDS_SHORT_TAILS,
     ("wgrad", 128, 32768, 2048, 1536): config.WGRAD_BANDS,
-    ("fwd", 128, 32768, 768, 2048): config.SMALL_WEIGHT_BANDS,
-    ("dgrad", 128, 32768, 768, 2048): config.SMALL_WEIGHT_BANDS,
-    ("glu_dgrad", 128, 32768, 768, 2048): config.GLU_DGRAD_DEEP_RING,
+    ("fwd", 128, 32768, 768, 2048): config.GROUP_BANDS_SHORT_TAILS,
+    ("dgrad", 128, 32768, 768, 2048): config.GROUP_BANDS_SHORT_TAILS,
+    ("glu_dgrad", 128, 32768, 768, 2048): config.GLU_DGRAD_SHORT_D_TILES,
     ("wgrad", 128, 32768, 768, 2048): config.WGRAD_BANDS,
     ("fwd", 128, 32768, 2880, 5760): config.GROUP_BANDS,
     ("dgrad", 128, 32768, 2880, 5760): config.GROUP_BANDS,
     ("wgrad", 128, 32768, 2880, 5760): config.WGRAD_BANDS,
     ("fwd", 128, 32768, 2880, 2880): config.GROUP_BANDS,
     ("dgrad", 128, 32768, 2880, 2880): config.GROUP_BANDS,
-    ("glu_dgrad", 128, 32768, 2880, 2880): config.GLU_DGRAD_DEEP_RING,
+    ("glu_dgrad", 128, 32768, 2880, 2880): config.GLU_DGRAD_SHORT_D_TILES,
     ("wgrad", 128, 32768, 2880, 2880): config.WGRAD_BANDS,
     ("fwd", 32, 32768, 7168, 4096): config.GROUP_BANDS,
     ("dgrad", 32, 32768, 7168, 4096): config.GROUP_BANDS,
     ("wgrad", 32, 32768, 7168, 4096): config.WGRAD_BANDS,
     ("fwd", 32, 32768, 2048, 7168): config.GROUP_BANDS,
     ("dgrad", 32, 32768, 2048, 7168): config.GROUP_BANDS,
-    ("glu_dgrad", 32, 32768, 2048, 7168): config.GLU_DGRAD_WIDE_RING,
+    ("glu_dgrad", 32, 32768, 2048, 7168): config.GLU_DGRAD_LONG_D_TILES,
     ("wgrad", 32, 32768, 2048, 7168): config.WGRAD_BANDS,
     ("fwd", 8, 16384, 4096, 28672): config.GROUP_BANDS,
     ("dgrad", 8, 16384, 4096, 28672): config.GROUP_BANDS,
     ("wgrad", 8, 16384, 4096, 28672): config.WGRAD_BANDS,
     ("fwd", 8, 16384, 14336, 4096): config.GROUP_BANDS,
     ("dgrad", 8, 16384, 14336, 4096): config.GROUP_BANDS,
-    ("glu_dgrad", 8, 16384, 14336, 4096): config.GLU_DGRAD_RING,
+    ("glu_dgrad", 8, 16384, 14336, 4096): config.GLU_DGRAD_TILES,
     ("wgrad", 8, 16384, 14336, 4096): config.WGRAD_BANDS,
 }
 
 # (G, M, K, N) of every named shape (moe_jax/ops/shapes.py) -> the config get_config picks for: fwd, fwd with f32
 # outputs, dgrad, wgrad, glu_dgrad with a row scale, and glu_dgrad through gpt_oss's clamps. A config reads
 # "<block_m>x<block_n>x<block_k> w<compute warpgroups> s<stages> e<epilogue_n> <grid_minor><grid_width>", then "o"
-# with the overlapped epilogue and "t" with lockstep tails.
+# with the overlapped epilogue and "t" with the CTAs kept in step.
 PINNED = {
     (4, 256, 128, 256): (
         "64x128x64 w1 s4 e64 g16 o",
@@ -265,13 +265,13 @@ PINNED = {
 
 
 def _label(c: config.Config) -> str:
-    overlap, in_step = " o" if c.overlap_epilogue else "", " t" if c.lockstep_tails else ""
+    overlap, in_step = " o" if c.overlap_epilogue else "", " t" if c.keep_ctas_in_step else ""
     tile = f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_compute_wgs} s{c.num_stages} e{c.epilogue_n}"
     return f"{tile} {c.grid_minor}{c.grid_width}{overlap}{in_step}"
 
 
 def test_tuned_table_holds_the_named_presets():
-    assert dict(config.TUNED) == TABLE
+    assert dict(config.tuned_configs()) == TABLE
 
 
 @pytest.mark.parametrize("g, m, k, n", list(PINNED))

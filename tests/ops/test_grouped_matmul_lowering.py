@@ -44,7 +44,7 @@ def _lowered_fwd_bwd(g, m, k, n, *, transpose_rhs=False, out_dtype=jnp.bfloat16,
 def _shipped_problems():
     """(G, M, K, N) of every named bench shape plus every tuned-table entry."""
     problems = {(s.g, s.m, s.k, s.n) for s in shapes.GMM_SHAPES.values() if s.tag == "bench"}
-    problems |= {key[1:] for key in config.TUNED}
+    problems |= {key[1:] for key in config.tuned_configs()}
     return sorted(problems)
 
 
@@ -68,7 +68,7 @@ def test_layouts_and_dtypes_lower(options):
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
 def test_heuristic_configs_lower(g, m, k, n, out_dtype):
     """Shapes off the table (small, wide, tiny) get heuristic configs that lower within shared memory."""
-    assert all((kind, g, m, k, n) not in config.TUNED for kind in config.KINDS)
+    assert all((kind, g, m, k, n) not in config.tuned_configs() for kind in config.KINDS)
     assert _lowered_fwd_bwd(g, m, k, n, out_dtype=out_dtype).count(MOSAIC_CALL) == 3
 
 

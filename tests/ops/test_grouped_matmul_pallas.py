@@ -166,7 +166,7 @@ def test_overlapped_epilogue_matches_reference(case, kind):
     assert oracle.relative_error(out, expected) < BF16_OUT_TOL
 
 
-# lockstep_tails: a warpgroup with no row to store still runs its MMAs, over rows of the next group or past the
+# keep_ctas_in_step: a warpgroup with no row to store still runs its MMAs, over rows of the next group or past the
 # sum. Rows past the sum are NaN here, so a computed row that reached a stored one (or a stored zero) would show.
 @pytest.mark.parametrize("case", ["ragged", "tail tiles"])
 @pytest.mark.parametrize("kind", ["fwd", "dgrad"])
@@ -177,7 +177,7 @@ def test_tail_tiles_kept_in_step_match_reference(case, kind):
     total = sum(sizes)
     dout = jnp.asarray(np.random.default_rng(52).normal(size=(m, n)), jnp.bfloat16)
     x, transposed = (lhs, False) if kind == "fwd" else (dout, True)
-    in_step = config.Config(block_m=128, block_n=64, lockstep_tails=True)
+    in_step = config.Config(block_m=128, block_n=64, keep_ctas_in_step=True)
     out = api.run_rows_kernel(
         kind,
         x.at[total:].set(jnp.nan),
@@ -210,7 +210,7 @@ def test_group_bands_match_reference(case, grid_width, in_step):
         grid_minor="g",
         grid_width=grid_width,
         overlap_epilogue=in_step,
-        lockstep_tails=in_step,
+        keep_ctas_in_step=in_step,
     )
     out = api.run_rows_kernel("fwd", lhs, rhs, group_sizes, w_transposed=False, out_dtype=jnp.float32, config=banded)
     expected = reference.grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
@@ -506,7 +506,7 @@ def test_heuristic_walks_large_groups_in_group_bands_in_step(m, k, n, g):
     overlap)."""
     configs = {kind: config.heuristic_config(kind, m=m, k=k, n=n, g=g) for kind in config.KINDS}
     for kind in ("fwd", "dgrad"):
-        assert (configs[kind].grid_minor, configs[kind].lockstep_tails) == ("g", True), kind
+        assert (configs[kind].grid_minor, configs[kind].keep_ctas_in_step) == ("g", True), kind
     overlaps = {kind: c.overlap_epilogue for kind, c in configs.items()}
     assert overlaps == {"fwd": True, "dgrad": True, "glu_dgrad": False, "wgrad": True}
 
@@ -516,17 +516,17 @@ def test_heuristic_walks_large_groups_in_group_bands_in_step(m, k, n, g):
 def test_heuristic_walks_small_groups_in_group_bands(m, g, k, n):
     """Groups of 65-256 rows on average (2-3 row tiles of 128) get bands by group for fwd / dgrad / glu_dgrad (fixed
     bands re-read weights there), the fwd / dgrad CTAs kept in step only where a group's weights pass
-    LOCKSTEP_WEIGHT_BYTES (qwen3-30b's 6.3 MB: not; gpt-oss-120b's 33 MB: yes; 8 MB: not; just past it: yes); wgrad
+    IN_STEP_WEIGHT_BYTES (qwen3-30b's 6.3 MB: not; gpt-oss-120b's 33 MB: yes; 8 MB: not; just past it: yes); wgrad
     keeps its row bands."""
-    heavy = k * n * 2 > config.LOCKSTEP_WEIGHT_BYTES
+    heavy = k * n * 2 > config.IN_STEP_WEIGHT_BYTES
     for kind in ("fwd", "dgrad", "glu_dgrad"):
         c = config.heuristic_config(kind, m=m, k=k, n=n, g=g)
         assert c.grid_minor == "g", kind
-        assert c.lockstep_tails == (heavy or kind == "glu_dgrad"), kind
+        assert c.keep_ctas_in_step == (heavy or kind == "glu_dgrad"), kind
         assert c.overlap_epilogue == (kind != "glu_dgrad"), kind
     assert config.heuristic_config("wgrad", m=m, k=k, n=n, g=g).grid_minor == "m"
     past = config.heuristic_config("fwd", m=config.SMALL_GROUP_ROWS * g + 8, k=k, n=n, g=g)
-    assert (past.grid_minor, past.lockstep_tails) == ("g", True)
+    assert (past.grid_minor, past.keep_ctas_in_step) == ("g", True)
 
 
 @pytest.mark.parametrize(
@@ -543,7 +543,7 @@ def test_heuristic_takes_64_row_tiles_for_decode_sized_groups(m, g, tiny, k, n):
         assert (c.block_m, c.num_compute_wgs) == ((64, 1) if tiny else (128, 2)), kind
         assert (c.grid_minor, c.overlap_epilogue, c.num_stages) == ("g", True, 4), kind
         if tiny:
-            assert not c.lockstep_tails, kind
+            assert not c.keep_ctas_in_step, kind
     for kind in ("glu_dgrad", "wgrad"):
         c = config.heuristic_config(kind, m=m, k=n // 2, n=k, g=g)
         assert (c.block_m, c.num_compute_wgs) == (128, 2), kind
@@ -558,19 +558,18 @@ def test_heuristic_takes_64_row_tiles_for_decode_sized_groups(m, g, tiny, k, n):
         (131072, 2048, 2048, 128, False, 128, 6),  # 8 MB exactly
         (131072, 2048, 2048 + 64, 128, True, 128, 6),  # just past GLU_DGRAD_BAND_WEIGHT_BYTES
         (32768, 14336, 4096, 8, True, 128, 5),  # a mixtral layer: 117 MB
-        (131072, 2880, 2880 + 64, 64, True, 128, 5),  # just past DEEP_RING_MAX_CONTRACTION
-        (131072, 2048, 4096 + 64, 64, True, 256, 4),  # just past WIDE_RING_MAX_CONTRACTION
+        (131072, 2880, 2880 + 64, 64, True, 128, 5),  # just past SHORT_D_MAX
+        (131072, 2048, 4096 + 64, 64, True, 256, 4),  # just past MEDIUM_D_MAX
         (131072, 512, 7168, 256, False, 128, 5),  # a long contraction but 7.3 MB a group: "n" bands, 128 wide
     ],
 )
 def test_heuristic_glu_backward_walks_group_bands_where_weights_are_large(m, f, d, g, bands, block_n, stages):
     """Off the table and past SMALL_GROUP_ROWS rows a group, the GLU backward (w_down [G, F, D]) walks group bands in
     step where a group's weights exceed GLU_DGRAD_BAND_WEIGHT_BYTES, "n" / "m" bands elsewhere. It takes 128 x 128
-    tiles with the 6 stages that fit next to a row scale up to a contraction D of DEEP_RING_MAX_CONTRACTION and 5
-    past it; in group bands past WIDE_RING_MAX_CONTRACTION, 128 x 256 tiles with 4 stages (which fit next to a row
-    scale)."""
+    tiles with the 6 stages that fit next to a row scale up to a contraction D of SHORT_D_MAX and 5 past it; in group
+    bands past MEDIUM_D_MAX, 128 x 256 tiles with 4 stages (which fit next to a row scale)."""
     c = config.heuristic_config("glu_dgrad", m=m, k=f, n=d, g=g, row_scale=True)
-    assert (c.grid_minor == "g", c.lockstep_tails) == (bands, bands)
+    assert (c.grid_minor == "g", c.keep_ctas_in_step) == (bands, bands)
     assert (c.block_n, c.num_stages, c.overlap_epilogue) == (block_n, stages, False)
     assert config.gate_up_ring_slots(c) == block_n // 64  # the gate/up rows ride the ring
 

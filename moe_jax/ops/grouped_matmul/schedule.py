@@ -15,7 +15,7 @@ A tile is (group, first row of its box, first row it stores - box start, rows it
 tile and one past its last); its TMA box is always block_m rows, rows it does not store are loaded (harmless) but
 never written. Compared with tiles aligned to multiples of block_m (jax's ragged_dot_mgpu), a group costs
 ceil((size + start % 8) / block_m) tiles instead of up to one more; inside the kernel a compute warpgroup with no
-stored rows in its share of a tile skips its MMAs unless ``Config.lockstep_tails`` (see sm90.py), so a group wastes
+stored rows in its share of a tile skips its MMAs unless ``Config.keep_ctas_in_step`` (see sm90.py), so a group wastes
 under block_m / 2 + 8 rows of MMA work.
 
 Row-tile bands (``row_tile_bands``, for ``Config(grid_minor="g")``): the order in which the kernel walks (row tile,
@@ -41,9 +41,8 @@ def _prefix_sums(values: jax.Array) -> jax.Array:
     """Inclusive prefix sums of a short [n] int32 vector (n = G or G + 1).
 
     A masked [n, n] reduction (XLA fuses the mask into the reduction: nothing [n, n] is stored) rather than
-    jnp.cumsum, which XLA lowers on the GPU to a reduce-window kernel of its own (4.9 us at G = 128). The schedule
-    runs before every grouped-matmul kernel: at qwen3-30b its kernels took 14.1 -> 9.0 us of device time (H200,
-    benchmarks/results/2026-11-26_h100_small_groups.md, section 4).
+    jnp.cumsum, which XLA lowers on the GPU to a reduce-window kernel of its own (4.9 us at G = 128), and the schedule
+    runs before every grouped-matmul kernel.
     """
     index = jnp.arange(values.shape[0])
     return jnp.sum(jnp.where(index[None, :] <= index[:, None], values[None, :], 0), axis=1, dtype=values.dtype)
@@ -58,9 +57,10 @@ def row_tiles(
       group_sizes: [G] int32; negative sizes count as 0 and rows beyond ``num_rows`` are dropped.
       num_rows: M.
       block_m: rows per tile.
-      zero_tail: give the rows past the sum ZERO_TILE tiles (True) or none (False: those rows are never written, for
-        callers that never read them). Without any row the table still holds one ZERO_TILE tile, for row 0, so that
-        the kernel always has a tile to read.
+      zero_tail: True: the rows past the sum get ZERO_TILE tiles, so the kernel writes zeros there and every output
+        row is defined. False: they get no tile and the kernel leaves them unwritten (whatever the output buffer held),
+        for callers that never read them. Either way a table without any row holds one ZERO_TILE tile, for row 0, so
+        that the kernel always has a tile to read.
 
     Returns:
       tiles: [6, T] int32 with T = max_row_tiles(M, G, block_m): per tile (group or ZERO_TILE, first row of the box,

@@ -9,7 +9,7 @@ Structure (one CTA per SM, persistent; the pipeline itself is in sm90_pipeline.p
     shared-memory buffers with TMA, running ahead across tile boundaries;
   * consumer warpgroup w owns rows [w * wg_block_m, (w+1) * wg_block_m) of the tile and accumulates them with
     wgmma; a warpgroup none of whose rows is stored (the tail tile of a group) issues no MMA unless
-    ``config.lockstep_tails`` (rows that are not stored cost MMAs but no correctness: each output row depends on
+    ``config.keep_ctas_in_step`` (rows that are not stored cost MMAs but no correctness: each output row depends on
     its own x row only; a tail tile then takes as long as a full one, so CTAs sharing a weight tile read it from L2
     together instead of each from HBM). The epilogue
     (``Epilogue``) turns the f32 accumulator into the outputs and TMA-stores the tile's own rows only; with
@@ -314,7 +314,7 @@ def grouped_matmul_rows(
                 wg_rows = jnp.clip(skip + rows - wg * wg_m, 0, wg_m) - wg_first
                 wg_row0 = row0 + wg * wg_m
                 # A warpgroup with no rows to store skips its MMAs, unless the tile is to last as long as a full one.
-                mma_rows = rows if cfg.lockstep_tails else wg_rows
+                mma_rows = rows if cfg.keep_ctas_in_step else wg_rows
                 # With the overlap an epilogue operand load that would overwrite what the previous tile's stores read
                 # runs after them.
                 prefetch = functools.partial(epilogue.prefetch, wg_row0, ni)
