@@ -98,9 +98,9 @@ def supports(num_experts: int) -> bool:
 
 
 def prefers_kernel(num_experts: int, top_k: int, num_groups: int) -> bool:
-    """Whether backend "auto" routes with the kernel: where it measured faster than XLA, i.e. up to
+    """Whether backend "auto" routes with the kernel: where it runs faster than XLA, i.e. up to
     MAX_WHOLE_ROW_EXPERTS (whole row or chunks), and chunks up to MAX_EXPERTS_AUTO_ANY_K experts, or up to
-    MAX_EXPERTS_AUTO with k at most MAX_TOP_K_AUTO_WIDE (a whole row of 384 experts was 0.64x XLA's route)."""
+    MAX_EXPERTS_AUTO with k at most MAX_TOP_K_AUTO_WIDE (a whole row of 384 experts runs 0.64x as fast as XLA's)."""
     config = heuristic_config(num_experts, top_k, num_groups)
     if config.padded_experts <= MAX_WHOLE_ROW_EXPERTS:
         return True
