@@ -6,14 +6,14 @@
   python -m benchmarks.tune_grouped_matmul time [--shapes ...] [--kinds fwd,dgrad,wgrad,glu_dgrad] [--configs ...]
       each kernel alone next to one dense XLA matmul of the same FLOPs (the practical ceiling)
   python -m benchmarks.tune_grouped_matmul tune [--shapes ...] [--kinds ...]
-      sweeps candidate configs and prints the fastest per (kind, shape) as a line to paste into config.TUNED
+      sweeps candidate configs and prints the fastest per (kind, shape) as an entry of the tuned table
+      (moe_jax/ops/grouped_matmul/tuned/sm90.json)
 
 A config on the command line is "table" (what the op would use: tuned entry or heuristic), the table's config with
-fields replaced, "table/<field>=<value>[/<field>=<value>...]" (e.g. "table/cluster_m=2/grid_minor=m/grid_width=16"),
-or
-"<block_m>x<block_n>x<block_k>s<stages>e<epilogue_n><m|n|g><grid_width>[c<cluster_m>][o][t]", e.g. "128x256x64s4e64n8",
-"128x256x64s4e64n8c2" (2-CTA clusters sharing the weight tile), "128x256x64s4e64n8o" (the epilogue overlapped with
-the next tile's first steps) or "128x256x64s4e64n8t" (lockstep_tails: tail tiles run every warpgroup's MMAs).
+fields replaced, "table/<field>=<value>[/<field>=<value>...]" (e.g. "table/grid_minor=m/grid_width=16"), or
+"<block_m>x<block_n>x<block_k>s<stages>e<epilogue_n><m|n|g><grid_width>[o][t]", e.g. "128x256x64s4e64n8",
+"128x256x64s4e64n8o" (the epilogue overlapped with the next tile's first steps) or "128x256x64s4e64n8t"
+(keep_ctas_in_step: tail tiles run every warpgroup's MMAs).
 The candidates of one (kind, shape) are compiled in parallel threads (--jobs: the kernels' compilation is CPU-bound
 and most of a sweep's time), then timed with the dense ceiling in interleaved rounds
 (--rounds; see run_time); every output is compared with the first candidate's, so a config that computes something
@@ -26,6 +26,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import itertools
+import json
 import re
 import sys
 
@@ -45,7 +46,7 @@ TIMED_KINDS = ("fwd", "dgrad", "wgrad", "glu_dgrad")
 # glu_dgrad is the GLU MLP's backward through its down projection (rhs = w_down [G, F, D]), so it is timed at the
 # "<model>/down" shapes only, whose (G, M, K, N) is also its table key; its epilogue runs this activation's backward.
 GLU_DGRAD_ACTIVATION = "swiglu"
-SPEC = re.compile(r"(\d+)x(\d+)x(\d+)s(\d+)e(\d+)([mng])(\d+)(?:c(\d))?(o)?(t)?")
+SPEC = re.compile(r"(\d+)x(\d+)x(\d+)s(\d+)e(\d+)([mng])(\d+)(o)?(t)?")
 
 
 def parse_config(spec: str):
@@ -56,7 +57,7 @@ def parse_config(spec: str):
     match = SPEC.fullmatch(spec)
     if not match:
         raise SystemExit(f"bad config {spec!r}: expected 'table', 'table/<field>=<value>' or e.g. 128x256x64s4e64n8")
-    bm, bn, bk, stages, epi, minor, width, cluster, overlap, lockstep = match.groups()
+    bm, bn, bk, stages, epi, minor, width, overlap, in_step = match.groups()
     config = Config(
         block_m=int(bm),
         block_n=int(bn),
@@ -65,9 +66,8 @@ def parse_config(spec: str):
         epilogue_n=int(epi),
         grid_minor=minor,
         grid_width=int(width),
-        cluster_m=int(cluster or 1),
         overlap_epilogue=overlap == "o",
-        lockstep_tails=lockstep == "t",
+        keep_ctas_in_step=in_step == "t",
     )
     return lambda kind, shape: config
 
@@ -84,20 +84,20 @@ def _field(assignment: str, spec: str) -> tuple[str, object]:
     return name, kind(value)
 
 
-def config_source(config: Config) -> str:
-    """``Config(...)`` naming only the fields that differ from the defaults, as config.TUNED lists its entries."""
+def tuned_entry(kind: str, shape, config: Config) -> str:
+    """One entry of tuned/sm90.json: the (kind, G, M, K, N) key and the Config fields that differ from the defaults."""
     default = Config()
-    changed = [f for f in dataclasses.fields(Config) if getattr(config, f.name) != getattr(default, f.name)]
-    return f"Config({', '.join(f'{f.name}={getattr(config, f.name)!r}' for f in changed)})"
+    changed = {f.name: getattr(config, f.name) for f in dataclasses.fields(Config)}
+    changed = {name: value for name, value in changed.items() if value != getattr(default, name)}
+    return json.dumps({"kind": kind, "g": shape.g, "m": shape.m, "k": shape.k, "n": shape.n, "config": changed})
 
 
 def label(config: Config) -> str:
     c = config
-    cluster = f"c{c.cluster_m}" if c.cluster_m > 1 else ""
     overlap = "o" if c.overlap_epilogue else ""
-    lockstep = "t" if c.lockstep_tails else ""
+    in_step = "t" if c.keep_ctas_in_step else ""
     tile = f"{c.block_m}x{c.block_n}x{c.block_k}s{c.num_stages}e{c.epilogue_n}"
-    return f"{tile}{c.grid_minor}{c.grid_width}{cluster}{overlap}{lockstep}"
+    return f"{tile}{c.grid_minor}{c.grid_width}{overlap}{in_step}"
 
 
 def kernel_fn(kind: str, config: Config | None):
@@ -233,9 +233,7 @@ def run_time(shapes, kinds, configs, routing: str, seed: int, iters: int, sweep:
             results = _print_rows(kind, shape, routing, flops, medians, errors)
             if sweep and results:
                 best = min(results, key=lambda r: r[0])[1]
-                print(
-                    f"TUNED entry: {(kind, shape.g, shape.m, shape.k, shape.n)!r}: {config_source(best)},", flush=True
-                )
+                print(f"tuned entry: {tuned_entry(kind, shape, best)},", flush=True)
 
 
 def _print_rows(kind, shape, routing, flops, medians, errors) -> list[tuple[float, Config]]:
@@ -265,25 +263,23 @@ def table_config(kind: str, shape) -> Config:
 
 
 def candidate_configs(kind: str, shape) -> list[Config]:
-    """A small sweep around the table's choice: tile width (with the deepest pipeline that fits), grid order, 2-CTA
-    clusters and the overlapped epilogue, with and without clusters. (Earlier sweeps found fewer stages, wider
-    epilogue chunks, block_k 128 and column-split tail tiles no faster: docs/kernels/grouped_matmul.md.)
+    """A small sweep around the table's choice: tile width (with the deepest pipeline that fits), grid order and the
+    overlapped epilogue. (Fewer stages, wider epilogue chunks, block_k 128 and column-split tail tiles measured no
+    faster: docs/kernels/grouped_matmul.md.)
     """
     base = table_config(kind, shape)
     out_cols = shape.k if kind in ("dgrad", "glu_dgrad") else shape.n
-    # Column- and row-fastest orders (for wgrad, of a group's [K, N] output tiles; "n" over all columns walks whole
-    # rows). The row kernels also walk bands by group, with lockstep tails: without them the CTAs drift apart and
-    # group bands re-read as many weight tiles as the other orders (the table's fwd / dgrad entries are group bands).
+    # Column- and row-fastest orders (for wgrad, of a group's [K, N] output tiles). The row kernels also walk bands by
+    # group, with their CTAs in step: without that the CTAs drift apart and group bands re-read as many weight tiles
+    # as the other orders.
     orders = [("n", max(1, -(-out_cols // 256))), ("m", 8), ("m", 16)]
     orders.append(("n", 8) if kind == "wgrad" else ("g", 16))
     # glu_dgrad's consumers load [gate | up] tiles of 2 * block_n <= 256 columns themselves, or the pipeline's ring
-    # carries them (config.gate_up_ring_slots: no clusters; with the overlapped epilogue more stages than chunks).
+    # carries them (config.gate_up_ring_slots: with the overlapped epilogue more stages than chunks).
     # 256-column candidates that get no ring slots would need a 512-column buffer, which never fits.
     widths = (64, 128, 256) if kind == "glu_dgrad" else (128, 256)
-    # (cluster_m, overlap_epilogue)
-    pipelines = [(1, False), (1, True), (2, False), (2, True)]
     candidates = {base}
-    for block_n, (minor, width), (cluster, overlap) in itertools.product(widths, orders, pipelines):
+    for block_n, (minor, width), overlap in itertools.product(widths, orders, (False, True)):
         for stages in (6, 5, 4, 3):
             config = dataclasses.replace(
                 base,
@@ -291,9 +287,8 @@ def candidate_configs(kind: str, shape) -> list[Config]:
                 num_stages=stages,
                 grid_minor=minor,
                 grid_width=width,
-                cluster_m=cluster,
                 overlap_epilogue=overlap,
-                lockstep_tails=base.lockstep_tails or minor == "g",
+                keep_ctas_in_step=base.keep_ctas_in_step or minor == "g",
             )
             if config.fits(**epilogue_smem(kind, config, row_scale=kind == "glu_dgrad")):
                 candidates.add(config)

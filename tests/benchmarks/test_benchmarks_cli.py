@@ -20,7 +20,7 @@ from moe_jax.ops.shapes import GMM_SHAPES, GroupedMatmulShape
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FLOP_BENCHES = {"gmm", "gmm-bwd", "skew", "layer", "layer-bwd", "glu", "glu-bwd", "glu-mlp"}
 BENCHES = FLOP_BENCHES | {"routing", "ep", "ep-bwd"}  # routing: no FLOP model; ep: a table of its own
-# Off the tuned table with 1024 rows per group: the heuristic's fwd / dgrad walk group bands in lockstep.
+# Off the tuned table with 1024 rows per group: the heuristic's fwd / dgrad walk group bands in step.
 LARGE_GROUPS_SHAPE = GroupedMatmulShape("layer/gate_up", g=32, m=32768, k=1024, n=1024, tag="ci")
 
 
@@ -458,35 +458,39 @@ def test_tuner_config_specs_round_trip_and_table_variants():
     from moe_jax.ops.grouped_matmul.config import Config
 
     shape = LARGE_GROUPS_SHAPE
-    specs = (Config(), Config(block_n=128, num_stages=6, cluster_m=2), Config(overlap_epilogue=True))
-    for config in (*specs, Config(grid_minor="m", cluster_m=2, overlap_epilogue=True, lockstep_tails=True)):
+    specs = (Config(), Config(block_n=128, num_stages=6), Config(overlap_epilogue=True))
+    for config in (*specs, Config(grid_minor="m", overlap_epilogue=True, keep_ctas_in_step=True)):
         assert tune.parse_config(tune.label(config))("fwd", shape) == config
     table = tune.parse_config("table")("fwd", shape)
     assert table == tune.table_config("fwd", shape)
-    replaced = tune.parse_config("table/grid_minor=n/grid_width=3/cluster_m=2/overlap_epilogue=false")("fwd", shape)
-    changed = {"grid_minor": "n", "grid_width": 3, "cluster_m": 2, "overlap_epilogue": False}
+    replaced = tune.parse_config("table/grid_minor=n/grid_width=3/num_stages=3/overlap_epilogue=false")("fwd", shape)
+    changed = {"grid_minor": "n", "grid_width": 3, "num_stages": 3, "overlap_epilogue": False}
     assert table.overlap_epilogue and replaced == Config(**{**vars(table), **changed})
     for spec in ("128x256x64s4e64", "table/block_q=64", "table/block_n", "table-c"):
         with pytest.raises(SystemExit, match="bad config"):
             tune.parse_config(spec)
+    # The sweep's winner comes out as an entry of the tuned table's file.
+    entry = json.loads(tune.tuned_entry("fwd", shape, table))
+    key = (entry.pop("kind"), entry.pop("g"), entry.pop("m"), entry.pop("k"), entry.pop("n"))
+    assert key == ("fwd", shape.g, shape.m, shape.k, shape.n) and Config(**entry.pop("config")) == table and not entry
 
 
-def test_tuner_sweep_has_group_bands_in_lockstep():
-    """The sweep around the table's or the heuristic's config (itself a candidate) walks group bands with lockstep
-    tails (without them group bands re-read weights), the other orders with the base config's lockstep; wgrad, whose
-    tiles are one group's, never walks group bands."""
+def test_tuner_sweep_has_group_bands_in_step():
+    """The sweep around the table's or the heuristic's config (itself a candidate) walks group bands with the CTAs in
+    step (without that group bands re-read weights), the other orders as the base config does; wgrad, whose tiles are
+    one group's, never walks group bands."""
     from benchmarks import tune_grouped_matmul as tune
     from moe_jax.ops.grouped_matmul import config
 
-    # The heuristic in lockstep (large groups), and the qwen3-30b table entry without it (small groups and weights).
+    # The heuristic in step (large groups), and the qwen3-30b table entry without it (small groups and weights).
     for shape in (LARGE_GROUPS_SHAPE, GMM_SHAPES["qwen3-30b/gate_up"]):
         for kind in ("fwd", "dgrad"):
             base = tune.table_config(kind, shape)
             candidates = tune.candidate_configs(kind, shape)
             assert config.GROUP_BANDS in candidates
-            assert all(c.lockstep_tails for c in candidates if c.grid_minor == "g" and c != base)
-            assert all(c.lockstep_tails == base.lockstep_tails for c in candidates if c.grid_minor != "g")
-    assert not tune.table_config("fwd", GMM_SHAPES["qwen3-30b/gate_up"]).lockstep_tails
+            assert all(c.keep_ctas_in_step for c in candidates if c.grid_minor == "g" and c != base)
+            assert all(c.keep_ctas_in_step == base.keep_ctas_in_step for c in candidates if c.grid_minor != "g")
+    assert not tune.table_config("fwd", GMM_SHAPES["qwen3-30b/gate_up"]).keep_ctas_in_step
     assert all(c.grid_minor != "g" for c in tune.candidate_configs("wgrad", LARGE_GROUPS_SHAPE))
 
 

@@ -182,10 +182,10 @@ def test_random_shapes_against_reference(g, m, d, d_ff, sizes, activation, recom
 @pytest.mark.parametrize(
     "config, activation, d_ff",
     [
-        (gmm_config.GLU_DGRAD_DEEP_RING, "gpt_oss", 768),
-        (gmm_config.GLU_DGRAD_WIDE_RING, "swiglu", 768),
-        (gmm_config.GLU_DGRAD_RING, "gpt_oss", 832),
-        (dataclasses.replace(gmm_config.GLU_DGRAD_WIDE_RING, num_stages=3), "swiglu", 832),
+        (gmm_config.GLU_DGRAD_SHORT_D_TILES, "gpt_oss", 768),
+        (gmm_config.GLU_DGRAD_LONG_D_TILES, "swiglu", 768),
+        (gmm_config.GLU_DGRAD_TILES, "gpt_oss", 832),
+        (dataclasses.replace(gmm_config.GLU_DGRAD_LONG_D_TILES, num_stages=3), "swiglu", 832),
     ],
     ids=["ring-128-6", "ring-256-4", "ring-128-5-f832", "ring-256-3-f832"],
 )

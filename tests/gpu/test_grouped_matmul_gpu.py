@@ -117,30 +117,28 @@ def test_random_shapes_against_reference(g, m, k, n, sizes, transpose_rhs, out_d
 CONFIG_SPACE = [
     Config(block_m=64, block_n=64, num_stages=2, num_compute_wgs=1, grid_minor="m"),
     Config(block_m=64, block_n=256, num_compute_wgs=1),
-    Config(block_m=64, block_n=128, num_compute_wgs=1, grid_minor="m", cluster_m=2),
+    Config(block_m=64, block_n=128, num_compute_wgs=1, grid_minor="m"),
     Config(block_m=64, block_n=256, num_compute_wgs=1, overlap_epilogue=True),
-    Config(block_m=64, block_n=128, num_compute_wgs=1, cluster_m=2, overlap_epilogue=True),
     Config(block_m=128, block_n=64),
     Config(block_m=128, block_n=128, num_compute_wgs=1, grid_width=3),
-    Config(block_m=128, block_n=128, grid_minor="m", grid_width=16, cluster_m=2),
+    Config(block_m=128, block_n=128, grid_minor="m", grid_width=16),
     Config(block_m=128, block_n=128, overlap_epilogue=True),
-    Config(block_m=128, block_n=192, grid_minor="m", cluster_m=2),
+    Config(block_m=128, block_n=192, grid_minor="m"),
     Config(block_m=128, block_n=192, epilogue_n=192, num_stages=3, overlap_epilogue=True),
     Config(block_m=128, block_n=256, block_k=128, num_stages=2, grid_minor="m", grid_width=1),
-    Config(block_m=128, block_n=256, block_k=128, num_stages=2, cluster_m=2),
     Config(block_m=128, block_n=256, epilogue_n=128, num_stages=3),
-    Config(block_m=128, block_n=256, grid_minor="m", cluster_m=2, overlap_epilogue=True),
+    Config(block_m=128, block_n=256, grid_minor="m", overlap_epilogue=True),
     Config(block_m=256, block_n=64),
-    Config(block_m=256, block_n=128, num_stages=3, grid_minor="m", cluster_m=2),
+    Config(block_m=256, block_n=128, num_stages=3, grid_minor="m"),
     Config(block_m=256, block_n=256, num_stages=2),
-    Config(block_m=128, block_n=128, grid_minor="g", grid_width=2, lockstep_tails=True),
-    Config(block_m=128, block_n=256, grid_minor="g", grid_width=16, cluster_m=2, overlap_epilogue=True),
+    Config(block_m=128, block_n=128, grid_minor="g", grid_width=2, keep_ctas_in_step=True),
+    Config(block_m=128, block_n=256, grid_minor="g", grid_width=16, overlap_epilogue=True, keep_ctas_in_step=True),
 ]
 CONFIG_SPACE_SIZES = [0, 300, 1, 150, 200]
 
 
 def _config_id(c: Config) -> str:
-    extra = f"{'c2' if c.cluster_m > 1 else ''}{'o' if c.overlap_epilogue else ''}{'t' if c.lockstep_tails else ''}"
+    extra = f"{'o' if c.overlap_epilogue else ''}{'t' if c.keep_ctas_in_step else ''}"
     return f"{c.block_m}x{c.block_n}x{c.block_k}s{c.num_stages}w{c.num_compute_wgs}e{c.epilogue_n}{c.grid_minor}{extra}"
 
 

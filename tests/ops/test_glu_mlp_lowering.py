@@ -151,7 +151,7 @@ def test_forward_keeping_the_pre_activation_takes_the_table_tiles(monkeypatch, m
     h200 = jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=H200))
     with h200, pytest.raises(_Captured) as captured:
         jax.eval_shape(forward, *args)
-    assert captured.value.args[0] == config.TUNED[("fwd", shape.g, shape.m, shape.k, shape.n)]
+    assert captured.value.args[0] == config.tuned_configs()[("fwd", shape.g, shape.m, shape.k, shape.n)]
 
 
 @pytest.mark.parametrize(
@@ -169,8 +169,8 @@ def test_forward_keeping_the_pre_activation_takes_the_table_tiles(monkeypatch, m
 )
 def test_glu_backward_config_and_recomputed_grads(monkeypatch, model, activation, expected, recompute):
     """The GLU-backward dgrad carries its packed gate/up rows in the pipeline's ring (the table's tiles; gpt_oss's at
-    most config.CLAMPED_BLOCK_N columns wide), and recomputes h, d_gate and d_up per store for the activations of
-    launch.RECOMPUTED_GRADS on tiles of at most RECOMPUTE_MAX_BLOCK_N columns."""
+    most config.CLAMPED_GLU_MAX_BLOCK_N columns wide), and recomputes h, d_gate and d_up per store for the activations
+    of launch.RECOMPUTED_GRADS on tiles of at most RECOMPUTE_MAX_BLOCK_N columns."""
     shape = shapes.GMM_SHAPES[f"{model}/down"]  # (G, M, F, D)
     g, m, d_ff, d = shape.g, shape.m, shape.k, shape.n
 
@@ -189,7 +189,7 @@ def test_glu_backward_config_and_recomputed_grads(monkeypatch, model, activation
     with h200, pytest.raises(_Captured) as captured:
         jax.eval_shape(functools.partial(launch.run_glu_dgrad, activation=activation), *args)
     chosen, epilogue = captured.value.args
-    configs = {"table": config.TUNED[("glu_dgrad", g, m, d_ff, d)], "128 x 128 ring": config.GLU_DGRAD_RING}
+    configs = {"table": config.tuned_configs()[("glu_dgrad", g, m, d_ff, d)], "128 x 128 ring": config.GLU_DGRAD_TILES}
     assert chosen == configs[expected]
     assert epilogue.ring_slots(chosen) == chosen.block_n // 64
     assert epilogue.recompute_grads == recompute
@@ -211,7 +211,7 @@ def test_ring_glu_backward_fits_exactly_where_it_lowers(block_n, stages, row_sca
     out, and Config.fits agrees with Mosaic GPU's shared-memory check: 6 stages of 128 x 128 tiles, or 4 of 128 x 256,
     fit with a row scale, exactly at the limit (its two [128] f32 vectors share one 1024-byte buffer and the row sums
     reserve no reduction scratch); one more stage does not fit even without one."""
-    c = dataclasses.replace(config.GLU_DGRAD_RING, block_n=block_n, num_stages=stages)
+    c = dataclasses.replace(config.GLU_DGRAD_TILES, block_n=block_n, num_stages=stages)
     m, d_ff, d, g = 1024, 256, 256, 4
     args = (
         jax.ShapeDtypeStruct((m, d), jnp.bfloat16),
@@ -236,11 +236,11 @@ def test_ring_glu_backward_fits_exactly_where_it_lowers(block_n, stages, row_sca
 @pytest.mark.parametrize(
     "base, stages, overlap, slots",
     [
-        ("GLU_DGRAD_RING", 2, False, 2),  # fewer stages than chunks: the ring is walked in one order
-        ("GLU_DGRAD_RING", 2, True, 0),  # the next tile's first steps need a slot while the chunks wait
-        ("GLU_DGRAD_RING", 3, True, 2),
-        ("GLU_DGRAD_WIDE_RING", 3, False, 4),
-        ("GLU_DGRAD_WIDE_RING", 3, True, 0),
+        ("GLU_DGRAD_TILES", 2, False, 2),  # fewer stages than chunks: the ring is walked in one order
+        ("GLU_DGRAD_TILES", 2, True, 0),  # the next tile's first steps need a slot while the chunks wait
+        ("GLU_DGRAD_TILES", 3, True, 2),
+        ("GLU_DGRAD_LONG_D_TILES", 3, False, 4),
+        ("GLU_DGRAD_LONG_D_TILES", 3, True, 0),
     ],
 )
 def test_ring_slots_need_more_stages_than_chunks_only_with_the_overlapped_epilogue(base, stages, overlap, slots):

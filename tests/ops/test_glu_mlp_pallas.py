@@ -32,7 +32,7 @@ from moe_jax._core import testing as oracle
 from moe_jax.ops.glu_mlp import api as glu_mlp_api
 from moe_jax.ops.glu_mlp import reference as mlp_reference
 from moe_jax.ops.grouped_matmul import glu, launch, reference
-from moe_jax.ops.grouped_matmul.config import GLU_DGRAD_RING, GLU_DGRAD_WIDE_RING, Config, get_config
+from moe_jax.ops.grouped_matmul.config import GLU_DGRAD_LONG_D_TILES, GLU_DGRAD_TILES, Config, get_config
 from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, split_gate_up
 
 
@@ -76,9 +76,8 @@ def _inputs(case):
 
 
 def _overlapped_get_config(*args, **kwargs) -> Config:
-    """config.get_config with the overlapped epilogue switched on (the small shapes here get heuristic configs) and
-    no cluster: under the interpreter a clustered config runs without the overlap (launch.run_rows_kernel)."""
-    return dataclasses.replace(get_config(*args, **kwargs), overlap_epilogue=True, cluster_m=1)
+    """config.get_config with the overlapped epilogue switched on (the small shapes here get heuristic configs)."""
+    return dataclasses.replace(get_config(*args, **kwargs), overlap_epilogue=True)
 
 
 # zero_tail=False: the rows past the sum are left unwritten (compared before it only), every backward kernel skips
@@ -234,19 +233,18 @@ def test_glu_mlp_without_rows_and_zero_tail_off_gives_zero_gradients():
 
 
 # None: the table's / heuristic's config (128 x 128 ring tiles, on which geglu and gpt_oss compute h, d_gate and d_up
-# each in its own store's branch: glu_mlp.api.RECOMPUTED_GRADS). The 2-CTA cluster (spans of two row tiles; "ragged"
-# has a span of two groups and one of a real and a zero tile) must skip the epilogue for nothing but a phantom tile.
-# The wide ring (dsv3-ep8 down's entry, here with 3 stages) carries each tile's four gate/up chunks through a ring of
-# three slots, with a row scale.
+# each in its own store's branch: launch.RECOMPUTED_GRADS). 64-column tiles cannot carry the gate/up rows in the
+# ring (config.gate_up_ring_slots): each consumer loads them into a buffer of its own. The wide ring (dsv3-ep8 down's
+# entry, here with 3 stages) carries each tile's four gate/up chunks through a ring of three slots, with a row scale.
 @pytest.mark.parametrize(
     "activation, config, with_row_scale",
     [
         ("geglu", None, False),
         ("gpt_oss", None, True),
-        ("swiglu", Config(block_n=128, num_stages=3, cluster_m=2), False),
-        ("swiglu", dataclasses.replace(GLU_DGRAD_WIDE_RING, num_stages=3), True),
+        ("swiglu", Config(block_n=64, num_stages=4), False),
+        ("swiglu", dataclasses.replace(GLU_DGRAD_LONG_D_TILES, num_stages=3), True),
     ],
-    ids=["geglu", "gpt_oss-row-scale", "swiglu-cluster", "swiglu-wide-ring-row-scale"],
+    ids=["geglu", "gpt_oss-row-scale", "swiglu-own-buffer", "swiglu-wide-ring-row-scale"],
 )
 @pytest.mark.usefixtures("interpret")
 def test_glu_backward_epilogue(activation, config, with_row_scale):
@@ -284,7 +282,7 @@ def test_glu_backward_epilogue(activation, config, with_row_scale):
 # Epilogue.recompute_grads moves where h, d_gate and d_up are computed (each in its store's branch), not what: on the
 # 128 x 128 ring (5 stages) and the 128 x 256 one (4), with a row scale, F = 192 (each ring's last tile has chunks
 # wholly past F).
-@pytest.mark.parametrize("config", [GLU_DGRAD_RING, GLU_DGRAD_WIDE_RING], ids=["ring-128", "ring-256"])
+@pytest.mark.parametrize("config", [GLU_DGRAD_TILES, GLU_DGRAD_LONG_D_TILES], ids=["ring-128", "ring-256"])
 @pytest.mark.usefixtures("interpret")
 def test_glu_backward_recomputed_per_store_is_bit_identical(monkeypatch, config):
     m, d, d_ff, sizes = 136, 64, 192, [0, 61, 3, 0, 40]

@@ -5,8 +5,6 @@ The abstract GPU device makes ``hardware.interpret_params()`` return None (compi
 persistent grid an H100/H200's 132 SMs. Lowering stops before the CUDA compiler, so it needs no GPU.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import pytest
@@ -15,7 +13,7 @@ from jax.sharding import AbstractMesh
 
 import moe_jax
 from moe_jax.ops import shapes
-from moe_jax.ops.grouped_matmul import config, launch
+from moe_jax.ops.grouped_matmul import config
 
 MOSAIC_CALL = "mosaic_gpu_v2"
 H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
@@ -46,7 +44,7 @@ def _lowered_fwd_bwd(g, m, k, n, *, transpose_rhs=False, out_dtype=jnp.bfloat16,
 def _shipped_problems():
     """(G, M, K, N) of every named bench shape plus every tuned-table entry."""
     problems = {(s.g, s.m, s.k, s.n) for s in shapes.GMM_SHAPES.values() if s.tag == "bench"}
-    problems |= {key[1:] for key in config.TUNED}
+    problems |= {key[1:] for key in config.tuned_configs()}
     return sorted(problems)
 
 
@@ -70,33 +68,14 @@ def test_layouts_and_dtypes_lower(options):
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
 def test_heuristic_configs_lower(g, m, k, n, out_dtype):
     """Shapes off the table (small, wide, tiny) get heuristic configs that lower within shared memory."""
-    assert all((kind, g, m, k, n) not in config.TUNED for kind in config.KINDS)
+    assert all((kind, g, m, k, n) not in config.tuned_configs() for kind in config.KINDS)
     assert _lowered_fwd_bwd(g, m, k, n, out_dtype=out_dtype).count(MOSAIC_CALL) == 3
 
 
 @pytest.mark.parametrize("name", [s.name for tag in ("heuristic", "decode") for s in shapes.gmm_shapes(tag)])
 def test_off_table_shapes_lower_with_heuristic_configs(name):
     """The other models' shapes and the decode-sized ones (shapes.py's "heuristic" and "decode" tags) take heuristic
-    configs at real sizes: group bands in lockstep past 256 rows a group, 64-row tiles with one consumer up to 64,
+    configs at real sizes: group bands in step past 256 rows a group, 64-row tiles with one consumer up to 64,
     which must lower within shared memory there too."""
     s = shapes.GMM_SHAPES[name]
     assert _lowered_fwd_bwd(s.g, s.m, s.k, s.n).count(MOSAIC_CALL) == 3
-
-
-@pytest.mark.parametrize(
-    "wgrad_config",
-    [
-        config.Config(grid_minor="m", grid_width=16, cluster_m=2, overlap_epilogue=True),  # 23 K blocks: a phantom
-        config.Config(block_n=128, grid_width=3, cluster_m=2),
-    ],
-)
-def test_clustered_wgrad_lowers(wgrad_config):
-    """The wgrad kernel's 2-CTA clusters (a tuner option: y multicast, phantom tiles) lower for CUDA at gpt-oss's
-    K = 2880 (23 row tiles of 128)."""
-    x = jax.ShapeDtypeStruct((32768, 2880), jnp.bfloat16)
-    y = jax.ShapeDtypeStruct((32768, 5760), jnp.bfloat16)
-    group_sizes = jax.ShapeDtypeStruct((128,), jnp.int32)
-    wgrad = functools.partial(launch.run_wgrad_kernel, out_dtype=jnp.bfloat16, config=wgrad_config)
-    with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=H200)):
-        text = jax.jit(wgrad).trace(x, y, group_sizes).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count(MOSAIC_CALL) == 1

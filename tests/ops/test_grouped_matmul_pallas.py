@@ -137,44 +137,6 @@ def test_negative_sizes_and_sizes_past_m(transpose_rhs):
     np.testing.assert_array_equal(np.asarray(kernel[2][0], np.float32), 0.0)
 
 
-# cluster_m=2 pairs consecutive row tiles ("spans"). With 128-row tiles: "ragged" has 7 tiles (spans of two groups,
-# weights not shared, and a zero tile with the odd count's phantom), "hot expert" and "single group" a span of one
-# group (weights multicast), and "real and zero tile" a span whose second tile only stores zeros (it runs the steps
-# without MMA). The interpreter runs the cluster's CTAs and barriers but copies a multicast box into each CTA itself,
-# so on CPU this checks the span bookkeeping; tests/gpu checks the multicast.
-CLUSTER_CASES = {**CASES, "real and zero tile": (136, 64, 128, [100])}
-
-
-@pytest.mark.parametrize("case", list(CLUSTER_CASES))
-@pytest.mark.parametrize("transpose_rhs", [False, True])
-@pytest.mark.usefixtures("interpret")
-def test_two_cta_clusters_match_reference(case, transpose_rhs):
-    m, k, n, sizes = CLUSTER_CASES[case]
-    lhs, rhs, group_sizes = _inputs(21, m, k, n, sizes, transpose_rhs)
-    cluster = config.Config(block_m=128, block_n=64, cluster_m=2)
-    out = launch.run_rows_kernel(
-        "fwd", lhs, rhs, group_sizes, w_transposed=transpose_rhs, out_dtype=jnp.float32, config=cluster
-    )
-    expected = reference.grouped_matmul(
-        lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, preferred_element_type=jnp.float32
-    )
-    assert oracle.relative_error(out, expected) < F32_OUT_TOL
-    np.testing.assert_array_equal(np.asarray(out)[sum(sizes) :], 0.0)
-
-
-@pytest.mark.usefixtures("interpret")
-def test_clusters_with_the_overlap_run_without_it_under_the_interpreter():
-    """The interpreter's simulated warpgroups stall on 2-CTA clusters with the overlapped epilogue, so
-    run_rows_kernel stores between the tiles there (tests/gpu runs the pair on the device)."""
-    m, k, n, sizes = CASES["ragged"]
-    lhs, rhs, group_sizes = _inputs(22, m, k, n, sizes, False)
-    both = config.Config(block_m=128, block_n=64, cluster_m=2, overlap_epilogue=True)
-    out = launch.run_rows_kernel("fwd", lhs, rhs, group_sizes, w_transposed=False, out_dtype=jnp.float32, config=both)
-    expected = reference.grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
-    assert oracle.relative_error(out, expected) < F32_OUT_TOL
-    np.testing.assert_array_equal(np.asarray(out)[sum(sizes) :], 0.0)
-
-
 # The overlapped epilogue stores a tile's outputs during the next tile's first steps: 128-column tiles with 64-column
 # stores give two stores per consumer tile, interleaved with steps 0 and 1 of the next tile (K = 64 has one step
 # only, so there the second runs after it), and each CTA walks several tiles (4 simulated SMs).
@@ -206,18 +168,18 @@ def test_overlapped_epilogue_matches_reference(case, kind):
     assert oracle.relative_error(out, expected) < BF16_OUT_TOL
 
 
-# lockstep_tails: a warpgroup with no row to store still runs its MMAs, over rows of the next group or past the sum.
-# Rows past the sum are NaN here, so a computed row that reached a stored one (or a stored zero) would show.
+# keep_ctas_in_step: a warpgroup with no row to store still runs its MMAs, over rows of the next group or past the
+# sum. Rows past the sum are NaN here, so a computed row that reached a stored one (or a stored zero) would show.
 @pytest.mark.parametrize("case", ["ragged", "tail tiles"])
 @pytest.mark.parametrize("kind", ["fwd", "dgrad"])
 @pytest.mark.usefixtures("interpret")
-def test_lockstep_tails_match_reference(case, kind):
+def test_tail_tiles_kept_in_step_match_reference(case, kind):
     m, k, n, sizes = CASES[case]
     lhs, rhs, group_sizes = _inputs(51, m, k, n, sizes, False)
     total = sum(sizes)
     dout = jnp.asarray(np.random.default_rng(52).normal(size=(m, n)), jnp.bfloat16)
     x, transposed = (lhs, False) if kind == "fwd" else (dout, True)
-    lockstep = config.Config(block_m=128, block_n=64, lockstep_tails=True)
+    in_step = config.Config(block_m=128, block_n=64, keep_ctas_in_step=True)
     out = launch.run_rows_kernel(
         kind,
         x.at[total:].set(jnp.nan),
@@ -225,7 +187,7 @@ def test_lockstep_tails_match_reference(case, kind):
         group_sizes,
         w_transposed=transposed,
         out_dtype=jnp.float32,
-        config=lockstep,
+        config=in_step,
     )
     expected = reference.grouped_matmul(
         x, rhs, group_sizes, transpose_rhs=transposed, preferred_element_type=jnp.float32
@@ -234,14 +196,14 @@ def test_lockstep_tails_match_reference(case, kind):
     np.testing.assert_array_equal(np.asarray(out)[total:], 0.0)
 
 
-# grid_minor="g": spans walked in bands that never mix groups (schedule.span_bands), with both cluster sizes and bands
-# narrower than a group (width 1: every span its own band), so the table's every field is read; and as GROUP_BANDS
-# walks them (the table's and the heuristic's fwd / dgrad past 256 rows a group): in lockstep, each tile stored while
-# the next one's first steps run.
+# grid_minor="g": row tiles walked in bands that never mix groups (schedule.row_tile_bands), with bands narrower than a
+# group (width 1: every row tile its own band; width 2: a group of three tiles splits), so the table's every field is
+# read; and as GROUP_BANDS walks them (the table's and the heuristic's fwd / dgrad past 256 rows a group): CTAs in
+# step, each tile stored while the next one's first steps run.
 @pytest.mark.parametrize("case", ["ragged", "hot expert", "tail tiles"])
-@pytest.mark.parametrize("cluster_m, grid_width, in_step", [(1, 1, False), (2, 2, False), (1, 16, True)])
+@pytest.mark.parametrize("grid_width, in_step", [(1, False), (2, False), (16, True)])
 @pytest.mark.usefixtures("interpret")
-def test_group_bands_match_reference(case, cluster_m, grid_width, in_step):
+def test_group_bands_match_reference(case, grid_width, in_step):
     m, k, n, sizes = CASES[case]
     lhs, rhs, group_sizes = _inputs(61, m, k, n, sizes, False)
     banded = config.Config(
@@ -249,9 +211,8 @@ def test_group_bands_match_reference(case, cluster_m, grid_width, in_step):
         block_n=64,
         grid_minor="g",
         grid_width=grid_width,
-        cluster_m=cluster_m,
         overlap_epilogue=in_step,
-        lockstep_tails=in_step,
+        keep_ctas_in_step=in_step,
     )
     out = launch.run_rows_kernel("fwd", lhs, rhs, group_sizes, w_transposed=False, out_dtype=jnp.float32, config=banded)
     expected = reference.grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
@@ -269,11 +230,9 @@ def test_wgrad_rejects_group_bands():
 
 # Gathered rows (sm90_gather.py): row r of the product is x[row_tokens[r]] for tokens drawn with repeats from the odd
 # rows of x; the even rows are NaN, so a row gathered from the wrong token (or a stale buffer) poisons the output.
-# With the 2-CTA cluster the weights are multicast while each CTA gathers its own rows.
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("cluster_m", [1, 2])
 @pytest.mark.usefixtures("interpret")
-def test_gathered_rows_match_reference(case, cluster_m):
+def test_gathered_rows_match_reference(case):
     m, k, n, sizes = CASES[case]
     rng = np.random.default_rng(41)
     num_tokens = m // 2 + 3
@@ -282,7 +241,7 @@ def test_gathered_rows_match_reference(case, cluster_m):
     row_tokens = 2 * rng.integers(0, num_tokens // 2, size=m) + 1
     _, rhs, group_sizes = _inputs(42, m, k, n, sizes, False)
     x = jnp.asarray(x, jnp.bfloat16)
-    cfg = config.Config(block_m=128, block_n=64, cluster_m=cluster_m)
+    cfg = config.Config(block_m=128, block_n=64)
     out = launch.run_rows_kernel(
         "fwd",
         x,
@@ -377,24 +336,21 @@ def test_wgrad_masks_neighbouring_rows(p, q, poison):
     assert oracle.relative_error(out[np.asarray(clean)], expected[clean]) < F32_OUT_TOL
 
 
-# wgrad tile orders and 2-CTA clusters (a cluster's CTAs take consecutive P tiles of one Q tile and share y's block).
-# P = 192 on 64-row tiles is 3 P tiles: spans of two tiles and one with a phantom second tile; Q = 192 on 64-column
-# tiles is 3 Q tiles, so both snake orders turn round. The groups: an empty one, a 3-row one inside its neighbours'
-# chunk, sizes off 8, rows past the sum; x and y past the sum and y inside group 3 are non-finite, so a chunk's foreign
-# rows must be masked in the clustered kernel too (each CTA zeroes its own copy of the multicast y block).
+# wgrad tile orders. P = 192 on 64-row tiles is 3 P tiles and Q = 192 on 64-column tiles 3 Q tiles, so both snake
+# orders turn round. The groups: an empty one, a 3-row one inside its neighbours' chunk, sizes off 8, rows past the
+# sum; x and y past the sum and y inside group 3 are non-finite, so a chunk's foreign rows must be masked.
 WGRAD_LAYOUTS = [
-    config.Config(block_m=64, block_n=64, num_compute_wgs=1, cluster_m=2),
-    config.Config(block_m=64, block_n=64, num_compute_wgs=1, grid_minor="m", grid_width=2, cluster_m=2),
+    config.Config(block_m=64, block_n=64, num_compute_wgs=1),
     config.Config(block_m=64, block_n=64, num_compute_wgs=1, grid_minor="m", grid_width=2),
-    config.Config(block_m=128, block_n=128, grid_width=2, cluster_m=2, overlap_epilogue=True),
+    config.Config(block_m=128, block_n=128, grid_width=2, overlap_epilogue=True),
 ]
 
 
 @pytest.mark.parametrize(
-    "layout", WGRAD_LAYOUTS, ids=lambda c: f"{c.block_m}{c.grid_minor}{c.grid_width}c{c.cluster_m}"
+    "layout", WGRAD_LAYOUTS, ids=lambda c: f"{c.block_m}{c.grid_minor}{c.grid_width}{'o' if c.overlap_epilogue else ''}"
 )
 @pytest.mark.usefixtures("interpret")
-def test_wgrad_orders_and_clusters_match_reference(layout):
+def test_wgrad_orders_match_reference(layout):
     m, p, q, sizes = 232, 192, 192, [70, 0, 3, 90, 41]
     rng = np.random.default_rng(41)
     x = rng.normal(size=(m, p)).astype(np.float32)
@@ -440,9 +396,9 @@ def test_row_tiles_cover_every_row_once(block_m, zero_tail):
 
 
 def _banded_order_oracle(groups: list[int], n_tiles: int, max_width: int) -> list[tuple[int, int]]:
-    """(span, column tile) in the "g" order, built as a list: runs of equal groups, each split into the fewest bands
-    of at most max_width spans (widths within one of each other, narrower first), spans fastest, every other band of
-    a run with its columns backwards."""
+    """(row tile, column tile) in the "g" order, built as a list: runs of equal groups, each split into the fewest
+    bands of at most max_width row tiles (widths within one of each other, narrower first), row tiles fastest, every
+    other band of a run with its columns backwards."""
     order, start = [], 0
     for end in range(1, len(groups) + 1):
         if end == len(groups) or groups[end] != groups[start]:
@@ -451,25 +407,23 @@ def _banded_order_oracle(groups: list[int], n_tiles: int, max_width: int) -> lis
             bounds = [start + j * length // count for j in range(count + 1)]
             for b, (a, z) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
                 columns = range(n_tiles) if b % 2 == 0 else reversed(range(n_tiles))
-                order += [(span, col) for col in columns for span in range(a, z)]
+                order += [(tile, col) for col in columns for tile in range(a, z)]
             start = end
     return order
 
 
-@pytest.mark.parametrize("cluster", [1, 2])
 @pytest.mark.parametrize("max_width", [1, 3, 8])
-def test_span_bands_walk_every_item_once_in_group_bands(cluster, max_width):
-    """The kernel's "g" mapping (sm90.band_item) over schedule.span_bands's table against a list-building oracle."""
-    rng = np.random.default_rng(cluster * 10 + max_width)
+def test_row_tile_bands_walk_every_item_once_in_group_bands(max_width):
+    """The kernel's "g" mapping (sm90.band_item) over schedule.row_tile_bands's table against a list-building oracle."""
+    rng = np.random.default_rng(10 + max_width)
     n_tiles, block_m, num_rows = 3, 64, 3000
     for fill in (0.9, 1.0):
         sizes = oracle.random_group_sizes(rng, 9, int(num_rows * fill), "zipf")
         tiles, count = schedule.row_tiles(jnp.asarray(sizes), num_rows, block_m)
-        table = np.asarray(schedule.span_bands(tiles, count, cluster, max_width))
-        num_spans = -(-int(count[0]) // cluster)
-        groups = np.asarray(tiles)[schedule.TILE_GROUP, : int(count[0]) : cluster].tolist()
+        table = np.asarray(schedule.row_tile_bands(tiles, count, max_width))
+        groups = np.asarray(tiles)[schedule.TILE_GROUP, : int(count[0])].tolist()
         order = []
-        for lin in range(num_spans * n_tiles):
+        for lin in range(int(count[0]) * n_tiles):
             first, width, reversed_ = table[:, lin // n_tiles]
             within = lin - first * n_tiles
             col = within // width
@@ -516,7 +470,6 @@ def test_wgrad_groups_flag_nonfinite_foreign_rows(num_rows, block_k):
         dict(num_stages=1),
         dict(epilogue_n=100),
         dict(epilogue_n=32),
-        dict(cluster_m=3),
     ],
 )
 def test_config_rejects_bad_fields(fields):
@@ -549,37 +502,33 @@ def test_heuristic_configs_fit_in_shared_memory(kind):
         (512, 64, 64, 1),  # one group
     ],
 )
-def test_heuristic_walks_large_groups_in_lockstep_group_bands(m, k, n, g):
-    """Off the table, where groups average more than SMALL_GROUP_ROWS rows, fwd and dgrad walk group bands with one
-    CTA per span in lockstep whatever a group's weights (faster than the 2-CTA clusters they took before at the
-    layers' and other models' shapes). No kind runs clusters; all but the GLU backward overlap their epilogues (it
-    measured slower with the overlap)."""
+def test_heuristic_walks_large_groups_in_group_bands_in_step(m, k, n, g):
+    """Off the table, where groups average more than SMALL_GROUP_ROWS rows, fwd and dgrad walk group bands with their
+    CTAs in step whatever a group's weights; all but the GLU backward overlap their epilogues (it runs slower with the
+    overlap)."""
     configs = {kind: config.heuristic_config(kind, m=m, k=k, n=n, g=g) for kind in config.KINDS}
     for kind in ("fwd", "dgrad"):
-        assert (configs[kind].grid_minor, configs[kind].lockstep_tails) == ("g", True), kind
-    assert {kind: c.cluster_m for kind, c in configs.items()} == dict.fromkeys(config.KINDS, 1)
+        assert (configs[kind].grid_minor, configs[kind].keep_ctas_in_step) == ("g", True), kind
     overlaps = {kind: c.overlap_epilogue for kind, c in configs.items()}
     assert overlaps == {"fwd": True, "dgrad": True, "glu_dgrad": False, "wgrad": True}
-    # The api runs table entries as they are on any device, also on a one-SM interpreter (no 2-CTA cluster there).
-    assert all(c.cluster_m == 1 for c in config.TUNED.values())
 
 
 @pytest.mark.parametrize("m, g", [(32768, 128), (32768 - 8, 128), (256, 1), (1024, 4)])
 @pytest.mark.parametrize("k, n", [(2048, 1536), (2880, 5760), (2048, 2048), (2048, 2048 + 64)])
 def test_heuristic_walks_small_groups_in_group_bands(m, g, k, n):
-    """Groups of 65-256 rows on average (2-3 row tiles of 128) get one CTA per span and bands by group for fwd / dgrad
-    / glu_dgrad (pairs and fixed bands re-read weights there), the fwd / dgrad warpgroups in lockstep only where a
-    group's weights pass LOCKSTEP_WEIGHT_BYTES (qwen3-30b's 6.3 MB: not; gpt-oss-120b's 33 MB: yes; 8 MB: not; just
-    past it: yes); wgrad keeps its row bands."""
-    heavy = k * n * 2 > config.LOCKSTEP_WEIGHT_BYTES
+    """Groups of 65-256 rows on average (2-3 row tiles of 128) get bands by group for fwd / dgrad / glu_dgrad (fixed
+    bands re-read weights there), the fwd / dgrad CTAs kept in step only where a group's weights pass
+    IN_STEP_WEIGHT_BYTES (qwen3-30b's 6.3 MB: not; gpt-oss-120b's 33 MB: yes; 8 MB: not; just past it: yes); wgrad
+    keeps its row bands."""
+    heavy = k * n * 2 > config.IN_STEP_WEIGHT_BYTES
     for kind in ("fwd", "dgrad", "glu_dgrad"):
         c = config.heuristic_config(kind, m=m, k=k, n=n, g=g)
-        assert (c.grid_minor, c.cluster_m) == ("g", 1), kind
-        assert c.lockstep_tails == (heavy or kind == "glu_dgrad"), kind
+        assert c.grid_minor == "g", kind
+        assert c.keep_ctas_in_step == (heavy or kind == "glu_dgrad"), kind
         assert c.overlap_epilogue == (kind != "glu_dgrad"), kind
     assert config.heuristic_config("wgrad", m=m, k=k, n=n, g=g).grid_minor == "m"
     past = config.heuristic_config("fwd", m=config.SMALL_GROUP_ROWS * g + 8, k=k, n=n, g=g)
-    assert (past.grid_minor, past.lockstep_tails) == ("g", True)
+    assert (past.grid_minor, past.keep_ctas_in_step) == ("g", True)
 
 
 @pytest.mark.parametrize(
@@ -590,13 +539,13 @@ def test_heuristic_walks_small_groups_in_group_bands(m, g, k, n):
 def test_heuristic_takes_64_row_tiles_for_decode_sized_groups(m, g, tiny, k, n):
     """Groups of at most TINY_GROUP_ROWS rows on average (a decode step's batch: qwen3-30b at T = 128 has 8 a group,
     fewer rows than groups too) get fwd / dgrad tiles of 64 rows with one consumer warpgroup, which has no idle half
-    to keep in lockstep; past it, 128 rows with two. The GLU backward and wgrad keep two warpgroups on 128 rows."""
+    to keep in step; past it, 128 rows with two. The GLU backward and wgrad keep two warpgroups on 128 rows."""
     for kind in ("fwd", "dgrad"):
         c = config.heuristic_config(kind, m=m, k=k, n=n, g=g)
         assert (c.block_m, c.num_compute_wgs) == ((64, 1) if tiny else (128, 2)), kind
         assert (c.grid_minor, c.overlap_epilogue, c.num_stages) == ("g", True, 4), kind
         if tiny:
-            assert not c.lockstep_tails, kind
+            assert not c.keep_ctas_in_step, kind
     for kind in ("glu_dgrad", "wgrad"):
         c = config.heuristic_config(kind, m=m, k=n // 2, n=k, g=g)
         assert (c.block_m, c.num_compute_wgs) == (128, 2), kind
@@ -611,19 +560,19 @@ def test_heuristic_takes_64_row_tiles_for_decode_sized_groups(m, g, tiny, k, n):
         (131072, 2048, 2048, 128, False, 128, 6),  # 8 MB exactly
         (131072, 2048, 2048 + 64, 128, True, 128, 6),  # just past GLU_DGRAD_BAND_WEIGHT_BYTES
         (32768, 14336, 4096, 8, True, 128, 5),  # a mixtral layer: 117 MB
-        (131072, 2880, 2880 + 64, 64, True, 128, 5),  # just past DEEP_RING_MAX_CONTRACTION
-        (131072, 2048, 4096 + 64, 64, True, 256, 4),  # just past WIDE_RING_MAX_CONTRACTION
+        (131072, 2880, 2880 + 64, 64, True, 128, 5),  # just past SHORT_D_MAX
+        (131072, 2048, 4096 + 64, 64, True, 256, 4),  # just past MEDIUM_D_MAX
         (131072, 512, 7168, 256, False, 128, 5),  # a long contraction but 7.3 MB a group: "n" bands, 128 wide
     ],
 )
 def test_heuristic_glu_backward_walks_group_bands_where_weights_are_large(m, f, d, g, bands, block_n, stages):
     """Off the table and past SMALL_GROUP_ROWS rows a group, the GLU backward (w_down [G, F, D]) walks group bands in
-    lockstep where a group's weights exceed GLU_DGRAD_BAND_WEIGHT_BYTES, "n" / "m" bands elsewhere. It takes 128 x 128
-    tiles with the 6 stages that fit next to a row scale up to a contraction D of DEEP_RING_MAX_CONTRACTION and 5 past
-    it; in group bands past WIDE_RING_MAX_CONTRACTION, 128 x 256 tiles with 4 stages (which fit next to a row scale)."""
+    step where a group's weights exceed GLU_DGRAD_BAND_WEIGHT_BYTES, "n" / "m" bands elsewhere. It takes 128 x 128
+    tiles with the 6 stages that fit next to a row scale up to a contraction D of SHORT_D_MAX and 5 past it; in group
+    bands past MEDIUM_D_MAX, 128 x 256 tiles with 4 stages (which fit next to a row scale)."""
     c = config.heuristic_config("glu_dgrad", m=m, k=f, n=d, g=g, row_scale=True)
-    assert (c.grid_minor == "g", c.lockstep_tails) == (bands, bands)
-    assert (c.block_n, c.num_stages, c.cluster_m, c.overlap_epilogue) == (block_n, stages, 1, False)
+    assert (c.grid_minor == "g", c.keep_ctas_in_step) == (bands, bands)
+    assert (c.block_n, c.num_stages, c.overlap_epilogue) == (block_n, stages, False)
     assert config.gate_up_ring_slots(c) == block_n // 64  # the gate/up rows ride the ring
 
 

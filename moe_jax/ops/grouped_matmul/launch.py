@@ -257,7 +257,7 @@ def run_glu_dgrad(d_y, w_down, group_sizes, gate_up, row_scale, activation: str,
       With ``zero_tail=False`` the first two are left unwritten there and d_row_scale is still 0.
     """
     if config is None:
-        # gpt_oss's clamps narrow the table's tiles (config.CLAMPED_BLOCK_N).
+        # gpt_oss's clamps narrow the table's tiles (config.CLAMPED_GLU_MAX_BLOCK_N).
         config = rows_config(
             "glu_dgrad",
             d_y.shape[0],

@@ -1,8 +1,8 @@
 """Gate/up weights packed for the fused GLU epilogue: ``PackedGateUp``, ``pack_gate_up``, ``unpack_gate_up``.
 
 A CTA of the GLU GEMM computes ``act(gate) * up`` in registers, so it must hold the gate and the up columns of the same
-F range. In DESIGN §3's ``[gate | up]`` layout those are F columns apart; packed, they sit side by side. The N axis
-(2F) is cut into blocks of ``block`` gate columns, each followed by the matching ``block`` up columns:
+F range. In the public ``[gate | up]`` layout (docs/design.md) those are F columns apart; packed, they sit side by side.
+The N axis (2F) is cut into blocks of ``block`` gate columns, each followed by the matching ``block`` up columns:
 
     [gate | up]   g0 g1 ... g63 g64 ... g(F-1) | u0 u1 ... u63 u64 ... u(F-1)
     packed        g0 ... g63 u0 ... u63 | g64 ... g127 u64 ... u127 | ...          (block = 64)

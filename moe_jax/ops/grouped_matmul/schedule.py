@@ -15,17 +15,17 @@ A tile is (group, first row of its box, first row it stores - box start, rows it
 tile and one past its last); its TMA box is always block_m rows, rows it does not store are loaded (harmless) but
 never written. Compared with tiles aligned to multiples of block_m (jax's ragged_dot_mgpu), a group costs
 ceil((size + start % 8) / block_m) tiles instead of up to one more; inside the kernel a compute warpgroup with no
-stored rows in its share of a tile skips its MMAs unless ``Config.lockstep_tails`` (see sm90.py), so a group wastes
+stored rows in its share of a tile skips its MMAs unless ``Config.keep_ctas_in_step`` (see sm90.py), so a group wastes
 under block_m / 2 + 8 rows of MMA work.
 
-Span bands (``span_bands``, for ``Config(grid_minor="g")``): the order in which the kernel walks (span, column tile)
-work items when bands of row tiles must not mix groups.
+Row-tile bands (``row_tile_bands``, for ``Config(grid_minor="g")``): the order in which the kernel walks (row tile,
+column tile) work items when bands of row tiles must not mix groups.
 """
 
 import jax
 import jax.numpy as jnp
 
-# Rows of the [6, T] row-tile table. The kernels read the first four; span_bands reads the segment bounds (a group's
+# Rows of the [6, T] row-tile table. The kernels read the first four; row_tile_bands reads the segment bounds (a group's
 # tiles, or the zero segment's), which spare it scans over the tiles.
 TILE_GROUP, TILE_ROW, TILE_SKIP, TILE_ROWS, TILE_SEG_FIRST, TILE_SEG_END = range(6)
 ROW_ALIGN = 8  # tile boxes start at multiples of this many rows
@@ -41,9 +41,8 @@ def _prefix_sums(values: jax.Array) -> jax.Array:
     """Inclusive prefix sums of a short [n] int32 vector (n = G or G + 1).
 
     A masked [n, n] reduction (XLA fuses the mask into the reduction: nothing [n, n] is stored) rather than
-    jnp.cumsum, which XLA lowers on the GPU to a reduce-window kernel of its own (4.9 us at G = 128). The schedule
-    runs before every grouped-matmul kernel: at qwen3-30b its kernels took 14.1 -> 9.0 us of device time (H200,
-    benchmarks/results/2026-11-26_h100_small_groups.md, section 4).
+    jnp.cumsum, which XLA lowers on the GPU to a reduce-window kernel of its own (4.9 us at G = 128), and the schedule
+    runs before every grouped-matmul kernel.
     """
     index = jnp.arange(values.shape[0])
     return jnp.sum(jnp.where(index[None, :] <= index[:, None], values[None, :], 0), axis=1, dtype=values.dtype)
@@ -58,9 +57,10 @@ def row_tiles(
       group_sizes: [G] int32; negative sizes count as 0 and rows beyond ``num_rows`` are dropped.
       num_rows: M.
       block_m: rows per tile.
-      zero_tail: give the rows past the sum ZERO_TILE tiles (True) or none (False: those rows are never written, for
-        callers that never read them). Without any row the table still holds one ZERO_TILE tile, for row 0, so that
-        the kernel always has a tile to read.
+      zero_tail: True: the rows past the sum get ZERO_TILE tiles, so the kernel writes zeros there and every output
+        row is defined. False: they get no tile and the kernel leaves them unwritten (whatever the output buffer held),
+        for callers that never read them. Either way a table without any row holds one ZERO_TILE tile, for row 0, so
+        that the kernel always has a tile to read.
 
     Returns:
       tiles: [6, T] int32 with T = max_row_tiles(M, G, block_m): per tile (group or ZERO_TILE, first row of the box,
@@ -94,41 +94,36 @@ def row_tiles(
     return tiles, num_tiles.reshape(1).astype(jnp.int32)
 
 
-BAND_FIRST, BAND_WIDTH, BAND_REVERSED = range(3)  # rows of the [3, S] span-band table
+BAND_FIRST, BAND_WIDTH, BAND_REVERSED = range(3)  # rows of the [3, T] row-tile band table
 
 
-def span_bands(tiles: jax.Array, num_tiles: jax.Array, cluster: int, max_width: int) -> jax.Array:
-    """Bands of spans that never cross a group boundary, for ``Config(grid_minor="g")`` (fwd / dgrad / glu_dgrad).
+def row_tile_bands(tiles: jax.Array, num_tiles: jax.Array, max_width: int) -> jax.Array:
+    """Bands of row tiles that never cross a group boundary, for ``Config(grid_minor="g")`` (fwd / dgrad / glu_dgrad).
 
-    A span is ``cluster`` consecutive row tiles (one CTA cluster); its group is its first tile's, so a group's spans
-    are those whose first tile lies in its segment. The kernel walks the spans in bands, each band over every column
-    tile with its spans fastest (like the "m" order). Here a group's spans are split into the fewest bands of at most
-    ``max_width`` spans, as even as possible, so no band mixes two groups' weight tiles and the CTAs of a band read
+    The kernel walks the row tiles in bands, each band over every column tile with its row tiles fastest (like the
+    "m" order). Here a group's row tiles (its segment of the table) are split into the fewest bands of at most
+    ``max_width`` tiles, as even as possible, so no band mixes two groups' weight tiles and the CTAs of a band read
     each of them together; every other band of a group walks the column tiles backwards (a snake: the next band
     starts on the weight tile the last one ended on). Elementwise on the table (its segment bounds): no scan.
 
     Args:
       tiles, num_tiles: row_tiles's table.
-      cluster: row tiles per span (Config.cluster_m).
-      max_width: most spans per band (Config.grid_width).
+      max_width: most row tiles per band (Config.grid_width).
 
     Returns:
-      [3, S] int32 with S = ceil(T / cluster): for each span, its band's first span, the band's width in spans, and 1
-      where the band walks the column tiles backwards. Work item ``lin`` of ``num_spans * n_tiles`` lies in the band
-      of span ``lin // n_tiles``: a band of width w starting at span f holds items [f * n_tiles, (f + w) * n_tiles).
-      Spans past the last one are bands of their own.
+      [3, T] int32: for each row tile, its band's first row tile, the band's width in row tiles, and 1 where the band
+      walks the column tiles backwards. Work item ``lin`` of ``num_tiles * n_tiles`` lies in the band of row tile
+      ``lin // n_tiles``: a band of width w starting at row tile f holds items [f * n_tiles, (f + w) * n_tiles).
+      Row tiles past the last one are bands of their own.
     """
-    capacity = -(-tiles.shape[1] // cluster)
-    span = jnp.arange(capacity, dtype=jnp.int32)
-    first_tile = jnp.minimum(span * cluster, tiles.shape[1] - 1)
-    # The group's spans: those whose first tile is in [seg_first, seg_end).
-    run_first = -(-tiles[TILE_SEG_FIRST, first_tile] // cluster)
-    run_length = -(-tiles[TILE_SEG_END, first_tile] // cluster) - run_first
-    real = span < (num_tiles[0] + cluster - 1) // cluster
-    run_first, run_length = jnp.where(real, run_first, span), jnp.where(real, run_length, 1)
+    tile = jnp.arange(tiles.shape[1], dtype=jnp.int32)
+    run_first = tiles[TILE_SEG_FIRST]
+    run_length = tiles[TILE_SEG_END] - run_first
+    real = tile < num_tiles[0]
+    run_first, run_length = jnp.where(real, run_first, tile), jnp.where(real, run_length, 1)
     bands_in_run = (run_length + max_width - 1) // max_width
-    # Band j of a run of L spans in n bands holds positions [j L // n, (j + 1) L // n).
-    band = ((span - run_first + 1) * bands_in_run - 1) // run_length
+    # Band j of a run of L row tiles in n bands holds positions [j L // n, (j + 1) L // n).
+    band = ((tile - run_first + 1) * bands_in_run - 1) // run_length
     band_first = run_first + band * run_length // bands_in_run
     band_width = run_first + (band + 1) * run_length // bands_in_run - band_first
     return jnp.stack([band_first, band_width, band % 2]).astype(jnp.int32)

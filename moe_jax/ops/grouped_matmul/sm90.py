@@ -9,18 +9,15 @@ Structure (one CTA per SM, persistent; the pipeline itself is in sm90_pipeline.p
     shared-memory buffers with TMA, running ahead across tile boundaries;
   * consumer warpgroup w owns rows [w * wg_block_m, (w+1) * wg_block_m) of the tile and accumulates them with
     wgmma; a warpgroup none of whose rows is stored (the tail tile of a group) issues no MMA unless
-    ``config.lockstep_tails`` (rows that are not stored cost MMAs but no correctness: each output row depends on
-    its own x row only, and a tail tile then takes as long as a full one, which keeps the CTAs in step). The epilogue
+    ``config.keep_ctas_in_step`` (rows that are not stored cost MMAs but no correctness: each output row depends on
+    its own x row only; a tail tile then takes as long as a full one, so CTAs sharing a weight tile read it from L2
+    together instead of each from HBM). The epilogue
     (``Epilogue``) turns the f32 accumulator into the outputs and TMA-stores the tile's own rows only; with
     ``config.overlap_epilogue`` a consumer keeps them in registers and stores them chunk by chunk between the first
     steps of its next tile, while the tensor cores work (where they fit: ``Epilogue.kept_bytes``);
   * tiles come from schedule.row_tiles, walked in a planar-snake order over (row tile, column tile), or with
-    ``grid_minor="g"`` in bands that never mix groups (schedule.span_bands); the loop bound is read from the device,
-    so empty groups cost nothing and no host sync is needed;
-  * with ``config.cluster_m == 2`` a cluster of two CTAs takes two consecutive row tiles of one column tile; when
-    both belong to one group, each CTA loads half of the weight tile and multicasts it to both, so the pair reads it
-    from L2 once and in step (without that, CTAs sharing a weight tile drift apart and re-read it from HBM: at the
-    dsv3 gate_up shape the kernel read 10 GB from HBM for 2.4 GB of operands).
+    ``grid_minor="g"`` in bands that never mix groups (schedule.row_tile_bands); the loop bound is read from the
+    device, so empty groups cost nothing and no host sync is needed.
 
 Epilogues (``Epilogue``; the GLU math arrives as functions, the kernel holds no activation policy):
   * plain: cast and store [M, C];
@@ -33,8 +30,7 @@ Epilogues (``Epilogue``; the GLU math arrives as functions, the kernel holds no 
     allows (config.gate_up_ring_slots: block_n equal to block_m or twice it): the producer loads them into the next
     slots after the tile's last step, one slot per epilogue chunk, and the consumer releases each slot once it has
     read it. Elsewhere the consumer loads them into a buffer of their own, which leaves less shared memory for the
-    pipeline (at a 64-column tile the narrow MMAs then cost more than the whole epilogue: benchmarks/RESULTS.md,
-    2026-11-27).
+    pipeline (at a 64-column tile the narrow MMAs then cost more than the whole epilogue).
 
 Everything element-type specific sits in the two TMA loads and the wgmma call: an FP8 variant needs both operands
 K-major (x is, w must be stored [G, C, R]: ``w_transposed``) plus per-block scales applied to the accumulator.
@@ -64,7 +60,7 @@ from moe_jax.ops.grouped_matmul.schedule import (
     TILE_ROWS,
     TILE_SKIP,
     ZERO_TILE,
-    span_bands,
+    row_tile_bands,
 )
 
 
@@ -122,8 +118,8 @@ class Epilogue:
         if self.operand_cols(config) > 256:
             raise ValueError(
                 "the GLU backward's consumers load [gate | up] tiles of 2 * block_n <= 256 columns themselves; wider "
-                "tiles need the pipeline's ring (config.gate_up_ring_slots: no clusters, and with overlap_epilogue "
-                f"more than block_n / 64 stages), got {config}"
+                "tiles need the pipeline's ring (config.gate_up_ring_slots: with overlap_epilogue more than "
+                f"block_n / 64 stages), got {config}"
             )
 
     def ring_slots(self, config: Config) -> int:
@@ -201,11 +197,6 @@ def grouped_matmul_rows(
     wg_m, num_wgs, stages, epi_n = cfg.wg_block_m, cfg.num_compute_wgs, cfg.num_stages, cfg.epilogue_n
     k_steps = pl.cdiv(r, bk)
     n_tiles = pl.cdiv(cols, bn)
-    # A cluster of ``cluster`` CTAs computes that many consecutive row tiles (a "span") of one column tile. Where the
-    # span's tiles belong to one group they need the same weight tile, which is then multicast: each CTA loads a
-    # 1/cluster slice of it for all, so the span reads it from L2 once, in step.
-    cluster = cfg.cluster_m
-    grid = pipe.cluster_grid(num_sms, cluster)
     max_tiles = tiles.shape[1]
     operands = [
         op for op in (row_scale if epi.row_scale else None, gate_up if epi.backward else None) if op is not None
@@ -218,8 +209,8 @@ def grouped_matmul_rows(
         # A ring slot's weight buffer must be [block_n, block_k] and its "produced" barrier count two TMA copies.
         raise ValueError("the GLU backward's ring-carried gate/up rows need w_transposed=True and no row_tokens")
     banded = cfg.grid_minor == "g"
-    # The band of every span, for the "g" order (a small XLA computation on the tile table, like the table itself).
-    bands = [span_bands(tiles, num_tiles, cluster, cfg.grid_width)] if banded else []
+    # The band of every row tile, for the "g" order (a small XLA computation on the tile table, like the table itself).
+    bands = [row_tile_bands(tiles, num_tiles, cfg.grid_width)] if banded else []
     if gathered:
         if r % bk:
             raise ValueError(f"gathered rows need the contraction ({r}) to be a multiple of block_k ({bk})")
@@ -235,61 +226,44 @@ def grouped_matmul_rows(
         x_smem, w_smem, out_smem, produced, consumed, *epi_scratch = refs
         num_row_tiles = count_gmem[0]
         wg = lax.axis_index("wg")
-        cta = pipe.cluster_rank(cluster)
-        num_spans = (num_row_tiles + cluster - 1) // cluster
-        work = (num_spans * n_tiles,)
+        work = (num_row_tiles * n_tiles,)
 
         def tile_of(lin):
-            """Linear work index -> (this CTA's row tile, column tile, its table entry, steps, weights shared).
-
-            Work items walk (span, column tile) in planar-snake order. The last span of an odd tile count has a
-            phantom second tile (row tile == num_row_tiles): its CTA reads its partner's table entry, loads the shared
-            weights with it and computes and stores nothing. Both CTAs of a span run the same number of steps (the
-            cluster-wide "consumed" barrier counts them together): k_steps unless every tile of the span only stores
-            zeros.
-            """
+            """Linear work index -> (row tile, column tile, steps): work items walk (row tile, column tile) in
+            planar-snake order, or in group bands; a tile that only stores zeros runs no step."""
             if banded:
-                span, ni = band_item(lin)
+                mi, ni = band_item(lin)
             else:
-                span, ni = plgpu.planar_snake(
-                    lin, (num_spans, n_tiles), 0 if cfg.grid_minor == "m" else 1, cfg.grid_width
+                mi, ni = plgpu.planar_snake(
+                    lin, (num_row_tiles, n_tiles), 0 if cfg.grid_minor == "m" else 1, cfg.grid_width
                 )
-            mi = span * cluster + cta
-            entry = jnp.minimum(mi, num_row_tiles - 1)
-            groups = [
-                tiles_gmem[TILE_GROUP, jnp.minimum(span * cluster + c, num_row_tiles - 1)] for c in range(cluster)
-            ]
-            all_zero = functools.reduce(jnp.logical_and, [g == ZERO_TILE for g in groups])
-            shared = functools.reduce(jnp.logical_and, [g == groups[0] for g in groups[1:]], groups[0] != ZERO_TILE)
-            steps = jnp.where(all_zero, 0, k_steps).astype(jnp.int32)
-            return mi, ni, entry, steps, shared
+            steps = jnp.where(tiles_gmem[TILE_GROUP, mi] == ZERO_TILE, 0, k_steps).astype(jnp.int32)
+            return mi, ni, steps
 
         def band_item(lin):
-            """Work item -> (span, column tile) in schedule.span_bands's order: spans fastest within a band."""
-            span_row = lin // n_tiles  # a span of lin's band (its docstring)
-            first, width = bands_gmem[BAND_FIRST, span_row], bands_gmem[BAND_WIDTH, span_row]
+            """Work item -> (row tile, column tile) in schedule.row_tile_bands's order: row tiles fastest within a
+            band."""
+            tile_row = lin // n_tiles  # a row tile of lin's band (row_tile_bands's docstring)
+            first, width = bands_gmem[BAND_FIRST, tile_row], bands_gmem[BAND_WIDTH, tile_row]
             within = lin - first * n_tiles
             ni = within // width
-            ni = jnp.where(bands_gmem[BAND_REVERSED, span_row] != 0, n_tiles - 1 - ni, ni)
+            ni = jnp.where(bands_gmem[BAND_REVERSED, tile_row] != 0, n_tiles - 1 - ni, ni)
             return first + within % width, ni
-
-        if_real = functools.partial(pipe.unless_phantom, cluster)
 
         @pl.when(wg == num_wgs)
         def _producer():
             plgpu.set_max_registers(pipe.PRODUCER_REGISTERS, action="decrease")
 
             def load_tile(info, carry):
-                _, ni, entry, steps, shared = tile_of(info.index[0])
-                # A zero tile in a span with real ones runs the steps too; any weights will do for it.
-                group = jnp.maximum(tiles_gmem[TILE_GROUP, entry], 0)
-                row0 = pl.multiple_of(tiles_gmem[TILE_ROW, entry], ROW_ALIGN)
+                mi, ni, steps = tile_of(info.index[0])
+                group = tiles_gmem[TILE_GROUP, mi]
+                row0 = pl.multiple_of(tiles_gmem[TILE_ROW, mi], ROW_ALIGN)
 
                 def load(k, slot):
                     ks, ns = pl.ds(k * bk, bk), pl.ds(ni * bn, bn)
                     w_block = w_gmem.at[group, ns, ks] if w_transposed else w_gmem.at[group, ks, ns]
                     if gathered:
-                        load_weights(w_block, slot)
+                        plgpu.copy_gmem_to_smem(w_block, w_smem.at[slot], produced.at[slot])
                         gather.load_rows(
                             x_gmem,
                             row_tokens_gmem,
@@ -301,19 +275,6 @@ def grouped_matmul_rows(
                         )
                     else:
                         plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(row0, bm), ks], x_smem.at[slot], produced.at[slot])
-                        load_weights(w_block, slot)
-
-                def load_weights(w_block, slot):
-                    if cluster == 1:
-                        plgpu.copy_gmem_to_smem(w_block, w_smem.at[slot], produced.at[slot])
-                        return
-
-                    @pl.when(shared)
-                    def _multicast():
-                        plgpu.copy_gmem_to_smem(w_block, w_smem.at[slot], produced.at[slot], collective_axes="cluster")
-
-                    @pl.when(jnp.logical_not(shared))
-                    def _own():
                         plgpu.copy_gmem_to_smem(w_block, w_smem.at[slot], produced.at[slot])
 
                 pipe.produce(carry, steps, stages, consumed, load)
@@ -338,7 +299,7 @@ def grouped_matmul_rows(
             plgpu.set_max_registers(pipe.compute_registers(num_wgs), action="increase")
             ring = (x_smem, w_smem, produced, consumed)
             epilogue = _epilogue(
-                epi, cfg, cols, out_dtype, wg, out_gmems, out_smem, operand_gmem, epi_scratch, ring, if_real, overlap
+                epi, cfg, cols, out_dtype, wg, out_gmems, out_smem, operand_gmem, epi_scratch, ring, overlap
             )
 
             def stores(outputs):
@@ -346,22 +307,17 @@ def grouped_matmul_rows(
                 return epilogue.stores(values, *tile)
 
             def tile_step(info, first_step, overlapped):
-                mi, ni, entry, steps, _ = tile_of(info.index[0])
-                group, row0 = tiles_gmem[TILE_GROUP, entry], tiles_gmem[TILE_ROW, entry]
-                skip, rows = tiles_gmem[TILE_SKIP, entry], tiles_gmem[TILE_ROWS, entry]
-                real = mi < num_row_tiles
+                mi, ni, steps = tile_of(info.index[0])
+                row0, skip, rows = tiles_gmem[TILE_ROW, mi], tiles_gmem[TILE_SKIP, mi], tiles_gmem[TILE_ROWS, mi]
                 # The tile's stored rows within this warpgroup's wg_m-row slice.
                 wg_first = jnp.clip(skip - wg * wg_m, 0, wg_m)
                 wg_rows = jnp.clip(skip + rows - wg * wg_m, 0, wg_m) - wg_first
                 wg_row0 = row0 + wg * wg_m
                 # A warpgroup with no rows to store skips its MMAs, unless the tile is to last as long as a full one.
-                mma_rows = rows if cfg.lockstep_tails else wg_rows
-                if cluster > 1:
-                    # No MMA for a phantom tile, or for a zero tile that runs its span's steps.
-                    mma_rows = jnp.where(real & (group != ZERO_TILE), mma_rows, 0)
+                mma_rows = rows if cfg.keep_ctas_in_step else wg_rows
                 # With the overlap an epilogue operand load that would overwrite what the previous tile's stores read
                 # runs after them.
-                prefetch = functools.partial(if_real, real, lambda: epilogue.prefetch(wg_row0, ni))
+                prefetch = functools.partial(epilogue.prefetch, wg_row0, ni)
                 if overlap and epilogue.prefetch_after_stores:
                     overlapped.append(prefetch)
                 else:
@@ -382,10 +338,9 @@ def grouped_matmul_rows(
                     return acc[...]
 
                 acc = pl.run_scoped(mma, plgpu.ACC((wg_m, bn), jnp.float32))
-                # Nothing stored for a phantom tile. The ring's slots after the tile's steps hold its epilogue
-                # operands.
-                outputs = (epilogue.prepare(acc, real), (mi, ni, wg_row0, wg_first, wg_rows, first_step + steps))
-                return steps + ring_slots, outputs, real.astype(jnp.int32)
+                # The ring's slots after the tile's steps hold its epilogue operands.
+                outputs = (epilogue.prepare(acc), (mi, ni, wg_row0, wg_first, wg_rows, first_step + steps))
+                return steps + ring_slots, outputs
 
             empty = (epilogue.empty(), (jnp.int32(0),) * 6)
             pipe.consume_tiles(work, tile_step, stores, empty, overlap)
@@ -401,7 +356,7 @@ def grouped_matmul_rows(
         pipe.epilogue_smem(num_wgs, wg_m, epi_n, out_dtype),
         # produced: the two TMA loads of a step landed (gathered rows: see sm90_gather.py)
         plgpu.Barrier(num_arrivals=gather.produced_arrivals(bm, interpret) if gathered else 2, num_barriers=stages),
-        pipe.consumed_barriers(num_wgs, stages, cluster),
+        pipe.consumed_barriers(num_wgs, stages),
     ]
     if loads_per_tile:
         # loaded[w]: consumer w's epilogue operands of its current tile landed.
@@ -419,7 +374,8 @@ def grouped_matmul_rows(
         body,
         out_type=tuple(out_types) if len(out_types) > 1 else out_types[0],
         scratch_types=scratch,
-        **grid,
+        grid=(num_sms,),
+        grid_names=("sm",),
         num_threads=num_wgs + 1,
         thread_name="wg",
         kernel_name=_kernel_name(epi, gathered),
@@ -464,7 +420,7 @@ class _EpilogueFns(NamedTuple):
 
     prefetch(wg_row0, ni): issues the TMA loads of the tile's epilogue operands that the consumer loads itself (before
       its MMAs, or, with ``prefetch_after_stores``, once the previous tile's stores no longer read the buffers).
-    prepare(acc, real) -> values: what the tile keeps after its MMAs: the backward's d_h chunks, or the forward's
+    prepare(acc) -> values: what the tile keeps after its MMAs: the backward's d_h chunks, or the forward's
       stored values, [wg_block_m, epilogue_n] arrays each. The forward's are functions computing them in their
       store's branch, except where they ride the overlapped epilogue's loop carry.
     stores(values, mi, ni, wg_row0, wg_first, wg_rows, ring_step) -> callables, run in order, that compute and store
@@ -491,7 +447,6 @@ def _epilogue(
     operand_gmem,
     scratch,
     ring,
-    if_real,
     overlap: bool,
 ) -> _EpilogueFns:
     """``ring``: the pipeline's (x_smem, w_smem, produced, consumed), for the operands it carries; ``overlap``: the
@@ -568,12 +523,12 @@ def _epilogue(
             targets.append((out_gmem, ni * (bn // 2) + f, cols // 2))
         return targets
 
-    def prepare(acc, real):
+    def prepare(acc):
         if epi.backward:
             return pipe.column_chunks(acc, epi_n)  # d_h before the row scale, f32
         scale = None
         if epi.row_scale:
-            if_real(real, lambda: plgpu.barrier_wait(loaded.at[wg]))
+            plgpu.barrier_wait(loaded.at[wg])
             scale = plgpu.load(row_scale_smem.at[wg], layout=row_vector)
         values = forward_values(acc, scale)
         # Values that ride the loop carry are computed now. Otherwise each is computed in its store's branch: its

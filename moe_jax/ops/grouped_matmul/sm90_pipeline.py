@@ -46,37 +46,8 @@ def compute_registers(num_compute_wgs: int) -> int:
     return min(256, (512 - PRODUCER_REGISTERS) // num_compute_wgs) // 8 * 8
 
 
-def cluster_grid(num_sms: int, cluster: int) -> dict:
-    """``plgpu.kernel`` arguments of a persistent grid of ``cluster``-CTA clusters (axis "sm"; "cluster" within)."""
-    if num_sms < cluster:
-        raise ValueError(f"a cluster of {cluster} CTAs needs at least as many SMs, got num_sms={num_sms}")
-    clustered = cluster > 1
-    return dict(
-        grid=(num_sms // cluster,),
-        grid_names=("sm",),
-        cluster=(cluster,) if clustered else (),
-        cluster_names=("cluster",) if clustered else (),
-    )
-
-
-def cluster_rank(cluster: int):
-    """This CTA's index within its cluster (0 without clusters)."""
-    return lax.axis_index("cluster") if cluster > 1 else 0
-
-
-def unless_phantom(cluster: int, real, f) -> None:
-    """Runs f unless the tile is a cluster span's phantom (``real`` false); without clusters there is none."""
-    if cluster > 1:
-        pl.when(real)(f)
-    else:
-        f()
-
-
-def consumed_barriers(num_wgs: int, stages: int, cluster: int):
-    """The "consumed" barrier of every pipeline buffer: all consumers released it, in every CTA of the cluster (a
-    multicast load writes the partner's buffer too)."""
-    if cluster > 1:
-        return plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=num_wgs, num_barriers=stages)
+def consumed_barriers(num_wgs: int, stages: int):
+    """The "consumed" barrier of every pipeline buffer: all consumers released it."""
     return plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages)
 
 
@@ -144,32 +115,32 @@ def consume_tiles(work, tile, stores, empty, overlap: bool) -> None:
 
     Args:
       work: the nd_loop shape of the CTA's tiles.
-      tile: ``(info, first_step, overlapped) -> (steps, outputs, active)``: runs the tile's steps (``consume``,
-        passing it ``overlapped``: the previous tile's stores, a list the tile may extend) and returns what its
-        epilogue stores; stores of a tile with ``active == 0`` do nothing.
+      tile: ``(info, first_step, overlapped) -> (steps, outputs)``: runs the tile's steps (``consume``, passing it
+        ``overlapped``: the previous tile's stores, a list the tile may extend) and returns what its epilogue stores.
       stores: ``outputs -> callables`` that store them, in order.
-      empty: outputs of the right types: the loop carry before the first tile (with ``overlap``).
+      empty: outputs of the right types: the loop carry before the first tile (with ``overlap``), never stored.
       overlap: the outputs ride the loop carry and their stores run during the next tile's first steps (the last
         tile's after the loop); otherwise each tile stores its own when its steps are done.
     """
 
-    def gated(kept):
-        outputs, active = kept
-        return [functools.partial(pl.when(active != 0), store) for store in stores(outputs)]
+    def kept_stores(kept):
+        """The stores of the carried outputs; those of ``empty`` (``pending == 0``) do nothing."""
+        outputs, pending = kept
+        return [functools.partial(pl.when(pending != 0), store) for store in stores(outputs)]
 
     def body(info, carry):
         first_step, previous = carry
-        steps, outputs, active = tile(info, first_step, gated(previous) if overlap else [])
+        steps, outputs = tile(info, first_step, kept_stores(previous) if overlap else [])
         if overlap:
-            return first_step + steps, (outputs, active)
-        for store in gated((outputs, active)):
+            return first_step + steps, (outputs, jnp.int32(1))
+        for store in stores(outputs):
             store()
         return first_step + steps, None
 
     init = (jnp.int32(0), (empty, jnp.int32(0)) if overlap else None)
     _, last = plgpu.nd_loop(work, collective_axes="sm", init_carry=init)(body)
     if overlap:
-        for store in gated(last):
+        for store in kept_stores(last):
             store()
 
 

@@ -7,19 +7,14 @@ block_m] and wgmma reads it transposed (bf16/f16 wgmma takes a transposed A from
 Work: every group owns ceil(P / block_m) * ceil(Q / block_n) output tiles, handed out round-robin over the SMs,
 largest group first (schedule.wgrad_groups); within a group the tiles follow a planar snake over (P tile, Q tile)
 (``config.grid_minor`` / ``grid_width``), so that a band of x or y blocks stays in L2 while the other operand
-streams past it once. With ``config.cluster_m == 2`` the two CTAs of a cluster compute consecutive P tiles of one
-Q tile of one group: they read the same y block at every step, which each loads half of and multicasts to both, so
-the pair reads it from L2 once (the y block is the larger operand of a 128x256 tile: 2/3 of the step's bytes). Both
-run the group's steps; a phantom second tile (an odd P tile count) only loads its half and computes and stores
-nothing.
+streams past it once.
 
 A tile's pipeline walks the group's rows in block_k chunks from the group start rounded down to 8 (the TMA row
 alignment); the first and last chunk also hold rows of the neighbouring groups, so before their MMA each consumer
 zeroes those rows of its own x columns in shared memory (``where``, not a multiply, so that NaN or Inf there cannot
 leak in). The y tile is shared by the consumers: its foreign rows are zeroed too (each consumer a share, then a
-barrier) only for a group whose table entry says one of them is not finite, since 0 * finite = 0. Measured on an
-H100 (2026-11-25, same kernel, flag forced off or on): skipping y's zeroing on finite data took qwen3-30b down's
-wgrad from 275 to 255 us and gpt-oss-120b down's from 1567 to 1214 us.
+barrier) only for a group whose table entry says one of them is not finite, since 0 * finite = 0 (zeroing them
+always makes qwen3-30b down's wgrad 8% slower and gpt-oss-120b down's 29% on an H100).
 An empty group does no MMA and writes zeros.
 
 The pipeline (producer warpgroup + consumers splitting the tile's P rows) is sm90_pipeline's. With
@@ -63,8 +58,8 @@ def grouped_matmul_wgrad(
       x: [M, P] and y: [M, Q], same dtype (bf16 or f16); M a multiple of 8, P and Q multiples of 64.
       groups: schedule.wgrad_groups(group_sizes, y, config.block_k).
       out_dtype: output dtype (accumulation is f32).
-      config: tile shapes (block_m over P, block_n over Q, block_k over rows), the tile order within a group
-        (grid_minor "m": P tiles fastest) and cluster_m; num_sms: persistent CTAs; interpret: Mosaic GPU interpreter
+      config: tile shapes (block_m over P, block_n over Q, block_k over rows) and the tile order within a group
+        (grid_minor "m": P tiles fastest); num_sms: persistent CTAs; interpret: Mosaic GPU interpreter
         params or None.
 
     Returns:
@@ -89,52 +84,39 @@ def grouped_matmul_wgrad(
     # The overlapped epilogue keeps the [wg_m, bn] output tile in registers across tiles where it fits.
     overlap = pipe.overlaps_epilogue(cfg, wg_m * bn * jnp.dtype(out_dtype).itemsize)
     p_tiles, q_tiles = pl.cdiv(p, bm), pl.cdiv(q, bn)
-    # A cluster's CTAs compute `cluster` consecutive P tiles (a "span") of one Q tile: the work items of a group are
-    # its (span, Q tile) pairs.
-    cluster = cfg.cluster_m
-    grid = pipe.cluster_grid(num_sms, cluster)
-    p_spans = pl.cdiv(p_tiles, cluster)
-    items_per_group = p_spans * q_tiles
+    items_per_group = p_tiles * q_tiles
     if cfg.grid_minor == "g":
         raise ValueError(f"wgrad tiles one group's [K, N] output: grid_minor must be 'm' or 'n', got {cfg}")
     minor_dim = 0 if cfg.grid_minor == "m" else 1
 
     def body(groups_gmem, x_gmem, y_gmem, out_gmem, x_smem, y_smem, out_smem, produced, consumed, masked):
         wg = lax.axis_index("wg")
-        cta = pipe.cluster_rank(cluster)
         work = (num_groups * items_per_group,)
 
         def tile_of(lin):
             """Linear work index -> (group, first row, rows, first chunk row, steps, p tile, q tile, whether y's
-            foreign rows are finite, whether the p tile exists: a span's phantom second tile does not)."""
+            foreign rows are finite)."""
             gi, t = lax.div(lin, items_per_group), lax.rem(lin, items_per_group)
-            span, qi = plgpu.planar_snake(t, (p_spans, q_tiles), minor_dim, cfg.grid_width)
-            pi = span * cluster + cta
+            pi, qi = plgpu.planar_snake(t, (p_tiles, q_tiles), minor_dim, cfg.grid_width)
             group = groups_gmem[GROUP_ID, gi]
             start, size = groups_gmem[GROUP_START, gi], groups_gmem[GROUP_SIZE, gi]
             box = lax.div(start, ROW_ALIGN) * ROW_ALIGN
             steps = jnp.where(size > 0, pl.cdiv(start + size - box, bk), 0).astype(jnp.int32)
             y_finite = groups_gmem[GROUP_B_FINITE, gi] != 0
-            return group, start, size, box, steps, pi, qi, y_finite, pi < p_tiles
+            return group, start, size, box, steps, pi, qi, y_finite
 
         @pl.when(wg == num_wgs)
         def _producer():
             plgpu.set_max_registers(pipe.PRODUCER_REGISTERS, action="decrease")
 
             def load_tile(info, carry):
-                _, _, _, box, steps, pi, qi, _, _ = tile_of(info.index[0])
-                # A phantom tile loads the last real tile's x block (read, never used) and its share of y.
-                x_cols = pl.ds(jnp.minimum(pi, p_tiles - 1) * bm, bm)
+                _, _, _, box, steps, pi, qi, _ = tile_of(info.index[0])
+                x_cols = pl.ds(pi * bm, bm)
 
                 def load(k, slot):
                     rows = pl.ds(pl.multiple_of(box + k * bk, ROW_ALIGN), bk)
                     plgpu.copy_gmem_to_smem(x_gmem.at[rows, x_cols], x_smem.at[slot], produced.at[slot])
-                    plgpu.copy_gmem_to_smem(
-                        y_gmem.at[rows, pl.ds(qi * bn, bn)],
-                        y_smem.at[slot],
-                        produced.at[slot],
-                        collective_axes="cluster" if cluster > 1 else None,  # multicast to the cluster's pair
-                    )
+                    plgpu.copy_gmem_to_smem(y_gmem.at[rows, pl.ds(qi * bn, bn)], y_smem.at[slot], produced.at[slot])
 
                 pipe.produce(carry, steps, stages, consumed, load)
                 return carry + steps
@@ -159,7 +141,7 @@ def grouped_matmul_wgrad(
                 return [functools.partial(store, c, chunk) for c, chunk in enumerate(chunks)]
 
             def tile_step(info, first_step, overlapped):
-                group, start, size, box, steps, pi, qi, y_finite, real = tile_of(info.index[0])
+                group, start, size, box, steps, pi, qi, y_finite = tile_of(info.index[0])
 
                 def mma(acc):
                     def issue(k, slot):
@@ -184,17 +166,13 @@ def grouped_matmul_wgrad(
                                 plgpu.barrier_arrive(masked.at[0])
                                 plgpu.barrier_wait(masked.at[0])
 
-                        def product():
-                            plgpu.wgmma(acc, x_smem.at[slot, :, wg_cols].transpose((1, 0)), y_smem.at[slot])
-
-                        pipe.unless_phantom(cluster, real, product)
+                        plgpu.wgmma(acc, x_smem.at[slot, :, wg_cols].transpose((1, 0)), y_smem.at[slot])
 
                     pipe.consume(first_step, steps, stages, produced, consumed, issue, overlapped)
                     return acc[...]
 
                 out = pl.run_scoped(mma, plgpu.ACC((wg_m, bn), jnp.float32)).astype(out_dtype)
-                # Nothing stored for a phantom tile.
-                return steps, (pipe.column_chunks(out, epi_n), (group, pi, qi)), real.astype(jnp.int32)
+                return steps, (pipe.column_chunks(out, epi_n), (group, pi, qi))
 
             empty = (pipe.empty_chunks(bn // epi_n, wg_m, epi_n, out_dtype), (jnp.int32(0),) * 3)
             pipe.consume_tiles(work, tile_step, stores, empty, overlap)
@@ -206,14 +184,15 @@ def grouped_matmul_wgrad(
         plgpu.SMEM((stages, bk, bn), in_dtype, transforms=pipe.swizzled(bn, in_dtype)),
         pipe.epilogue_smem(num_wgs, wg_m, cfg.epilogue_n, out_dtype),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # produced: the two TMA loads of a step landed
-        pipe.consumed_barriers(num_wgs, stages, cluster),
+        pipe.consumed_barriers(num_wgs, stages),
         plgpu.Barrier(num_arrivals=num_wgs, num_barriers=1),  # masked: every consumer zeroed its share
     ]
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((num_groups, p, q), out_dtype),
         scratch_types=scratch,
-        **grid,
+        grid=(num_sms,),
+        grid_names=("sm",),
         num_threads=num_wgs + 1,
         thread_name="wg",
         kernel_name="moe_gmm_wgrad",

@@ -75,9 +75,8 @@ def heuristic_config(d_model: int, dtype, kernel: str) -> Config:
 
     scatter_rows loads every chunk of its tokens before the first store, so it takes as many tokens as keep
     MAX_CHUNKS_IN_FLIGHT chunks in flight. gather_rows keeps a token's k rows in flight and handles its tokens one
-    after the other, so one token per CTA: more only makes fewer CTAs (H100, device time of the kernel alone, the
-    scatter's choice -> 1 token per CTA: qwen3 205.9 -> 201.7 µs, deepseek-v3 704.3 -> 701.3; gpt-oss 159.4-162.4
-    at 4-8 tokens -> 156.5; benchmarks/RESULTS.md, 2026-11-26 fourth session).
+    after the other, so one token per CTA: more only makes fewer CTAs (0.4-4% slower on an H100 at the qwen3,
+    deepseek-v3 and gpt-oss shapes).
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")

@@ -61,21 +61,16 @@ class Config:
 
 # The largest E tested on the device (E = 512, k = 16, chunked); "pallas" takes up to this many experts.
 MAX_EXPERTS = 512
-# Where "auto" takes the kernel: route (kernel + XLA's end of the counting sort) against XLA's route, device time at
-# T = 16384 on an H100 with the looped kernel (bd631fd): 4.8x at E = 160 (k 6), 3.4x at E = 256 (softmax, k 8), 2.4x
-# at E = 384 (k 8, three chunks), 2.0x / 1.8x at E = 512 with k = 8 / 10, 0.70x at E = 512 with k = 16; with the
-# chunks' candidates selected by the same looped rounds (2026-11-25): 2.7x at E = 384, 2.2x at E = 512 / k = 10 and
-# 1.02x at E = 512 / k = 16 (a tie, left to XLA); docs/kernels/routing.md. Up to MAX_EXPERTS_AUTO_ANY_K experts every
-# k that chunks takes the kernel (1.2x at E = 384 before the loops); past it, up to MAX_TOP_K_AUTO_WIDE.
+# Where "auto" takes the kernel: route (kernel + XLA's end of the counting sort) runs 2-5x faster than XLA's route up
+# to E = 384 at every k that chunks, and at E = 512 up to k = MAX_TOP_K_AUTO_WIDE (2.2x at k = 10); at E = 512 and
+# k = 16 the two tie, which is left to XLA (T = 16384, H100; docs/kernels/routing.md).
 MAX_EXPERTS_AUTO = 512
 MAX_EXPERTS_AUTO_ANY_K = 384
 MAX_TOP_K_AUTO_WIDE = 10
 # Past this many (padded) experts the kernel splits the expert axis into chunks: a [64, 128] f32 tile is 64
-# registers per thread, and the tiles of one chunk fit; the whole row of 384 experts spilled 26 KB per thread, and the
-# whole row of 256 ran at 255 registers. Kernel alone, T = 16384, H200 (2026-11-26, RESULTS.md), whole row against
-# chunks: E 128 softmax k 8 22.8 µs against 27.5 (chunks of 64); E 192 49.8 against 40.0 (64); E 256 softmax 58.2
-# against 46.7 (128); E 256 sigmoid, 8 groups / top 4, bias 77.5 against 60.0 (128). That is with the logits in L2:
-# the chunks read them again in every pass, and in the routing glue or the layer (logits from HBM) they saved 0-5 µs.
+# registers per thread, and the tiles of one chunk fit, while a whole row of 256 experts runs at 255 registers and
+# one of 384 spills. The kernel alone (T = 16384, H200, logits in L2) runs about 20% faster in chunks at E = 192 / 256
+# and 21% slower at E = 128, where the whole row fits.
 CHUNK_PAST_EXPERTS = 128
 CHUNK_EXPERTS = 128
 # backend "auto" takes the kernel up to this many experts whatever k (the whole row where k is too large to chunk).
@@ -90,10 +85,9 @@ def kernel_statistics(score: str) -> bool:
     sums of probs); else ``route`` computes them in XLA from the logits and probs, as the reference does.
 
     Softmax routers take them from the kernel, where logsumexp is the softmax's own max and sum: at qwen3-30b-a3b's
-    router (E 128) the kernel took 24.8-24.9 µs against 23.4-23.6 and the routing glue (route + permute + combine +
-    aux losses) 466.5-467.0 µs against 475.2-476.2 (H100, 2026-11-26). A sigmoid router needs a max and an exp per
-    logit more: at deepseek-v3's (E 256 in chunks) the kernel took 101 µs against 80, as long as XLA's two
-    reductions (22 µs).
+    router (E 128, H100) the kernel runs 6% longer and the routing glue (route + permute + combine + aux losses) 2%
+    shorter. A sigmoid router needs a max and an exp per logit more, which costs the kernel (deepseek-v3's, E 256 in
+    chunks) as long as XLA's two reductions take.
     """
     return score == "softmax"
 
@@ -104,9 +98,9 @@ def supports(num_experts: int) -> bool:
 
 
 def prefers_kernel(num_experts: int, top_k: int, num_groups: int) -> bool:
-    """Whether backend "auto" routes with the kernel: where it measured faster than XLA, i.e. up to
+    """Whether backend "auto" routes with the kernel: where it runs faster than XLA, i.e. up to
     MAX_WHOLE_ROW_EXPERTS (whole row or chunks), and chunks up to MAX_EXPERTS_AUTO_ANY_K experts, or up to
-    MAX_EXPERTS_AUTO with k at most MAX_TOP_K_AUTO_WIDE (a whole row of 384 experts was 0.64x XLA's route)."""
+    MAX_EXPERTS_AUTO with k at most MAX_TOP_K_AUTO_WIDE (a whole row of 384 experts runs 0.64x as fast as XLA's)."""
     config = heuristic_config(num_experts, top_k, num_groups)
     if config.padded_experts <= MAX_WHOLE_ROW_EXPERTS:
         return True

@@ -5,7 +5,7 @@ here an exclusive cumsum of the [T/64, E] histogram (tiny) gives every block's f
 ``position = first[block, expert] + rank`` is the stable expert-sorted row of each assignment (``Routing.positions``).
 ``sort_indices`` is its inverse: one XLA scatter of T * k int32, no argsort.
 
-Where it measured faster (``config.kernel_statistics``: softmax routers) the kernel also returns what the aux losses
+Where that is faster (``config.kernel_statistics``: softmax routers) the kernel also returns what the aux losses
 average, so that they need no pass over [T, E] of their own: each token's logsumexp (``Routing.logsumexp``, the
 z-loss's) and per-block column sums of probs, of which the mean over tokens (``Routing.mean_probs``, the
 load-balancing loss's) is a sum over T / 64 rows here. Elsewhere XLA computes both from the logits and probs.
