@@ -93,15 +93,18 @@ def test_compute_dtype():
 
 
 def test_aux_values_are_sown_and_captured():
-    """The sown MoEAux against the oracle's: expert counts exactly, the losses to f32 rounding (1e-5)."""
-    model = _moe()
+    """The sown MoEAux against the oracle's: expert counts exactly, the losses to f32 rounding (1e-5). With a balancing
+    bias, which moves the selection (so the counts) and never the scores the load-balancing loss averages."""
+    model = _moe(balance_bias=True)
+    bias = np.linspace(-0.3, 0.3, 6, dtype=np.float32)
+    model.router.bias[...] = jnp.asarray(bias)
     x = jax.random.normal(jax.random.key(3), (10, 16))
     _, intermediates = nnx.capture(model, nnx.Intermediate)(x)
     (aux,) = intermediates["moe_aux"].get_value()
     assert isinstance(aux, moe_jax.MoEAux)
     assert int(aux.expert_counts.sum()) == 20
     assert float(aux.load_balancing_loss) > 0 and float(aux.z_loss) > 0
-    _, expected = oracle.moe_ffn(*_oracle_arrays(model, x), top_k=2)
+    _, expected = oracle.moe_ffn(*_oracle_arrays(model, x), top_k=2, bias=bias)
     np.testing.assert_array_equal(aux.expert_counts, expected["expert_counts"])
     np.testing.assert_allclose(aux.load_balancing_loss, expected["load_balancing_loss"], rtol=1e-5)
     np.testing.assert_allclose(aux.z_loss, expected["z_loss"], rtol=1e-5)
