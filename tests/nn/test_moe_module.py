@@ -148,11 +148,16 @@ def test_gradients_reach_every_parameter():
     ``moe_ffn_gradients``, the shared expert's as those of a layer of one expert (k = 1, every weight 1)."""
     model = _moe(num_shared_experts=1)
     x = jax.random.normal(jax.random.key(5), (12, 16))
-    grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(model)
+
+    def loss(model):
+        y = model(x)
+        return jnp.sum(y**2), y
+
+    grads, y = nnx.grad(loss, has_aux=True)(model)
     for path, grad in nnx.to_flat_state(grads):
         assert float(jnp.abs(grad[...]).sum()) > 0, path
 
-    cotangent = 2 * np.asarray(model(x), np.float64)  # of sum(y^2); y itself is checked against the oracle above
+    cotangent = 2 * np.asarray(y, np.float64)  # of sum(y^2); y itself is checked against the oracle above
     routed = oracle.moe_ffn_gradients(*_oracle_arrays(model, x), cotangent, top_k=2, load_balancing_weight=0.0)
     shared_weights = (_gate_up_halves(model.shared.w_gate_up[...]), np.asarray(model.shared.w_down[...]))
     one_expert_router = np.zeros((16, 1))
