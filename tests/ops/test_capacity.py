@@ -23,6 +23,7 @@ from flax import nnx
 
 import moe_jax
 from moe_jax._core import testing as oracle
+from moe_jax.ops.grouped_matmul.packing import gate_up_block
 
 TOL = 1e-5
 T, D, F, E, K = 16, 8, 4, 4, 2
@@ -125,7 +126,7 @@ def test_nn_moe_forward_and_gradients_match_the_oracle():
         return jnp.sum(y * cotangent) + aux.load_balancing_loss + 0.1 * aux.z_loss, (y, aux)
 
     (param_grads, d_x), (y, aux) = nnx.grad(objective, argnums=(0, 1), has_aux=True)(model, jnp.asarray(inputs["x"]))
-    packed = moe_jax.PackedGateUp(param_grads.w_gate_up[...], moe_jax.nn.moe.gate_up_block(F))
+    packed = moe_jax.PackedGateUp(param_grads.w_gate_up[...], gate_up_block(F))
     grads = dict(
         x=d_x,
         router_kernel=param_grads.router.kernel[...],
