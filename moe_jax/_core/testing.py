@@ -151,15 +151,42 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
 
 
 def capacity_keep(experts, selected_scores, capacity: int) -> np.ndarray:
-    """[T, k] bool: per expert, the ``capacity`` assignments of highest score (ties: lower assignment index)."""
+    """[T, k] bool: an assignment is kept when fewer than ``capacity`` assignments to its expert outrank it.
+
+    Assignment b outranks a (flat index ``t * k + j``) when its score is higher, or equal with b < a: so of tied
+    scores across the cut the later assignment is dropped.
+    """
     flat_experts = np.asarray(experts).reshape(-1)
     flat_scores = np.asarray(selected_scores, np.float64).reshape(-1)
+    index = np.arange(flat_experts.size)
     keep = np.zeros(flat_experts.size, bool)
-    for expert in np.unique(flat_experts):
-        members = np.flatnonzero(flat_experts == expert)
-        ranked = sorted(members, key=lambda a: (-flat_scores[a], a))
-        keep[ranked[:capacity]] = True
+    for a in index:
+        higher = (flat_scores > flat_scores[a]) | ((flat_scores == flat_scores[a]) & (index < a))
+        keep[a] = np.sum(higher & (flat_experts == flat_experts[a])) < capacity
     return keep.reshape(np.shape(experts))
+
+
+def capacity_rows(experts, keep, num_experts: int) -> tuple[np.ndarray, np.ndarray, set[int]]:
+    """(group_sizes [E], kept [sum(group_sizes)] assignment indices in expert-sorted order, the set of dropped
+    assignments) of a [T, k] selection and its [T, k] ``keep``: per expert, its kept assignments by increasing index."""
+    flat_experts = np.asarray(experts).reshape(-1)
+    flat_keep = np.asarray(keep).reshape(-1)
+    kept = [a for e in range(num_experts) for a in range(flat_experts.size) if flat_experts[a] == e and flat_keep[a]]
+    group_sizes = np.array([np.sum((flat_experts == e) & flat_keep) for e in range(num_experts)])
+    return group_sizes, np.array(kept, np.int64), {int(a) for a in np.flatnonzero(~flat_keep)}
+
+
+def capacity_factor_splitting(experts, selected_scores, tied, num_experts: int) -> float:
+    """A capacity factor whose cut runs through ``tied``: flat assignment indices (``t * k + j``) to one expert with
+    bit-equal scores (e.g. the same slot of equal tokens). Its capacity keeps the first half of them and drops the
+    rest, so which of tied assignments a capacity keeps shows in the output."""
+    flat_experts = np.asarray(experts).reshape(-1)
+    flat_scores = np.asarray(selected_scores).reshape(-1)
+    expert, score = flat_experts[tied[0]], flat_scores[tied[0]]
+    if len(tied) < 2 or np.any(flat_experts[tied] != expert) or np.any(flat_scores[tied] != score):
+        raise ValueError(f"assignments {list(tied)} are not two or more exact ties at one expert")
+    capacity = int(np.sum((flat_experts == expert) & (flat_scores > score))) + len(tied) // 2
+    return (capacity - 0.5) * num_experts / flat_experts.size
 
 
 # ---------------------------------------------------------------------------------------------------------- matmul
@@ -202,34 +229,130 @@ def grouped_matmul(lhs, rhs, group_sizes, *, activation=None, row_scale=None, tr
     return out
 
 
-def moe_ffn(x, router_kernel, w_gate_up, w_down, *, top_k, activation="swiglu", capacity_factor=None, **routing):
-    """Returns (y [T, D], dict(load_balancing_loss, z_loss, expert_counts)), token by token."""
-    x = np.asarray(x, np.float64)
-    logits = x @ np.asarray(router_kernel, np.float64)
+def _layer_routing(x, router_kernel, top_k, capacity_factor, routing) -> tuple[np.ndarray, dict, np.ndarray]:
+    """(logits [T, E], ``route``'s dict, keep [T, k]) of one layer; logits token by token, so equal tokens get
+    bit-equal logits (and so tie exactly, as they do in the layer)."""
+    router_kernel = np.asarray(router_kernel, np.float64)
+    logits = np.stack([token @ router_kernel for token in x])
     routed = route(logits, top_k, **routing)
     num_tokens, num_experts = logits.shape
     keep = np.ones((num_tokens, top_k), bool)
     if capacity_factor is not None:
         capacity = expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
         keep = capacity_keep(routed["experts"], routed["selected_scores"], capacity)
+    return logits, routed, keep
+
+
+def _expert_tokens(routed, keep, expert) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, their weights): the tokens whose kept assignments go to ``expert`` (each token at most once)."""
+    tokens, slots = np.nonzero((routed["experts"] == expert) & keep)
+    return tokens, routed["weights"][tokens, slots]
+
+
+def moe_ffn(x, router_kernel, w_gate_up, w_down, *, top_k, activation="swiglu", capacity_factor=None, **routing):
+    """Returns (y [T, D], dict(load_balancing_loss, z_loss, expert_counts, keep [T, k])): expert by expert over the
+    tokens each one keeps, no permutation."""
+    x = np.asarray(x, np.float64)
+    logits, routed, keep = _layer_routing(x, router_kernel, top_k, capacity_factor, routing)
     w_gate_up = np.asarray(w_gate_up, np.float64)
     w_down = np.asarray(w_down, np.float64)
     half = w_gate_up.shape[2] // 2
     y = np.zeros_like(x)
-    for t in range(num_tokens):
-        for j in range(top_k):
-            if not keep[t, j]:
-                continue
-            e = routed["experts"][t, j]
-            gate_up = x[t] @ w_gate_up[e]
-            hidden = gated_activation(gate_up[:half], gate_up[half:], activation)
-            y[t] += routed["weights"][t, j] * (hidden @ w_down[e])
+    for e in range(logits.shape[1]):
+        tokens, weights = _expert_tokens(routed, keep, e)
+        gate_up = x[tokens] @ w_gate_up[e]
+        hidden = gated_activation(gate_up[:, :half], gate_up[:, half:], activation)
+        y[tokens] += weights[:, None] * (hidden @ w_down[e])
     aux = dict(
         load_balancing_loss=load_balancing_loss(routed["probs"], routed["experts"]),
         z_loss=z_loss(logits),
         expert_counts=routed["group_sizes"],
+        keep=keep,
     )
     return y, aux
+
+
+def _gated_activation_partials(gate, up, activation: str, step: float = 1e-6) -> tuple[np.ndarray, np.ndarray]:
+    """(d h / d gate, d h / d up) elementwise, by central differences in float64 (error about 1e-10 relative)."""
+
+    def difference(plus, minus):
+        return (gated_activation(*plus, activation) - gated_activation(*minus, activation)) / (2 * step)
+
+    return difference((gate + step, up), (gate - step, up)), difference((gate, up + step), (gate, up - step))
+
+
+def moe_ffn_gradients(
+    x,
+    router_kernel,
+    w_gate_up,
+    w_down,
+    cotangent,
+    *,
+    top_k,
+    activation="swiglu",
+    capacity_factor=None,
+    load_balancing_weight=1.0,
+    z_loss_weight=0.0,
+    score="softmax",
+    renormalize=True,
+    scale=1.0,
+    **routing,
+) -> dict[str, np.ndarray]:
+    """Gradients of ``sum(y * cotangent) + load_balancing_weight * lb + z_loss_weight * z`` of ``moe_ffn``: dict(x,
+    router_kernel, w_gate_up [E, D, 2F] as [gate | up], w_down), float64.
+
+    The chain rule written out expert by expert, the selection (experts, capacity drops, the load-balancing loss's
+    shares f) held constant as autodiff holds a top-k: a dropped assignment contributes nothing. The GLU's partial
+    derivatives by central differences of ``gated_activation``.
+    """
+    x, router_kernel, w_gate_up, w_down, cotangent = (
+        np.asarray(a, np.float64) for a in (x, router_kernel, w_gate_up, w_down, cotangent)
+    )
+    logits, routed, keep = _layer_routing(
+        x, router_kernel, top_k, capacity_factor, dict(score=score, renormalize=renormalize, scale=scale, **routing)
+    )
+    num_tokens, num_experts = logits.shape
+    half = w_gate_up.shape[2] // 2
+    d_x, d_w_gate_up, d_w_down = np.zeros_like(x), np.zeros_like(w_gate_up), np.zeros_like(w_down)
+    d_weights = np.zeros(routed["weights"].shape)
+    for e in range(num_experts):
+        tokens, weights = _expert_tokens(routed, keep, e)
+        gate_up = x[tokens] @ w_gate_up[e]
+        gate, up = gate_up[:, :half], gate_up[:, half:]
+        hidden = gated_activation(gate, up, activation)
+        d_weights[(routed["experts"] == e) & keep] = np.sum(cotangent[tokens] * (hidden @ w_down[e]), -1)
+        d_out = weights[:, None] * cotangent[tokens]
+        d_w_down[e] = hidden.T @ d_out
+        d_gate, d_up = _gated_activation_partials(gate, up, activation)
+        d_hidden = d_out @ w_down[e].T
+        d_gate_up = np.concatenate([d_hidden * d_gate, d_hidden * d_up], axis=1)
+        d_w_gate_up[e] = x[tokens].T @ d_gate_up
+        d_x[tokens] += d_gate_up @ w_gate_up[e].T
+    # weights = scale * selected (/ sum(selected) with renormalize): back to the [T, E] scores.
+    expert_scores = scores(logits, score)
+    selected = np.take_along_axis(expert_scores, routed["experts"], axis=1)
+    d_selected = scale * d_weights
+    if renormalize:
+        total = selected.sum(1, keepdims=True)
+        d_selected = scale * (d_weights / total - np.sum(d_weights * selected, 1, keepdims=True) / total**2)
+    d_scores = np.zeros_like(expert_scores)
+    np.put_along_axis(d_scores, routed["experts"], d_selected, axis=1)  # a token's experts are distinct
+    # load_balancing_loss = E * sum_e f_e * mean_t probs[t, e], probs the scores (divided by their sum for sigmoid).
+    share = routed["group_sizes"] / (num_tokens * top_k)
+    d_probs = np.broadcast_to(load_balancing_weight * num_experts * share / num_tokens, expert_scores.shape)
+    if score == "softmax":
+        d_scores += d_probs
+        d_logits = expert_scores * (d_scores - np.sum(d_scores * expert_scores, 1, keepdims=True))
+    else:
+        total = expert_scores.sum(1, keepdims=True)
+        d_scores += (d_probs - np.sum(d_probs * expert_scores / total, 1, keepdims=True)) / total
+        d_logits = d_scores * expert_scores * (1.0 - expert_scores)
+    # z_loss = mean_t logsumexp(logits_t)^2, and d logsumexp / d logits is the softmax.
+    peak = logits.max(1, keepdims=True)
+    log_normaliser = peak + np.log(np.sum(np.exp(logits - peak), 1, keepdims=True))
+    d_logits += z_loss_weight * 2.0 * log_normaliser / num_tokens * scores(logits, "softmax")
+    d_x += d_logits @ router_kernel.T
+    return dict(x=d_x, router_kernel=x.T @ d_logits, w_gate_up=d_w_gate_up, w_down=d_w_down)
 
 
 # ------------------------------------------------------------------------------------------- grouped matmul, at scale

@@ -23,16 +23,19 @@ def _gate_up_halves(w_gate_up) -> np.ndarray:
     return np.asarray(moe_jax.unpack_gate_up(packed))
 
 
-def _routed_oracle(model, x, **options) -> np.ndarray:
-    """The NumPy oracle's routed-expert output [T, D] for [T, D] tokens x under the module's parameters."""
-    expected, _ = oracle.moe_ffn(
+def _oracle_arrays(model, x) -> list[np.ndarray]:
+    """(x, router kernel, [gate | up] weights, down weights) as the oracle takes them."""
+    return [
         np.asarray(x),
         np.asarray(model.router.kernel[...]),
         _gate_up_halves(model.w_gate_up[...]),
         np.asarray(model.w_down[...]),
-        top_k=model.router.top_k,
-        **options,
-    )
+    ]
+
+
+def _routed_oracle(model, x, **options) -> np.ndarray:
+    """The NumPy oracle's routed-expert output [T, D] for [T, D] tokens x under the module's parameters."""
+    expected, _ = oracle.moe_ffn(*_oracle_arrays(model, x), top_k=model.router.top_k, **options)
     return expected
 
 
@@ -90,13 +93,21 @@ def test_compute_dtype():
 
 
 def test_aux_values_are_sown_and_captured():
-    model = _moe()
+    """The sown MoEAux against the oracle's: expert counts exactly, the losses to f32 rounding (1e-5). With a balancing
+    bias, which moves the selection (so the counts) and never the scores the load-balancing loss averages."""
+    model = _moe(balance_bias=True)
+    bias = np.linspace(-0.3, 0.3, 6, dtype=np.float32)
+    model.router.bias[...] = jnp.asarray(bias)
     x = jax.random.normal(jax.random.key(3), (10, 16))
     _, intermediates = nnx.capture(model, nnx.Intermediate)(x)
     (aux,) = intermediates["moe_aux"].get_value()
     assert isinstance(aux, moe_jax.MoEAux)
     assert int(aux.expert_counts.sum()) == 20
     assert float(aux.load_balancing_loss) > 0 and float(aux.z_loss) > 0
+    _, expected = oracle.moe_ffn(*_oracle_arrays(model, x), top_k=2, bias=bias)
+    np.testing.assert_array_equal(aux.expert_counts, expected["expert_counts"])
+    np.testing.assert_allclose(aux.load_balancing_loss, expected["load_balancing_loss"], rtol=1e-5)
+    np.testing.assert_allclose(aux.z_loss, expected["z_loss"], rtol=1e-5)
 
 
 def test_optax_step_under_nnx_jit_lowers_the_loss_and_leaves_the_bias_alone():
@@ -116,21 +127,53 @@ def test_optax_step_under_nnx_jit_lowers_the_loss_and_leaves_the_bias_alone():
         (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
         optimizer.update(model, grads)
         model.update_bias(aux.expert_counts, 1e-3)
-        return loss
+        return loss, aux.expert_counts
 
-    losses = [float(train_step(model, optimizer)) for _ in range(8)]
+    losses, expected_bias = [], np.zeros(6)
+    for _ in range(8):
+        loss, counts = train_step(model, optimizer)
+        losses.append(float(loss))
+        # Over-loaded experts (more than the mean count) lowered by the rate, under-loaded ones raised.
+        counts = np.asarray(counts)
+        expected_bias += 1e-3 * np.sign(counts.mean() - counts)
     assert losses[-1] < losses[0]
     # Only the balancing rule moved the bias: 8 steps of +-1e-3 at most.
     bias = np.asarray(model.router.bias[...])
     assert np.abs(bias).max() <= 8e-3 + 1e-9 and np.abs(bias).max() > 0
+    np.testing.assert_allclose(bias, expected_bias, atol=1e-7)
 
 
 def test_gradients_reach_every_parameter():
+    """The gradients of sum(y^2) against the oracle's at f32 rounding (1e-5): the router's and the routed experts' by
+    ``moe_ffn_gradients``, the shared expert's as those of a layer of one expert (k = 1, every weight 1)."""
     model = _moe(num_shared_experts=1)
     x = jax.random.normal(jax.random.key(5), (12, 16))
-    grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(model)
+
+    def loss(model):
+        y = model(x)
+        return jnp.sum(y**2), y
+
+    grads, y = nnx.grad(loss, has_aux=True)(model)
     for path, grad in nnx.to_flat_state(grads):
         assert float(jnp.abs(grad[...]).sum()) > 0, path
+
+    cotangent = 2 * np.asarray(y, np.float64)  # of sum(y^2); y itself is checked against the oracle above
+    routed = oracle.moe_ffn_gradients(*_oracle_arrays(model, x), cotangent, top_k=2, load_balancing_weight=0.0)
+    shared_weights = (_gate_up_halves(model.shared.w_gate_up[...]), np.asarray(model.shared.w_down[...]))
+    one_expert_router = np.zeros((16, 1))
+    shared = oracle.moe_ffn_gradients(
+        np.asarray(x), one_expert_router, *shared_weights, cotangent, top_k=1, load_balancing_weight=0.0
+    )
+    expected = {
+        ("router", "kernel"): routed["router_kernel"],
+        ("w_gate_up",): routed["w_gate_up"],
+        ("w_down",): routed["w_down"],
+        ("shared", "w_gate_up"): shared["w_gate_up"],
+        ("shared", "w_down"): shared["w_down"],
+    }
+    for path, grad in nnx.to_flat_state(grads):
+        actual = _gate_up_halves(grad[...]) if path[-1] == "w_gate_up" else grad[...]
+        assert oracle.relative_error(actual, expected[path]) < 1e-5, path
 
 
 def test_update_balancing_biases_reaches_nested_layers():
@@ -147,8 +190,11 @@ def test_update_balancing_biases_reaches_nested_layers():
     x = jax.random.normal(jax.random.key(7), (20, 16))
     _, intermediates = nnx.capture(model, nnx.Intermediate)(x)
     moe_jax.nn.update_balancing_biases(model, intermediates, 0.5)
-    for layer in model.layers:
+    for i, layer in enumerate(model.layers):
         assert np.abs(np.asarray(layer.router.bias[...])).max() == pytest.approx(0.5)
+        (aux,) = intermediates["layers"][i]["moe_aux"].get_value()
+        counts = np.asarray(aux.expert_counts)  # over-loaded experts lowered, under-loaded ones raised
+        np.testing.assert_array_equal(layer.router.bias[...], 0.5 * np.sign(counts.mean() - counts))
 
 
 def test_router_module_returns_a_routing():

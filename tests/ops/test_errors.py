@@ -1,7 +1,5 @@
 """Bad input fails at trace time with ValueError / TypeError naming the argument and what was expected."""
 
-import re
-
 import jax
 import jax.numpy as jnp
 import pytest
@@ -151,11 +149,6 @@ def test_bad_input_is_rejected_at_trace_time(name):
     with pytest.raises(error, match=message):
         # Under a trace: the check must fire on abstract values, before any computation.
         jax.eval_shape(call)
-
-
-def test_there_are_at_least_twenty_distinct_bad_inputs():
-    assert len(BAD_INPUTS) >= 20
-    assert len({re.sub(r"\W", "", message) for _, _, message in BAD_INPUTS.values()}) >= 20
 
 
 def test_pallas_backend_without_a_kernel_names_the_op_and_the_reason():

@@ -269,12 +269,15 @@ def test_jax_grad_through_gated_activation_and_row_scale(activation):
     def loss(backend):
         def fn(a, b, scale):
             out = moe_jax.grouped_matmul(a, b, group_sizes, activation=activation, row_scale=scale, backend=backend)
-            return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
+            return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.size).reshape(out.shape))), out
 
-        return jax.grad(fn, argnums=(0, 1, 2))(lhs, rhs, row_scale)
+        return jax.grad(fn, argnums=(0, 1, 2), has_aux=True)(lhs, rhs, row_scale)
 
-    kernel = loss("pallas")
-    for actual, exact in zip(kernel, loss("xla"), strict=True):
+    kernel, kernel_out = loss("pallas")
+    # The forward the gradient's residuals come from, against the float64 oracle.
+    exact_out = oracle.grouped_matmul(lhs, rhs, sizes, activation=activation, row_scale=row_scale)
+    assert oracle.relative_error(kernel_out, exact_out) < BF16_OUT_TOL
+    for actual, exact in zip(kernel, loss("xla")[0], strict=True):
         assert oracle.relative_error(actual, exact) < GLU_GRAD_TOL
     np.testing.assert_array_equal(np.asarray(kernel[0], np.float32)[sum(sizes) :], 0.0)  # rows past the sum
 

@@ -1,4 +1,4 @@
-"""The composed layer (backend "xla") against a token-by-token NumPy float64 oracle; jit-once; gradients."""
+"""The composed layer (backend "xla") against the NumPy float64 oracle; jit-once; gradients."""
 
 import jax
 import jax.numpy as jnp

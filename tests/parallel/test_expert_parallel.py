@@ -1,4 +1,4 @@
-"""moe_ffn_expert_parallel against moe_ffn on one device (the oracle), on meshes of virtual CPU devices."""
+"""moe_ffn_expert_parallel against the float64 oracle and moe_ffn on one device, on meshes of virtual CPU devices."""
 
 import json
 import os
@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import AxisType
 
 import moe_jax
+from moe_jax._core import testing as oracle
 from moe_jax.parallel.expert_parallel import local_expert_rows, moe_ffn_expert_parallel
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -41,22 +42,31 @@ def test_local_expert_rows_puts_each_shards_rows_first(num_shards):
 MESH_SCRIPT = """
 import json, sys
 import jax, jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType
 import moe_jax
+from moe_jax._core import testing as oracle
 from moe_jax.parallel.expert_parallel import moe_ffn_expert_parallel
 
 T, D, F, E = 64, 32, 16, 8
+COPIES = [3, 17, 40, 41]  # token 3 repeated exactly: the capacity case cuts through their tie
 keys = jax.random.split(jax.random.key(int(sys.argv[1])), 6)
-x = jax.random.normal(keys[0], (T, D))
-router = jax.random.normal(keys[1], (D, E)) * D**-0.5
+# x on a grid of 1/8, the router kernel on one of 1/64: exact logits in f32, so the copies tie on every device.
+x = jnp.round(jax.random.normal(keys[0], (T, D)) * 8) / 8
+x = x.at[jnp.asarray(COPIES)].set(x[COPIES[0]])
+router = jnp.round(jax.random.normal(keys[1], (D, E)) * D**-0.5 * 64) / 64
 w_gate_up = jax.random.normal(keys[2], (E, D, 2 * F)) * D**-0.5
 w_down = jax.random.normal(keys[3], (E, F, D)) * F**-0.5
 bias = jax.random.normal(keys[4], (E,)) * 0.1
 cotangent = jax.random.normal(keys[5], (T, D))
+routed = oracle.route(np.asarray(x, np.float64) @ np.asarray(router, np.float64), 2)
+tie_split = oracle.capacity_factor_splitting(routed["experts"], routed["selected_scores"], [c * 2 for c in COPIES], E)
+capacity = oracle.expert_capacity(T, 2, E, tie_split)
+copies_kept = oracle.capacity_keep(routed["experts"], routed["selected_scores"], capacity)[COPIES, 0].tolist()
 CASES = {
     "softmax": dict(top_k=2, activation="swiglu"),
     "grouped_sigmoid_bias": dict(top_k=3, score="sigmoid", num_groups=4, top_groups=2, bias=bias, activation="geglu"),
-    "capacity": dict(top_k=2, capacity_factor=0.6, activation="gpt_oss"),
+    "capacity": dict(top_k=2, capacity_factor=tie_split, activation="gpt_oss"),
 }
 
 
@@ -71,21 +81,32 @@ def results(layer, options):
     return [y, aux.load_balancing_loss, aux.z_loss, aux.expert_counts, *grads]
 
 
+def exact_results(options):  # the float64 oracle's, in results' order
+    options = {k: np.asarray(v, np.float64) if k == "bias" else v for k, v in options.items()}
+    arrays = [np.asarray(a, np.float64) for a in (x, router, w_gate_up, w_down)]
+    y, aux = oracle.moe_ffn(*arrays, **options)
+    grads = oracle.moe_ffn_gradients(*arrays, np.asarray(cotangent, np.float64), z_loss_weight=0.1, **options)
+    return [y, aux["load_balancing_loss"], aux["z_loss"], aux["expert_counts"], *grads.values()]
+
+
 def error(expected, actual):
     expected, actual = jnp.asarray(expected, jnp.float32), jnp.asarray(actual, jnp.float32)
     return float(jnp.max(jnp.abs(actual - expected)) / jnp.maximum(jnp.max(jnp.abs(expected)), 1e-30))
 
 
-report = {}
+report, exact_report = {}, {}
 for name, options in CASES.items():
-    oracle = results(moe_jax.moe_ffn, options)
+    exact = exact_results(options)
+    reference = results(moe_jax.moe_ffn, options)
+    exact_report[f"{name} moe_ffn"] = [error(e, a) for e, a in zip(exact, reference, strict=True)]
     for shape, kind in (((2, 2), AxisType.Explicit), ((1, 4), AxisType.Auto), ((4, 1), AxisType.Explicit)):
         if "capacity_factor" in options and shape[0] > 1:
             continue  # the capacity is per expert-axis group: equal to moe_ffn's where one group holds the batch
         mesh = jax.make_mesh(shape, ("data", "expert"), axis_types=(kind, kind))
         with jax.set_mesh(mesh):
             got = results(moe_ffn_expert_parallel, options)
-        report[f"{name} {shape} {kind.name}"] = [error(e, a) for e, a in zip(oracle, got, strict=True)]
+        report[f"{name} {shape} {kind.name}"] = [error(e, a) for e, a in zip(reference, got, strict=True)]
+        exact_report[f"{name} {shape} {kind.name}"] = [error(e, a) for e, a in zip(exact, got, strict=True)]
 
 errors = {}
 mesh = jax.make_mesh((2, 2), ("data", "expert"), axis_types=(AxisType.Explicit,) * 2)
@@ -100,7 +121,8 @@ with jax.set_mesh(mesh):
             errors[name] = "no error"
         except ValueError as e:
             errors[name] = str(e)
-print(json.dumps({"devices": jax.device_count(), "errors": report, "messages": errors}))
+summary = {"devices": jax.device_count(), "errors": report, "exact_errors": exact_report, "messages": errors}
+print(json.dumps(summary | {"copies_kept": copies_kept}))
 """
 
 
@@ -117,14 +139,28 @@ def mesh_report():
     return report
 
 
-def test_matches_moe_ffn_on_every_mesh_shape(mesh_report):
+NAMES = ["y", "load_balancing_loss", "z_loss", "expert_counts", "d_x", "d_router", "d_w_gate_up", "d_w_down"]
+
+
+def test_matches_the_float64_oracle_on_every_mesh_shape(mesh_report):
     """y, the losses, the expert counts and the gradients of x, router and both expert weights, on (data, expert)
-    meshes (2, 2), (1, 4) and (4, 1), Explicit and Auto axes, three routings and activations, against moe_ffn on
-    one device. f32: the only differences are the order of sums (measured <= 2e-6 relative)."""
-    names = ["y", "load_balancing_loss", "z_loss", "expert_counts", "d_x", "d_router", "d_w_gate_up", "d_w_down"]
+    meshes (2, 2), (1, 4) and (4, 1), Explicit and Auto axes, three routings and activations (one with a capacity
+    that cuts through the exact tie of repeated tokens), and of moe_ffn on one device, against the float64 oracle
+    (``moe_ffn`` / ``moe_ffn_gradients``, no code shared with the layer). f32 against float64: 1e-5, the f32 layer
+    oracle test's tolerance (test_moe_ffn.py), relative to the largest entry."""
+    assert mesh_report["copies_kept"] == [True, True, False, False], "the capacity does not cut through the tie"
+    assert len(mesh_report["exact_errors"]) == 3 + 7
+    for case, errors in mesh_report["exact_errors"].items():
+        for name, error in zip(NAMES, errors, strict=True):
+            assert error <= 1e-5, f"{case}: {name} relative error {error:.2e}"
+
+
+def test_matches_moe_ffn_on_every_mesh_shape(mesh_report):
+    """As above, against moe_ffn on one device. f32: the only differences are the order of sums (measured <= 2e-6
+    relative)."""
     assert len(mesh_report["errors"]) == 7
     for case, errors in mesh_report["errors"].items():
-        for name, error in zip(names, errors, strict=True):
+        for name, error in zip(NAMES, errors, strict=True):
             assert error <= 1e-5, f"{case}: {name} relative error {error:.2e}"
 
 
@@ -139,7 +175,8 @@ def test_pallas_kernels_run_under_shard_map():
     """The Mosaic GPU kernels (interpreted) inside the shard_map, forward and gradients, on a one-device mesh.
 
     The interpreter of jax 0.11.2 keeps one global shared memory: kernels of several virtual devices at once trip
-    its barrier bookkeeping, so the multi-device meshes above run the XLA path. Oracle: moe_ffn's XLA path; bf16.
+    its barrier bookkeeping, so the multi-device meshes above run the XLA path. Against the float64 oracle and moe_ffn's
+    XLA path; bf16: relative-norm 1e-2 for both, the bf16 layer's tolerances (test_moe_ffn_pallas.py).
     """
     t, d, f, e, k = 32, 128, 64, 4, 2
     keys = jax.random.split(jax.random.key(int(np.random.default_rng().integers(1 << 30))), 5)
@@ -164,3 +201,11 @@ def test_pallas_kernels_run_under_shard_map():
     ):
         expected, actual = np.asarray(expected, np.float32), np.asarray(actual, np.float32)
         assert np.linalg.norm(actual - expected) <= 1e-2 * np.linalg.norm(expected)
+
+    arrays = [np.asarray(a, np.float64) for a in (x, router, moe_jax.unpack_gate_up(w_gate_up), w_down)]
+    exact_y, _ = oracle.moe_ffn(*arrays, top_k=k)
+    exact_grads = oracle.moe_ffn_gradients(*arrays, np.asarray(cotangent, np.float64), top_k=k)
+    actual = dict(x=actual_grads[0], w_gate_up=moe_jax.unpack_gate_up(actual_grads[1]), w_down=actual_grads[2])
+    assert oracle.relative_error(actual_y, exact_y) <= 1e-2
+    for name, value in actual.items():
+        assert oracle.relative_error(value, exact_grads[name]) <= 1e-2, name
