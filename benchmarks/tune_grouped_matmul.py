@@ -34,11 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import common
-from moe_jax._core.testing import GroupOracle
-from moe_jax.ops import shapes as shape_registry
+from benchmarks import shapes as shape_registry
 from moe_jax.ops.glu_mlp import api as glu_mlp_api
 from moe_jax.ops.grouped_matmul import api
 from moe_jax.ops.grouped_matmul.config import Config, epilogue_smem, get_config
+from tests.oracle import GroupOracle
 
 # The kernels this script drives.
 TIMED_KINDS = ("fwd", "dgrad", "wgrad", "glu_dgrad")

@@ -28,10 +28,10 @@ from jax.sharding import AxisType
 import moe_jax
 from benchmarks import common, expert_parallel
 from benchmarks.layer import make_inputs
+from benchmarks.shapes import LAYER_SHAPES
 from moe_jax.ops.glu_mlp.api import routed_glu_mlp
 from moe_jax.ops.grouped_matmul.packing import gate_up_block
 from moe_jax.ops.moe_ffn import api as moe_ffn_api
-from moe_jax.ops.shapes import LAYER_SHAPES
 
 ROUNDS = 4
 SHAPE = LAYER_SHAPES["qwen3-30b-a3b"]

@@ -3,20 +3,18 @@
 The public surface (re-exports only): ``route`` (with ``Routing``, ``apply_capacity``, ``load_balancing_loss`` and
 ``z_loss``), ``grouped_matmul`` (with ``pack_gate_up`` / ``unpack_gate_up`` / ``PackedGateUp`` for the GLU weight
 layout), ``glu_mlp``, ``permute``, ``combine``, ``moe_ffn`` (with ``MoEAux``), the Flax NNX modules in ``moe_jax.nn``
-and expert parallelism in ``moe_jax.parallel``.
+and expert parallelism in ``moe_jax.parallel``; ``configure_cpu_interpreter`` prepares a CPU host's XLA for kernels run
+under the Mosaic GPU interpreter (importing moe_jax changes no environment variable).
 """
 
-from moe_jax._core.hardware import serialize_interpreted_kernels
-
-serialize_interpreted_kernels()  # before any backend exists: see its docstring
-
-from moe_jax import nn, parallel  # noqa: E402
-from moe_jax.ops.glu_mlp.api import glu_mlp  # noqa: E402
-from moe_jax.ops.grouped_matmul.api import grouped_matmul  # noqa: E402
-from moe_jax.ops.grouped_matmul.packing import PackedGateUp, pack_gate_up, unpack_gate_up  # noqa: E402
-from moe_jax.ops.moe_ffn.api import MoEAux, moe_ffn  # noqa: E402
-from moe_jax.ops.permute.api import combine, permute  # noqa: E402
-from moe_jax.ops.routing.api import Routing, apply_capacity, load_balancing_loss, route, z_loss  # noqa: E402
+from moe_jax import nn, parallel
+from moe_jax._core.hardware import configure_cpu_interpreter
+from moe_jax.ops.glu_mlp.api import glu_mlp
+from moe_jax.ops.grouped_matmul.api import grouped_matmul
+from moe_jax.ops.grouped_matmul.packing import PackedGateUp, pack_gate_up, unpack_gate_up
+from moe_jax.ops.moe_ffn.api import MoEAux, moe_ffn
+from moe_jax.ops.permute.api import combine, permute
+from moe_jax.ops.routing.api import Routing, apply_capacity, load_balancing_loss, route, z_loss
 
 __all__ = [
     "MoEAux",
@@ -24,6 +22,7 @@ __all__ = [
     "Routing",
     "apply_capacity",
     "combine",
+    "configure_cpu_interpreter",
     "glu_mlp",
     "grouped_matmul",
     "load_balancing_loss",

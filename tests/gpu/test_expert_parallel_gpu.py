@@ -19,8 +19,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moe_jax
-from moe_jax._core.testing import relative_error
 from moe_jax.parallel import moe_ffn_expert_parallel
+from tests.oracle import relative_error
 
 pytestmark = pytest.mark.gpu
 TOL = 1e-2

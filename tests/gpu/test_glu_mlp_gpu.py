@@ -22,12 +22,12 @@ import pytest
 from flax import nnx
 
 import moe_jax
-from moe_jax._core.testing import MLPGroupOracle, random_group_sizes, relative_error
-from moe_jax.ops import shapes
+from benchmarks import shapes
 from moe_jax.ops.glu_mlp import api as glu_mlp_api
 from moe_jax.ops.grouped_matmul import config as gmm_config
 from moe_jax.ops.grouped_matmul import reference as gmm_reference
 from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, split_gate_up
+from tests.oracle import MLPGroupOracle, random_group_sizes, relative_error
 
 pytestmark = pytest.mark.gpu
 TOL = 1e-2

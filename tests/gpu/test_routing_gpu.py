@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import moe_jax
-from moe_jax._core.testing import relative_error
-from moe_jax.ops import shapes
+from benchmarks import shapes
 from moe_jax.ops.routing import reference as routing_reference
+from tests.oracle import relative_error
 
 pytestmark = pytest.mark.gpu
 

@@ -10,15 +10,13 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from jax._src.mesh import AbstractDevice
-from jax.sharding import AbstractMesh
 
 import moe_jax
-from moe_jax.ops import shapes
+from benchmarks import shapes
 from moe_jax.ops.grouped_matmul import api, config
+from tests.helpers import cuda_lowering
 
 MOSAIC_CALL = "mosaic_gpu_v2"
-H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
 
 
 def _lowered_fwd_bwd(g, m, k, n, *, transpose_rhs=False, out_dtype=jnp.bfloat16, activation=None) -> str:
@@ -39,8 +37,7 @@ def _lowered_fwd_bwd(g, m, k, n, *, transpose_rhs=False, out_dtype=jnp.bfloat16,
         return jnp.sum(out.astype(jnp.float32))
 
     step = jax.value_and_grad(loss, argnums=(0, 1))
-    with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=H200)):
-        return jax.jit(step).trace(lhs, rhs, group_sizes).lower(lowering_platforms=("cuda",)).as_text()
+    return cuda_lowering(step, lhs, rhs, group_sizes)
 
 
 def _shipped_problems():
@@ -97,6 +94,5 @@ def test_clustered_wgrad_lowers(wgrad_config):
     y = jax.ShapeDtypeStruct((32768, 5760), jnp.bfloat16)
     group_sizes = jax.ShapeDtypeStruct((128,), jnp.int32)
     wgrad = functools.partial(api.run_wgrad_kernel, out_dtype=jnp.bfloat16, config=wgrad_config)
-    with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=H200)):
-        text = jax.jit(wgrad).trace(x, y, group_sizes).lower(lowering_platforms=("cuda",)).as_text()
+    text = cuda_lowering(wgrad, x, y, group_sizes)
     assert text.count(MOSAIC_CALL) == 1

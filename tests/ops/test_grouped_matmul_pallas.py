@@ -24,8 +24,9 @@ import numpy as np
 import pytest
 
 import moe_jax
-from moe_jax._core import testing as oracle
 from moe_jax.ops.grouped_matmul import api, config, reference, schedule
+from tests import oracle
+from tests.helpers import checked_interpreter, grouped_matmul_inputs
 
 BF16_OUT_TOL = 5e-3
 F32_OUT_TOL = 1e-5
@@ -44,17 +45,14 @@ CASES = {
 
 
 def _inputs(seed, m, k, n, sizes, transpose_rhs):
-    rng = np.random.default_rng(seed)
-    lhs = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
-    rhs_shape = (len(sizes), n, k) if transpose_rhs else (len(sizes), k, n)
-    rhs = jnp.asarray(rng.normal(size=rhs_shape) / np.sqrt(k), jnp.bfloat16)
-    return lhs, rhs, jnp.asarray(sizes, jnp.int32)
+    lhs, rhs = grouped_matmul_inputs(np.random.default_rng(seed), m, k, n, len(sizes), transpose_rhs)
+    return jnp.asarray(lhs, jnp.bfloat16), jnp.asarray(rhs, jnp.bfloat16), jnp.asarray(sizes, jnp.int32)
 
 
 @pytest.fixture
 def interpret():
     """Runs the test's kernels under the checking interpreter and fails it on any detected race."""
-    with oracle.checked_interpreter():
+    with checked_interpreter():
         yield
 
 

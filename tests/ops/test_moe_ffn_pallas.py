@@ -24,12 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.mesh import AbstractDevice
-from jax.sharding import AbstractMesh
 
 import moe_jax
-from moe_jax._core import testing as oracle
-from moe_jax.ops import shapes
+from benchmarks import shapes
+from tests import oracle
+from tests.helpers import checked_interpreter, moe_layer_inputs, simulated_sms
 
 OUT_TOL = 5e-3
 GRAD_TOL = 1e-2
@@ -37,20 +36,12 @@ NUM_SMS = 2
 LAYER = dataclasses.replace(shapes.LAYER_SHAPES["ci/layer"], f=128)  # see the docstring
 
 
-def _cpu_with(num_sms: int) -> AbstractMesh:
-    return AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="cpu", num_cores=num_sms, platform="cpu"))
-
-
 def _inputs(seed: int, d: int) -> dict:
     rng = np.random.default_rng(seed)
-    t, f, e = LAYER.t, LAYER.f, LAYER.e
-    return dict(
-        x=jnp.asarray(rng.normal(size=(t, d)), jnp.bfloat16),
-        router_kernel=jnp.asarray(rng.normal(size=(d, e)) / np.sqrt(d), jnp.float32),
-        w_gate_up=jnp.asarray(rng.normal(size=(e, d, 2 * f)) / np.sqrt(d), jnp.bfloat16),
-        w_down=jnp.asarray(rng.normal(size=(e, f, d)) / np.sqrt(f), jnp.bfloat16),
-        cotangent=jnp.asarray(rng.normal(size=(t, d)), jnp.bfloat16),
-    )
+    inputs = moe_layer_inputs(rng, LAYER.t, d, LAYER.f, LAYER.e)
+    inputs["cotangent"] = rng.normal(size=(LAYER.t, d))
+    dtypes = dict(router_kernel=jnp.float32)  # as moe_jax.nn.MoE keeps it
+    return {name: jnp.asarray(value, dtypes.get(name, jnp.bfloat16)) for name, value in inputs.items()}
 
 
 def _forward_and_gradients(inputs, w_gate_up, backend, **options):
@@ -75,7 +66,7 @@ def test_moe_ffn_forward_and_gradients_match_xla(seed, d_model, activation, capa
     inputs = _inputs(seed, d_model)
     options = dict(activation=activation, capacity_factor=capacity_factor)
     w_gate_up = moe_jax.pack_gate_up(inputs["w_gate_up"]) if packed else inputs["w_gate_up"]
-    with jax.sharding.use_abstract_mesh(_cpu_with(NUM_SMS)), oracle.checked_interpreter():
+    with simulated_sms(NUM_SMS), checked_interpreter():
         (y, aux), grads = jax.block_until_ready(_forward_and_gradients(inputs, w_gate_up, "pallas", **options))
     (expected_y, expected_aux), expected_grads = _forward_and_gradients(inputs, inputs["w_gate_up"], "xla", **options)
 
