@@ -141,12 +141,12 @@ def test_gradients_match_reference(dtype, d_model):
         assert relative_error(g, e) < tol, name
 
 
-@pytest.mark.parametrize("weighted", [True, False])
-def test_combine_of_the_first_rows_matches_reference(weighted):
+# num_rows: none of the T * k = 39 sorted rows, some, all but the last, all.
+@pytest.mark.parametrize("num_rows, weighted", [(0, True), (25, True), (25, False), (38, False), (39, True)])
+def test_combine_of_the_first_rows_matches_reference(num_rows, weighted):
     """num_rows (traced): the kernels skip the later rows, filled here with NaN / Inf, and give them zero gradients."""
     num_tokens, d_model, top_k = 13, 256, 3
     routing = random_routing(12, num_tokens, 5, top_k)
-    num_rows = int(np.random.default_rng().integers(0, num_tokens * top_k + 1))
     y_sorted = np.array(_rows(13, (num_tokens * top_k, d_model), jnp.float32))
     y_sorted[num_rows:] = np.where(np.arange(d_model) % 2, np.nan, np.inf)
     y_sorted = jnp.asarray(y_sorted, jnp.bfloat16)

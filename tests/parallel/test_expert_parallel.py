@@ -107,9 +107,8 @@ print(json.dumps({"devices": jax.device_count(), "errors": report, "messages": e
 @pytest.fixture(scope="module")
 def mesh_report():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    seed = int(np.random.default_rng().integers(1 << 30))
     completed = subprocess.run(
-        [sys.executable, "-c", MESH_SCRIPT, str(seed)], env=env, cwd=REPO, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", MESH_SCRIPT, "0"], env=env, cwd=REPO, capture_output=True, text=True, timeout=600
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     report = json.loads(completed.stdout.strip().splitlines()[-1])
@@ -142,7 +141,7 @@ def test_pallas_kernels_run_under_shard_map():
     its barrier bookkeeping, so the multi-device meshes above run the XLA path. Oracle: moe_ffn's XLA path; bf16.
     """
     t, d, f, e, k = 32, 128, 64, 4, 2
-    keys = jax.random.split(jax.random.key(int(np.random.default_rng().integers(1 << 30))), 5)
+    keys = jax.random.split(jax.random.key(1), 5)
     x = jax.random.normal(keys[0], (t, d), jnp.bfloat16)
     router = jax.random.normal(keys[1], (d, e)) * d**-0.5
     w_gate_up = moe_jax.pack_gate_up((jax.random.normal(keys[2], (e, d, 2 * f)) * d**-0.5).astype(jnp.bfloat16))
