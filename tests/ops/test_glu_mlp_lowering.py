@@ -23,6 +23,7 @@ from moe_jax.ops.grouped_matmul import api as gmm_api
 from moe_jax.ops.grouped_matmul import config
 from tests.helpers import cuda_lowering, on_abstract_h200
 
+pytestmark = pytest.mark.smoke  # lowering and config checks: no numbers (tests/README.md)
 MOSAIC_CALL = "mosaic_gpu_v2"
 
 

@@ -16,6 +16,7 @@ from benchmarks import shapes
 from moe_jax.ops.grouped_matmul import api, config
 from tests.helpers import cuda_lowering
 
+pytestmark = pytest.mark.smoke  # lowering and config checks: no numbers (tests/README.md)
 MOSAIC_CALL = "mosaic_gpu_v2"
 
 

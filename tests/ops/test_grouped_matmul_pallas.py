@@ -529,6 +529,7 @@ def test_wgrad_rejects_a_consumer_split_off_the_swizzle():
         )
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("kind", config.KINDS)
 def test_heuristic_configs_fit_in_shared_memory(kind):
     for m, k, n, g in [(32768, 2048, 1536, 128), (16384, 14336, 4096, 8), (256, 64, 64, 1)]:
@@ -536,6 +537,7 @@ def test_heuristic_configs_fit_in_shared_memory(kind):
             assert config.heuristic_config(kind, m=m, k=k, n=n, g=g, out_itemsize=out_itemsize).fits(2, out_itemsize)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize(
     "m, k, n, g",
     [
@@ -560,6 +562,7 @@ def test_heuristic_walks_large_groups_in_lockstep_group_bands(m, k, n, g):
     assert all(c.cluster_m == 1 for c in config.TUNED.values())
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("m, g", [(32768, 128), (32768 - 8, 128), (256, 1), (1024, 4)])
 @pytest.mark.parametrize("k, n", [(2048, 1536), (2880, 5760), (2048, 2048), (2048, 2048 + 64)])
 def test_heuristic_walks_small_groups_in_group_bands(m, g, k, n):
@@ -578,6 +581,7 @@ def test_heuristic_walks_small_groups_in_group_bands(m, g, k, n):
     assert (past.grid_minor, past.lockstep_tails) == ("g", True)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize(
     "m, g, tiny",
     [(1024, 128, True), (8, 128, True), (8192, 128, True), (8192 + 8, 128, False), (64, 1, True), (65, 1, False)],
@@ -598,6 +602,7 @@ def test_heuristic_takes_64_row_tiles_for_decode_sized_groups(m, g, tiny, k, n):
         assert (c.block_m, c.num_compute_wgs) == (128, 2), kind
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize(
     "m, f, d, g, bands, block_n, stages",
     [
@@ -623,6 +628,7 @@ def test_heuristic_glu_backward_walks_group_bands_where_weights_are_large(m, f, 
     assert config.gate_up_ring_slots(c) == block_n // 64  # the gate/up rows ride the ring
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize(
     "m, g, width",
     [(32768, 128, 16), (16384, 8, 16), (16384, 1, 4), (262144, 1, 1), (64, 1, 16)],

@@ -182,6 +182,7 @@ def test_unsupported_width_falls_back_or_raises():
     )
 
 
+@pytest.mark.smoke
 def test_heuristic_config_picks_the_widest_access():
     assert heuristic_config(2048, jnp.bfloat16, "scatter_rows") == Config(vec_size=8, tokens_per_block=8)
     assert heuristic_config(7168, jnp.bfloat16, "scatter_rows") == Config(vec_size=8, tokens_per_block=2)
@@ -219,6 +220,7 @@ def test_gather_rows_with_several_tokens_per_block():
 SHIPPED = {s.name: (s.t, s.d, s.top_k) for s in shapes.layer_shapes("bench")}
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("name", list(SHIPPED))
 def test_lowers_for_cuda(name):
     num_tokens, d_model, top_k = SHIPPED[name]

@@ -192,6 +192,7 @@ def test_bf16_logits_route_like_their_f32_values():
     _assert_same_routing(kernel, expected)
 
 
+@pytest.mark.smoke
 def test_heuristic_chunks_wide_expert_axes_only_where_chunks_fit():
     assert routing_config.heuristic_config(128, top_k=8).chunk_experts == 128  # the whole row
     assert routing_config.heuristic_config(256, top_k=8, num_groups=8).chunk_experts == 128
@@ -205,6 +206,7 @@ def test_heuristic_chunks_wide_expert_axes_only_where_chunks_fit():
     assert routing_config.heuristic_config(384, top_k=6, num_groups=8).chunk_experts == 384  # groups of 48 straddle
 
 
+@pytest.mark.smoke
 def test_auto_takes_the_kernel_only_where_it_measured_faster():
     assert routing_config.prefers_kernel(256, 8, 8)  # chunks of 128
     assert routing_config.prefers_kernel(256, 17, 1)  # the whole row
@@ -236,6 +238,7 @@ SHIPPED = {
 }
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("name", list(SHIPPED))
 def test_lowers_for_cuda(name):
     num_tokens, num_experts, top_k, options = SHIPPED[name]
