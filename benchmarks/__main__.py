@@ -21,7 +21,8 @@ import time
 import jax
 
 from benchmarks import common, expert_parallel, glu, grouped_matmul, layer, plot, quant, report, routing, tokamax_peer
-from moe_jax.ops import shapes as shape_registry
+from benchmarks import shapes as shape_registry
+from moe_jax._core.hardware import configure_cpu_interpreter
 from moe_jax.ops.grouped_matmul.glu import ACTIVATIONS
 
 # Run in this order of priority, so that a --time-limit leaves out the least needed.
@@ -221,13 +222,17 @@ def main(argv: list[str] | None = None) -> list[common.Record]:
         return []
     if args.report_out:
         raise SystemExit("--report-out names where --report writes; give --report too")
+    backends = _choices(args.backends, ("xla", "pallas", "auto"), "backend")
+    if "pallas" in backends:
+        # Off a GPU (--tiny) the kernels run under the Mosaic GPU interpreter, which needs XLA:CPU set up first.
+        configure_cpu_interpreter()
     platform = jax.devices()[0].platform
     if args.timer == "device" and platform != "gpu":
         raise SystemExit(f"--timer device reads GPU kernel times (CUPTI); this machine's jax runs on {platform}")
     tag = "ci" if args.tiny else "bench"
     benches = BENCHES if args.bench == "all" else _choices(args.bench, BENCHES, "bench")
     options = common.Options(
-        backends=_choices(args.backends, ("xla", "pallas", "auto"), "backend"),
+        backends=backends,
         baselines=_choices(args.baselines, ("dense", "ragged_dot", "tokamax", "experts"), "baseline"),
         tokamax_sweep=args.tokamax_sweep,
         iters=args.iters or (3 if args.tiny else 20),

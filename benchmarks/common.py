@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax.ops import shapes as shape_registry
+from benchmarks import shapes as shape_registry
 
 # Input sets are rotated until together they are larger than this (H100/H200 L2: 50/60 MB), so that repeated calls
 # read device memory rather than L2.
@@ -198,7 +198,7 @@ def split_calls(events: list[tuple[str, int, int]], calls: int) -> list[list[tup
 
 def named_shapes(text: str | None, registry: dict, by_tag: Callable[[str], list], default: list) -> list:
     """The shapes a command line's ``text`` names: comma-separated names from ``registry``, or tags of
-    ``moe_jax.ops.shapes`` (e.g. "heuristic"), each standing for ``by_tag(tag)``; ``default`` when ``text`` is None."""
+    ``benchmarks.shapes`` (e.g. "heuristic"), each standing for ``by_tag(tag)``; ``default`` when ``text`` is None."""
     if text is None:
         return default
     chosen, unknown = [], []

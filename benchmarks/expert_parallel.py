@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 import moe_jax
 from benchmarks import common
 from benchmarks.layer import make_inputs
-from moe_jax.ops.shapes import LayerShape
+from benchmarks.shapes import LayerShape
 from moe_jax.parallel import moe_ffn_expert_parallel
 
 ARG_NAMES = ("x", "router_kernel", "w_gate_up", "w_down")

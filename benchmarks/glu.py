@@ -38,12 +38,12 @@ import jax.numpy as jnp
 
 import moe_jax
 from benchmarks import common, tokamax_peer
-from moe_jax._core.testing import GroupOracle, MLPGroupOracle
-from moe_jax.ops import shapes as shape_registry
+from benchmarks import shapes as shape_registry
+from benchmarks.shapes import GroupedMatmulShape
 from moe_jax.ops.glu_mlp import api as glu_mlp_api
 from moe_jax.ops.grouped_matmul.glu import glu
 from moe_jax.ops.grouped_matmul.packing import gate_up_block, split_gate_up
-from moe_jax.ops.shapes import GroupedMatmulShape
+from tests.oracle import GroupOracle, MLPGroupOracle
 
 BENCHES = ("glu", "glu-bwd", "glu-mlp")
 TARGETS_NOTE = (

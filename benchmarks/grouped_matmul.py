@@ -1,6 +1,6 @@
 """Grouped matmul benches: forward ("gmm"), forward + both gradients ("gmm-bwd"), and skewed routings ("skew").
 
-Side by side at each named shape (``moe_jax.ops.shapes.GMM_SHAPES``):
+Side by side at each named shape (``benchmarks.shapes.GMM_SHAPES``):
 
 - "dense": one XLA matmul [M, K] x [K, N] of the same FLOPs, bf16 in and out; XLA on GPU accumulates bf16 dots in
   f32 (cuBLAS compute type 32F). The practical ceiling: a grouped matmul does the same work with less regularity.
@@ -13,7 +13,7 @@ Side by side at each named shape (``moe_jax.ops.shapes.GMM_SHAPES``):
   which also writes, runs slower). Where its "vs dense" is below a target, no kernel can meet that target on this
   device (but for bytes the L2 keeps: ``measure_hbm_floor``).
 
-Every ragged implementation's output (and gradients) is checked against ``moe_jax._core.testing.GroupOracle``: exact
+Every ragged implementation's output (and gradients) is checked against ``tests.oracle.GroupOracle``: exact
 f32 products of a few groups computed from their slices, independent of every implementation timed (ragged_dot may run
 out of memory).
 """
@@ -28,8 +28,8 @@ import jax.numpy as jnp
 
 import moe_jax
 from benchmarks import common, tokamax_peer
-from moe_jax._core.testing import GroupOracle
-from moe_jax.ops.shapes import GroupedMatmulShape
+from benchmarks.shapes import GroupedMatmulShape
+from tests.oracle import GroupOracle
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The whole MoE layer (``moe_jax.moe_ffn``), forward ("layer") and forward + backward ("layer-bwd").
 
-Side by side at each named layer shape (``moe_jax.ops.shapes.LAYER_SHAPES``), routed by the shape's router options
+Side by side at each named layer shape (``benchmarks.shapes.LAYER_SHAPES``), routed by the shape's router options
 (with a random selection bias ``common.selection_bias`` where the router has one):
 
 - "dense": the layer's matmuls with the routing taken away, the practical ceiling: router [T, D] x [D, E] in f32, then
@@ -37,10 +37,10 @@ import jax.numpy as jnp
 
 import moe_jax
 from benchmarks import common, glu, tokamax_peer
+from benchmarks.shapes import LayerShape
 from moe_jax.ops.glu_mlp.api import routed_glu_mlp
 from moe_jax.ops.grouped_matmul.packing import gate_up_block
 from moe_jax.ops.routing.api import router_logits
-from moe_jax.ops.shapes import LayerShape
 
 
 def moe_ffn_with_gmm(gmm: Callable, x, router_kernel, w_gate_up, w_down, *, activation: str, route_kwargs: dict):

@@ -44,7 +44,7 @@ import numpy as np
 
 import moe_jax
 from benchmarks import common, grouped_matmul, layer, routing
-from moe_jax.ops.shapes import LAYER_SHAPES, layer_shapes
+from benchmarks.shapes import LAYER_SHAPES, layer_shapes
 
 GLUE_STAGES = ("gating", "xla-glue", "permute", "combine")
 GLUE_TARGET_SHARE = 0.10  # the target: the glue's share of the layer's forward span, at most

@@ -1,7 +1,7 @@
 """The routing glue of one MoE layer ("routing"): route, permute, combine and the three together, forward and
 forward + backward, backend "xla" (the reference) against "pallas" (the sm90 kernels), side by side.
 
-At each named layer shape (``moe_jax.ops.shapes.LAYER_SHAPES``), routed by the shape's router options (with a random
+At each named layer shape (``benchmarks.shapes.LAYER_SHAPES``), routed by the shape's router options (with a random
 selection bias ``common.selection_bias`` where the router has one), per backend, the stages:
 
 - "route":    ``moe_jax.route(logits [T, E])``
@@ -38,7 +38,7 @@ import numpy as np
 
 import moe_jax
 from benchmarks import common
-from moe_jax.ops.shapes import LayerShape
+from benchmarks.shapes import LayerShape
 
 STAGES = ("route", "permute", "combine", "glue", "glue-bwd", "glue-fused")
 REFERENCE = "xla"

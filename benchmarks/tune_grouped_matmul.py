@@ -36,10 +36,10 @@ import numpy as np
 
 import moe_jax
 from benchmarks import common
-from moe_jax._core.testing import GroupOracle
-from moe_jax.ops import shapes as shape_registry
+from benchmarks import shapes as shape_registry
 from moe_jax.ops.grouped_matmul import launch
 from moe_jax.ops.grouped_matmul.config import Config, epilogue_smem, get_config
+from tests.oracle import GroupOracle
 
 # The kernels this script drives.
 TIMED_KINDS = ("fwd", "dgrad", "wgrad", "glu_dgrad")

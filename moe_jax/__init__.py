@@ -4,28 +4,19 @@ The public surface (re-exports only): ``route`` (with ``Routing``, ``RoutingOpti
 ``load_balancing_loss`` and ``z_loss``), ``grouped_matmul`` (with ``pack_gate_up`` / ``unpack_gate_up`` /
 ``PackedGateUp`` for the GLU weight layout), ``glu_mlp``, ``permute``, ``combine``, ``moe_ffn`` (with ``MoEAux``),
 ``quantize_blockwise`` (block-scaled FP8, ``BlockScaled``), the Flax NNX modules in ``moe_jax.nn`` and expert
-parallelism in ``moe_jax.parallel``.
+parallelism in ``moe_jax.parallel``; ``configure_cpu_interpreter`` prepares a CPU host's XLA for kernels run under the
+Mosaic GPU interpreter (importing moe_jax changes no environment variable).
 """
 
-from moe_jax._core.hardware import serialize_interpreted_kernels
-
-serialize_interpreted_kernels()  # before any backend exists: see its docstring
-
-from moe_jax import nn, parallel  # noqa: E402
-from moe_jax.ops.glu_mlp.api import glu_mlp  # noqa: E402
-from moe_jax.ops.grouped_matmul.api import grouped_matmul  # noqa: E402
-from moe_jax.ops.grouped_matmul.packing import PackedGateUp, pack_gate_up, unpack_gate_up  # noqa: E402
-from moe_jax.ops.moe_ffn.api import MoEAux, moe_ffn  # noqa: E402
-from moe_jax.ops.permute.api import combine, permute  # noqa: E402
-from moe_jax.ops.quant.api import BlockScaled, quantize_blockwise, quantize_blockwise_with_transpose  # noqa: E402
-from moe_jax.ops.routing.api import (  # noqa: E402
-    Routing,
-    RoutingOptions,
-    apply_capacity,
-    load_balancing_loss,
-    route,
-    z_loss,
-)
+from moe_jax import nn, parallel
+from moe_jax._core.hardware import configure_cpu_interpreter
+from moe_jax.ops.glu_mlp.api import glu_mlp
+from moe_jax.ops.grouped_matmul.api import grouped_matmul
+from moe_jax.ops.grouped_matmul.packing import PackedGateUp, pack_gate_up, unpack_gate_up
+from moe_jax.ops.moe_ffn.api import MoEAux, moe_ffn
+from moe_jax.ops.permute.api import combine, permute
+from moe_jax.ops.quant.api import BlockScaled, quantize_blockwise, quantize_blockwise_with_transpose
+from moe_jax.ops.routing.api import Routing, RoutingOptions, apply_capacity, load_balancing_loss, route, z_loss
 
 __all__ = [
     "BlockScaled",
@@ -35,6 +26,7 @@ __all__ = [
     "RoutingOptions",
     "apply_capacity",
     "combine",
+    "configure_cpu_interpreter",
     "glu_mlp",
     "grouped_matmul",
     "load_balancing_loss",

@@ -5,6 +5,7 @@ import dataclasses
 import os
 
 from moe_jax._core.backend import BACKENDS
+from moe_jax._core.hardware import configure_cpu_interpreter
 from train.configs import CONFIGS, get_config
 
 
@@ -29,6 +30,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.backend == "pallas":
+        # Off a GPU the kernels run under the Mosaic GPU interpreter, which needs XLA:CPU set up before it starts.
+        configure_cpu_interpreter()
     # Imported here so that jax.distributed.initialize() runs before anything touches a device.
     import jax
 

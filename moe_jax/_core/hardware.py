@@ -11,14 +11,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 # Mosaic GPU interpreter keeps one kernel's simulated memory and barriers in global state: two interpreted kernels
 # at once (e.g. the dgrad and wgrad of a jitted backward) deadlock in a barrier wait. Seen with jax 0.11.2 on CPU.
 SERIAL_CPU_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+_SERIAL_CPU_SCHEDULER_OPTION = SERIAL_CPU_SCHEDULER_FLAG.split("=")[0]
 
 # The interpreter runs each simulated warpgroup as an XLA:CPU computation of its own, and a barrier wait is a Python
 # callback that blocks whichever thread runs it, at times one of the CPU client's pool threads. The pool has one thread
 # per core unless PJRT_NPROC says otherwise, so on a 2-core host two blocked waits (or one and the kernel's own
-# callback) left no thread for the warpgroup that would release them: the notebook's first interpreted moe_ffn at its
-# "cpu" size hung (jax 0.11.2, 2026-11-26; docs/kernels/grouped_matmul.md) and ran through 4 of 4 with a pool of 16.
-# Not set at import: 16 threads on 2 cores slowed XLA's own work (the main job for 120 steps, XLA only, three rounds
-# alternating: 91-102 s against 74-83 s with the default pool).
+# callback) leave no thread for the warpgroup that would release them (docs/kernels/grouped_matmul.md, "Interpreter
+# gotcha"); a pool of 16 runs through. Only on request: 16 threads on 2 cores slow XLA's own work.
 MIN_CPU_POOL_THREADS = 16
 _POOL_VARIABLES = ("PJRT_NPROC", "NPROC")  # what XLA reads for its pool size, in this order
 
@@ -27,16 +26,25 @@ _POOL_VARIABLES = ("PJRT_NPROC", "NPROC")  # what XLA reads for its pool size, i
 CPU_FALLBACK_NUM_SMS = 4
 
 
-def serialize_interpreted_kernels() -> None:
-    """Adds ``SERIAL_CPU_SCHEDULER_FLAG`` to XLA_FLAGS unless the user set that option; CPU backend only.
+def configure_cpu_interpreter() -> None:
+    """Sets the XLA:CPU options under which the Mosaic GPU interpreter runs kernels without deadlocking.
 
-    XLA reads the flags when it creates its first backend, so this runs when moe_jax is imported; it has no effect if
-    a computation ran before that.
+    For processes that run ``backend="pallas"`` on a CPU host (the tests, the notebook, ``python -m train`` or
+    ``python -m benchmarks`` without a GPU). Call it before the first JAX computation: XLA reads both options when it
+    creates its CPU backend, and ignores later changes. It
+
+    - adds ``SERIAL_CPU_SCHEDULER_FLAG`` to ``XLA_FLAGS`` unless that option is set there already;
+    - sets ``PJRT_NPROC`` to ``MIN_CPU_POOL_THREADS`` where the CPU client's pool would be narrower (fewer cores, and
+      neither ``PJRT_NPROC`` nor ``NPROC`` set).
+
+    Neither matters to a GPU backend. ``import moe_jax`` changes no environment variable; this is the one place that
+    does.
     """
     flags = os.environ.get("XLA_FLAGS", "")
-    option = SERIAL_CPU_SCHEDULER_FLAG.split("=")[0]
-    if option not in flags:
+    if _SERIAL_CPU_SCHEDULER_OPTION not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} {SERIAL_CPU_SCHEDULER_FLAG}".strip()
+    if _cpu_pool_is_narrow():
+        os.environ["PJRT_NPROC"] = str(MIN_CPU_POOL_THREADS)
 
 
 def _cpu_pool_is_narrow() -> bool:
@@ -44,23 +52,20 @@ def _cpu_pool_is_narrow() -> bool:
     return not any(name in os.environ for name in _POOL_VARIABLES) and (os.cpu_count() or 1) < MIN_CPU_POOL_THREADS
 
 
-def widen_cpu_pool_for_interpreter() -> None:
-    """Sets PJRT_NPROC to MIN_CPU_POOL_THREADS where the pool would be narrower (unless PJRT_NPROC or NPROC is set).
-
-    For processes that run kernels under the Mosaic GPU interpreter (the tests, the notebook); call it before the
-    first JAX computation, as XLA reads the size when it creates its CPU backend.
-    """
-    if _cpu_pool_is_narrow():
-        os.environ["PJRT_NPROC"] = str(MIN_CPU_POOL_THREADS)
-
-
 @functools.cache
-def _warn_if_the_interpreter_may_starve() -> None:
+def _warn_if_the_interpreter_may_deadlock() -> None:
+    missing = []
+    if _SERIAL_CPU_SCHEDULER_OPTION not in os.environ.get("XLA_FLAGS", ""):
+        missing.append(f"XLA_FLAGS lacks {SERIAL_CPU_SCHEDULER_FLAG} (two interpreted kernels may run at once)")
     if _cpu_pool_is_narrow():
+        missing.append(
+            f"XLA:CPU's pool has one thread per core on this {os.cpu_count()}-core host and each waiting warpgroup "
+            "holds one"
+        )
+    if missing:
         warnings.warn(
-            f"The Mosaic GPU interpreter can deadlock in a barrier wait on this {os.cpu_count()}-core host: XLA:CPU's "
-            f"pool has one thread per core and each waiting warpgroup holds one. Set PJRT_NPROC={MIN_CPU_POOL_THREADS} "
-            "before the first JAX computation (moe_jax._core.hardware.widen_cpu_pool_for_interpreter()).",
+            f"The Mosaic GPU interpreter can deadlock in a barrier wait: {'; '.join(missing)}. Call "
+            "moe_jax.configure_cpu_interpreter() before the first JAX computation.",
             RuntimeWarning,
             stacklevel=3,
         )
@@ -94,5 +99,5 @@ def interpret_params():
     """None when compiling for a GPU; elsewhere the Mosaic GPU interpreter (``force_gpu_interpret_mode`` wins)."""
     if compiles_for_gpu():
         return None
-    _warn_if_the_interpreter_may_starve()
+    _warn_if_the_interpreter_may_deadlock()
     return plgpu.InterpretGPUParams()

@@ -6,16 +6,11 @@ import subprocess
 import sys
 import textwrap
 
-import moe_jax  # noqa: F401  (its import sets XLA_FLAGS)
 from moe_jax._core import hardware
 
 
 def test_cpu_has_a_fallback_sm_count():
     assert hardware.num_sms() == hardware.CPU_FALLBACK_NUM_SMS
-
-
-def test_import_serialises_the_cpu_scheduler():
-    assert hardware.SERIAL_CPU_SCHEDULER_FLAG in os.environ["XLA_FLAGS"]
 
 
 def _run(script: str, env: dict) -> subprocess.CompletedProcess:
@@ -24,37 +19,53 @@ def _run(script: str, env: dict) -> subprocess.CompletedProcess:
     return result
 
 
-def _pool_variables_after(statement: str, env: dict) -> dict:
-    script = (
-        f"import json, os\n{statement}\nprint(json.dumps({{k: os.environ.get(k) for k in ('PJRT_NPROC', 'NPROC')}}))"
-    )
+# The environment as a user's process starts: no pool size and no XLA flags (conftest configured this process).
+UNSET = {key: value for key, value in os.environ.items() if key not in ("PJRT_NPROC", "NPROC", "XLA_FLAGS")}
+NARROW_HOST = (os.cpu_count() or 1) < hardware.MIN_CPU_POOL_THREADS
+CONFIGURE = "import moe_jax\nmoe_jax.configure_cpu_interpreter()"
+
+
+def _settings_after(statement: str, env: dict) -> dict:
+    """The interpreter's variables after ``statement`` runs in a fresh process with ``env``."""
+    names = ("PJRT_NPROC", "NPROC", "XLA_FLAGS")
+    script = f"import json, os\n{statement}\nprint(json.dumps({{k: os.environ.get(k) for k in {names}}}))"
     return json.loads(_run(script, env).stdout.strip().splitlines()[-1])
 
 
-# The environment without a pool size (conftest widened this process's pool).
-UNSIZED = {key: value for key, value in os.environ.items() if key not in ("PJRT_NPROC", "NPROC")}
-NARROW_HOST = (os.cpu_count() or 1) < hardware.MIN_CPU_POOL_THREADS
-WIDEN = "from moe_jax._core.hardware import widen_cpu_pool_for_interpreter; widen_cpu_pool_for_interpreter()"
+def test_import_leaves_the_environment_unchanged():
+    # Importing a library must not reconfigure XLA behind the user's back: the interpreter's settings are opt-in.
+    script = "import json, os\nbefore = dict(os.environ)\nimport moe_jax\nprint(json.dumps(dict(os.environ) == before))"
+    for env in (UNSET, UNSET | {"XLA_FLAGS": "--xla_cpu_use_thunk_runtime=true", "PJRT_NPROC": "3"}):
+        assert _run(script, env).stdout.strip().splitlines()[-1] == "true"
 
 
-def test_import_leaves_the_cpu_pool_alone():
-    # A wide pool on a small host slows XLA:CPU's own work (the main job took ~1.2x as long): only on request.
-    assert _pool_variables_after("import moe_jax", UNSIZED) == {"PJRT_NPROC": None, "NPROC": None}
+def test_configuring_the_interpreter_serialises_the_scheduler_and_widens_a_narrow_pool():
+    settings = _settings_after(CONFIGURE, UNSET)
+    assert settings["XLA_FLAGS"] == hardware.SERIAL_CPU_SCHEDULER_FLAG
+    assert settings["PJRT_NPROC"] == (str(hardware.MIN_CPU_POOL_THREADS) if NARROW_HOST else None)
+    assert settings["NPROC"] is None
 
 
-def test_widening_the_cpu_pool_keeps_a_size_the_user_set():
-    expected = str(hardware.MIN_CPU_POOL_THREADS) if NARROW_HOST else None
-    assert _pool_variables_after(WIDEN, UNSIZED) == {"PJRT_NPROC": expected, "NPROC": None}
-    assert _pool_variables_after(WIDEN, UNSIZED | {"PJRT_NPROC": "3"}) == {"PJRT_NPROC": "3", "NPROC": None}
-    assert _pool_variables_after(WIDEN, UNSIZED | {"NPROC": "5"}) == {"PJRT_NPROC": None, "NPROC": "5"}
+def test_configuring_the_interpreter_keeps_what_the_user_set():
+    user_flags = "--xla_cpu_use_thunk_runtime=true"
+    settings = _settings_after(CONFIGURE, UNSET | {"XLA_FLAGS": user_flags, "PJRT_NPROC": "3"})
+    assert settings == {
+        "PJRT_NPROC": "3",
+        "NPROC": None,
+        "XLA_FLAGS": f"{user_flags} {hardware.SERIAL_CPU_SCHEDULER_FLAG}",
+    }
+    serial_off = "--xla_cpu_enable_concurrency_optimized_scheduler=true"
+    settings = _settings_after(CONFIGURE, UNSET | {"XLA_FLAGS": serial_off, "NPROC": "5"})
+    assert settings == {"PJRT_NPROC": None, "NPROC": "5", "XLA_FLAGS": serial_off}
 
 
-def test_the_interpreter_warns_where_its_pool_is_narrow():
+def test_the_interpreter_warns_unless_configured():
     script = "import warnings\nwarnings.simplefilter('always')\nfrom moe_jax._core import hardware\n"
     script += "hardware.interpret_params()"
-    narrow = _run(script, UNSIZED).stderr
-    assert ("can deadlock in a barrier wait" in narrow) == NARROW_HOST
-    assert "can deadlock" not in _run(f"{WIDEN}\n{script}", UNSIZED).stderr
+    unconfigured = _run(script, UNSET).stderr
+    assert "can deadlock in a barrier wait" in unconfigured and "configure_cpu_interpreter()" in unconfigured
+    assert ("one thread per core" in unconfigured) == NARROW_HOST
+    assert "can deadlock" not in _run(f"{CONFIGURE}\n{script}", UNSET).stderr
 
 
 def test_a_jitted_backward_with_concurrent_kernels_finishes():
@@ -64,6 +75,7 @@ def test_a_jitted_backward_with_concurrent_kernels_finishes():
         """
         import jax, jax.numpy as jnp
         import moe_jax
+        moe_jax.configure_cpu_interpreter()
         group_sizes = jnp.full((8,), 16, jnp.int32)
         keys = jax.random.split(jax.random.key(0), 5)
         x = jax.random.normal(keys[0], (128, 128), jnp.bfloat16)
@@ -76,7 +88,6 @@ def test_a_jitted_backward_with_concurrent_kernels_finishes():
         print(all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads))
         """
     )
-    env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240)
+    result = subprocess.run([sys.executable, "-c", script], env=UNSET, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "True"

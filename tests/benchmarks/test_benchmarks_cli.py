@@ -15,7 +15,7 @@ import pytest
 import moe_jax
 from benchmarks import common, grouped_matmul, routing
 from benchmarks.__main__ import main
-from moe_jax.ops.shapes import GMM_SHAPES, GroupedMatmulShape
+from benchmarks.shapes import GMM_SHAPES, GroupedMatmulShape
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FLOP_BENCHES = {"gmm", "gmm-bwd", "skew", "layer", "layer-bwd", "glu", "glu-bwd", "glu-mlp"}
@@ -133,8 +133,7 @@ def test_missing_peer_is_reported_not_raised(tiny_run):
 def test_shape_options_take_names_and_tags():
     """The benchmarks' and the tuner's shape options take names and tags (common.named_shapes); a tag stands for the
     shapes the bench would take of it (--glu-shapes: the <model>/gate_up ones); anything else is refused, naming it."""
-    from benchmarks import glu
-    from moe_jax.ops import shapes
+    from benchmarks import glu, shapes
 
     heuristic = shapes.gmm_shapes("heuristic")
     chosen = common.named_shapes("heuristic,ci/ragged", GMM_SHAPES, shapes.gmm_shapes, [])
@@ -372,8 +371,7 @@ def test_render_reprints_a_streamed_run(tmp_path, capsys):
 
 def test_glu_memory_table_counts_what_the_backward_keeps():
     """``python -m benchmarks.glu``'s table, at the ci layer: traced only, so exact byte counts."""
-    from benchmarks import glu
-    from moe_jax.ops import shapes
+    from benchmarks import glu, shapes
 
     layer = shapes.LAYER_SHAPES["ci/layer"]
     m, d, d_ff, e = layer.m, layer.d, layer.f, layer.e
@@ -397,8 +395,7 @@ def test_layer_composition_matches_moe_ffn_on_packed_weights():
     """The tokamax-gemms composition (here over the reference grouped matmul) computes moe_ffn's layer from the same
     packed input set, and the pallas layer reads those weights as stored: no transpose of a weight-sized array in its
     trace (a plain [gate | up] array would be repacked there on every call)."""
-    from benchmarks import layer
-    from moe_jax.ops import shapes
+    from benchmarks import layer, shapes
     from moe_jax.ops.grouped_matmul import reference as gmm_reference
 
     shape = shapes.LAYER_SHAPES["ci/layer"]

@@ -5,8 +5,8 @@ import functools
 import pytest
 
 from benchmarks import profile_layer
+from benchmarks.shapes import LAYER_SHAPES
 from moe_jax.ops.grouped_matmul import glu, sm90
-from moe_jax.ops.shapes import LAYER_SHAPES
 
 
 def _kernel(epilogue, gathered=False) -> str:

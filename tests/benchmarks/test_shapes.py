@@ -1,4 +1,4 @@
-"""The named-shape registry (moe_jax/ops/shapes.py): DESIGN §6's shapes, and group sizes drawn under each routing."""
+"""The named-shape registry (benchmarks/shapes.py): the models' shapes, and group sizes drawn under each routing."""
 
 import dataclasses
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_jax.ops import shapes
+from benchmarks import shapes
 from moe_jax.ops.grouped_matmul import config
 
 # DESIGN §6, copied by hand: a change to the registry must be a deliberate change to this table too.

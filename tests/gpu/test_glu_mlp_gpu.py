@@ -1,5 +1,5 @@
-"""The fused GLU kernels on the device: ``glu_mlp`` forward + backward (six kernels), the standalone fused
-``grouped_matmul`` epilogues, and the NNX ``MoE`` on both backends.
+"""The fused GLU kernels on the device: ``glu_mlp`` forward + backward (six kernels) and the standalone fused
+``grouped_matmul`` epilogues (the NNX ``MoE`` on both backends: test_moe_module_gpu.py).
 
 Run on the GPU machine: ``PYTHONPATH=. python3 -m pytest -m gpu tests/gpu/test_glu_mlp_gpu.py``.
 
@@ -7,7 +7,6 @@ Run on the GPU machine: ``PYTHONPATH=. python3 -m pytest -m gpu tests/gpu/test_g
   every group there, so the oracle is ``MLPGroupOracle``, the exact f32 MLP of three groups differentiated by jax.vjp,
   plus the rows past the sum, which must be exactly zero.
 - A seeded random sweep of smaller shapes and routings against the XLA reference on the same device.
-- ``moe_jax.nn.MoE`` with backend "pallas" against backend "xla", gradients of every parameter included.
 Tolerance: relative-norm error ``TOL`` (bf16 inputs, f32 accumulation, bf16 outputs, cotangent and kept
 pre-activation).
 """
@@ -19,16 +18,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import moe_jax
-from moe_jax._core.testing import MLPGroupOracle, random_group_sizes, relative_error
-from moe_jax.ops import shapes
+from benchmarks import shapes
 from moe_jax.ops.glu_mlp import api as glu_mlp_api
 from moe_jax.ops.grouped_matmul import config as gmm_config
 from moe_jax.ops.grouped_matmul import glu, launch
 from moe_jax.ops.grouped_matmul import reference as gmm_reference
 from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, split_gate_up
+from tests.oracle import MLPGroupOracle, random_group_sizes, relative_error
 
 pytestmark = pytest.mark.gpu
 TOL = 1e-2
@@ -235,20 +233,3 @@ def test_fused_grouped_matmul_epilogues_against_reference(activation):
     expected = run(inputs["x"], inputs["w_gate_up"], inputs["row_scale"], "xla")
     for a, e in zip(actual, expected, strict=True):
         assert relative_error(a, e) < TOL
-
-
-def test_moe_module_pallas_matches_xla_with_gradients():
-    def build(backend):
-        return moe_jax.nn.MoE(
-            512, 256, 16, 4, num_shared_experts=1, dtype=jnp.bfloat16, backend=backend, rngs=nnx.Rngs(7)
-        )
-
-    x = jax.random.normal(jax.random.key(8), (4, 512, 512), jnp.float32)
-
-    def loss_and_grads(model):
-        return nnx.value_and_grad(lambda m: jnp.mean(jnp.square(m(x).astype(jnp.float32))))(model)
-
-    (loss_pallas, grads_pallas), (loss_xla, grads_xla) = (nnx.jit(loss_and_grads)(build(b)) for b in ("pallas", "xla"))
-    assert relative_error(loss_pallas, loss_xla) < TOL
-    for (path, actual), (_, exact) in zip(nnx.to_flat_state(grads_pallas), nnx.to_flat_state(grads_xla), strict=True):
-        assert relative_error(actual[...], exact[...]) < 2 * TOL, path

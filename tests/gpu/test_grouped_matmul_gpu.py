@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 import moe_jax
-from moe_jax._core.testing import GroupOracle, random_group_sizes, relative_error
-from moe_jax.ops import shapes
+from benchmarks import shapes
 from moe_jax.ops.grouped_matmul import launch, reference
 from moe_jax.ops.grouped_matmul.config import Config
+from tests.oracle import GroupOracle, random_group_sizes, relative_error
 
 pytestmark = pytest.mark.gpu
 TOL = 1e-2

@@ -8,8 +8,8 @@ import pytest
 from flax import nnx
 
 import moe_jax
-from moe_jax._core import testing as oracle
 from moe_jax.ops.grouped_matmul.packing import gate_up_block
+from tests import oracle
 
 
 def _moe(**overrides):

@@ -22,8 +22,8 @@ import pytest
 from flax import nnx
 
 import moe_jax
-from moe_jax._core import testing as oracle
 from moe_jax.ops.grouped_matmul.packing import gate_up_block
+from tests import oracle
 
 TOL = 1e-5
 T, D, F, E, K = 16, 8, 4, 4, 2

@@ -1,6 +1,6 @@
 """The GLU MLP op on CPU (backend "xla"), the gate/up packing, the epilogues' GLU math and the partial-sum gather.
 
-Oracles: the NumPy float64 ``moe_jax._core.testing`` for values, ``jax.vjp`` of ``glu.glu`` for
+Oracles: the NumPy float64 ``tests.oracle`` for values, ``jax.vjp`` of ``glu.glu`` for
 the hand-derived GLU gradient, ``check_grads`` (float64) for the reference op's gradients. Tolerances are stated
 where used.
 """
@@ -12,20 +12,18 @@ import pytest
 from jax.test_util import check_grads
 
 import moe_jax
-from moe_jax._core import testing as oracle
 from moe_jax.ops.glu_mlp import reference as mlp_reference
 from moe_jax.ops.grouped_matmul import glu, schedule
 from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, gate_up_block, split_gate_up
+from tests import oracle
+from tests.helpers import glu_mlp_inputs
 
 F32_TOL = 1e-5  # f32 end to end
 
 
 def _mlp_problem(seed, m, d, f, sizes, dtype=np.float32, x_scale=1.0):
-    rng = np.random.default_rng(seed)
-    x = (x_scale * rng.normal(size=(m, d))).astype(dtype)
-    w_gate_up = (rng.normal(size=(len(sizes), d, 2 * f)) / np.sqrt(d)).astype(dtype)
-    w_down = (rng.normal(size=(len(sizes), f, d)) / np.sqrt(f)).astype(dtype)
-    row_scale = rng.uniform(0.1, 1.0, size=m).astype(dtype)
+    inputs = glu_mlp_inputs(np.random.default_rng(seed), m, d, f, len(sizes), x_scale)
+    x, w_gate_up, w_down, row_scale = (inputs[name].astype(dtype) for name in ("x", "w_gate_up", "w_down", "row_scale"))
     return x, w_gate_up, w_down, np.asarray(sizes, np.int32), row_scale
 
 

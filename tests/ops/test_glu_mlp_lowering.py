@@ -5,7 +5,7 @@ down with the row-scale epilogue, the GLU-backward dgrad, two wgrads, the gate_u
 recomputes the pre-activation; forward alone it is two (the GLU epilogue without the kept pre-activation). Across
 the cases every activation meets the forward and the backward epilogue, with and without a row scale, and every
 model's (D, F) the heuristic configs (shared-memory fit included); the standalone ``grouped_matmul`` epilogues (row
-scale alone, GLU + row scale) lower with their gradients. Shapes: ``moe_jax.ops.shapes.GMM_SHAPES``'s "<model>/gate_up"
+scale alone, GLU + row scale) lower with their gradients. Shapes: ``benchmarks.shapes.GMM_SHAPES``'s "<model>/gate_up"
 entries, (G, M, K = D, N = 2F).
 """
 
@@ -15,16 +15,15 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from jax._src.mesh import AbstractDevice
-from jax.sharding import AbstractMesh
 
 import moe_jax
-from moe_jax.ops import shapes
+from benchmarks import shapes
 from moe_jax.ops.glu_mlp import api as glu_mlp_api
 from moe_jax.ops.grouped_matmul import config, launch
+from tests.helpers import cuda_lowering, on_abstract_h200
 
+pytestmark = pytest.mark.smoke  # lowering and config checks: no numbers (tests/README.md)
 MOSAIC_CALL = "mosaic_gpu_v2"
-H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
 
 
 def _lowered(model: str, activation: str, *, row_scale: bool, recompute: bool, backward: bool = True) -> str:
@@ -47,8 +46,7 @@ def _lowered(model: str, activation: str, *, row_scale: bool, recompute: bool, b
         return jnp.sum(y.astype(jnp.float32))
 
     step = jax.value_and_grad(loss, argnums=(0, 1, 2, 4)) if backward else loss
-    with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=H200)):
-        return jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return cuda_lowering(step, *args)
 
 
 @pytest.mark.parametrize(
@@ -87,8 +85,7 @@ def test_standalone_epilogues_lower_with_their_gradients():
         return jnp.sum(scaled.astype(jnp.float32)) + jnp.sum(glu.astype(jnp.float32))
 
     step = jax.value_and_grad(loss, argnums=(0, 1, 3))
-    with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=H200)):
-        text = jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = cuda_lowering(step, *args)
     assert text.count(MOSAIC_CALL) == 6
 
 
@@ -117,8 +114,7 @@ def test_routed_glu_mlp_lowers_with_its_gather(model, top_k):
         return jnp.sum(y.astype(jnp.float32))
 
     step = jax.value_and_grad(loss, argnums=(0, 2, 3, 5))
-    with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=H200)):
-        text = jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = cuda_lowering(step, *args)
     assert text.count(MOSAIC_CALL) == 8
 
 
@@ -148,8 +144,7 @@ def test_forward_keeping_the_pre_activation_takes_the_table_tiles(monkeypatch, m
     def forward(x, w, group_sizes):
         return launch.run_forward_kernel(x, w, group_sizes, None, activation, jnp.bfloat16, False, keep=True)
 
-    h200 = jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=H200))
-    with h200, pytest.raises(_Captured) as captured:
+    with on_abstract_h200(), pytest.raises(_Captured) as captured:
         jax.eval_shape(forward, *args)
     assert captured.value.args[0] == config.tuned_configs()[("fwd", shape.g, shape.m, shape.k, shape.n)]
 
@@ -185,8 +180,7 @@ def test_glu_backward_config_and_recomputed_grads(monkeypatch, model, activation
         jax.ShapeDtypeStruct((m, 2 * d_ff), jnp.bfloat16),
         jax.ShapeDtypeStruct((m,), jnp.float32),
     )
-    h200 = jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=H200))
-    with h200, pytest.raises(_Captured) as captured:
+    with on_abstract_h200(), pytest.raises(_Captured) as captured:
         jax.eval_shape(functools.partial(launch.run_glu_dgrad, activation=activation), *args)
     chosen, epilogue = captured.value.args
     configs = {"table": config.tuned_configs()[("glu_dgrad", g, m, d_ff, d)], "128 x 128 ring": config.GLU_DGRAD_TILES}
@@ -222,7 +216,7 @@ def test_ring_glu_backward_fits_exactly_where_it_lowers(block_n, stages, row_sca
     )
     dgrad = functools.partial(launch.run_glu_dgrad, activation="swiglu", config=c)
     try:
-        with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=H200)):
+        with on_abstract_h200():
             jax.jit(dgrad).trace(*args).lower(lowering_platforms=("cuda",))
         lowers = True
     except ValueError as error:

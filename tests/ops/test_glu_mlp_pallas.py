@@ -24,21 +24,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.mesh import AbstractDevice
-from jax.sharding import AbstractMesh
 
 import moe_jax
-from moe_jax._core import testing as oracle
 from moe_jax.ops.glu_mlp import api as glu_mlp_api
 from moe_jax.ops.glu_mlp import reference as mlp_reference
 from moe_jax.ops.grouped_matmul import glu, launch, reference
 from moe_jax.ops.grouped_matmul.config import GLU_DGRAD_LONG_D_TILES, GLU_DGRAD_TILES, Config, get_config
 from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, split_gate_up
-
-
-def _cpu_with(num_sms: int) -> AbstractMesh:
-    return AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="cpu", num_cores=num_sms, platform="cpu"))
-
+from tests import oracle
+from tests.helpers import checked_interpreter, expert_weights, glu_mlp_inputs, simulated_sms
 
 Y_TOL = 1e-3
 OUT_TOL = 5e-3
@@ -58,21 +52,18 @@ def interpret(request):
     """Runs the test's kernels under the checking interpreter on ``num_sms`` (parameter, default 2) simulated SMs and
     fails it on any detected race."""
     num_sms = request.node.callspec.params.get("num_sms", 2) if hasattr(request.node, "callspec") else 2
-    with jax.sharding.use_abstract_mesh(_cpu_with(num_sms)), oracle.checked_interpreter():
+    with simulated_sms(num_sms), checked_interpreter():
         yield
 
 
 def _inputs(case):
     m, d, f, sizes, x_scale = CASES[case]
     rng = np.random.default_rng(len(case))
-    return dict(
-        x=jnp.asarray(x_scale * rng.normal(size=(m, d)), jnp.bfloat16),
-        w_gate_up=jnp.asarray(rng.normal(size=(len(sizes), d, 2 * f)) / np.sqrt(d), jnp.bfloat16),
-        w_down=jnp.asarray(rng.normal(size=(len(sizes), f, d)) / np.sqrt(f), jnp.bfloat16),
-        group_sizes=jnp.asarray(sizes, jnp.int32),
-        row_scale=jnp.asarray(rng.uniform(0.1, 1.0, size=m), jnp.float32),
-        cotangent=jnp.asarray(rng.normal(size=(m, d)), jnp.bfloat16),
-    )
+    inputs = glu_mlp_inputs(rng, m, d, f, len(sizes), x_scale)
+    inputs["cotangent"] = rng.normal(size=(m, d))
+    dtypes = dict(row_scale=jnp.float32)
+    inputs = {name: jnp.asarray(value, dtypes.get(name, jnp.bfloat16)) for name, value in inputs.items()}
+    return inputs | dict(group_sizes=jnp.asarray(sizes, jnp.int32))
 
 
 def _overlapped_get_config(*args, **kwargs) -> Config:
@@ -171,8 +162,7 @@ def test_routed_glu_mlp_matches_permuted_reference(activation, dropped, fuse_gat
         sizes[3] -= 7  # the last 7 sorted rows fall past the sum
     m = num_tokens * top_k
     x = jnp.asarray(4.0 * rng.normal(size=(num_tokens, d)), jnp.bfloat16)
-    w_gate_up = jnp.asarray(rng.normal(size=(num_experts, d, 2 * f)) / np.sqrt(d), jnp.bfloat16)
-    w_down = jnp.asarray(rng.normal(size=(num_experts, f, d)) / np.sqrt(f), jnp.bfloat16)
+    w_gate_up, w_down = (jnp.asarray(w, jnp.bfloat16) for w in expert_weights(rng, num_experts, d, f))
     row_scale = jnp.asarray(rng.uniform(0.1, 1.0, size=m), jnp.float32)
     cotangent = jnp.asarray(rng.normal(size=(m, d)), jnp.bfloat16)
     group_sizes, indices = jnp.asarray(sizes, jnp.int32), jnp.asarray(sort_indices)

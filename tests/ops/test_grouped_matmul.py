@@ -7,8 +7,9 @@ import pytest
 from jax.test_util import check_grads
 
 import moe_jax
-from moe_jax._core import testing as oracle
 from moe_jax.ops.grouped_matmul import reference
+from tests import oracle
+from tests.helpers import grouped_matmul_inputs
 
 F32_TOL = 1e-5  # relative-norm error of f32 inputs with f32 accumulation
 BF16_TOL = 1e-2  # bf16 inputs and output, f32 accumulation
@@ -18,10 +19,9 @@ KINDS = ["uniform", "empty", "hot", "tail"]
 
 def _problem(seed, num_rows, contraction, num_cols, num_groups, kind, dtype=np.float32):
     rng = np.random.default_rng(seed)
-    lhs = rng.normal(size=(num_rows, contraction)).astype(dtype)
-    rhs = (rng.normal(size=(num_groups, contraction, num_cols)) / np.sqrt(contraction)).astype(dtype)
+    lhs, rhs = grouped_matmul_inputs(rng, num_rows, contraction, num_cols, num_groups)
     group_sizes = oracle.random_group_sizes(rng, num_groups, num_rows, kind)
-    return lhs, rhs, group_sizes
+    return lhs.astype(dtype), rhs.astype(dtype), group_sizes
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -40,7 +40,7 @@ TABLE = {
     ("wgrad", 8, 16384, 14336, 4096): config.WGRAD_BANDS,
 }
 
-# (G, M, K, N) of every named shape (moe_jax/ops/shapes.py) -> the config get_config picks for: fwd, fwd with f32
+# (G, M, K, N) of every named shape (benchmarks/shapes.py) -> the config get_config picks for: fwd, fwd with f32
 # outputs, dgrad, wgrad, glu_dgrad with a row scale, and glu_dgrad through gpt_oss's clamps. A config reads
 # "<block_m>x<block_n>x<block_k> w<compute warpgroups> s<stages> e<epilogue_n> <grid_minor><grid_width>", then "o"
 # with the overlapped epilogue and "t" with the CTAs kept in step.

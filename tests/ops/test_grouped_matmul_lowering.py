@@ -8,15 +8,14 @@ persistent grid an H100/H200's 132 SMs. Lowering stops before the CUDA compiler,
 import jax
 import jax.numpy as jnp
 import pytest
-from jax._src.mesh import AbstractDevice
-from jax.sharding import AbstractMesh
 
 import moe_jax
-from moe_jax.ops import shapes
+from benchmarks import shapes
 from moe_jax.ops.grouped_matmul import config
+from tests.helpers import cuda_lowering
 
+pytestmark = pytest.mark.smoke  # lowering and config checks: no numbers (tests/README.md)
 MOSAIC_CALL = "mosaic_gpu_v2"
-H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
 
 
 def _lowered_fwd_bwd(g, m, k, n, *, transpose_rhs=False, out_dtype=jnp.bfloat16, activation=None) -> str:
@@ -37,8 +36,7 @@ def _lowered_fwd_bwd(g, m, k, n, *, transpose_rhs=False, out_dtype=jnp.bfloat16,
         return jnp.sum(out.astype(jnp.float32))
 
     step = jax.value_and_grad(loss, argnums=(0, 1))
-    with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=H200)):
-        return jax.jit(step).trace(lhs, rhs, group_sizes).lower(lowering_platforms=("cuda",)).as_text()
+    return cuda_lowering(step, lhs, rhs, group_sizes)
 
 
 def _shipped_problems():

@@ -24,8 +24,9 @@ import numpy as np
 import pytest
 
 import moe_jax
-from moe_jax._core import testing as oracle
 from moe_jax.ops.grouped_matmul import api, config, glu, launch, reference, schedule
+from tests import oracle
+from tests.helpers import checked_interpreter, grouped_matmul_inputs
 
 BF16_OUT_TOL = 5e-3
 F32_OUT_TOL = 1e-5
@@ -44,17 +45,14 @@ CASES = {
 
 
 def _inputs(seed, m, k, n, sizes, transpose_rhs):
-    rng = np.random.default_rng(seed)
-    lhs = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
-    rhs_shape = (len(sizes), n, k) if transpose_rhs else (len(sizes), k, n)
-    rhs = jnp.asarray(rng.normal(size=rhs_shape) / np.sqrt(k), jnp.bfloat16)
-    return lhs, rhs, jnp.asarray(sizes, jnp.int32)
+    lhs, rhs = grouped_matmul_inputs(np.random.default_rng(seed), m, k, n, len(sizes), transpose_rhs)
+    return jnp.asarray(lhs, jnp.bfloat16), jnp.asarray(rhs, jnp.bfloat16), jnp.asarray(sizes, jnp.int32)
 
 
 @pytest.fixture
 def interpret():
     """Runs the test's kernels under the checking interpreter and fails it on any detected race."""
-    with oracle.checked_interpreter():
+    with checked_interpreter():
         yield
 
 
@@ -489,6 +487,7 @@ def test_wgrad_rejects_a_consumer_split_off_the_swizzle():
         )
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("kind", config.KINDS)
 def test_heuristic_configs_fit_in_shared_memory(kind):
     for m, k, n, g in [(32768, 2048, 1536, 128), (16384, 14336, 4096, 8), (256, 64, 64, 1)]:
@@ -496,6 +495,7 @@ def test_heuristic_configs_fit_in_shared_memory(kind):
             assert config.heuristic_config(kind, m=m, k=k, n=n, g=g, out_itemsize=out_itemsize).fits(2, out_itemsize)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize(
     "m, k, n, g",
     [
@@ -516,6 +516,7 @@ def test_heuristic_walks_large_groups_in_group_bands_in_step(m, k, n, g):
     assert overlaps == {"fwd": True, "dgrad": True, "glu_dgrad": False, "wgrad": True}
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("m, g", [(32768, 128), (32768 - 8, 128), (256, 1), (1024, 4)])
 @pytest.mark.parametrize("k, n", [(2048, 1536), (2880, 5760), (2048, 2048), (2048, 2048 + 64)])
 def test_heuristic_walks_small_groups_in_group_bands(m, g, k, n):
@@ -534,6 +535,7 @@ def test_heuristic_walks_small_groups_in_group_bands(m, g, k, n):
     assert (past.grid_minor, past.keep_ctas_in_step) == ("g", True)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize(
     "m, g, tiny",
     [(1024, 128, True), (8, 128, True), (8192, 128, True), (8192 + 8, 128, False), (64, 1, True), (65, 1, False)],
@@ -554,6 +556,7 @@ def test_heuristic_takes_64_row_tiles_for_decode_sized_groups(m, g, tiny, k, n):
         assert (c.block_m, c.num_compute_wgs) == (128, 2), kind
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize(
     "m, f, d, g, bands, block_n, stages",
     [
@@ -579,6 +582,7 @@ def test_heuristic_glu_backward_walks_group_bands_where_weights_are_large(m, f, 
     assert config.gate_up_ring_slots(c) == block_n // 64  # the gate/up rows ride the ring
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize(
     "m, g, width",
     [(32768, 128, 16), (16384, 8, 16), (16384, 1, 4), (262144, 1, 1), (64, 1, 16)],

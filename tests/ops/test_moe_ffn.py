@@ -7,18 +7,15 @@ import pytest
 from jax.test_util import check_grads
 
 import moe_jax
-from moe_jax._core import testing as oracle
+from tests import oracle
+from tests.helpers import moe_layer_inputs
 
 TOL = 1e-5  # f32 end to end
 
 
 def _layer(seed, num_tokens=24, d_model=16, d_ff=8, num_experts=6, dtype=np.float32):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(num_tokens, d_model)).astype(dtype)
-    router_kernel = rng.normal(size=(d_model, num_experts)).astype(dtype)
-    w_gate_up = (rng.normal(size=(num_experts, d_model, 2 * d_ff)) / np.sqrt(d_model)).astype(dtype)
-    w_down = (rng.normal(size=(num_experts, d_ff, d_model)) / np.sqrt(d_ff)).astype(dtype)
-    return x, router_kernel, w_gate_up, w_down
+    inputs = moe_layer_inputs(np.random.default_rng(seed), num_tokens, d_model, d_ff, num_experts)
+    return tuple(inputs[name].astype(dtype) for name in ("x", "router_kernel", "w_gate_up", "w_down"))
 
 
 @pytest.mark.parametrize(

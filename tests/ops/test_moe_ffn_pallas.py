@@ -1,5 +1,5 @@
 """The whole layer with backend="pallas" under the Mosaic GPU interpreter (races detected, memory NaN-poisoned) against
-the float64 oracle (``moe_ffn`` / ``moe_ffn_gradients`` of moe_jax/_core/testing.py, which share no code with the
+the float64 oracle (``moe_ffn`` / ``moe_ffn_gradients`` of tests/oracle.py, which share no code with the
 layer's composition) and against backend="xla": forward (y and the aux outputs) and the gradients of
 ``sum(y * cotangent) + load_balancing_loss + 0.1 * z_loss`` with respect to x, router_kernel, w_gate_up and w_down.
 
@@ -30,12 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.mesh import AbstractDevice
-from jax.sharding import AbstractMesh
 
 import moe_jax
-from moe_jax._core import testing as oracle
-from moe_jax.ops import shapes
+from benchmarks import shapes
+from tests import oracle
+from tests.helpers import checked_interpreter, simulated_sms
 
 OUT_TOL = 5e-3
 GRAD_TOL = 1e-2
@@ -43,10 +42,6 @@ ORACLE_TOL = 1e-2
 NUM_SMS = 2
 LAYER = dataclasses.replace(shapes.LAYER_SHAPES["ci/layer"], f=128)  # see the docstring
 COPIES = [5, 20, 21, 40]
-
-
-def _cpu_with(num_sms: int) -> AbstractMesh:
-    return AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="cpu", num_cores=num_sms, platform="cpu"))
 
 
 def _inputs(seed: int, d: int) -> dict:
@@ -97,7 +92,7 @@ def test_moe_ffn_forward_and_gradients_match_the_oracle_and_xla(seed, d_model, a
     capacity_factor = _tie_splitting_capacity_factor(inputs) if capacity else None
     options = dict(activation=activation, capacity_factor=capacity_factor)
     w_gate_up = moe_jax.pack_gate_up(inputs["w_gate_up"]) if packed else inputs["w_gate_up"]
-    with jax.sharding.use_abstract_mesh(_cpu_with(NUM_SMS)), oracle.checked_interpreter():
+    with simulated_sms(NUM_SMS), checked_interpreter():
         (y, aux), grads = jax.block_until_ready(_forward_and_gradients(inputs, w_gate_up, "pallas", **options))
     (expected_y, expected_aux), expected_grads = _forward_and_gradients(inputs, inputs["w_gate_up"], "xla", **options)
 

@@ -8,16 +8,12 @@ from jax.test_util import check_grads
 
 import moe_jax
 from moe_jax.ops.permute import reference
-
-
-def _routing(seed: int, num_tokens: int, num_experts: int, top_k: int):
-    logits = np.random.default_rng(seed).normal(size=(num_tokens, num_experts)).astype(np.float32)
-    return moe_jax.route(jnp.asarray(logits), top_k)
+from tests.helpers import random_routing
 
 
 @pytest.mark.parametrize("top_k", [1, 3])
 def test_permute_gathers_each_assignment_in_expert_order(top_k):
-    routing = _routing(0, 17, 6, top_k)
+    routing = random_routing(0, 17, 6, top_k)
     x = np.random.default_rng(1).normal(size=(17, 5)).astype(np.float32)
     rows = moe_jax.permute(jnp.asarray(x), routing.sort_indices, top_k)
     experts = np.asarray(routing.experts)
@@ -35,7 +31,7 @@ def test_permute_gathers_each_assignment_in_expert_order(top_k):
 @pytest.mark.parametrize("weighted", [True, False])
 def test_combine_sums_each_tokens_rows(weighted):
     top_k = 3
-    routing = _routing(2, 11, 5, top_k)
+    routing = random_routing(2, 11, 5, top_k)
     y_sorted = np.random.default_rng(3).normal(size=(33, 4)).astype(np.float32)
     weights = routing.weights if weighted else None
     y = moe_jax.combine(jnp.asarray(y_sorted), routing.sort_indices, top_k, weights)
@@ -51,7 +47,7 @@ def test_combine_sums_each_tokens_rows(weighted):
 def test_combine_of_the_first_rows_ignores_the_rest(num_rows):
     """num_rows: rows at or past it add nothing, even NaN / Inf ones, and get a zero gradient."""
     top_k = 3
-    routing = _routing(8, 11, 5, top_k)
+    routing = random_routing(8, 11, 5, top_k)
     rng = np.random.default_rng(num_rows)
     y_sorted = rng.normal(size=(33, 4)).astype(np.float32)
     y_sorted[num_rows:] = np.where(rng.uniform(size=(33 - num_rows, 4)) < 0.5, np.nan, np.inf)
@@ -77,7 +73,7 @@ def test_combine_of_the_first_rows_ignores_the_rest(num_rows):
 
 
 def test_combine_rejects_a_num_rows_that_is_not_an_integer_scalar():
-    routing = _routing(9, 4, 3, 2)
+    routing = random_routing(9, 4, 3, 2)
     y_sorted = jnp.zeros((8, 2))
     with pytest.raises(ValueError, match="num_rows must be an integer scalar"):
         moe_jax.combine(y_sorted, routing.sort_indices, 2, num_rows=jnp.array([3]))
@@ -87,7 +83,7 @@ def test_combine_rejects_a_num_rows_that_is_not_an_integer_scalar():
 
 def test_combine_inverts_permute():
     top_k = 2
-    routing = _routing(4, 9, 4, top_k)
+    routing = random_routing(4, 9, 4, top_k)
     x = jnp.asarray(np.random.default_rng(5).normal(size=(9, 3)), jnp.float32)
     rows = moe_jax.permute(x, routing.sort_indices, top_k)
     np.testing.assert_allclose(moe_jax.combine(rows, routing.sort_indices, top_k), top_k * x, rtol=1e-6)
@@ -96,7 +92,7 @@ def test_combine_inverts_permute():
 @pytest.mark.parametrize("num_rows", [None, 10])
 def test_combine_by_the_routings_positions_is_combine_by_sort_indices(num_rows):
     top_k = 3
-    routing = _routing(9, 8, 5, top_k)
+    routing = random_routing(9, 8, 5, top_k)
     y_sorted = jnp.asarray(np.random.default_rng(10).normal(size=(24, 4)), jnp.float32)
     by_positions = moe_jax.combine(
         y_sorted, routing.sort_indices, top_k, routing.weights, num_rows=num_rows, positions=routing.positions
@@ -107,7 +103,7 @@ def test_combine_by_the_routings_positions_is_combine_by_sort_indices(num_rows):
 
 def test_gradients():
     top_k = 2
-    routing = _routing(6, 7, 4, top_k)
+    routing = random_routing(6, 7, 4, top_k)
     rng = np.random.default_rng(7)
     with jax.enable_x64(True):
         x = jnp.asarray(rng.normal(size=(7, 3)))

@@ -12,22 +12,18 @@ import numpy as np
 import pytest
 
 import moe_jax
-from moe_jax._core.testing import checked_interpreter, relative_error
-from moe_jax.ops import shapes
+from benchmarks import shapes
 from moe_jax.ops.permute import reference, sm90
 from moe_jax.ops.permute.config import Config, heuristic_config
+from tests.helpers import checked_interpreter, cuda_lowering, normal, random_routing
+from tests.oracle import relative_error
 
 # One rounding to the output dtype of an f32 sum (the reference rounds once too, from another summation order).
 TOL = {jnp.float32: 1e-6, jnp.bfloat16: 8e-3}
 
 
-def _routing(seed: int, num_tokens: int, num_experts: int, top_k: int):
-    logits = np.random.default_rng(seed).normal(size=(num_tokens, num_experts)).astype(np.float32)
-    return moe_jax.route(jnp.asarray(logits), top_k, backend="xla")
-
-
 def _rows(seed: int, shape, dtype) -> jax.Array:
-    return jnp.asarray(np.random.default_rng(seed).normal(size=shape), dtype)
+    return jnp.asarray(normal(seed, shape), dtype)
 
 
 def _interpreted(fn, *args):
@@ -51,7 +47,7 @@ CASES = [
 
 @pytest.mark.parametrize("num_tokens, d_model, num_experts, top_k, dtype", CASES)
 def test_permute_matches_reference_exactly(num_tokens, d_model, num_experts, top_k, dtype):
-    routing = _routing(num_tokens, num_tokens, num_experts, top_k)
+    routing = random_routing(num_tokens, num_tokens, num_experts, top_k)
     x = _rows(1, (num_tokens, d_model), dtype)
     rows = _interpreted(lambda x: moe_jax.permute(x, routing.sort_indices, top_k, backend="pallas"), x)
     assert rows.dtype == dtype
@@ -61,7 +57,7 @@ def test_permute_matches_reference_exactly(num_tokens, d_model, num_experts, top
 @pytest.mark.parametrize("num_tokens, d_model, num_experts, top_k, dtype", CASES)
 @pytest.mark.parametrize("weighted", [True, False])
 def test_combine_matches_reference(num_tokens, d_model, num_experts, top_k, dtype, weighted):
-    routing = _routing(num_tokens + 1, num_tokens, num_experts, top_k)
+    routing = random_routing(num_tokens + 1, num_tokens, num_experts, top_k)
     y_sorted = _rows(2, (num_tokens * top_k, d_model), dtype)
     weights = routing.weights if weighted else None
     y = _interpreted(lambda y: moe_jax.combine(y, routing.sort_indices, top_k, weights, backend="pallas"), y_sorted)
@@ -72,7 +68,7 @@ def test_combine_matches_reference(num_tokens, d_model, num_experts, top_k, dtyp
 
 def test_combine_after_capacity_drops():
     # Dropped assignments sit past sum(group_sizes); their rows (zeros from the grouped matmul) are still summed.
-    routing = _routing(3, 24, 4, 2)
+    routing = random_routing(3, 24, 4, 2)
     _, sort_indices = moe_jax.apply_capacity(routing, 0.5)
     y_sorted = _rows(4, (48, 256), jnp.bfloat16)
     y = _interpreted(lambda y: moe_jax.combine(y, sort_indices, 2, routing.weights, backend="pallas"), y_sorted)
@@ -83,7 +79,7 @@ def test_combine_after_capacity_drops():
 
 def test_the_routings_positions_move_the_same_rows_without_a_scatter():
     num_tokens, d_model, top_k = 19, 256, 3
-    routing = _routing(6, num_tokens, 6, top_k)
+    routing = random_routing(6, num_tokens, 6, top_k)
     x = _rows(7, (num_tokens, d_model), jnp.bfloat16)
     y_sorted = _rows(8, (num_tokens * top_k, d_model), jnp.bfloat16)
 
@@ -113,7 +109,7 @@ def test_the_routings_positions_move_the_same_rows_without_a_scatter():
 )
 def test_gradients_match_reference(dtype, d_model):
     num_tokens, top_k = 13, 3
-    routing = _routing(5, num_tokens, 5, top_k)
+    routing = random_routing(5, num_tokens, 5, top_k)
     x = _rows(6, (num_tokens, d_model), dtype)
     y_sorted = _rows(7, (num_tokens * top_k, d_model), dtype)
     d_rows = _rows(8, (num_tokens * top_k, d_model), dtype)
@@ -145,12 +141,12 @@ def test_gradients_match_reference(dtype, d_model):
         assert relative_error(g, e) < tol, name
 
 
-@pytest.mark.parametrize("weighted", [True, False])
-def test_combine_of_the_first_rows_matches_reference(weighted):
+# num_rows: none of the T * k = 39 sorted rows, some, all but the last, all.
+@pytest.mark.parametrize("num_rows, weighted", [(0, True), (25, True), (25, False), (38, False), (39, True)])
+def test_combine_of_the_first_rows_matches_reference(num_rows, weighted):
     """num_rows (traced): the kernels skip the later rows, filled here with NaN / Inf, and give them zero gradients."""
     num_tokens, d_model, top_k = 13, 256, 3
-    routing = _routing(12, num_tokens, 5, top_k)
-    num_rows = int(np.random.default_rng().integers(0, num_tokens * top_k + 1))
+    routing = random_routing(12, num_tokens, 5, top_k)
     y_sorted = np.array(_rows(13, (num_tokens * top_k, d_model), jnp.float32))
     y_sorted[num_rows:] = np.where(np.arange(d_model) % 2, np.nan, np.inf)
     y_sorted = jnp.asarray(y_sorted, jnp.bfloat16)
@@ -177,7 +173,7 @@ def test_combine_of_the_first_rows_matches_reference(weighted):
 
 
 def test_unsupported_width_falls_back_or_raises():
-    routing = _routing(10, 8, 4, 2)
+    routing = random_routing(10, 8, 4, 2)
     x = _rows(11, (8, 100), jnp.float32)  # D = 100: narrower than the 128 lanes of a warpgroup
     with pytest.raises(NotImplementedError, match="D >= 128"):
         moe_jax.permute(x, routing.sort_indices, 2, backend="pallas")
@@ -186,6 +182,7 @@ def test_unsupported_width_falls_back_or_raises():
     )
 
 
+@pytest.mark.smoke
 def test_heuristic_config_picks_the_widest_access():
     assert heuristic_config(2048, jnp.bfloat16, "scatter_rows") == Config(vec_size=8, tokens_per_block=8)
     assert heuristic_config(7168, jnp.bfloat16, "scatter_rows") == Config(vec_size=8, tokens_per_block=2)
@@ -210,7 +207,7 @@ def test_gather_rows_with_several_tokens_per_block():
     # The heuristic gives gather_rows one token per CTA; with three, T = 11 leaves the last CTA one token short (it
     # repeats token T - 1), and D = 320 overlaps the last 128-column chunk: the same sums as the reference's.
     num_tokens, d_model, top_k = 11, 320, 3
-    routing = _routing(15, num_tokens, 5, top_k)
+    routing = random_routing(15, num_tokens, 5, top_k)
     y_sorted = _rows(16, (num_tokens * top_k, d_model), jnp.bfloat16)
     config = Config(vec_size=1, tokens_per_block=3)
     y = _interpreted(lambda y: sm90.gather_rows(y, routing.positions, routing.weights, config=config), y_sorted)
@@ -218,18 +215,12 @@ def test_gather_rows_with_several_tokens_per_block():
     assert relative_error(y, expected) < TOL[jnp.bfloat16]
 
 
-def _cuda_lowering(fn, *args) -> str:
-    """StableHLO of ``fn`` lowered for CUDA on this host: an abstract GPU device makes the kernels build for the GPU."""
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
 # Shipped layer widths: (T, D, k) of the benchmark layers. Lowering runs the whole Mosaic GPU pipeline up to the
 # custom calls.
 SHIPPED = {s.name: (s.t, s.d, s.top_k) for s in shapes.layer_shapes("bench")}
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("name", list(SHIPPED))
 def test_lowers_for_cuda(name):
     num_tokens, d_model, top_k = SHIPPED[name]
@@ -246,5 +237,5 @@ def test_lowers_for_cuda(name):
 
         return jax.value_and_grad(apply, argnums=(0, 1, 2))(x, y_sorted, weights)
 
-    lowered = _cuda_lowering(forward_and_backward, x, y_sorted, weights, sort_indices)
+    lowered = cuda_lowering(forward_and_backward, x, y_sorted, weights, sort_indices)
     assert lowered.count("custom_call @mosaic_gpu") == 4  # permute and combine forward, their two backward kernels

@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_jax._core.testing import checked_interpreter
 from moe_jax.ops.quant import reference, sm90
 from moe_jax.ops.quant.api import quantize_blockwise, quantize_blockwise_with_transpose
 from moe_jax.ops.quant.config import Config
+from tests.helpers import checked_interpreter
 
 E4M3 = jnp.float8_e4m3fn
 

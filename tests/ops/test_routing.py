@@ -1,4 +1,4 @@
-"""Reference routing against the NumPy float64 oracle (moe_jax._core.testing)."""
+"""Reference routing against the NumPy float64 oracle (tests/oracle.py)."""
 
 import zlib
 
@@ -9,15 +9,12 @@ import pytest
 from jax.test_util import check_grads
 
 import moe_jax
-from moe_jax._core import testing as oracle
 from moe_jax.ops.routing import reference
 from moe_jax.ops.routing.api import router_logits
+from tests import oracle
+from tests.helpers import normal
 
 WEIGHT_TOL = 1e-5  # f32 scores against float64: a few ulps
-
-
-def _logits(seed: int, num_tokens: int, num_experts: int) -> np.ndarray:
-    return np.random.default_rng(seed).normal(size=(num_tokens, num_experts)).astype(np.float32) * 2.0
 
 
 def _assert_routing_equal(routing, expected) -> None:
@@ -42,7 +39,7 @@ def _assert_routing_equal(routing, expected) -> None:
 )
 def test_route_matches_oracle(score, renormalize, top_k, num_groups, top_groups, use_bias):
     seed = zlib.crc32(repr((score, renormalize, top_k, num_groups)).encode())
-    logits = _logits(seed, 33, 16)
+    logits = normal(seed, (33, 16), 2.0)
     bias = np.random.default_rng(seed + 1).normal(size=16).astype(np.float32) * 0.3 if use_bias else None
     options = dict(score=score, renormalize=renormalize, num_groups=num_groups, top_groups=top_groups, scale=1.5)
     routing = moe_jax.route(jnp.asarray(logits), top_k, bias=None if bias is None else jnp.asarray(bias), **options)
@@ -50,7 +47,7 @@ def test_route_matches_oracle(score, renormalize, top_k, num_groups, top_groups,
 
 
 def test_k_equals_e_selects_every_expert_in_score_order():
-    logits = _logits(3, 9, 6)
+    logits = normal(3, (9, 6), 2.0)
     routing = moe_jax.route(jnp.asarray(logits), 6)
     _assert_routing_equal(routing, oracle.route(logits, 6))
     np.testing.assert_array_equal(routing.group_sizes, np.full(6, 9))
@@ -89,7 +86,7 @@ def test_bias_changes_selection_but_not_weights():
 
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
 def test_aux_losses_match_oracle(score):
-    logits = _logits(5, 50, 8)
+    logits = normal(5, (50, 8), 2.0)
     routing = moe_jax.route(jnp.asarray(logits), 2, score=score)
     expected = oracle.route(logits, 2, score=score)
     lb = moe_jax.load_balancing_loss(routing)
@@ -110,7 +107,7 @@ def test_perfectly_balanced_load_balancing_loss_is_one():
     [(40, 2, "softmax", 0.5), (40, 2, "sigmoid", 1.0), (40, 2, "softmax", 1.25), (10, 1, "sigmoid", 1.25)],
 )
 def test_apply_capacity_matches_oracle(num_tokens, top_k, score, capacity_factor):
-    logits = _logits(7, num_tokens, 8)
+    logits = normal(7, (num_tokens, 8), 2.0)
     logits[:, 0] += 3.0  # make expert 0 overflow
     routing = moe_jax.route(jnp.asarray(logits), top_k, score=score)
     group_sizes, sort_indices = moe_jax.apply_capacity(routing, capacity_factor)
@@ -147,7 +144,7 @@ def test_balancing_bias_update_moves_toward_the_mean():
 
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
 def test_weight_and_aux_gradients(score):
-    logits = _logits(9, 6, 8).astype(np.float64)
+    logits = normal(9, (6, 8), 2.0).astype(np.float64)
 
     def objective(logits):
         routing = reference.route(logits, 3, score=score, num_groups=2, top_groups=2)

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 import moe_jax
-from moe_jax._core import testing as oracle
-from moe_jax._core.testing import checked_interpreter
-from moe_jax.ops import shapes
+from benchmarks import shapes
 from moe_jax.ops.routing import config as routing_config
 from moe_jax.ops.routing import reference
+from tests import oracle
+from tests.helpers import checked_interpreter, cuda_lowering, normal
 
 TOL = 1e-6  # f32 weights / probs: a few ulps of values in [0, scale]
 
@@ -46,10 +46,6 @@ def _assert_same_routing(kernel, expected) -> None:
     np.testing.assert_allclose(kernel.logsumexp, expected.logsumexp, rtol=TOL, atol=TOL)
 
 
-def _normal(seed: int, shape, std: float = 2.0) -> np.ndarray:
-    return (np.random.default_rng(seed).normal(size=shape) * std).astype(np.float32)
-
-
 @pytest.mark.parametrize(
     "num_tokens, num_experts, top_k, options",
     [
@@ -69,13 +65,13 @@ def _normal(seed: int, shape, std: float = 2.0) -> np.ndarray:
 def test_random_logits_match_reference(num_tokens, num_experts, top_k, options):
     seed = num_tokens * 1000 + num_experts
     options = dict(options)
-    bias = _normal(seed + 1, (num_experts,), 0.3) if options.pop("bias", False) else None
-    kernel, expected = _route(_normal(seed, (num_tokens, num_experts)), top_k, bias=bias, **options)
+    bias = normal(seed + 1, (num_experts,), 0.3) if options.pop("bias", False) else None
+    kernel, expected = _route(normal(seed, (num_tokens, num_experts), 2.0), top_k, bias=bias, **options)
     _assert_same_routing(kernel, expected)
 
 
 def test_matches_float64_oracle():
-    logits = _normal(5, (80, 16))
+    logits = normal(5, (80, 16), 2.0)
     kernel, _ = _route(logits, 4, score="sigmoid", num_groups=4, top_groups=2)
     expected = oracle.route(logits, 4, score="sigmoid", num_groups=4, top_groups=2)
     np.testing.assert_array_equal(kernel.experts, expected["experts"])
@@ -113,7 +109,7 @@ def _adversarial_logits(seed: int, num_experts: int) -> np.ndarray:
 @pytest.mark.parametrize("num_experts", [32, 512])  # the whole row in registers; four chunks of 128 experts
 def test_nan_and_infinite_logits_select_in_range_experts(score, num_groups, num_experts):
     logits = _adversarial_logits(17, num_experts)
-    bias = _normal(18, (num_experts,), 1.0)
+    bias = normal(18, (num_experts,), 1.0)
     bias[4] = np.inf  # a group score of inf + (-inf) = NaN ranks as -inf
     grouped = num_groups > 1
     options = dict(score=score, num_groups=num_groups, top_groups=3, bias=bias) if grouped else dict(score=score)
@@ -138,9 +134,9 @@ def test_nan_and_infinite_logits_select_in_range_experts(score, num_groups, num_
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("with_aux_losses", [True, False])  # without: logsumexp and probs get no cotangent
 def test_gradients_match_reference(score, with_aux_losses):
-    logits = _normal(23, (70, 16))
-    bias = _normal(24, (16,), 0.3)
-    cotangent = _normal(25, (70, 3), 1.0)
+    logits = normal(23, (70, 16), 2.0)
+    bias = normal(24, (16,), 0.3)
+    cotangent = normal(25, (70, 3), 1.0)
     options = dict(score=score, num_groups=4, top_groups=2, bias=jnp.asarray(bias), scale=1.5)
 
     def objective(route_fn, x):
@@ -168,7 +164,7 @@ def test_gradients_match_reference(score, with_aux_losses):
 def test_sigmoid_statistics_from_the_kernel(monkeypatch, num_tokens, num_experts, options):
     # ``kernel_statistics`` leaves a sigmoid router's statistics to XLA; the kernel computes them when asked.
     monkeypatch.setattr(routing_config, "kernel_statistics", lambda score: True)
-    logits = _normal(31, (num_tokens, num_experts))
+    logits = normal(31, (num_tokens, num_experts), 2.0)
     kernel, expected = _route(logits, 4, score="sigmoid", **options)
     _assert_same_routing(kernel, expected)
     adversarial = _adversarial_logits(32, num_experts)
@@ -191,11 +187,12 @@ def test_sigmoid_statistics_from_the_kernel(monkeypatch, num_tokens, num_experts
 
 
 def test_bf16_logits_route_like_their_f32_values():
-    logits = _normal(29, (64, 16)).astype(jnp.bfloat16)
+    logits = normal(29, (64, 16), 2.0).astype(jnp.bfloat16)
     kernel, expected = _route(logits, 2)
     _assert_same_routing(kernel, expected)
 
 
+@pytest.mark.smoke
 def test_heuristic_chunks_wide_expert_axes_only_where_chunks_fit():
     assert routing_config.heuristic_config(128, top_k=8).chunk_experts == 128  # the whole row
     assert routing_config.heuristic_config(256, top_k=8, num_groups=8).chunk_experts == 128
@@ -209,6 +206,7 @@ def test_heuristic_chunks_wide_expert_axes_only_where_chunks_fit():
     assert routing_config.heuristic_config(384, top_k=6, num_groups=8).chunk_experts == 384  # groups of 48 straddle
 
 
+@pytest.mark.smoke
 def test_auto_takes_the_kernel_only_where_it_measured_faster():
     assert routing_config.prefers_kernel(256, 8, 8)  # chunks of 128
     assert routing_config.prefers_kernel(256, 17, 1)  # the whole row
@@ -223,13 +221,6 @@ def test_auto_takes_the_kernel_only_where_it_measured_faster():
 def test_config_rejects_a_chunk_off_the_swizzle_tile():
     with pytest.raises(ValueError, match="chunk_experts must divide"):
         routing_config.Config(padded_experts=256, rank_chunk=256, chunk_experts=32)
-
-
-def _cuda_lowering(fn, *args) -> str:
-    """StableHLO of ``fn`` lowered for CUDA on this host: an abstract GPU device makes the kernels build for the GPU."""
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132)
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 # Shipped configurations: (T, E, k, options) of the benchmark layers' routers, and the extremes of E and k. Lowering
@@ -247,6 +238,7 @@ SHIPPED = {
 }
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("name", list(SHIPPED))
 def test_lowers_for_cuda(name):
     num_tokens, num_experts, top_k, options = SHIPPED[name]
@@ -261,4 +253,4 @@ def test_lowers_for_cuda(name):
 
         return jax.grad(objective, has_aux=True)(logits)
 
-    assert _cuda_lowering(forward_and_backward, logits, bias).count("custom_call @mosaic_gpu") == 1
+    assert cuda_lowering(forward_and_backward, logits, bias).count("custom_call @mosaic_gpu") == 1

@@ -1,45 +1,19 @@
-"""Test helpers: an independent NumPy float64 oracle for every op, ragged routings, and error metrics.
+"""The oracles the tests (and the benchmarks' correctness checks) compare against, and their error metric.
 
-The oracle is written from DESIGN §3 with loops and plain NumPy — deliberately unlike the vectorised JAX reference —
-so that the two can only agree by both being right.
+- A NumPy float64 oracle for every op (``route``, ``grouped_matmul``, ``moe_ffn``, capacity, aux losses), written from
+  the ops' definitions with loops and plain NumPy, deliberately unlike the vectorised JAX reference, so that the two
+  can only agree by both being right.
+- ``GroupOracle`` / ``MLPGroupOracle``: exact f32 results for three groups of a grouped matmul or GLU MLP, for shapes
+  where a full oracle is too slow or too large (the GPU tests and the benchmarks).
+- ``random_group_sizes``: ragged routings with the edge cases named (empty groups, one hot group, rows past the sum).
 """
 
-import contextlib
 import functools
 import math
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # the interpreter's race state has no public API
-from jax.experimental.pallas import mosaic_gpu as plgpu
-
-# The checking interpreter: races detected, uninitialised memory (shared and output buffers) poisoned with NaN.
-CHECKING_INTERPRETER = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
-
-
-@contextlib.contextmanager
-def checked_interpreter():
-    """Runs every Mosaic GPU kernel inside under the checking interpreter; raises if any of them raced.
-
-    The interpreter keeps the race state of the last kernel only, so each kernel's state is recorded as it is made.
-    """
-    states = []
-    state_type = gpu_callbacks.GPURaceDetectionState
-
-    def recording_state(*args, **kwargs):
-        states.append(state_type(*args, **kwargs))
-        return states[-1]
-
-    with (
-        mock.patch.object(gpu_callbacks, "GPURaceDetectionState", recording_state),
-        plgpu.force_gpu_interpret_mode(CHECKING_INTERPRETER),
-    ):
-        yield
-    raced = sum(state.races_found for state in states)
-    assert not raced, f"the interpreter detected a data race in {raced} of {len(states)} kernel runs"
-
 
 # ---------------------------------------------------------------------------------------------------------- metrics
 
@@ -193,7 +167,7 @@ def capacity_factor_splitting(experts, selected_scores, tied, num_experts: int) 
 
 
 def _gated_activation(gate, up, activation: str, xp):
-    """DESIGN §3's GLUs with their constants written out, in the array module ``xp`` (numpy or jax.numpy)."""
+    """The GLUs with their constants written out, in the array module ``xp`` (numpy or jax.numpy)."""
     if activation == "swiglu":
         return gate / (1.0 + xp.exp(-gate)) * up
     if activation == "geglu":

@@ -1,7 +1,7 @@
-"""Named problem shapes shared by tests and benchmarks (DESIGN §6).
+"""Named problem shapes shared by the benchmarks and the tests.
 
-Two registries, each entry tagged "ci" (tiny: tests and the CPU benchmark smoke run), "bench" (the real models of
-DESIGN §6, which the tuned kernel tables cover), "heuristic" (other models' grouped matmuls, off the tuned tables:
+Two registries, each entry tagged "ci" (tiny: tests and the CPU benchmark smoke run), "bench" (the real models the
+project targets, which the tuned kernel tables cover), "heuristic" (other models' grouped matmuls, off the tuned tables:
 what a user's own model gets from the kernels' config heuristics) or "decode" (qwen3-30b's and gpt-oss-120b's at
 decode-sized batches of tokens, 4-64 rows per expert, also off the tables):
 
@@ -12,7 +12,7 @@ decode-sized batches of tokens, 4-64 rows per expert, also off the tables):
 Routings say how the M rows of a grouped matmul fall into the G groups. The group sizes are drawn on device from a
 seed, so a benchmark never moves them through the host:
 
-- "uniform": each row picks an expert uniformly at random (the DESIGN §6 default);
+- "uniform": each row picks an expert uniformly at random (the default);
 - "zipf1.2": a row picks the expert of rank r with probability proportional to ``r ** -1.2`` (ranks shuffled);
 - "half": one expert (chosen by the seed) takes half the rows, the rest pick uniformly among the other G - 1.
 """

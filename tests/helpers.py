@@ -1,0 +1,112 @@
+"""What many test files share: the checking interpreter, abstract devices (simulated SMs, a CUDA lowering target) and
+seeded input builders.
+
+The builders draw from a ``np.random.Generator`` in a fixed order and return float64 NumPy arrays; a test casts them
+to the dtypes it checks (``jnp.asarray(w, jnp.bfloat16)``), so the oracle can read the same draws at full precision.
+"""
+
+import contextlib
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # the interpreter's race state has no public API
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.sharding import AbstractDevice, AbstractMesh
+
+import moe_jax
+
+# ------------------------------------------------------------------------------------------------------ interpreter
+
+# The checking interpreter: races detected, uninitialised memory (shared and output buffers) poisoned with NaN.
+CHECKING_INTERPRETER = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
+
+
+@contextlib.contextmanager
+def checked_interpreter():
+    """Runs every Mosaic GPU kernel inside under the checking interpreter; raises if any of them raced.
+
+    The interpreter keeps the race state of the last kernel only, so each kernel's state is recorded as it is made.
+    """
+    states = []
+    state_type = gpu_callbacks.GPURaceDetectionState
+
+    def recording_state(*args, **kwargs):
+        states.append(state_type(*args, **kwargs))
+        return states[-1]
+
+    with (
+        mock.patch.object(gpu_callbacks, "GPURaceDetectionState", recording_state),
+        plgpu.force_gpu_interpret_mode(CHECKING_INTERPRETER),
+    ):
+        yield
+    raced = sum(state.races_found for state in states)
+    assert not raced, f"the interpreter detected a data race in {raced} of {len(states)} kernel runs"
+
+
+def simulated_sms(num_sms: int):
+    """A context in which persistent kernels see ``num_sms`` SMs on the CPU (``hardware.num_sms`` reads an abstract
+    device's core count): the interpreter's time grows with them."""
+    device = AbstractDevice(device_kind="cpu", num_cores=num_sms, platform="cpu")
+    return jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=device))
+
+
+# ------------------------------------------------------------------------------------------------- lowering for CUDA
+
+# An abstract H200: kernels build for the GPU (``hardware.interpret_params()`` is None) on its 132 SMs. Lowering stops
+# before the CUDA compiler, so it needs no GPU.
+H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+
+
+def on_abstract_h200():
+    """A context in which the kernels are built (not interpreted) for an H200, on a CPU host."""
+    return jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=H200))
+
+
+def cuda_lowering(fn, *args) -> str:
+    """StableHLO text of ``jax.jit(fn)`` lowered for CUDA at ``args`` (arrays or ``jax.ShapeDtypeStruct``s)."""
+    with on_abstract_h200():
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+# ---------------------------------------------------------------------------------------------------------- inputs
+
+
+def expert_weights(rng: np.random.Generator, num_experts: int, d: int, f: int) -> tuple[np.ndarray, np.ndarray]:
+    """w_gate_up [E, D, 2F] as [gate | up] and w_down [E, F, D], normal over the fan-in (std 1/sqrt(D), 1/sqrt(F))."""
+    w_gate_up = rng.normal(size=(num_experts, d, 2 * f)) / np.sqrt(d)
+    w_down = rng.normal(size=(num_experts, f, d)) / np.sqrt(f)
+    return w_gate_up, w_down
+
+
+def grouped_matmul_inputs(rng, m: int, k: int, n: int, num_groups: int, transpose_rhs: bool = False):
+    """lhs [M, K] standard normal, rhs [G, K, N] (or [G, N, K]) with std 1/sqrt(K)."""
+    lhs = rng.normal(size=(m, k))
+    rhs = rng.normal(size=(num_groups, n, k) if transpose_rhs else (num_groups, k, n)) / np.sqrt(k)
+    return lhs, rhs
+
+
+def glu_mlp_inputs(rng, m: int, d: int, f: int, num_groups: int, x_scale: float = 1.0) -> dict:
+    """x [M, D] with std ``x_scale``, ``expert_weights``, row_scale [M] uniform in [0.1, 1)."""
+    x = x_scale * rng.normal(size=(m, d))
+    w_gate_up, w_down = expert_weights(rng, num_groups, d, f)
+    return dict(x=x, w_gate_up=w_gate_up, w_down=w_down, row_scale=rng.uniform(0.1, 1.0, size=m))
+
+
+def moe_layer_inputs(rng, t: int, d: int, f: int, num_experts: int) -> dict:
+    """x [T, D] standard normal, router_kernel [D, E] with std 1/sqrt(D), ``expert_weights``."""
+    x = rng.normal(size=(t, d))
+    router_kernel = rng.normal(size=(d, num_experts)) / np.sqrt(d)
+    w_gate_up, w_down = expert_weights(rng, num_experts, d, f)
+    return dict(x=x, router_kernel=router_kernel, w_gate_up=w_gate_up, w_down=w_down)
+
+
+def normal(seed: int, shape, scale: float = 1.0) -> np.ndarray:
+    """[*shape] float32: ``scale`` x standard normal draws from ``seed``."""
+    return (scale * np.random.default_rng(seed).normal(size=shape)).astype(np.float32)
+
+
+def random_routing(seed: int, num_tokens: int, num_experts: int, top_k: int) -> moe_jax.Routing:
+    """``moe_jax.route`` (the XLA reference) of standard normal f32 logits drawn from ``seed``."""
+    return moe_jax.route(jnp.asarray(normal(seed, (num_tokens, num_experts))), top_k, backend="xla")
