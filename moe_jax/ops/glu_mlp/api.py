@@ -238,16 +238,7 @@ def routed_glu_mlp(
     rows_backend = _rows_backend(x) if implementation == "pallas_sorted" else "xla"
     rows = permute_api.permute(x, sort_indices, top_k, positions=positions, backend=rows_backend)
     mlp_implementation = "xla" if implementation == "xla" else "pallas"
-    return _glu_mlp(
-        x=rows,
-        w_gate_up=w_gate_up,
-        w_down=w_down,
-        group_sizes=group_sizes,
-        activation=activation,
-        row_scale=row_scale,
-        zero_tail=zero_tail,
-        implementation=mlp_implementation,
-    )
+    return _glu_mlp(rows, w_gate_up, w_down, group_sizes, activation, row_scale, zero_tail, mlp_implementation)
 
 
 def _rows_backend(x) -> str:
