@@ -26,7 +26,7 @@ ROUTERS = {
     "e320-grouped-chunks": (2048, 320, 6, dict(score="softmax", num_groups=10, top_groups=3, bias=True)),  # of 64
     "e448-chunks-of-64": (4096, 448, 8, dict(score="softmax")),  # seven ungrouped chunks of 64 experts
     "e60": (1000, 60, 4, dict(score="sigmoid", renormalize=False)),
-    # Issue #5's largest sizes: T = 256k tokens, E up to 512, k up to 16.
+    # The largest routing sizes the kernels target: T = 256k tokens, E up to 512, k up to 16.
     "t256k-e128-k8": (262144, 128, 8, dict(score="softmax")),
     "t256k-e256-k8-grouped": (262144, 256, 8, dict(score="sigmoid", num_groups=8, top_groups=4, bias=True)),
     "t256k-e512-k16": (262144, 512, 16, dict(score="softmax")),
