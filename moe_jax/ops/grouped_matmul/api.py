@@ -9,13 +9,14 @@ an epilogue to run in. The kernel runners below (``run_rows_kernel``, ``run_wgra
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 
 from moe_jax._core import backend as dispatch
 from moe_jax._core import checks
-from moe_jax.ops.grouped_matmul import reference
+from moe_jax.ops.grouped_matmul import reference, reference_fp8
 from moe_jax.ops.grouped_matmul.glu import ACTIVATIONS, glu
 from moe_jax.ops.grouped_matmul.launch import (
     GROUPED_MATMUL_NAMES,
@@ -26,6 +27,8 @@ from moe_jax.ops.grouped_matmul.launch import (
     run_rows_kernel,
 )
 from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, PackedGateUp, gate_up_block, pack_gate_up, split_gate_up
+from moe_jax.ops.grouped_matmul.reference_fp8 import QUANTIZATIONS, RECIPES
+from moe_jax.ops.quant.reference import FP8_DTYPES, BlockScaled
 
 OUTPUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -39,11 +42,13 @@ def check_grouped_matmul_args(
     row_scale,
     preferred_element_type,
     transpose_rhs,
+    quantization=None,
     names: ArgNames = GROUPED_MATMUL_NAMES,
 ) -> tuple[int, int, int, int]:
     """Validates the arguments of ``grouped_matmul`` (or of an op built on it, whose argument ``names`` the messages
     use); returns (M, K, N, G). What the kernels take is ``IMPLEMENTATIONS``' business, not this check's."""
     lhs_name, rhs_name, k, n = names.lhs, names.rhs, names.k, names.n
+    checks.check_choice("quantization", quantization, (None, *QUANTIZATIONS))
     num_rows, contraction = checks.check_rank(lhs_name, lhs, 2, f"[M, {k}]")
     if isinstance(rhs, PackedGateUp):
         if activation is None:
@@ -61,10 +66,8 @@ def check_grouped_matmul_args(
     checks.check_rank("group_sizes", group_sizes, 1, "[G]")
     checks.check_int32("group_sizes", group_sizes)
     checks.check_dim("group_sizes", group_sizes.shape[0], num_groups, f"length (G, {rhs_name}.shape[0])")
-    checks.check_float(lhs_name, lhs)
-    checks.check_float(rhs_name, rhs)
-    if lhs.dtype != rhs.dtype:
-        raise TypeError(f"{lhs_name} and {rhs_name} must have the same dtype, got {lhs.dtype} and {rhs.dtype}")
+    weights = rhs.array if isinstance(rhs, PackedGateUp) else rhs
+    _check_operand_types(lhs, weights, quantization, transpose_rhs, names)
     if activation is not None:
         checks.check_choice("activation", activation, (None, *ACTIVATIONS))
         if num_cols % 2:
@@ -87,6 +90,44 @@ def check_grouped_matmul_args(
     return num_rows, contraction, num_cols, num_groups
 
 
+def _check_operand_types(lhs, weights, quantization, transpose_rhs: bool, names: ArgNames) -> None:
+    """Float operands of one dtype; with ``quantization`` each may instead be a BlockScaled of the recipe's blocks."""
+    operands = ((names.lhs, lhs), (names.rhs, weights))
+    if quantization is None:
+        for name, operand in operands:
+            if isinstance(operand, BlockScaled):
+                raise TypeError(f"{name} is a BlockScaled (FP8): pass quantization= ({QUANTIZATIONS}) to match it")
+    else:
+        recipe = RECIPES[quantization]
+        blocks = (recipe.lhs_block, recipe.rhs_block(transpose_rhs))
+        for (name, operand), block_shape in zip(operands, blocks, strict=True):
+            if isinstance(operand, BlockScaled):
+                _check_block_scaled(name, operand, block_shape, recipe, quantization)
+        operands = tuple((name, operand) for name, operand in operands if not isinstance(operand, BlockScaled))
+    for name, operand in operands:
+        checks.check_float(name, operand)
+    if len(operands) == 2 and lhs.dtype != weights.dtype:
+        raise TypeError(f"{names.lhs} and {names.rhs} must have the same dtype, got {lhs.dtype} and {weights.dtype}")
+
+
+def _check_block_scaled(name: str, operand: BlockScaled, block_shape, recipe, quantization: str) -> None:
+    if operand.block_shape != block_shape:
+        raise ValueError(
+            f"{name} is a BlockScaled of block_shape {operand.block_shape}; quantization={quantization!r} takes "
+            f"{block_shape} for it"
+        )
+    if jnp.dtype(operand.dtype) not in map(jnp.dtype, FP8_DTYPES):
+        raise TypeError(f"{name}.values must be float8_e4m3fn or float8_e5m2, got {jnp.dtype(operand.dtype).name}")
+    if jnp.dtype(operand.scales.dtype) != recipe.scale_dtype:
+        raise TypeError(
+            f"{name}.scales must be {recipe.scale_dtype.name} for quantization={quantization!r}, got "
+            f"{jnp.dtype(operand.scales.dtype).name}"
+        )
+    blocks = tuple(math.ceil(size / block) for size, block in zip(operand.shape, block_shape, strict=True))
+    if tuple(operand.scales.shape) != blocks:
+        raise ValueError(f"{name}.scales must have shape {blocks} (one per block), got {tuple(operand.scales.shape)}")
+
+
 def grouped_matmul(
     lhs: jax.Array,
     rhs: jax.Array | PackedGateUp,
@@ -96,12 +137,13 @@ def grouped_matmul(
     row_scale: jax.Array | None = None,
     preferred_element_type=None,
     transpose_rhs: bool = False,
+    quantization: str | None = None,
     backend: str = "auto",
 ) -> jax.Array:
     """Ragged grouped matmul: rows ``[offset_g, offset_g + group_sizes[g])`` of ``lhs`` multiply ``rhs[g]``.
 
     Args:
-      lhs: [M, K] rows sorted by group.
+      lhs: [M, K] rows sorted by group (with ``quantization``, also a ``BlockScaled``).
       rhs: [G, K, N] weights, or [G, N, K] (K-major) with ``transpose_rhs=True``; same dtype as lhs. With an
         activation it may also be a ``PackedGateUp`` (``pack_gate_up(rhs)``): the same [gate | up] weights with their
         columns interleaved so that one kernel tile holds matching gate and up columns. The type says the layout,
@@ -113,8 +155,17 @@ def grouped_matmul(
         [M, F] (g: gate, u: up): swiglu ``silu(g) * u``; geglu ``gelu(g) * u`` (tanh form, ``jax.nn.gelu``'s default);
         gpt_oss ``(u' + 1) * g' * sigmoid(1.702 * g')`` with ``g' = min(g, 7)`` and ``u' = clip(u, -7, 7)``.
       row_scale: optional [M] float multiplying each output row (routing weights folded into the down projection).
-      preferred_element_type: output dtype (default: lhs.dtype); accumulation is always f32.
+      preferred_element_type: output dtype (default: lhs.dtype; with ``quantization`` the high-precision inputs'
+        dtype, bf16 when both are BlockScaled); accumulation is always f32.
       transpose_rhs: rhs is laid out [G, N, K].
+      quantization: None, "fp8_block" or "mxfp8": multiply block-scaled float8_e4m3fn operands, accumulating the
+        product of their dequantized values in f32. "fp8_block": lhs in 1 x 128 blocks along K, rhs in 128 x 128
+        blocks over (K, N); "mxfp8": 1 x 32 blocks along K for both, power-of-two (e8m0) scales. The op quantizes
+        high-precision operands (with an activation the weights in the packed gate/up layout, so a plain [gate | up]
+        array and its PackedGateUp agree) and takes ``BlockScaled`` ones (``quantize_blockwise``,
+        ``quantize_weights``) as they are, with the recipe's block_shape. Gradients reach high-precision operands
+        straight through the quantization, their own GEMMs quantized too; BlockScaled operands get none
+        (reference_fp8.py has the whole recipe).
       backend: "auto", "xla" or "pallas". "pallas" (the default on an H100/H200 under "auto") needs bf16/f16 inputs,
         K, N multiples of 64 and, with an activation, F a multiple of 64; "auto" falls back to "xla" where those do
         not hold. With an activation or a row scale the kernel applies them in its epilogue (f32) and writes only
@@ -131,10 +182,23 @@ def grouped_matmul(
         row_scale=row_scale,
         preferred_element_type=preferred_element_type,
         transpose_rhs=transpose_rhs,
+        quantization=quantization,
     )
-    call = _GemmCall(lhs.dtype, contraction, num_cols, activation)
+    call = _GemmCall(lhs.dtype, contraction, num_cols, activation, quantization)
     group_sizes = group_sizes.astype(jnp.int32)
-    if dispatch.select("grouped_matmul", backend, IMPLEMENTATIONS, call).name == "xla":
+    implementation = dispatch.select("grouped_matmul", backend, IMPLEMENTATIONS, call)
+    if quantization is not None:
+        return reference_fp8.grouped_matmul(
+            lhs,
+            rhs,
+            group_sizes,
+            quantization=quantization,
+            activation=activation,
+            row_scale=row_scale,
+            preferred_element_type=preferred_element_type,
+            transpose_rhs=transpose_rhs,
+        )
+    if implementation.name == "xla":
         return reference.grouped_matmul(
             lhs,
             rhs,
@@ -162,14 +226,40 @@ class _GemmCall:
     contraction: int
     num_cols: int
     activation: str | None
+    quantization: str | None = None
 
 
 def _kernel_unsupported(call: _GemmCall) -> str | None:
+    if call.quantization is not None:
+        return f"quantization={call.quantization!r} has no Pallas kernel"
     shaped = jax.ShapeDtypeStruct((0, call.contraction), call.dtype)
     return kernel_unsupported(shaped, call.contraction, call.num_cols, call.activation)
 
 
 IMPLEMENTATIONS = (dispatch.Implementation("pallas", _kernel_unsupported), dispatch.XLA)
+
+
+def quantize_weights(
+    rhs: jax.Array | PackedGateUp, quantization: str = "fp8_block", *, transpose_rhs: bool = False
+) -> BlockScaled | PackedGateUp:
+    """Weights quantized once, as ``grouped_matmul(..., quantization=quantization)`` quantizes them on every call.
+
+    Args:
+      rhs: [G, K, N], or [G, N, K] with ``transpose_rhs``, high precision; or a PackedGateUp of such an array (the
+        form that keeps an activation's weights in the layout the GLU kernel reads).
+      quantization: "fp8_block" (128 x 128 blocks over (K, N)) or "mxfp8" (1 x 32 along K, e8m0 scales).
+      transpose_rhs: rhs is laid out [G, N, K] (the FP8 kernel's layout: no transposed copy per call).
+
+    Returns:
+      A BlockScaled of rhs's shape, or a PackedGateUp holding one.
+    """
+    checks.check_choice("quantization", quantization, QUANTIZATIONS)
+    recipe = RECIPES[quantization]
+    weights = rhs.array if isinstance(rhs, PackedGateUp) else rhs
+    checks.check_rank("rhs", weights, 3, "[G, N, K]" if transpose_rhs else "[G, K, N]")
+    checks.check_float("rhs", weights)
+    quantized = reference_fp8.quantize(weights, recipe.rhs_block(transpose_rhs), recipe)
+    return dataclasses.replace(rhs, array=quantized) if isinstance(rhs, PackedGateUp) else quantized
 
 
 # ------------------------------------------------------------------------------------------- Pallas path + custom_vjp
