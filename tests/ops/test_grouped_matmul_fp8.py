@@ -243,6 +243,11 @@ def test_quantized_packed_weights_serve_the_glu(quantization):
     assert isinstance(quantized, PackedGateUp) and isinstance(quantized.array, moe_jax.BlockScaled)
     out = moe_jax.grouped_matmul(lhs, quantized, group_sizes, **options)
     np.testing.assert_array_equal(out, moe_jax.grouped_matmul(lhs, rhs, group_sizes, **options))
+    both = moe_jax.grouped_matmul(
+        _quantize(lhs, (1, RECIPES[quantization][0]), quantization), quantized, group_sizes, **options
+    )
+    assert both.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(both, out.astype(jnp.bfloat16))
 
 
 def test_fp8_block_weights_pre_quantized_give_the_same_input_gradient():

@@ -5,6 +5,10 @@ row scale run in the forward kernel's epilogue on the f32 accumulator (the GLU o
 this op's backward differentiates that epilogue in XLA from the pre-activation the forward kept, then runs the dgrad
 and wgrad kernels. The fused GLU backward lives in ``moe_jax.ops.glu_mlp``, where the down projection's dgrad gives it
 an epilogue to run in. The kernel runners below (``run_rows_kernel``, ``run_wgrad_kernel``, ``gemm_grads``) serve both.
+
+With ``quantization="fp8_block"`` the "pallas" entry runs the FP8 forward kernel (block-scaled e4m3 operands, the
+same epilogues); its backward is the recipe's quantized dgrad and wgrad in XLA (reference_fp8.py). "auto" keeps the
+XLA path for quantized calls until the kernel has been measured faster there.
 """
 
 import dataclasses
@@ -21,13 +25,16 @@ from moe_jax.ops.grouped_matmul.glu import ACTIVATIONS, glu
 from moe_jax.ops.grouped_matmul.launch import (
     GROUPED_MATMUL_NAMES,
     ArgNames,
+    fp8_kernel_unsupported,
     gemm_grads,
     kernel_unsupported,
     run_forward_kernel,
+    run_fp8_forward_kernel,
     run_rows_kernel,
 )
 from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, PackedGateUp, gate_up_block, pack_gate_up, split_gate_up
 from moe_jax.ops.grouped_matmul.reference_fp8 import QUANTIZATIONS, RECIPES
+from moe_jax.ops.quant import api as quant
 from moe_jax.ops.quant.reference import FP8_DTYPES, BlockScaled
 
 OUTPUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -169,7 +176,10 @@ def grouped_matmul(
       backend: "auto", "xla" or "pallas". "pallas" (the default on an H100/H200 under "auto") needs bf16/f16 inputs,
         K, N multiples of 64 and, with an activation, F a multiple of 64; "auto" falls back to "xla" where those do
         not hold. With an activation or a row scale the kernel applies them in its epilogue (f32) and writes only
-        the result; under differentiation it also keeps the pre-activation [M, N] for the backward.
+        the result; under differentiation it also keeps the pre-activation [M, N] for the backward. Quantized
+        calls run the FP8 kernel under "pallas" only (fp8_block; K a multiple of 128, e4m3 operands, GLU weights
+        packed), its backward in XLA; its weights are read [G, N, K], so pass them that way (``transpose_rhs``)
+        to spare a transposed FP8 copy per call.
 
     Returns:
       [M, N], or [M, N/2] with an activation.
@@ -184,10 +194,10 @@ def grouped_matmul(
         transpose_rhs=transpose_rhs,
         quantization=quantization,
     )
-    call = _GemmCall(lhs.dtype, contraction, num_cols, activation, quantization)
+    call = _gemm_call(lhs, rhs, contraction, num_cols, activation, quantization)
     group_sizes = group_sizes.astype(jnp.int32)
     implementation = dispatch.select("grouped_matmul", backend, IMPLEMENTATIONS, call)
-    if quantization is not None:
+    if quantization is not None and implementation.name == "xla":
         return reference_fp8.grouped_matmul(
             lhs,
             rhs,
@@ -198,6 +208,12 @@ def grouped_matmul(
             preferred_element_type=preferred_element_type,
             transpose_rhs=transpose_rhs,
         )
+    if quantization is not None:
+        out_dtype = reference_fp8.output_dtype(lhs, rhs, preferred_element_type)
+        weights, _ = reference_fp8.stored_weights(rhs, activation, transpose_rhs)
+        scale = None if row_scale is None else row_scale.astype(jnp.float32)
+        args = (activation, out_dtype, transpose_rhs, quantization)
+        return _pallas_fp8_matmul(lhs, weights, jnp.maximum(group_sizes, 0), scale, *args)
     if implementation.name == "xla":
         return reference.grouped_matmul(
             lhs,
@@ -227,16 +243,33 @@ class _GemmCall:
     num_cols: int
     activation: str | None
     quantization: str | None = None
+    fp8_dtypes: tuple = ()  # quantized calls: the value dtypes of the BlockScaled operands
+    unpacked_glu_weights: bool = False  # quantized calls: an activation with BlockScaled [gate | up] weights
+
+
+def _gemm_call(lhs, rhs, contraction: int, num_cols: int, activation, quantization) -> _GemmCall:
+    if quantization is None:
+        return _GemmCall(lhs.dtype, contraction, num_cols, activation)
+    weights = rhs.array if isinstance(rhs, PackedGateUp) else rhs
+    fp8_dtypes = tuple(jnp.dtype(x.dtype) for x in (lhs, weights) if isinstance(x, BlockScaled))
+    unpacked = activation is not None and isinstance(rhs, BlockScaled)
+    return _GemmCall(lhs.dtype, contraction, num_cols, activation, quantization, fp8_dtypes, unpacked)
 
 
 def _kernel_unsupported(call: _GemmCall) -> str | None:
     if call.quantization is not None:
-        return f"quantization={call.quantization!r} has no Pallas kernel"
+        args = (call.contraction, call.num_cols, call.activation, call.fp8_dtypes, call.unpacked_glu_weights)
+        return fp8_kernel_unsupported(call.quantization, *args)
     shaped = jax.ShapeDtypeStruct((0, call.contraction), call.dtype)
     return kernel_unsupported(shaped, call.contraction, call.num_cols, call.activation)
 
 
-IMPLEMENTATIONS = (dispatch.Implementation("pallas", _kernel_unsupported), dispatch.XLA)
+def _kernel_preferred(call: _GemmCall) -> bool:
+    """The FP8 kernel runs under backend="pallas" only until it has been measured against the XLA path."""
+    return call.quantization is None
+
+
+IMPLEMENTATIONS = (dispatch.Implementation("pallas", _kernel_unsupported, _kernel_preferred), dispatch.XLA)
 
 
 def quantize_weights(
@@ -301,6 +334,13 @@ def _epilogue_fwd(lhs, rhs, group_sizes, row_scale, activation, out_dtype, trans
 def _epilogue_bwd(activation, out_dtype, transpose_rhs, residuals, d_out):
     """The epilogue's VJP in XLA on the kept pre-activation [M, N], then the dgrad and wgrad kernels."""
     lhs, rhs, group_sizes, row_scale, pre = residuals
+    d_pre, d_row_scale = _epilogue_vjp(pre, row_scale, activation, d_out)
+    d_lhs, d_rhs = gemm_grads(lhs, rhs, group_sizes, d_pre, transpose_rhs=transpose_rhs)
+    return d_lhs, d_rhs, None, d_row_scale
+
+
+def _epilogue_vjp(pre, row_scale, activation, d_out):
+    """(d pre [M, N] f32, d row_scale) of the forward epilogue (GLU over packed columns, row scale) at ``pre``."""
 
     def epilogue(acc, scale):
         if activation is not None:
@@ -308,9 +348,51 @@ def _epilogue_bwd(activation, out_dtype, transpose_rhs, residuals, d_out):
         return acc if scale is None else acc * scale[:, None]
 
     _, pullback = jax.vjp(epilogue, pre.astype(jnp.float32), row_scale)
-    d_pre, d_row_scale = pullback(d_out.astype(jnp.float32))
-    d_lhs, d_rhs = gemm_grads(lhs, rhs, group_sizes, d_pre, transpose_rhs=transpose_rhs)
-    return d_lhs, d_rhs, None, d_row_scale
+    return pullback(d_out.astype(jnp.float32))
 
 
 _pallas_epilogue_matmul.defvjp(_epilogue_fwd, _epilogue_bwd)
+
+
+# ------------------------------------------------------------------------------------- FP8 Pallas path + custom_vjp
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _pallas_fp8_matmul(lhs, weights, group_sizes, row_scale, activation, out_dtype, transpose_rhs, quantization):
+    """The FP8 kernel's forward with its epilogue: lhs [M, K] and the stored weights (packed with an activation;
+    [G, K, N] or [G, N, K]) high precision or BlockScaled, group_sizes non-negative -> [M, N] or [M, N/2]."""
+    args = (activation, out_dtype, transpose_rhs, quantization)
+    return _pallas_fp8_fwd(lhs, weights, group_sizes, row_scale, *args, keep=False)[0]
+
+
+def _pallas_fp8_fwd(lhs, weights, group_sizes, row_scale, activation, out_dtype, transpose_rhs, quantization, *, keep):
+    recipe = RECIPES[quantization]
+    x = lhs
+    if not isinstance(lhs, BlockScaled):
+        x = quant.quantize_blockwise(lhs, recipe.lhs_block, pow2_scales=recipe.pow2_scales)
+    w = reference_fp8.as_quantized(weights, recipe.rhs_block(transpose_rhs), recipe)
+    # The kernel reads w [G, N, K] (FP8 wgmma operands are K-major): [G, K, N] weights are transposed here.
+    w_nk = w if transpose_rhs else _swap_last_axes(w)
+    # The backward needs the pre-activation only where an epilogue lies between it and the output.
+    keep = keep and (activation is not None or row_scale is not None)
+    outs = run_fp8_forward_kernel(x, w_nk, group_sizes, row_scale, activation, out_dtype, keep=keep)
+    out, pre = outs if keep else (outs, None)
+    return out, (lhs, weights, w, group_sizes, row_scale, pre)
+
+
+def _swap_last_axes(x: BlockScaled) -> BlockScaled:
+    """[G, A, B] -> [G, B, A]: values, scales and blocks transposed together."""
+    g, a, b = x.block_shape
+    return BlockScaled(jnp.swapaxes(x.values, 1, 2), jnp.swapaxes(x.scales, 1, 2), (g, b, a))
+
+
+def _pallas_fp8_bwd(activation, out_dtype, transpose_rhs, quantization, residuals, d_out):
+    """The epilogue's VJP in XLA on the kept pre-activation, then the recipe's quantized dgrad and wgrad in XLA."""
+    lhs, weights, w, group_sizes, row_scale, pre = residuals
+    d_pre, d_row_scale = (d_out, None) if pre is None else _epilogue_vjp(pre, row_scale, activation, d_out)
+    recipe = RECIPES[quantization]
+    d_lhs, d_weights = reference_fp8.quantized_grads(lhs, weights, w, group_sizes, d_pre, recipe, transpose_rhs)
+    return d_lhs, d_weights, None, d_row_scale
+
+
+_pallas_fp8_matmul.defvjp(functools.partial(_pallas_fp8_fwd, keep=True), _pallas_fp8_bwd)

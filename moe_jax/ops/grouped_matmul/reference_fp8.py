@@ -112,7 +112,7 @@ def output_dtype(lhs, rhs, preferred_element_type) -> jnp.dtype:
     """``preferred_element_type``, else the high-precision inputs' dtype (lhs's, then rhs's), else bf16."""
     if preferred_element_type is not None:
         return jnp.dtype(preferred_element_type)
-    for operand in (lhs, rhs):
+    for operand in (lhs, rhs.array if isinstance(rhs, PackedGateUp) else rhs):
         if not isinstance(operand, BlockScaled):
             return jnp.dtype(operand.dtype)
     return jnp.dtype(jnp.bfloat16)
