@@ -156,6 +156,15 @@ def test_calls_the_kernel_cannot_run_say_why(options, match):
         moe_jax.grouped_matmul(lhs, rhs, group_sizes, transpose_rhs=True, backend="pallas", **options)
 
 
+def test_float64_inputs_whose_output_the_kernel_cannot_write_say_why():
+    with jax.enable_x64(True):
+        lhs, rhs, group_sizes = _problem(8, 64, 128, 128, [30, 34], dtype=jnp.float64)
+        with pytest.raises(NotImplementedError, match="writes float32, bfloat16 or float16, got float64"):
+            moe_jax.grouped_matmul(
+                lhs, rhs, group_sizes, transpose_rhs=True, quantization="fp8_block", backend="pallas"
+            )
+
+
 def test_auto_keeps_quantized_calls_on_xla_even_on_sm90():
     """Until the FP8 kernel is measured faster, "auto" picks it for no quantized call; "pallas" does."""
     lhs, rhs, _ = _args()

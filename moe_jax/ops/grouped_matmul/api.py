@@ -194,7 +194,7 @@ def grouped_matmul(
         transpose_rhs=transpose_rhs,
         quantization=quantization,
     )
-    call = _gemm_call(lhs, rhs, contraction, num_cols, activation, quantization)
+    call = _gemm_call(lhs, rhs, contraction, num_cols, activation, quantization, preferred_element_type)
     group_sizes = group_sizes.astype(jnp.int32)
     implementation = dispatch.select("grouped_matmul", backend, IMPLEMENTATIONS, call)
     if quantization is not None and implementation.name == "xla":
@@ -243,23 +243,27 @@ class _GemmCall:
     num_cols: int
     activation: str | None
     quantization: str | None = None
-    fp8_dtypes: tuple = ()  # quantized calls: the value dtypes of the BlockScaled operands
-    unpacked_glu_weights: bool = False  # quantized calls: an activation with BlockScaled [gate | up] weights
+    # Quantized calls: the value dtypes of the BlockScaled operands, whether an activation comes with BlockScaled
+    # [gate | up] weights, the output dtype.
+    fp8_dtypes: tuple = ()
+    unpacked_glu_weights: bool = False
+    out_dtype: jnp.dtype | None = None
 
 
-def _gemm_call(lhs, rhs, contraction: int, num_cols: int, activation, quantization) -> _GemmCall:
+def _gemm_call(lhs, rhs, contraction: int, num_cols: int, activation, quantization, preferred_element_type=None):
     if quantization is None:
         return _GemmCall(lhs.dtype, contraction, num_cols, activation)
     weights = rhs.array if isinstance(rhs, PackedGateUp) else rhs
     fp8_dtypes = tuple(jnp.dtype(x.dtype) for x in (lhs, weights) if isinstance(x, BlockScaled))
     unpacked = activation is not None and isinstance(rhs, BlockScaled)
-    return _GemmCall(lhs.dtype, contraction, num_cols, activation, quantization, fp8_dtypes, unpacked)
+    out_dtype = reference_fp8.output_dtype(lhs, rhs, preferred_element_type)
+    return _GemmCall(lhs.dtype, contraction, num_cols, activation, quantization, fp8_dtypes, unpacked, out_dtype)
 
 
 def _kernel_unsupported(call: _GemmCall) -> str | None:
     if call.quantization is not None:
         args = (call.contraction, call.num_cols, call.activation, call.fp8_dtypes, call.unpacked_glu_weights)
-        return fp8_kernel_unsupported(call.quantization, *args)
+        return fp8_kernel_unsupported(call.quantization, *args, out_dtype=call.out_dtype)
     shaped = jax.ShapeDtypeStruct((0, call.contraction), call.dtype)
     return kernel_unsupported(shaped, call.contraction, call.num_cols, call.activation)
 

@@ -32,6 +32,7 @@ KERNEL_ROW_MULTIPLE = 8
 # 32-wide blocks would take four per step). It reads float8_e4m3fn.
 FP8_KERNEL_QUANTIZATION = "fp8_block"
 FP8_KERNEL_DTYPE = jnp.float8_e4m3fn
+FP8_KERNEL_OUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 # The GLU backwards that compute h, d_gate and d_up each in its own store's branch (sm90.Epilogue.recompute_grads),
 # on tiles of at most RECOMPUTE_MAX_BLOCK_N columns: computed together next to a 128-column accumulator, gpt_oss's
@@ -82,6 +83,7 @@ def fp8_kernel_unsupported(
     activation: str | None,
     fp8_dtypes=(),
     unpacked_glu_weights: bool = False,
+    out_dtype=jnp.bfloat16,
     names: ArgNames = GROUPED_MATMUL_NAMES,
 ) -> str | None:
     """Why the FP8 kernel cannot run this quantized call (None when it can).
@@ -89,6 +91,7 @@ def fp8_kernel_unsupported(
     Args:
       fp8_dtypes: the value dtypes of the operands that come quantized (BlockScaled).
       unpacked_glu_weights: an activation with BlockScaled weights in [gate | up] order (not a PackedGateUp).
+      out_dtype: the result's dtype.
     """
     if quantization != FP8_KERNEL_QUANTIZATION:
         return (
@@ -104,6 +107,8 @@ def fp8_kernel_unsupported(
         return f"{names.n} must be a positive multiple of {KERNEL_DIM_MULTIPLE} for the FP8 kernel, got {num_cols}"
     if activation is not None and (num_cols // 2) % PACK_BLOCK:
         return f"with an activation F = {names.n}/2 must be a multiple of {PACK_BLOCK} for the FP8 kernel"
+    if jnp.dtype(out_dtype) not in map(jnp.dtype, FP8_KERNEL_OUT_DTYPES):
+        return f"the FP8 kernel writes float32, bfloat16 or float16, got {jnp.dtype(out_dtype).name}"
     if unpacked_glu_weights:
         return (
             f"with an activation the FP8 kernel reads packed weights: pass {names.rhs} as a PackedGateUp (or in high "
