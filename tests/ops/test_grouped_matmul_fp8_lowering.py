@@ -1,9 +1,9 @@
-"""The FP8 forward kernel lowers for CUDA from a CPU host at the gate_up shapes of qwen3-30b and dsv3-ep8, with every
+"""The FP8 kernel lowers for CUDA from a CPU host at the gate_up shapes of qwen3-30b and dsv3-ep8, with every
 epilogue and weight layout, and its config takes exactly the pipeline stages that fit in shared memory.
 
 The abstract H200 makes ``hardware.interpret_params()`` return None (compile, don't interpret); lowering runs Mosaic
-GPU's whole pipeline, shared-memory check included, and stops before the CUDA compiler. The backward is XLA's (the
-recipe's quantized dgrad and wgrad), so a forward and backward hold one Mosaic GPU kernel.
+GPU's whole pipeline, shared-memory check included, and stops before the CUDA compiler. A forward and backward hold
+two Mosaic GPU kernels: the forward with its epilogue and the plain dgrad (the wgrad is XLA's).
 """
 
 import dataclasses
@@ -66,11 +66,12 @@ def _fwd_bwd_text(name, *, activation=None, row_scale=False, transpose_rhs=True,
         (dict(transpose_rhs=False), "moe_gmm_fp8"),  # [G, K, N] weights: transposed in XLA first
     ],
 )
-def test_named_shapes_lower_to_one_fp8_kernel(name, options, kernel):
+def test_named_shapes_lower_to_the_fp8_forward_and_dgrad_kernels(name, options, kernel):
     text = _fwd_bwd_text(name, **options)
-    assert text.count(MOSAIC_CALL) == 1
-    # The kernel's name appears with suffixes (a counter, "_mosaic_gpu") too.
-    assert {re.sub(r"(_\d+|_mosaic_gpu)$", "", found) for found in re.findall(r"moe_gmm\w*", text)} == {kernel}
+    assert text.count(MOSAIC_CALL) == 2
+    # The kernels' names appear with suffixes (a counter, "_mosaic_gpu") too.
+    names = {re.sub(r"(_\d+|_mosaic_gpu)$", "", found) for found in re.findall(r"moe_gmm\w*", text)}
+    assert names == {kernel, "moe_gmm_fp8"}
 
 
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])

@@ -1,5 +1,6 @@
-"""The FP8 forward kernel (``grouped_matmul(quantization="fp8_block", backend="pallas")``) under the checking Mosaic
-GPU interpreter against the XLA implementation, on the same quantized operands.
+"""The FP8 kernel (``grouped_matmul(quantization="fp8_block", backend="pallas")``: the forward, and the dgrad where N
+is a multiple of 128) under the checking Mosaic GPU interpreter against the XLA implementation, on the same quantized
+operands.
 
 The interpreter multiplies the e4m3 values exactly in f32 (its wgmma is a NumPy matmul), so the kernel's sum per
 128-wide K block times the scales and the XLA path's product of the dequantized operands differ by f32 rounding only:
@@ -103,12 +104,12 @@ def test_block_scaled_operands():
     assert oracle.relative_error(out, expected) < BF16_OUT_TOL
 
 
-@pytest.mark.parametrize("activation", [None, "geglu"])
+@pytest.mark.parametrize("activation, case", [(None, "edges"), ("geglu", "edges"), (None, "narrow")])
 @pytest.mark.usefixtures("interpret")
-def test_gradients_match_xla(activation):
-    """The kernel path's backward (the epilogue's VJP on the kept pre-activation, then the recipe's quantized dgrad
-    and wgrad in XLA) gives the XLA path's gradients."""
-    m, k, n, sizes = CASES["edges"]
+def test_gradients_match_xla(activation, case):
+    """The kernel path's backward (the epilogue's VJP on the kept pre-activation, the dgrad in the FP8 kernel where N
+    is a multiple of 128, in XLA for "narrow"'s N = 192, the wgrad in XLA) gives the XLA path's gradients."""
+    m, k, n, sizes = CASES[case]
     lhs, rhs, group_sizes = _problem(4, m, k, n, sizes, dtype=jnp.float32)
     row_scale = jnp.asarray(np.random.default_rng(5).uniform(0.5, 1.5, size=m), jnp.float32)
     cotangent = jnp.asarray(np.random.default_rng(6).normal(size=(m, n // 2 if activation else n)), jnp.float32)

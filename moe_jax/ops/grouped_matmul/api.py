@@ -6,9 +6,9 @@ this op's backward differentiates that epilogue in XLA from the pre-activation t
 and wgrad kernels. The fused GLU backward lives in ``moe_jax.ops.glu_mlp``, where the down projection's dgrad gives it
 an epilogue to run in. The kernel runners below (``run_rows_kernel``, ``run_wgrad_kernel``, ``gemm_grads``) serve both.
 
-With ``quantization="fp8_block"`` the "pallas" entry runs the FP8 forward kernel (block-scaled e4m3 operands, the
-same epilogues); its backward is the recipe's quantized dgrad and wgrad in XLA (reference_fp8.py). "auto" keeps the
-XLA path for quantized calls until the kernel has been measured faster there.
+With ``quantization="fp8_block"`` the "pallas" entry runs the FP8 kernel (block-scaled e4m3 operands, the same
+epilogues) for the forward and, where N is a multiple of 128, the dgrad; the wgrad is the recipe's in XLA
+(reference_fp8.py). "auto" keeps the XLA path for quantized calls until the kernel has been measured faster there.
 """
 
 import dataclasses
@@ -25,6 +25,7 @@ from moe_jax.ops.grouped_matmul.glu import ACTIVATIONS, glu
 from moe_jax.ops.grouped_matmul.launch import (
     GROUPED_MATMUL_NAMES,
     ArgNames,
+    fp8_dgrad_runs,
     fp8_kernel_unsupported,
     gemm_grads,
     kernel_unsupported,
@@ -178,8 +179,8 @@ def grouped_matmul(
         not hold. With an activation or a row scale the kernel applies them in its epilogue (f32) and writes only
         the result; under differentiation it also keeps the pre-activation [M, N] for the backward. Quantized
         calls run the FP8 kernel under "pallas" only (fp8_block; K a multiple of 128, e4m3 operands, GLU weights
-        packed), its backward in XLA; its weights are read [G, N, K], so pass them that way (``transpose_rhs``)
-        to spare a transposed FP8 copy per call.
+        packed) for the forward and, with N a multiple of 128, the dgrad, the wgrad in XLA. The forward reads the
+        weights [G, N, K] and the dgrad [G, K, N]: one transposed FP8 copy per step in either layout.
 
     Returns:
       [M, N], or [M, N/2] with an activation.
@@ -391,12 +392,28 @@ def _swap_last_axes(x: BlockScaled) -> BlockScaled:
 
 
 def _pallas_fp8_bwd(activation, out_dtype, transpose_rhs, quantization, residuals, d_out):
-    """The epilogue's VJP in XLA on the kept pre-activation, then the recipe's quantized dgrad and wgrad in XLA."""
+    """The epilogue's VJP in XLA on the kept pre-activation, then the recipe's quantized dgrad (``_fp8_dgrad``) and
+    wgrad (XLA); no gradient for a BlockScaled operand."""
     lhs, weights, w, group_sizes, row_scale, pre = residuals
     d_pre, d_row_scale = (d_out, None) if pre is None else _epilogue_vjp(pre, row_scale, activation, d_out)
     recipe = RECIPES[quantization]
-    d_lhs, d_weights = reference_fp8.quantized_grads(lhs, weights, w, group_sizes, d_pre, recipe, transpose_rhs)
+    d_lhs = d_weights = None
+    if not isinstance(lhs, BlockScaled):
+        d_lhs = _fp8_dgrad(d_pre, weights, w, group_sizes, recipe, transpose_rhs, lhs.dtype)
+    if not isinstance(weights, BlockScaled):
+        d_weights = reference_fp8.quantized_wgrad(lhs, group_sizes, d_pre, recipe, transpose_rhs, weights.dtype)
     return d_lhs, d_weights, None, d_row_scale
+
+
+def _fp8_dgrad(d_pre, weights, w, group_sizes, recipe, transpose_rhs: bool, out_dtype) -> jax.Array:
+    """d lhs [M, K] = dy . w[g]^T, dy = d_pre [M, N] quantized along N: the FP8 kernel with N as its contraction,
+    reading the forward's quantized weights as [G, K, N] (K-major for this GEMM), where it runs; else in XLA."""
+    dgrad_w = reference_fp8.dgrad_weights(weights, w, recipe, transpose_rhs)
+    if not fp8_dgrad_runs(d_pre.shape[1], out_dtype):
+        return reference_fp8.quantized_dgrad(dgrad_w, group_sizes, d_pre, recipe, transpose_rhs, out_dtype)
+    dy = quant.quantize_blockwise(d_pre, recipe.lhs_block, pow2_scales=recipe.pow2_scales)
+    w_kn = _swap_last_axes(dgrad_w) if transpose_rhs else dgrad_w
+    return run_fp8_forward_kernel(dy, w_kn, group_sizes, None, None, out_dtype, keep=False)
 
 
 _pallas_fp8_matmul.defvjp(functools.partial(_pallas_fp8_fwd, keep=True), _pallas_fp8_bwd)

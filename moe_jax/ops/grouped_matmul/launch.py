@@ -7,7 +7,8 @@ backward adds the "glu_dgrad" kernel); this module holds no choice between backe
     dgrad       sm90.grouped_matmul_rows    d x = d out . w[g]^T (the fwd kernel reading w the other way round)
     glu_dgrad   sm90.grouped_matmul_rows    the down projection's dgrad with the GLU backward in its epilogue
     wgrad       sm90_wgrad                  d w[g] = x_g^T . d out_g, contracting the group's ragged rows
-    fp8 fwd     sm90.grouped_matmul_rows    the forward on block-scaled FP8 operands (sm90_fp8.py)
+    fp8 fwd     sm90.grouped_matmul_rows    the forward on block-scaled FP8 operands (sm90_fp8.py), and the dgrad
+                                            dy . w[g]^T on them (w read [G, K, N]: N is its contraction)
 """
 
 import dataclasses
@@ -115,6 +116,12 @@ def fp8_kernel_unsupported(
             "precision), not a BlockScaled in [gate | up] order"
         )
     return None
+
+
+def fp8_dgrad_runs(num_cols: int, out_dtype) -> bool:
+    """Whether the FP8 kernel runs the dgrad of a quantized call it ran forward: its contraction N (``num_cols``) a
+    multiple of the 128-wide step, and a dtype it writes (lhs's)."""
+    return num_cols % FP8_BLOCK == 0 and jnp.dtype(out_dtype) in map(jnp.dtype, FP8_KERNEL_OUT_DTYPES)
 
 
 def _padded_rows(x: jax.Array | None) -> jax.Array | None:
@@ -302,15 +309,16 @@ def run_forward_kernel(
 def run_fp8_forward_kernel(
     x: BlockScaled, w: BlockScaled, group_sizes, row_scale, activation, out_dtype, *, keep: bool
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """The FP8 forward kernel with its epilogue, as run_forward_kernel (``keep``: also the pre-activation).
+    """The FP8 kernel x[rows of g] . w[g]^T with its epilogue, as run_forward_kernel (``keep``: also the
+    pre-activation). The forward is (lhs, rhs [G, N, K]); the dgrad (d out, rhs [G, K, N]).
 
     Args:
-      x: [M, K] float8_e4m3fn in (1, 128) blocks; K a multiple of 128.
-      w: [G, N, K] float8_e4m3fn in (1, 128, 128) blocks (K-major: the kernel's B operand); N a multiple of 64.
+      x: [M, R] float8_e4m3fn in (1, 128) blocks; R, the contraction, a multiple of 128.
+      w: [G, C, R] float8_e4m3fn in (1, 128, 128) blocks (R-major: wgmma's FP8 B operand); C a multiple of 64.
       group_sizes: [G] int32; row_scale: [M] f32 or None; activation: the GLU (w packed) or None.
 
-    The scales go to the kernel in the layouts it loads (sm90_fp8.py): x's transposed to [K / 128, M], so that a
-    tile's scales of a K block are contiguous (M * K / 32 bytes: 1/32 of x's bytes), w's with the K blocks padded.
+    The scales go to the kernel in the layouts it loads (sm90_fp8.py): x's transposed to [R / 128, M], so that a
+    tile's scales of a K block are contiguous (M * R / 32 bytes: 1/32 of x's bytes), w's with the K blocks padded.
     """
     (m, k), (num_groups, n, _) = x.shape, w.shape
     k_blocks = fp8_scale_k_blocks(k)

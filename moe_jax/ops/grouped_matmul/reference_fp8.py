@@ -174,6 +174,35 @@ def quantize_rows_per_group(x: jax.Array, group_sizes: jax.Array, recipe: Recipe
     return jnp.where(row_mask(sizes, num_rows)[:, None], values.astype(jnp.float32) * row_scales, 0.0)
 
 
+def dgrad_weights(rhs, rhs_quantized: BlockScaled, recipe: Recipe, transpose_rhs: bool) -> BlockScaled:
+    """The dgrad's quantized weights, in rhs's layout: the forward's (fp8_block), or rhs quantized along N."""
+    if recipe.dgrad_reuses_weights:
+        return rhs_quantized
+    return quantize(high_precision(rhs), recipe.dgrad_rhs_block(transpose_rhs), recipe)
+
+
+def quantized_dgrad(dgrad_w: BlockScaled, group_sizes, d_out, recipe: Recipe, transpose_rhs: bool, out_dtype):
+    """d lhs [M, K] = dy . w[g]^T with dy = d_out [M, N] quantized along N and ``dgrad_w`` (``dgrad_weights``)."""
+    dy = quantize(d_out.astype(jnp.float32), recipe.lhs_block, recipe).dequantize()
+    w_nk = jnp.swapaxes(_k_major(dgrad_w.dequantize(), transpose_rhs), 1, 2)
+    return _products(dy, w_nk, group_sizes).astype(out_dtype)
+
+
+def quantized_wgrad(lhs, group_sizes, d_out, recipe: Recipe, transpose_rhs: bool, out_dtype):
+    """d rhs [G, K, N] (or [G, N, K]) = x_g^T . dy_g with x (lhs, or its dequantized values) and dy = d_out [M, N]
+    quantized in blocks of rows from each group's first row."""
+    x_rows = quantize_rows_per_group(high_precision(lhs), group_sizes, recipe)
+    dy_rows = quantize_rows_per_group(d_out.astype(jnp.float32), group_sizes, recipe)
+    # Contracting the ragged rows: [G, K, N], group g's rows only.
+    dims = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
+    )
+    d_w = lax.ragged_dot_general(
+        x_rows, dy_rows, group_sizes, dims, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+    )
+    return _k_major(d_w, transpose_rhs).astype(out_dtype)
+
+
 def quantized_grads(lhs, rhs, rhs_quantized: BlockScaled, group_sizes, d_out, recipe: Recipe, transpose_rhs: bool):
     """(d lhs, d rhs) of the forward ``lhs . rhs[g]`` for the cotangent ``d_out`` [M, N], each GEMM quantized per
     ``recipe`` (the module docstring); None for a BlockScaled operand.
@@ -183,26 +212,12 @@ def quantized_grads(lhs, rhs, rhs_quantized: BlockScaled, group_sizes, d_out, re
       rhs_quantized: the forward's quantized rhs (what fp8_block's dgrad reuses).
       group_sizes: [G] int32, non-negative; d_out: [M, N].
     """
-    d_out = d_out.astype(jnp.float32)
     d_lhs = d_rhs = None
     if not isinstance(lhs, BlockScaled):
-        dy = quantize(d_out, recipe.lhs_block, recipe).dequantize()
-        w = rhs_quantized
-        if not recipe.dgrad_reuses_weights:
-            w = quantize(high_precision(rhs), recipe.dgrad_rhs_block(transpose_rhs), recipe)
-        d_lhs = _products(dy, jnp.swapaxes(_k_major(w.dequantize(), transpose_rhs), 1, 2), group_sizes)
-        d_lhs = d_lhs.astype(lhs.dtype)
+        dgrad_w = dgrad_weights(rhs, rhs_quantized, recipe, transpose_rhs)
+        d_lhs = quantized_dgrad(dgrad_w, group_sizes, d_out, recipe, transpose_rhs, lhs.dtype)
     if not isinstance(rhs, BlockScaled):
-        x_rows = quantize_rows_per_group(high_precision(lhs), group_sizes, recipe)
-        dy_rows = quantize_rows_per_group(d_out, group_sizes, recipe)
-        # Contracting the ragged rows: [G, K, N], group g's rows only.
-        dims = lax.RaggedDotDimensionNumbers(
-            dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
-        )
-        d_w = lax.ragged_dot_general(
-            x_rows, dy_rows, group_sizes, dims, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
-        )
-        d_rhs = _k_major(d_w, transpose_rhs).astype(rhs.dtype)
+        d_rhs = quantized_wgrad(lhs, group_sizes, d_out, recipe, transpose_rhs, rhs.dtype)
     return d_lhs, d_rhs
 
 
