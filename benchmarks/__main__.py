@@ -3,6 +3,7 @@
 Examples:
   python -m benchmarks --tiny                                    # CPU smoke run on the "ci" shapes
   python -m benchmarks --bench gmm,gmm-bwd --shapes qwen3-30b/gate_up --out bench_out/gmm.json
+  python -m benchmarks --bench gmm --quantization fp8_block --backends pallas   # FP8 forward vs a dense FP8 matmul
   python -m benchmarks --bench all --out bench_out/all.json     # every bench (GPU machine)
   python -m benchmarks --bench routing --routing-shapes deepseek-v3 --routing-stages glue,glue-bwd
   python -m benchmarks --bench glu --glu-activations swiglu,gpt_oss --backends pallas   # the GLU's targets
@@ -29,6 +30,7 @@ from moe_jax.ops.grouped_matmul.glu import ACTIVATIONS
 BENCHES = ("gmm", "layer", "skew", "gmm-bwd", "routing", "glu", "ep", "quant")
 TITLES = {
     "gmm": "Grouped matmul, forward",
+    "gmm-fp8": "Grouped matmul, forward, block-scaled FP8 (vs a per-tensor FP8 dense matmul)",
     "gmm-bwd": "Grouped matmul, forward + backward (gradients of lhs and rhs)",
     "skew": "Grouped matmul, forward, skewed routings",
     "layer": "moe_ffn layer, forward",
@@ -102,6 +104,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--glu-activations", default="swiglu", help="comma-separated activations for glu")
     parser.add_argument("--routing", default="uniform", choices=shape_registry.ROUTINGS, help="for gmm/gmm-bwd/glu")
     parser.add_argument("--backends", default="xla,pallas", help="moe_jax backends to time (default: xla,pallas)")
+    parser.add_argument(
+        "--quantization",
+        choices=("fp8_block", "mxfp8"),
+        help="gmm only: time grouped_matmul(quantization=...) against a dense FP8 matmul, as the gmm-fp8 bench",
+    )
     parser.add_argument(
         "--baselines",
         default="dense,ragged_dot,tokamax",
@@ -231,6 +238,8 @@ def main(argv: list[str] | None = None) -> list[common.Record]:
         raise SystemExit(f"--timer device reads GPU kernel times (CUPTI); this machine's jax runs on {platform}")
     tag = "ci" if args.tiny else "bench"
     benches = BENCHES if args.bench == "all" else _choices(args.bench, BENCHES, "bench")
+    if args.quantization and benches != ("gmm",):
+        raise SystemExit("--quantization times the grouped matmul's forward: pass --bench gmm")
     options = common.Options(
         backends=backends,
         baselines=_choices(args.baselines, ("dense", "ragged_dot", "tokamax", "experts"), "baseline"),
@@ -242,6 +251,7 @@ def main(argv: list[str] | None = None) -> list[common.Record]:
         seed=args.seed,
         timer=args.timer,
         deadline=time.perf_counter() + args.time_limit if args.time_limit else None,
+        quantization=args.quantization,
     )
     gmms, layers = shape_registry.GMM_SHAPES, shape_registry.LAYER_SHAPES
     gmm_shapes = common.named_shapes(args.shapes, gmms, shape_registry.gmm_shapes, shape_registry.gmm_shapes(tag))

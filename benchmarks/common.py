@@ -266,6 +266,7 @@ class Options:
     seed: int = 0
     timer: str = "wall"  # TIMERS: time_fn ("wall") or device_time_fn ("device")
     deadline: float | None = None  # time.perf_counter() after which measurements are skipped (--time-limit)
+    quantization: str | None = None  # gmm: time grouped_matmul(quantization=...) instead ("gmm-fp8")
 
 
 # --- Records ---------------------------------------------------------------------------------------------------------

@@ -16,6 +16,12 @@ Side by side at each named shape (``benchmarks.shapes.GMM_SHAPES``):
 Every ragged implementation's output (and gradients) is checked against ``tests.oracle.GroupOracle``: exact
 f32 products of a few groups computed from their slices, independent of every implementation timed (ragged_dot may run
 out of memory).
+
+With ``--quantization fp8_block`` the forward runs as "gmm-fp8" (``bench_shape_fp8``): our op on bf16 activations
+(quantized per call, as a forward does) and weights quantized beforehand in the FP8 kernel's [G, N, K] layout,
+against "dense", one XLA matmul of e4m3 operands (rhs K-major, per-tensor: no block scales) accumulating in f32, of
+the same FLOPs, and "hbm-floor" for the FP8 bytes. The check is the XLA implementation of the same quantization on
+three groups, each run alone (``QuantizedGroupOracle``).
 """
 
 import dataclasses
@@ -25,10 +31,12 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import moe_jax
 from benchmarks import common, tokamax_peer
 from benchmarks.shapes import GroupedMatmulShape
+from moe_jax.ops.grouped_matmul.api import quantize_weights
 from tests.oracle import GroupOracle
 
 
@@ -187,6 +195,108 @@ def bench_shape(
     return records
 
 
+@functools.partial(jax.jit, static_argnames=("g", "m", "k", "n", "quantization"))
+def _fp8_input_set(key, *, g: int, m: int, k: int, n: int, quantization: str) -> dict:
+    keys = jax.random.split(key, 4)
+    rhs = (jax.random.normal(keys[1], (g, n, k), jnp.float32) * k**-0.5).astype(jnp.bfloat16)
+    return {
+        "lhs": jax.random.normal(keys[0], (m, k), jnp.bfloat16),
+        "rhs": quantize_weights(rhs, quantization, transpose_rhs=True),
+        "dense_lhs": jax.random.normal(keys[2], (m, k), jnp.float32).astype(jnp.float8_e4m3fn),
+        "dense_rhs": jax.random.normal(keys[3], (n, k), jnp.float32).astype(jnp.float8_e4m3fn),
+    }
+
+
+def _fp8_dense(lhs, rhs):
+    """[M, K] . [N, K]^T of e4m3 operands, f32 accumulation and output: the per-tensor FP8 matmul XLA has."""
+    return jax.lax.dot_general(lhs, rhs, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def fp8_hbm_floor_bytes(shape: GroupedMatmulShape) -> int:
+    """The bytes a quantized forward moves at least: the FP8 weights [G, N, K], x [M, K] in bf16 (read once to be
+    quantized) and the bf16 output [M, N]."""
+    return shape.g * shape.k * shape.n + 2 * (shape.m * shape.k + shape.m * shape.n)
+
+
+class QuantizedGroupOracle:
+    """The XLA implementation of ``grouped_matmul(quantization=...)`` on three groups (first non-empty, largest, last
+    non-empty), each run alone on its rows and weights (a row's activation blocks and a group's weight blocks depend on
+    nothing else), in f32; rows past the sum are not compared."""
+
+    def __init__(self, lhs, rhs, group_sizes, quantization: str):
+        sizes = np.asarray(group_sizes)
+        nonempty, ends = np.flatnonzero(sizes), np.cumsum(sizes)
+        self.groups = sorted({int(nonempty[0]), int(np.argmax(sizes)), int(nonempty[-1])})
+        self.rows = {g: slice(int(ends[g] - sizes[g]), int(ends[g])) for g in self.groups}
+        self.expected = {}
+        for g, rows in self.rows.items():
+            weights = jax.tree.map(lambda a, g=g: a[g : g + 1], rhs)
+            self.expected[g] = moe_jax.grouped_matmul(
+                lhs[rows],
+                weights,
+                jnp.array([rows.stop - rows.start], jnp.int32),
+                transpose_rhs=True,
+                quantization=quantization,
+                preferred_element_type=jnp.float32,
+                backend="xla",
+            )
+        self.quantization = quantization
+
+    def errors(self, output) -> list[float]:
+        """[``||actual - expected|| / ||expected||`` over the three groups together]."""
+        diff = total = 0.0
+        for g, rows in self.rows.items():
+            actual, expected = (np.asarray(a, np.float64) for a in (output[rows], self.expected[g]))
+            diff, total = diff + np.sum(np.square(actual - expected)), total + np.sum(np.square(expected))
+        return [float(np.sqrt(diff / total))]
+
+    def describe(self) -> str:
+        return f"XLA {self.quantization} implementation, groups {self.groups}"
+
+
+def bench_shape_fp8(
+    shape: GroupedMatmulShape, routing: str, options: common.Options, *, emit: Callable[[common.Record], None]
+) -> list[common.Record]:
+    """The "gmm-fp8" rows of one shape and routing: dense FP8, hbm-floor and ``options.backends``."""
+    bench, quantization = "gmm-fp8", options.quantization
+    flops = common.gmm_flops(shape.m, shape.k, shape.n, backward=False)
+    dims = {"g": shape.g, "m": shape.m, "k": shape.k, "n": shape.n}
+    records = []
+
+    def done(record: common.Record) -> None:
+        records.append(record)
+        emit(record)
+
+    with_dense = "dense" in options.baselines
+    impls = [("dense", "-"), ("hbm-floor", "-")] * with_dense + [(f"moe_jax:{b}", routing) for b in options.backends]
+    if common.past_deadline(options):
+        for impl, row_routing in impls:
+            done(common.skip(common.Record(bench, shape.name, row_routing, impl, flops, dims)))
+        return records
+
+    make_set = functools.partial(_fp8_input_set, **dims, quantization=quantization)
+    sets = common.input_sets(make_set, options.seed)
+    group_sizes = shape.group_sizes(routing, seed=options.seed)
+    dims["max_group"] = int(group_sizes.max())
+    if with_dense:
+        record = common.Record(bench, shape.name, "-", "dense", flops, dims)
+        common.measure(record, jax.jit(_fp8_dense), [(s["dense_lhs"], s["dense_rhs"]) for s in sets], options)
+        done(record)
+        record = common.Record(bench, shape.name, "-", "hbm-floor", flops, dims)
+        measure_hbm_floor(record, fp8_hbm_floor_bytes(shape), options)
+        done(record)
+    oracle = QuantizedGroupOracle(sets[0]["lhs"], sets[0]["rhs"], group_sizes, quantization)
+    for backend in options.backends:
+        op = functools.partial(moe_jax.grouped_matmul, transpose_rhs=True, quantization=quantization, backend=backend)
+        record = common.Record(bench, shape.name, routing, f"moe_jax:{backend}", flops, dims)
+        output = common.measure(record, jax.jit(op), [(s["lhs"], s["rhs"], group_sizes) for s in sets], options)
+        if output is not None:
+            record.set_check(oracle.errors(output), oracle.describe())
+        del output
+        done(record)
+    return records
+
+
 def best_tokamax_config(records: list[common.Record], shape_name: str) -> dict | None:
     """The fastest tokamax config of a "gmm" (forward) sweep at ``shape_name`` among ``records`` (None if no sweep ran
     there)."""
@@ -218,6 +328,9 @@ def run(
     for shape in shapes:
         print(f"[{bench}] {shape.name}", file=sys.stderr, flush=True)
         for index, routing in enumerate(routings):
+            if bench == "gmm" and options.quantization is not None:
+                records += bench_shape_fp8(shape, routing, options, emit=emit)
+                continue
             if bench in ("skew", "gmm-bwd"):
                 best = best_tokamax_config(list(earlier), shape.name)
                 configs = (best,) if best is not None else ()

@@ -19,7 +19,7 @@ from benchmarks.shapes import GMM_SHAPES, GroupedMatmulShape
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FLOP_BENCHES = {"gmm", "gmm-bwd", "skew", "layer", "layer-bwd", "glu", "glu-bwd", "glu-mlp"}
-BENCHES = FLOP_BENCHES | {"routing", "ep", "ep-bwd"}  # routing: no FLOP model; ep: a table of its own
+BENCHES = FLOP_BENCHES | {"routing", "ep", "ep-bwd", "quant"}  # routing, quant: no FLOP model; ep: a table of its own
 # Off the tuned table with 1024 rows per group: the heuristic's fwd / dgrad walk group bands in step.
 LARGE_GROUPS_SHAPE = GroupedMatmulShape("layer/gate_up", g=32, m=32768, k=1024, n=1024, tag="ci")
 

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import moe_jax
-from moe_jax.ops.grouped_matmul import api, config, glu, launch, reference, schedule
+from moe_jax.ops.grouped_matmul import config, glu, launch, reference, schedule
 from tests import oracle
 from tests.helpers import checked_interpreter, grouped_matmul_inputs
 
@@ -77,7 +77,11 @@ def _other_tiling(get_config):
 def test_forward_matches_reference(case, transpose_rhs, out_dtype, tiling):
     m, k, n, sizes = CASES[case]
     lhs, rhs, group_sizes = _inputs(list(CASES).index(case), m, k, n, sizes, transpose_rhs)
-    patch = mock.patch.object(api, "get_config", _other_tiling(api.get_config)) if tiling == "other" else nullcontext()
+    patch = (
+        mock.patch.object(launch, "get_config", _other_tiling(launch.get_config))
+        if tiling == "other"
+        else nullcontext()
+    )
     with patch:
         out = moe_jax.grouped_matmul(
             lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, preferred_element_type=out_dtype, backend="pallas"
@@ -294,7 +298,7 @@ def test_forward_keeping_the_pre_activation_on_256_column_tiles(activation):
     packed = moe_jax.pack_gate_up(rhs).array
     wide = config.Config(block_n=256, num_stages=2)
     args = (lhs, packed, group_sizes, row_scale, activation, jnp.bfloat16, False)
-    with mock.patch.object(api, "get_config", lambda *_, **__: wide):
+    with mock.patch.object(launch, "get_config", lambda *_, **__: wide):
         out, kept = launch.run_forward_kernel(*args, keep=True)
     past = sum(sizes)
     expected = reference.grouped_matmul(lhs, rhs, group_sizes, activation=activation, row_scale=row_scale)

@@ -5,27 +5,38 @@ row scale run in the forward kernel's epilogue on the f32 accumulator (the GLU o
 this op's backward differentiates that epilogue in XLA from the pre-activation the forward kept, then runs the dgrad
 and wgrad kernels. The fused GLU backward lives in ``moe_jax.ops.glu_mlp``, where the down projection's dgrad gives it
 an epilogue to run in. The kernel runners below (``run_rows_kernel``, ``run_wgrad_kernel``, ``gemm_grads``) serve both.
+
+With ``quantization="fp8_block"`` the "pallas" entry runs the FP8 kernel (block-scaled e4m3 operands, the same
+epilogues) for the forward and, where N is a multiple of 128, the dgrad; the wgrad is the recipe's in XLA
+(reference_fp8.py). "auto" keeps the XLA path for quantized calls until the kernel has been measured faster there.
 """
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 
 from moe_jax._core import backend as dispatch
 from moe_jax._core import checks
-from moe_jax.ops.grouped_matmul import reference
+from moe_jax.ops.grouped_matmul import reference, reference_fp8
 from moe_jax.ops.grouped_matmul.glu import ACTIVATIONS, glu
 from moe_jax.ops.grouped_matmul.launch import (
     GROUPED_MATMUL_NAMES,
     ArgNames,
+    fp8_dgrad_runs,
+    fp8_kernel_unsupported,
     gemm_grads,
     kernel_unsupported,
     run_forward_kernel,
+    run_fp8_forward_kernel,
     run_rows_kernel,
 )
 from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, PackedGateUp, gate_up_block, pack_gate_up, split_gate_up
+from moe_jax.ops.grouped_matmul.reference_fp8 import QUANTIZATIONS, RECIPES
+from moe_jax.ops.quant import api as quant
+from moe_jax.ops.quant.reference import FP8_DTYPES, BlockScaled
 
 OUTPUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -39,11 +50,13 @@ def check_grouped_matmul_args(
     row_scale,
     preferred_element_type,
     transpose_rhs,
+    quantization=None,
     names: ArgNames = GROUPED_MATMUL_NAMES,
 ) -> tuple[int, int, int, int]:
     """Validates the arguments of ``grouped_matmul`` (or of an op built on it, whose argument ``names`` the messages
     use); returns (M, K, N, G). What the kernels take is ``IMPLEMENTATIONS``' business, not this check's."""
     lhs_name, rhs_name, k, n = names.lhs, names.rhs, names.k, names.n
+    checks.check_choice("quantization", quantization, (None, *QUANTIZATIONS))
     num_rows, contraction = checks.check_rank(lhs_name, lhs, 2, f"[M, {k}]")
     if isinstance(rhs, PackedGateUp):
         if activation is None:
@@ -61,10 +74,8 @@ def check_grouped_matmul_args(
     checks.check_rank("group_sizes", group_sizes, 1, "[G]")
     checks.check_int32("group_sizes", group_sizes)
     checks.check_dim("group_sizes", group_sizes.shape[0], num_groups, f"length (G, {rhs_name}.shape[0])")
-    checks.check_float(lhs_name, lhs)
-    checks.check_float(rhs_name, rhs)
-    if lhs.dtype != rhs.dtype:
-        raise TypeError(f"{lhs_name} and {rhs_name} must have the same dtype, got {lhs.dtype} and {rhs.dtype}")
+    weights = rhs.array if isinstance(rhs, PackedGateUp) else rhs
+    _check_operand_types(lhs, weights, quantization, transpose_rhs, names)
     if activation is not None:
         checks.check_choice("activation", activation, (None, *ACTIVATIONS))
         if num_cols % 2:
@@ -87,6 +98,44 @@ def check_grouped_matmul_args(
     return num_rows, contraction, num_cols, num_groups
 
 
+def _check_operand_types(lhs, weights, quantization, transpose_rhs: bool, names: ArgNames) -> None:
+    """Float operands of one dtype; with ``quantization`` each may instead be a BlockScaled of the recipe's blocks."""
+    operands = ((names.lhs, lhs), (names.rhs, weights))
+    if quantization is None:
+        for name, operand in operands:
+            if isinstance(operand, BlockScaled):
+                raise TypeError(f"{name} is a BlockScaled (FP8): pass quantization= ({QUANTIZATIONS}) to match it")
+    else:
+        recipe = RECIPES[quantization]
+        blocks = (recipe.lhs_block, recipe.rhs_block(transpose_rhs))
+        for (name, operand), block_shape in zip(operands, blocks, strict=True):
+            if isinstance(operand, BlockScaled):
+                _check_block_scaled(name, operand, block_shape, recipe, quantization)
+        operands = tuple((name, operand) for name, operand in operands if not isinstance(operand, BlockScaled))
+    for name, operand in operands:
+        checks.check_float(name, operand)
+    if len(operands) == 2 and lhs.dtype != weights.dtype:
+        raise TypeError(f"{names.lhs} and {names.rhs} must have the same dtype, got {lhs.dtype} and {weights.dtype}")
+
+
+def _check_block_scaled(name: str, operand: BlockScaled, block_shape, recipe, quantization: str) -> None:
+    if operand.block_shape != block_shape:
+        raise ValueError(
+            f"{name} is a BlockScaled of block_shape {operand.block_shape}; quantization={quantization!r} takes "
+            f"{block_shape} for it"
+        )
+    if jnp.dtype(operand.dtype) not in map(jnp.dtype, FP8_DTYPES):
+        raise TypeError(f"{name}.values must be float8_e4m3fn or float8_e5m2, got {jnp.dtype(operand.dtype).name}")
+    if jnp.dtype(operand.scales.dtype) != recipe.scale_dtype:
+        raise TypeError(
+            f"{name}.scales must be {recipe.scale_dtype.name} for quantization={quantization!r}, got "
+            f"{jnp.dtype(operand.scales.dtype).name}"
+        )
+    blocks = tuple(math.ceil(size / block) for size, block in zip(operand.shape, block_shape, strict=True))
+    if tuple(operand.scales.shape) != blocks:
+        raise ValueError(f"{name}.scales must have shape {blocks} (one per block), got {tuple(operand.scales.shape)}")
+
+
 def grouped_matmul(
     lhs: jax.Array,
     rhs: jax.Array | PackedGateUp,
@@ -96,12 +145,13 @@ def grouped_matmul(
     row_scale: jax.Array | None = None,
     preferred_element_type=None,
     transpose_rhs: bool = False,
+    quantization: str | None = None,
     backend: str = "auto",
 ) -> jax.Array:
     """Ragged grouped matmul: rows ``[offset_g, offset_g + group_sizes[g])`` of ``lhs`` multiply ``rhs[g]``.
 
     Args:
-      lhs: [M, K] rows sorted by group.
+      lhs: [M, K] rows sorted by group (with ``quantization``, also a ``BlockScaled``).
       rhs: [G, K, N] weights, or [G, N, K] (K-major) with ``transpose_rhs=True``; same dtype as lhs. With an
         activation it may also be a ``PackedGateUp`` (``pack_gate_up(rhs)``): the same [gate | up] weights with their
         columns interleaved so that one kernel tile holds matching gate and up columns. The type says the layout,
@@ -113,12 +163,24 @@ def grouped_matmul(
         [M, F] (g: gate, u: up): swiglu ``silu(g) * u``; geglu ``gelu(g) * u`` (tanh form, ``jax.nn.gelu``'s default);
         gpt_oss ``(u' + 1) * g' * sigmoid(1.702 * g')`` with ``g' = min(g, 7)`` and ``u' = clip(u, -7, 7)``.
       row_scale: optional [M] float multiplying each output row (routing weights folded into the down projection).
-      preferred_element_type: output dtype (default: lhs.dtype); accumulation is always f32.
+      preferred_element_type: output dtype (default: lhs.dtype; with ``quantization`` the high-precision inputs'
+        dtype, bf16 when both are BlockScaled); accumulation is always f32.
       transpose_rhs: rhs is laid out [G, N, K].
+      quantization: None, "fp8_block" or "mxfp8": multiply block-scaled float8_e4m3fn operands, accumulating the
+        product of their dequantized values in f32. "fp8_block": lhs in 1 x 128 blocks along K, rhs in 128 x 128
+        blocks over (K, N); "mxfp8": 1 x 32 blocks along K for both, power-of-two (e8m0) scales. The op quantizes
+        high-precision operands (with an activation the weights in the packed gate/up layout, so a plain [gate | up]
+        array and its PackedGateUp agree) and takes ``BlockScaled`` ones (``quantize_blockwise``,
+        ``quantize_weights``) as they are, with the recipe's block_shape. Gradients reach high-precision operands
+        straight through the quantization, their own GEMMs quantized too; BlockScaled operands get none
+        (reference_fp8.py has the whole recipe).
       backend: "auto", "xla" or "pallas". "pallas" (the default on an H100/H200 under "auto") needs bf16/f16 inputs,
         K, N multiples of 64 and, with an activation, F a multiple of 64; "auto" falls back to "xla" where those do
         not hold. With an activation or a row scale the kernel applies them in its epilogue (f32) and writes only
-        the result; under differentiation it also keeps the pre-activation [M, N] for the backward.
+        the result; under differentiation it also keeps the pre-activation [M, N] for the backward. Quantized
+        calls run the FP8 kernel under "pallas" only (fp8_block; K a multiple of 128, e4m3 operands, GLU weights
+        packed) for the forward and, with N a multiple of 128, the dgrad, the wgrad in XLA. The forward reads the
+        weights [G, N, K] and the dgrad [G, K, N]: one transposed FP8 copy per step in either layout.
 
     Returns:
       [M, N], or [M, N/2] with an activation.
@@ -131,10 +193,29 @@ def grouped_matmul(
         row_scale=row_scale,
         preferred_element_type=preferred_element_type,
         transpose_rhs=transpose_rhs,
+        quantization=quantization,
     )
-    call = _GemmCall(lhs.dtype, contraction, num_cols, activation)
+    call = _gemm_call(lhs, rhs, contraction, num_cols, activation, quantization, preferred_element_type)
     group_sizes = group_sizes.astype(jnp.int32)
-    if dispatch.select("grouped_matmul", backend, IMPLEMENTATIONS, call).name == "xla":
+    implementation = dispatch.select("grouped_matmul", backend, IMPLEMENTATIONS, call)
+    if quantization is not None and implementation.name == "xla":
+        return reference_fp8.grouped_matmul(
+            lhs,
+            rhs,
+            group_sizes,
+            quantization=quantization,
+            activation=activation,
+            row_scale=row_scale,
+            preferred_element_type=preferred_element_type,
+            transpose_rhs=transpose_rhs,
+        )
+    if quantization is not None:
+        out_dtype = reference_fp8.output_dtype(lhs, rhs, preferred_element_type)
+        weights, _ = reference_fp8.stored_weights(rhs, activation, transpose_rhs)
+        scale = None if row_scale is None else row_scale.astype(jnp.float32)
+        args = (activation, out_dtype, transpose_rhs, quantization)
+        return _pallas_fp8_matmul(lhs, weights, jnp.maximum(group_sizes, 0), scale, *args)
+    if implementation.name == "xla":
         return reference.grouped_matmul(
             lhs,
             rhs,
@@ -162,14 +243,61 @@ class _GemmCall:
     contraction: int
     num_cols: int
     activation: str | None
+    quantization: str | None = None
+    # Quantized calls: the value dtypes of the BlockScaled operands, whether an activation comes with BlockScaled
+    # [gate | up] weights, the output dtype.
+    fp8_dtypes: tuple = ()
+    unpacked_glu_weights: bool = False
+    out_dtype: jnp.dtype | None = None
+
+
+def _gemm_call(lhs, rhs, contraction: int, num_cols: int, activation, quantization, preferred_element_type=None):
+    if quantization is None:
+        return _GemmCall(lhs.dtype, contraction, num_cols, activation)
+    weights = rhs.array if isinstance(rhs, PackedGateUp) else rhs
+    fp8_dtypes = tuple(jnp.dtype(x.dtype) for x in (lhs, weights) if isinstance(x, BlockScaled))
+    unpacked = activation is not None and isinstance(rhs, BlockScaled)
+    out_dtype = reference_fp8.output_dtype(lhs, rhs, preferred_element_type)
+    return _GemmCall(lhs.dtype, contraction, num_cols, activation, quantization, fp8_dtypes, unpacked, out_dtype)
 
 
 def _kernel_unsupported(call: _GemmCall) -> str | None:
+    if call.quantization is not None:
+        args = (call.contraction, call.num_cols, call.activation, call.fp8_dtypes, call.unpacked_glu_weights)
+        return fp8_kernel_unsupported(call.quantization, *args, out_dtype=call.out_dtype)
     shaped = jax.ShapeDtypeStruct((0, call.contraction), call.dtype)
     return kernel_unsupported(shaped, call.contraction, call.num_cols, call.activation)
 
 
-IMPLEMENTATIONS = (dispatch.Implementation("pallas", _kernel_unsupported), dispatch.XLA)
+def _kernel_preferred(call: _GemmCall) -> bool:
+    """The FP8 kernel runs under backend="pallas" only until it has been measured against the XLA path."""
+    return call.quantization is None
+
+
+IMPLEMENTATIONS = (dispatch.Implementation("pallas", _kernel_unsupported, _kernel_preferred), dispatch.XLA)
+
+
+def quantize_weights(
+    rhs: jax.Array | PackedGateUp, quantization: str = "fp8_block", *, transpose_rhs: bool = False
+) -> BlockScaled | PackedGateUp:
+    """Weights quantized once, as ``grouped_matmul(..., quantization=quantization)`` quantizes them on every call.
+
+    Args:
+      rhs: [G, K, N], or [G, N, K] with ``transpose_rhs``, high precision; or a PackedGateUp of such an array (the
+        form that keeps an activation's weights in the layout the GLU kernel reads).
+      quantization: "fp8_block" (128 x 128 blocks over (K, N)) or "mxfp8" (1 x 32 along K, e8m0 scales).
+      transpose_rhs: rhs is laid out [G, N, K] (the FP8 kernel's layout: no transposed copy per call).
+
+    Returns:
+      A BlockScaled of rhs's shape, or a PackedGateUp holding one.
+    """
+    checks.check_choice("quantization", quantization, QUANTIZATIONS)
+    recipe = RECIPES[quantization]
+    weights = rhs.array if isinstance(rhs, PackedGateUp) else rhs
+    checks.check_rank("rhs", weights, 3, "[G, N, K]" if transpose_rhs else "[G, K, N]")
+    checks.check_float("rhs", weights)
+    quantized = reference_fp8.quantize(weights, recipe.rhs_block(transpose_rhs), recipe)
+    return dataclasses.replace(rhs, array=quantized) if isinstance(rhs, PackedGateUp) else quantized
 
 
 # ------------------------------------------------------------------------------------------- Pallas path + custom_vjp
@@ -211,6 +339,13 @@ def _epilogue_fwd(lhs, rhs, group_sizes, row_scale, activation, out_dtype, trans
 def _epilogue_bwd(activation, out_dtype, transpose_rhs, residuals, d_out):
     """The epilogue's VJP in XLA on the kept pre-activation [M, N], then the dgrad and wgrad kernels."""
     lhs, rhs, group_sizes, row_scale, pre = residuals
+    d_pre, d_row_scale = _epilogue_vjp(pre, row_scale, activation, d_out)
+    d_lhs, d_rhs = gemm_grads(lhs, rhs, group_sizes, d_pre, transpose_rhs=transpose_rhs)
+    return d_lhs, d_rhs, None, d_row_scale
+
+
+def _epilogue_vjp(pre, row_scale, activation, d_out):
+    """(d pre [M, N] f32, d row_scale) of the forward epilogue (GLU over packed columns, row scale) at ``pre``."""
 
     def epilogue(acc, scale):
         if activation is not None:
@@ -218,9 +353,67 @@ def _epilogue_bwd(activation, out_dtype, transpose_rhs, residuals, d_out):
         return acc if scale is None else acc * scale[:, None]
 
     _, pullback = jax.vjp(epilogue, pre.astype(jnp.float32), row_scale)
-    d_pre, d_row_scale = pullback(d_out.astype(jnp.float32))
-    d_lhs, d_rhs = gemm_grads(lhs, rhs, group_sizes, d_pre, transpose_rhs=transpose_rhs)
-    return d_lhs, d_rhs, None, d_row_scale
+    return pullback(d_out.astype(jnp.float32))
 
 
 _pallas_epilogue_matmul.defvjp(_epilogue_fwd, _epilogue_bwd)
+
+
+# ------------------------------------------------------------------------------------- FP8 Pallas path + custom_vjp
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _pallas_fp8_matmul(lhs, weights, group_sizes, row_scale, activation, out_dtype, transpose_rhs, quantization):
+    """The FP8 kernel's forward with its epilogue: lhs [M, K] and the stored weights (packed with an activation;
+    [G, K, N] or [G, N, K]) high precision or BlockScaled, group_sizes non-negative -> [M, N] or [M, N/2]."""
+    args = (activation, out_dtype, transpose_rhs, quantization)
+    return _pallas_fp8_fwd(lhs, weights, group_sizes, row_scale, *args, keep=False)[0]
+
+
+def _pallas_fp8_fwd(lhs, weights, group_sizes, row_scale, activation, out_dtype, transpose_rhs, quantization, *, keep):
+    recipe = RECIPES[quantization]
+    x = lhs
+    if not isinstance(lhs, BlockScaled):
+        x = quant.quantize_blockwise(lhs, recipe.lhs_block, pow2_scales=recipe.pow2_scales)
+    w = reference_fp8.as_quantized(weights, recipe.rhs_block(transpose_rhs), recipe)
+    # The kernel reads w [G, N, K] (FP8 wgmma operands are K-major): [G, K, N] weights are transposed here.
+    w_nk = w if transpose_rhs else _swap_last_axes(w)
+    # The backward needs the pre-activation only where an epilogue lies between it and the output.
+    keep = keep and (activation is not None or row_scale is not None)
+    outs = run_fp8_forward_kernel(x, w_nk, group_sizes, row_scale, activation, out_dtype, keep=keep)
+    out, pre = outs if keep else (outs, None)
+    return out, (lhs, weights, w, group_sizes, row_scale, pre)
+
+
+def _swap_last_axes(x: BlockScaled) -> BlockScaled:
+    """[G, A, B] -> [G, B, A]: values, scales and blocks transposed together."""
+    g, a, b = x.block_shape
+    return BlockScaled(jnp.swapaxes(x.values, 1, 2), jnp.swapaxes(x.scales, 1, 2), (g, b, a))
+
+
+def _pallas_fp8_bwd(activation, out_dtype, transpose_rhs, quantization, residuals, d_out):
+    """The epilogue's VJP in XLA on the kept pre-activation, then the recipe's quantized dgrad (``_fp8_dgrad``) and
+    wgrad (XLA); no gradient for a BlockScaled operand."""
+    lhs, weights, w, group_sizes, row_scale, pre = residuals
+    d_pre, d_row_scale = (d_out, None) if pre is None else _epilogue_vjp(pre, row_scale, activation, d_out)
+    recipe = RECIPES[quantization]
+    d_lhs = d_weights = None
+    if not isinstance(lhs, BlockScaled):
+        d_lhs = _fp8_dgrad(d_pre, weights, w, group_sizes, recipe, transpose_rhs, lhs.dtype)
+    if not isinstance(weights, BlockScaled):
+        d_weights = reference_fp8.quantized_wgrad(lhs, group_sizes, d_pre, recipe, transpose_rhs, weights.dtype)
+    return d_lhs, d_weights, None, d_row_scale
+
+
+def _fp8_dgrad(d_pre, weights, w, group_sizes, recipe, transpose_rhs: bool, out_dtype) -> jax.Array:
+    """d lhs [M, K] = dy . w[g]^T, dy = d_pre [M, N] quantized along N: the FP8 kernel with N as its contraction,
+    reading the forward's quantized weights as [G, K, N] (K-major for this GEMM), where it runs; else in XLA."""
+    dgrad_w = reference_fp8.dgrad_weights(weights, w, recipe, transpose_rhs)
+    if not fp8_dgrad_runs(d_pre.shape[1], out_dtype):
+        return reference_fp8.quantized_dgrad(dgrad_w, group_sizes, d_pre, recipe, transpose_rhs, out_dtype)
+    dy = quant.quantize_blockwise(d_pre, recipe.lhs_block, pow2_scales=recipe.pow2_scales)
+    w_kn = _swap_last_axes(dgrad_w) if transpose_rhs else dgrad_w
+    return run_fp8_forward_kernel(dy, w_kn, group_sizes, None, None, out_dtype, keep=False)
+
+
+_pallas_fp8_matmul.defvjp(functools.partial(_pallas_fp8_fwd, keep=True), _pallas_fp8_bwd)

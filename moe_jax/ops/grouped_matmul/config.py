@@ -54,6 +54,9 @@ SHORT_D_MAX = 2880
 # Longest contraction (D) at which the heuristic's glu_dgrad in group bands keeps 128 x 128 tiles; past it
 # GLU_DGRAD_LONG_D_TILES' 128 x 256 tiles run faster (at D = 7168; alike at 4096, 21-32% slower at 2048 / 2880).
 MEDIUM_D_MAX = 4096
+# The FP8 forward (sm90_fp8.py) steps through K in blocks of the fp8_block recipe's 128 and takes 128-column tiles,
+# one weight-scale block wide.
+FP8_BLOCK = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +132,7 @@ class Config:
         *,
         operand_cols: int = 0,
         row_vectors: int = 0,
+        scale_k_blocks: int = 0,
     ) -> int:
         """Shared memory of one CTA: the pipeline's stages, the epilogue's double buffer and its operands.
 
@@ -137,6 +141,8 @@ class Config:
           operand_cols: columns of the [wg_block_m, operand_cols] input-dtype tile each consumer's epilogue loads
             itself (the GLU backward's packed gate/up rows, 2 * block_n, where the ring does not carry them).
           row_vectors: [wg_block_m] f32 vectors per consumer (row_scale in, partial sums out), in one buffer.
+          scale_k_blocks: FP8 operands (sm90_fp8.py): ``fp8_scale_k_blocks(K)``, the f32 weight scales each
+            consumer holds; the x scales then take a [block_m] f32 ring beside the pipeline's.
         """
         buffers = [
             self.num_stages * self.block_m * self.block_k * in_itemsize,  # x ring
@@ -144,6 +150,8 @@ class Config:
             2 * self.block_m * self.epilogue_n * out_itemsize,
             self.block_m * operand_cols * in_itemsize,
             row_vectors * self.block_m * 4,
+            (self.num_stages * self.block_m * 4) if scale_k_blocks else 0,
+            self.num_compute_wgs * scale_k_blocks * 4,
         ]
         # Pallas starts every scratch buffer at a SMEM_ALIGNMENT boundary.
         return sum(-(-size // SMEM_ALIGNMENT) * SMEM_ALIGNMENT for size in buffers)
@@ -289,6 +297,26 @@ def heuristic_config(
 def _fit(config: Config, out_itemsize: int, kind: str, row_scale: bool) -> Config:
     """Drops pipeline stages until the config fits in shared memory."""
     while not config.fits(2, out_itemsize, **epilogue_smem(kind, config, row_scale)) and config.num_stages > 2:
+        config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+    return config
+
+
+def fp8_scale_k_blocks(contraction: int) -> int:
+    """The weight scales per tile that the FP8 kernel loads: ceil(K / FP8_BLOCK), padded to a multiple of 4 (one TMA
+    row is a multiple of 16 bytes)."""
+    return -(-math.ceil(contraction / FP8_BLOCK) // 4) * 4
+
+
+def fp8_config(*, m: int, k: int, n: int, g: int, out_itemsize: int = 2, row_scale: bool = False) -> Config:
+    """The FP8 forward's config: the heuristic forward's tile order and row tiles, FP8_BLOCK-square steps and column
+    tiles, the epilogue between tiles (sm90_fp8.py says why), and as many stages as fit in shared memory.
+
+    Not tuned: the tuned table holds 16-bit kernels only.
+    """
+    order = heuristic_config("fwd", m=m, k=k, n=n, g=g, out_itemsize=out_itemsize, row_scale=row_scale)
+    config = dataclasses.replace(order, block_n=FP8_BLOCK, block_k=FP8_BLOCK, overlap_epilogue=False, num_stages=8)
+    epilogue = dict(row_vectors=row_vector_count(row_scale, False), scale_k_blocks=fp8_scale_k_blocks(k))
+    while not config.fits(1, out_itemsize, **epilogue) and config.num_stages > 2:
         config = dataclasses.replace(config, num_stages=config.num_stages - 1)
     return config
 

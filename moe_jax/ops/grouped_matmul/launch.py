@@ -7,6 +7,8 @@ backward adds the "glu_dgrad" kernel); this module holds no choice between backe
     dgrad       sm90.grouped_matmul_rows    d x = d out . w[g]^T (the fwd kernel reading w the other way round)
     glu_dgrad   sm90.grouped_matmul_rows    the down projection's dgrad with the GLU backward in its epilogue
     wgrad       sm90_wgrad                  d w[g] = x_g^T . d out_g, contracting the group's ragged rows
+    fp8 fwd     sm90.grouped_matmul_rows    the forward on block-scaled FP8 operands (sm90_fp8.py), and the dgrad
+                                            dy . w[g]^T on them (w read [G, K, N]: N is its contraction)
 """
 
 import dataclasses
@@ -17,15 +19,21 @@ import jax.numpy as jnp
 
 from moe_jax._core import hardware
 from moe_jax.ops.grouped_matmul import schedule, sm90, sm90_wgrad
-from moe_jax.ops.grouped_matmul.config import Config, get_config
+from moe_jax.ops.grouped_matmul.config import FP8_BLOCK, Config, fp8_config, fp8_scale_k_blocks, get_config
 from moe_jax.ops.grouped_matmul.glu import glu, glu_grad, kept_pre_activation
 from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK
+from moe_jax.ops.quant.reference import BlockScaled
 
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
 # Mosaic GPU tiles a whole operand in GMEM by its 128-byte swizzle width (64 bf16 elements) for TMA, so K and N must
 # be multiples of it; M is padded to a multiple of 8 rows (the shared-memory tile height) when it is not one.
 KERNEL_DIM_MULTIPLE = 64
 KERNEL_ROW_MULTIPLE = 8
+# The FP8 kernel runs the fp8_block recipe: its steps are the recipe's 128-wide K blocks, one promotion each (MXFP8's
+# 32-wide blocks would take four per step). It reads float8_e4m3fn.
+FP8_KERNEL_QUANTIZATION = "fp8_block"
+FP8_KERNEL_DTYPE = jnp.float8_e4m3fn
+FP8_KERNEL_OUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 # The GLU backwards that compute h, d_gate and d_up each in its own store's branch (sm90.Epilogue.recompute_grads),
 # on tiles of at most RECOMPUTE_MAX_BLOCK_N columns: computed together next to a 128-column accumulator, gpt_oss's
@@ -69,6 +77,53 @@ def kernel_unsupported(
     return None
 
 
+def fp8_kernel_unsupported(
+    quantization: str,
+    contraction: int,
+    num_cols: int,
+    activation: str | None,
+    fp8_dtypes=(),
+    unpacked_glu_weights: bool = False,
+    out_dtype=jnp.bfloat16,
+    names: ArgNames = GROUPED_MATMUL_NAMES,
+) -> str | None:
+    """Why the FP8 kernel cannot run this quantized call (None when it can).
+
+    Args:
+      fp8_dtypes: the value dtypes of the operands that come quantized (BlockScaled).
+      unpacked_glu_weights: an activation with BlockScaled weights in [gate | up] order (not a PackedGateUp).
+      out_dtype: the result's dtype.
+    """
+    if quantization != FP8_KERNEL_QUANTIZATION:
+        return (
+            f"the FP8 kernel runs quantization={FP8_KERNEL_QUANTIZATION!r} (one promotion per 128-wide K block), got "
+            f"{quantization!r}"
+        )
+    if any(jnp.dtype(dtype) != jnp.dtype(FP8_KERNEL_DTYPE) for dtype in fp8_dtypes):
+        return f"the FP8 kernel takes float8_e4m3fn BlockScaled operands, got {[jnp.dtype(d).name for d in fp8_dtypes]}"
+    if contraction <= 0 or contraction % FP8_BLOCK:
+        # A step is one 128-byte swizzle row of FP8, and TMA tiles the whole operand by it.
+        return f"{names.k} must be a positive multiple of {FP8_BLOCK} for the FP8 kernel, got {contraction}"
+    if num_cols <= 0 or num_cols % KERNEL_DIM_MULTIPLE:
+        return f"{names.n} must be a positive multiple of {KERNEL_DIM_MULTIPLE} for the FP8 kernel, got {num_cols}"
+    if activation is not None and (num_cols // 2) % PACK_BLOCK:
+        return f"with an activation F = {names.n}/2 must be a multiple of {PACK_BLOCK} for the FP8 kernel"
+    if jnp.dtype(out_dtype) not in map(jnp.dtype, FP8_KERNEL_OUT_DTYPES):
+        return f"the FP8 kernel writes float32, bfloat16 or float16, got {jnp.dtype(out_dtype).name}"
+    if unpacked_glu_weights:
+        return (
+            f"with an activation the FP8 kernel reads packed weights: pass {names.rhs} as a PackedGateUp (or in high "
+            "precision), not a BlockScaled in [gate | up] order"
+        )
+    return None
+
+
+def fp8_dgrad_runs(num_cols: int, out_dtype) -> bool:
+    """Whether the FP8 kernel runs the dgrad of a quantized call it ran forward: its contraction N (``num_cols``) a
+    multiple of the 128-wide step, and a dtype it writes (lhs's)."""
+    return num_cols % FP8_BLOCK == 0 and jnp.dtype(out_dtype) in map(jnp.dtype, FP8_KERNEL_OUT_DTYPES)
+
+
 def _padded_rows(x: jax.Array | None) -> jax.Array | None:
     """x with its rows padded to a multiple of KERNEL_ROW_MULTIPLE (a copy only when M is not one already)."""
     if x is None:
@@ -102,13 +157,16 @@ def run_rows_kernel(
     gate_up=None,
     row_tokens=None,
     zero_tail=True,
+    x_scales=None,
+    w_scales=None,
 ):
     """fwd / dgrad / glu_dgrad kernel: x[M, R] · w[g] per group (w [G, R, C], or [G, C, R] when ``w_transposed``).
 
     ``config=None`` takes ``rows_config``'s choice; the tuning script and the GLU backward pass their own.
     ``epilogue``, ``row_scale`` [M] f32, ``gate_up`` [M, 2C] and ``row_tokens`` [M] int32 are
     sm90.grouped_matmul_rows's (with ``row_tokens``, x is [T, R] and row r is x[row_tokens[r]]). ``zero_tail``:
-    schedule.row_tiles's (False: the outputs' rows past sum(group_sizes) are left unwritten).
+    schedule.row_tiles's (False: the outputs' rows past sum(group_sizes) are left unwritten). ``x_scales``
+    [R / 128, M] and ``w_scales``: FP8 operands' scales, as sm90.grouped_matmul_rows takes them.
 
     Returns:
       sm90.grouped_matmul_rows's outputs, rows past M dropped; for the GLU backward (d_gate_up [M, 2C],
@@ -123,6 +181,8 @@ def run_rows_kernel(
     else:
         row_tokens = _padded_rows(row_tokens)
     padded_m = x.shape[0] if row_tokens is None else row_tokens.shape[0]
+    if x_scales is not None:
+        x_scales = jnp.pad(x_scales, [(0, 0), (0, padded_m - m)])
     tiles, num_tiles = schedule.row_tiles(group_sizes, padded_m, config.block_m, zero_tail=zero_tail)
     outs = sm90.grouped_matmul_rows(
         x,
@@ -138,6 +198,8 @@ def run_rows_kernel(
         row_scale=_padded_rows(row_scale),
         gate_up=_padded_rows(gate_up),
         row_tokens=row_tokens,
+        x_scales=x_scales,
+        w_scales=w_scales,
     )
     if not isinstance(outs, tuple):
         return outs[:m]
@@ -218,10 +280,14 @@ def run_forward_kernel(
     keep: bool,
     row_tokens=None,
     zero_tail: bool = True,
+    config=None,
+    x_scales=None,
+    w_scales=None,
 ):
     """The forward kernel with its epilogue (plain when neither ``activation`` nor ``row_scale``); ``keep`` also
     returns the pre-activation [M, N], rounded for the GLU backward. With ``row_tokens`` [M], lhs is [T, K] and row r
-    of the product is lhs[row_tokens[r]]. ``zero_tail=False`` leaves the outputs' rows past the sum unwritten."""
+    of the product is lhs[row_tokens[r]]. ``zero_tail=False`` leaves the outputs' rows past the sum unwritten.
+    ``config`` (None: rows_config's), ``x_scales`` and ``w_scales``: run_rows_kernel's."""
     epilogue = forward_epilogue(activation, row_scale is not None, keep_dtype=out_dtype if keep else None)
     return run_rows_kernel(
         "fwd",
@@ -234,6 +300,43 @@ def run_forward_kernel(
         row_scale=row_scale,
         row_tokens=row_tokens,
         zero_tail=zero_tail,
+        config=config,
+        x_scales=x_scales,
+        w_scales=w_scales,
+    )
+
+
+def run_fp8_forward_kernel(
+    x: BlockScaled, w: BlockScaled, group_sizes, row_scale, activation, out_dtype, *, keep: bool
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """The FP8 kernel x[rows of g] . w[g]^T with its epilogue, as run_forward_kernel (``keep``: also the
+    pre-activation). The forward is (lhs, rhs [G, N, K]); the dgrad (d out, rhs [G, K, N]).
+
+    Args:
+      x: [M, R] float8_e4m3fn in (1, 128) blocks; R, the contraction, a multiple of 128.
+      w: [G, C, R] float8_e4m3fn in (1, 128, 128) blocks (R-major: wgmma's FP8 B operand); C a multiple of 64.
+      group_sizes: [G] int32; row_scale: [M] f32 or None; activation: the GLU (w packed) or None.
+
+    The scales go to the kernel in the layouts it loads (sm90_fp8.py): x's transposed to [R / 128, M], so that a
+    tile's scales of a K block are contiguous (M * R / 32 bytes: 1/32 of x's bytes), w's with the K blocks padded.
+    """
+    (m, k), (num_groups, n, _) = x.shape, w.shape
+    k_blocks = fp8_scale_k_blocks(k)
+    w_scales = jnp.pad(w.scales, [(0, 0), (0, 0), (0, k_blocks - w.scales.shape[2])])
+    itemsize = jnp.dtype(out_dtype).itemsize
+    config = fp8_config(m=m, k=k, n=n, g=num_groups, out_itemsize=itemsize, row_scale=row_scale is not None)
+    return run_forward_kernel(
+        x.values,
+        w.values,
+        group_sizes,
+        row_scale,
+        activation,
+        out_dtype,
+        True,
+        keep=keep,
+        config=config,
+        x_scales=x.scales.T,
+        w_scales=w_scales,
     )
 
 

@@ -38,13 +38,18 @@ def grouped_matmul(
         block, rhs = rhs.block, rhs.array
     if transpose_rhs:
         rhs = jnp.swapaxes(rhs, 1, 2)
-    acc_dtype = accumulation_dtype(lhs.dtype)
-    out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=acc_dtype)
+    out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=accumulation_dtype(lhs.dtype))
     # ragged_dot leaves rows past the last group unspecified on some backends; the contract says zero.
     out = jnp.where(row_mask(group_sizes, lhs.shape[0])[:, None], out, 0.0)
+    return epilogue(out, block, activation, row_scale, preferred_element_type or lhs.dtype)
+
+
+def epilogue(out: jax.Array, block: int | None, activation: str | None, row_scale, out_dtype) -> jax.Array:
+    """The GEMM output [M, N] (f32, or f64) -> the op's result: the GLU over ``[gate | up]`` (packed in blocks of
+    ``block`` columns; None: plain halves), the row scale, then the cast to ``out_dtype``."""
     if activation is not None:
         gate, up = split_gate_up(out, block or out.shape[-1] // 2)
         out = glu(gate, up, activation)
     if row_scale is not None:
-        out = out * row_scale.astype(acc_dtype)[:, None]
-    return out.astype(preferred_element_type or lhs.dtype)
+        out = out * row_scale.astype(out.dtype)[:, None]
+    return out.astype(out_dtype)

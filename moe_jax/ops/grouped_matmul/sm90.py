@@ -32,8 +32,9 @@ Epilogues (``Epilogue``; the GLU math arrives as functions, the kernel holds no 
     read it. Elsewhere the consumer loads them into a buffer of their own, which leaves less shared memory for the
     pipeline (at a 64-column tile the narrow MMAs then cost more than the whole epilogue).
 
-Everything element-type specific sits in the two TMA loads and the wgmma call: an FP8 variant needs both operands
-K-major (x is, w must be stored [G, C, R]: ``w_transposed``) plus per-block scales applied to the accumulator.
+FP8 operands (``x_scales`` / ``w_scales``, sm90_fp8.py): x and w in float8_e4m3fn, w stored [G, C, R] (wgmma takes FP8
+only K-major), each 128-wide K block multiplied into a fresh accumulator and added to an f32 total with its scales;
+the scales ride beside the tiles. The epilogues are the same.
 """
 
 import dataclasses
@@ -47,6 +48,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from moe_jax.ops.grouped_matmul import sm90_fp8 as fp8
 from moe_jax.ops.grouped_matmul import sm90_gather as gather
 from moe_jax.ops.grouped_matmul import sm90_pipeline as pipe
 from moe_jax.ops.grouped_matmul.config import Config, gate_up_ring_slots, row_vector_count
@@ -168,12 +170,15 @@ def grouped_matmul_rows(
     row_scale: jax.Array | None = None,
     gate_up: jax.Array | None = None,
     row_tokens: jax.Array | None = None,
+    x_scales: jax.Array | None = None,
+    w_scales: jax.Array | None = None,
 ):
     """out[M, C] = x[rows of g] · w[g] over the row tiles of schedule.row_tiles, through ``epilogue``.
 
     Args:
       x: [M, R] with M a multiple of 8 and R of 64; with ``row_tokens``, [T, R] rows that row r gathers from.
-      w: [G, R, C], or [G, C, R] with ``w_transposed``; C a multiple of 64; same dtype as x (bf16 or f16).
+      w: [G, R, C], or [G, C, R] with ``w_transposed``; C a multiple of 64; same dtype as x (bf16 or f16; or
+        float8_e4m3fn with the scales below, w stored [G, C, R] and R a multiple of 128).
       tiles, num_tiles: schedule.row_tiles(group_sizes, M, config.block_m).
       w_transposed: w's last axis is the contraction.
       out_dtype: dtype of every [M, .] output (accumulation is f32).
@@ -183,6 +188,9 @@ def grouped_matmul_rows(
       gate_up: [M, 2C] packed pre-activation in x's dtype, for the GLU backward.
       row_tokens: [M] int32 in [0, T): row r of the product is x[row_tokens[r]] (sm90_gather.py; R a multiple of
         block_k). M a multiple of 8.
+      x_scales: FP8 x's scales, MN-major: [R / 128, M] f32 (row r's scale of K block k at [k, r]).
+      w_scales: FP8 w's scales: [G, ceil(C / 128), config.fp8_scale_k_blocks(R)] f32 (block (n, k) of group g at
+        [g, n, k]; the K blocks padded).
 
     Returns:
       plain: [M, C]: the rows of every tile's group, zeros for the rows of ZERO_TILE tiles. Forward: out ([M, C/2]
@@ -211,6 +219,9 @@ def grouped_matmul_rows(
     banded = cfg.grid_minor == "g"
     # The band of every row tile, for the "g" order (a small XLA computation on the tile table, like the table itself).
     bands = [row_tile_bands(tiles, num_tiles, cfg.grid_width)] if banded else []
+    fp8_scales = [] if x_scales is None else [x_scales, w_scales]
+    if fp8_scales:
+        fp8.check(cfg, w_transposed=w_transposed, gathered=gathered, overlap=overlap)
     if gathered:
         if r % bk:
             raise ValueError(f"gathered rows need the contraction ({r}) to be a multiple of block_k ({bk})")
@@ -220,10 +231,12 @@ def grouped_matmul_rows(
     def body(tiles_gmem, count_gmem, x_gmem, w_gmem, *refs):
         row_tokens_gmem, refs = (refs[0], refs[1:]) if gathered else (None, refs)
         bands_gmem, refs = (refs[0], refs[1:]) if banded else (None, refs)
+        (x_scales_gmem, w_scales_gmem), refs = (refs[:2], refs[2:]) if fp8_scales else ((None, None), refs)
         operand_gmem, refs = refs[: len(operands)], refs[len(operands) :]
         gate_up_gmem = operand_gmem[-1] if epi.backward else None
         out_gmems, refs = refs[: len(out_types)], refs[len(out_types) :]
-        x_smem, w_smem, out_smem, produced, consumed, *epi_scratch = refs
+        x_smem, w_smem, out_smem, produced, consumed, *refs = refs
+        fp8_scratch, epi_scratch = refs[: len(fp8_scratch_types)], refs[len(fp8_scratch_types) :]
         num_row_tiles = count_gmem[0]
         wg = lax.axis_index("wg")
         work = (num_row_tiles * n_tiles,)
@@ -276,6 +289,8 @@ def grouped_matmul_rows(
                     else:
                         plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(row0, bm), ks], x_smem.at[slot], produced.at[slot])
                         plgpu.copy_gmem_to_smem(w_block, w_smem.at[slot], produced.at[slot])
+                    if fp8_scales:
+                        fp8.load_x_scales(x_scales_gmem, k, row0, fp8_scratch[0].at[slot], produced.at[slot])
 
                 pipe.produce(carry, steps, stages, consumed, load)
                 if ring_slots:
@@ -323,21 +338,31 @@ def grouped_matmul_rows(
                 else:
                     prefetch()
 
+                def wgmma(acc, slot):
+                    @pl.when(mma_rows > 0)
+                    def _():
+                        x_tile = x_smem.at[slot, pl.ds(pl.multiple_of(wg * wg_m, wg_m), wg_m)]
+                        w_tile = w_smem.at[slot].transpose((1, 0)) if w_transposed else w_smem.at[slot]
+                        plgpu.wgmma(acc, x_tile, w_tile)
+
                 def mma(acc):
                     def issue(k, slot):
                         if gathered:
                             gather.acquire_rows(interpret=interpret)
-
-                        @pl.when(mma_rows > 0)
-                        def _():
-                            x_tile = x_smem.at[slot, pl.ds(pl.multiple_of(wg * wg_m, wg_m), wg_m)]
-                            w_tile = w_smem.at[slot].transpose((1, 0)) if w_transposed else w_smem.at[slot]
-                            plgpu.wgmma(acc, x_tile, w_tile)
+                        wgmma(acc, slot)
 
                     pipe.consume(first_step, steps, stages, produced, consumed, issue, overlapped)
                     return acc[...]
 
-                acc = pl.run_scoped(mma, plgpu.ACC((wg_m, bn), jnp.float32))
+                if fp8_scales:
+                    x_scales_smem, w_scales_smem, w_scales_loaded = fp8_scratch
+                    scales = (x_scales_smem, w_scales_smem.at[wg], w_scales_loaded.at[wg])
+                    fp8.load_w_scales(w_scales_gmem, tiles_gmem[TILE_GROUP, mi], ni, *scales[1:], steps)
+                    acc = fp8.promoted_products(
+                        first_step, steps, stages, produced, consumed, wgmma, scales, (wg_m, bn), wg
+                    )
+                else:
+                    acc = pl.run_scoped(mma, plgpu.ACC((wg_m, bn), jnp.float32))
                 # The ring's slots after the tile's steps hold its epilogue operands.
                 outputs = (epilogue.prepare(acc), (mi, ni, wg_row0, wg_first, wg_rows, first_step + steps))
                 return steps + ring_slots, outputs
@@ -350,13 +375,16 @@ def grouped_matmul_rows(
     w_block_shape = (bn, bk) if w_transposed else (bk, bn)
     out_types = _out_types(epi, m, cols, out_dtype, x.dtype, (n_tiles, max_tiles, bm))
     x_transforms = gather.smem_transforms(bk, in_dtype, interpret) if gathered else pipe.swizzled(bk, in_dtype)
+    fp8_scratch_types = fp8.scratch(cfg, r) if fp8_scales else []
+    produced_arrivals = gather.produced_arrivals(bm, interpret) if gathered else (3 if fp8_scales else 2)
     scratch = [
         plgpu.SMEM((stages, bm, bk), in_dtype, transforms=x_transforms),
         plgpu.SMEM((stages, *w_block_shape), in_dtype, transforms=pipe.swizzled(w_block_shape[1], in_dtype)),
         pipe.epilogue_smem(num_wgs, wg_m, epi_n, out_dtype),
-        # produced: the two TMA loads of a step landed (gathered rows: see sm90_gather.py)
-        plgpu.Barrier(num_arrivals=gather.produced_arrivals(bm, interpret) if gathered else 2, num_barriers=stages),
+        # produced: the TMA loads of a step landed (x, w and with FP8 x's scales; gathered rows: see sm90_gather.py)
+        plgpu.Barrier(num_arrivals=produced_arrivals, num_barriers=stages),
         pipe.consumed_barriers(num_wgs, stages),
+        *fp8_scratch_types,
     ]
     if loads_per_tile:
         # loaded[w]: consumer w's epilogue operands of its current tile landed.
@@ -378,7 +406,7 @@ def grouped_matmul_rows(
         grid_names=("sm",),
         num_threads=num_wgs + 1,
         thread_name="wg",
-        kernel_name=_kernel_name(epi, gathered),
+        kernel_name=_kernel_name(epi, gathered, bool(fp8_scales)),
         # Approximate exp / division in the GLU epilogues only: far inside bf16 rounding, and the plain kernels keep
         # their exact code. No shared memory for cross-warp reductions: the only reduction, the GLU backward's row
         # sums over a chunk's columns, stays within each warp in the wgmma layout (a cross-warp one would not lower),
@@ -388,12 +416,13 @@ def grouped_matmul_rows(
         ),
         interpret=interpret,
     )
-    return kernel(tiles, num_tiles, x, w, *([row_tokens] if gathered else []), *bands, *operands)
+    return kernel(tiles, num_tiles, x, w, *([row_tokens] if gathered else []), *bands, *fp8_scales, *operands)
 
 
-def _kernel_name(epi: Epilogue, gathered: bool) -> str:
-    """What profiles call the kernel: "moe_gmm" plus its gather and epilogue, e.g. moe_gmm_gather_glu."""
+def _kernel_name(epi: Epilogue, gathered: bool, fp8_operands: bool) -> str:
+    """What profiles call the kernel: "moe_gmm" plus its operands and epilogue, e.g. moe_gmm_gather_glu."""
     flags = (
+        ("fp8", fp8_operands),
         ("gather", gathered),
         ("glu", epi.activation is not None),
         ("glu_bwd", epi.backward),

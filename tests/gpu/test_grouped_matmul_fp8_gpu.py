@@ -1,0 +1,176 @@
+"""The FP8 kernel (``grouped_matmul(quantization="fp8_block", backend="pallas")``: forward and dgrad) on the device.
+
+Run on the GPU machine: ``PYTHONPATH=. python3 -m pytest -m gpu tests/gpu/test_grouped_matmul_fp8_gpu.py``.
+
+- Promotion. Hopper's FP8 wgmma accumulates with about 14 bits, which the kernel confines to one 128-wide K block
+  before adding the block, scaled, to an f32 total. With all-positive operands at K = 7168 no cancellation hides the
+  accumulator's error, so the data separate the two: the test simulates on the same quantized operands a 14-bit
+  accumulator (truncating, one add per 32-wide wgmma step) reset every 128 K and promoted in f64, and one that runs
+  over all of K, and the kernel's error against the exact product must lie below the geometric mean of the two.
+- A named shape (dsv3-ep8 gate_up, uniform routing, 1/16 of the rows past the sum) against the XLA implementation
+  on three groups (first non-empty, largest, last non-empty), each run alone: a row's activation blocks and a group's
+  weight blocks do not depend on the other groups. Rows past the sum must be exactly zero.
+- A seeded sweep of small ragged shapes against the XLA implementation, forward and d lhs (the dgrad kernel where N
+  is a multiple of 128).
+Tolerances against the XLA implementation (f32 products of the dequantized operands): ``F32_OUT_TOL`` where the
+kernel writes f32 (the tensor cores' ~14-bit accumulation within a block errs by ~2^-14 of a block's partial sums,
+a missed scale or block by O(1)); ``BF16_OUT_TOL`` for bf16 outputs (their rounding, 2^-9). ``GLU_DGRAD_TOL``: with
+a GLU and bf16 outputs the kernel path keeps the pre-activation in bf16 for the backward, the XLA path in f32; the
+cotangent's e4m3 quantization turns that 2^-9 difference into whole e4m3 steps (2^-4) of the ~1/32 of elements
+near a rounding boundary, 1.2e-2 in d lhs (measured under the interpreter).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import moe_jax
+from benchmarks import shapes
+from moe_jax.ops.grouped_matmul import api
+from moe_jax.ops.grouped_matmul.packing import pack_gate_up
+from tests.oracle import random_group_sizes, relative_error
+
+pytestmark = pytest.mark.gpu
+F32_OUT_TOL = 2e-3
+BF16_OUT_TOL = 1e-2
+GLU_DGRAD_TOL = 3e-2
+ACCUMULATOR_BITS = 14  # significant bits Hopper's FP8 wgmma keeps while accumulating (DeepSeek-V3 report)
+WGMMA_K = 32  # FP8 products one wgmma instruction adds to the accumulator
+BLOCK = 128
+
+
+def _pallas(lhs, rhs, group_sizes, **options):
+    return moe_jax.grouped_matmul(lhs, rhs, group_sizes, quantization="fp8_block", backend="pallas", **options)
+
+
+def _xla(lhs, rhs, group_sizes, **options):
+    return moe_jax.grouped_matmul(lhs, rhs, group_sizes, quantization="fp8_block", backend="xla", **options)
+
+
+def _truncated(values: np.ndarray, bits: int) -> np.ndarray:
+    """``values`` rounded toward zero to ``bits`` significant bits."""
+    mantissa, exponent = np.frexp(values)
+    return np.ldexp(np.trunc(mantissa * 2.0**bits) / 2.0**bits, exponent)
+
+
+def _simulated(x_values, x_scales, w_values, w_scales, promote_every: int) -> np.ndarray:
+    """x [M, K] . w [N, K]^T with the products of FP8 values accumulated in a truncating ACCUMULATOR_BITS-bit
+    accumulator, WGMMA_K products per add; every ``promote_every`` K it is scaled into an f64 total and reset (with
+    ``promote_every = K`` the scales are applied per product instead, as one long accumulation would need)."""
+    k = x_values.shape[1]
+    total = np.zeros((x_values.shape[0], w_values.shape[0]))
+    accumulator = np.zeros_like(total)
+    for k0 in range(0, k, WGMMA_K):
+        block = k0 // BLOCK
+        a, b = x_values[:, k0 : k0 + WGMMA_K], w_values[:, k0 : k0 + WGMMA_K]
+        if promote_every < k:
+            accumulator = _truncated(accumulator + a @ b.T, ACCUMULATOR_BITS)
+            if (k0 + WGMMA_K) % promote_every == 0:
+                total += accumulator * x_scales[:, block, None] * w_scales[None, block]
+                accumulator = np.zeros_like(total)
+        else:
+            scaled = (a * x_scales[:, block, None]) @ (b * w_scales[block]).T
+            total = _truncated(total + scaled, ACCUMULATOR_BITS)
+    return total
+
+
+def test_promotion_per_128_k_bounds_the_error_at_long_k():
+    m, k, n = 256, 7168, BLOCK  # one weight block of columns: one scale per K block
+    keys = jax.random.split(jax.random.key(0), 2)
+    lhs = jax.random.uniform(keys[0], (m, k), jnp.float32, 0.25, 1.0).astype(jnp.bfloat16)
+    rhs = jax.random.uniform(keys[1], (1, n, k), jnp.float32, 0.25, 1.0).astype(jnp.bfloat16)
+    x = moe_jax.quantize_blockwise(lhs, (1, BLOCK))
+    w = api.quantize_weights(rhs, transpose_rhs=True)
+    group_sizes = jnp.array([m], jnp.int32)
+    out = _pallas(x, w, group_sizes, transpose_rhs=True, preferred_element_type=jnp.float32)
+
+    x_values, w_values = (np.asarray(q.values.astype(jnp.float32), np.float64) for q in (x, w))
+    x_scales = np.asarray(x.scales, np.float64)  # [M, K / 128]
+    w_values, w_scales = w_values[0], np.asarray(w.scales[0, 0], np.float64)  # [N, K], [K / 128]
+    exact = (x_values * np.repeat(x_scales, BLOCK, axis=1)) @ (w_values * np.repeat(w_scales, BLOCK)).T
+    promoted = _simulated(x_values, x_scales, w_values, w_scales, BLOCK)
+    unpromoted = _simulated(x_values, x_scales, w_values, w_scales, k)
+    promoted_error, unpromoted_error = relative_error(promoted, exact), relative_error(unpromoted, exact)
+    assert unpromoted_error > 10 * promoted_error, "the data do not separate the two accumulations"
+    bound = np.sqrt(promoted_error * unpromoted_error)
+    assert relative_error(out, exact) < bound, (promoted_error, unpromoted_error)
+
+
+@functools.partial(jax.jit, static_argnames=("fn", "activation", "out_dtype"))
+def _forward_and_dgrad(lhs, rhs, group_sizes, cotangent, *, fn, activation=None, out_dtype=None):
+    """(out, d lhs) of ``fn`` with weights [G, N, K]."""
+
+    def op(x):
+        return fn(x, rhs, group_sizes, activation=activation, transpose_rhs=True, preferred_element_type=out_dtype)
+
+    out, pullback = jax.vjp(op, lhs)
+    return out, pullback(cotangent.astype(out.dtype))[0]
+
+
+def _check(kernel, expected, sizes, tols) -> None:
+    """The kernel's (out, d lhs) against the expected ones, each within its tolerance; zero rows past the sum."""
+    for name, actual, exact, tol in zip(("out", "d_lhs"), kernel, expected, tols, strict=True):
+        assert actual.dtype == exact.dtype, name
+        assert relative_error(actual, exact) < tol, name
+        assert float(jnp.max(jnp.abs(actual[int(np.sum(sizes)) :].astype(jnp.float32)), initial=0.0)) == 0.0, name
+
+
+@pytest.mark.parametrize(
+    "activation, out_dtype, tols",
+    [
+        (None, jnp.float32, (F32_OUT_TOL, BF16_OUT_TOL)),  # d lhs is bf16, as lhs
+        ("swiglu", jnp.float32, (F32_OUT_TOL, BF16_OUT_TOL)),
+        ("swiglu", None, (BF16_OUT_TOL, GLU_DGRAD_TOL)),
+    ],
+)
+def test_named_shape_against_xla_on_three_groups(activation, out_dtype, tols):
+    s = shapes.GMM_SHAPES["dsv3-ep8/gate_up"]
+    keys = jax.random.split(jax.random.key(1), 3)
+    lhs = jax.random.normal(keys[0], (s.m, s.k), jnp.bfloat16)
+    rhs = (jax.random.normal(keys[1], (s.g, s.n, s.k), jnp.float32) * s.k**-0.5).astype(jnp.bfloat16)
+    cotangent = jax.random.normal(keys[2], (s.m, s.n // 2 if activation else s.n), jnp.float32)
+    weights = pack_gate_up(rhs, transposed=True) if activation else rhs
+    group_sizes = s.group_sizes("uniform", seed=2) * 15 // 16
+    options = dict(activation=activation, out_dtype=out_dtype)
+    kernel = _forward_and_dgrad(lhs, weights, group_sizes, cotangent, fn=_pallas, **options)
+
+    sizes = np.asarray(group_sizes)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    nonempty = np.flatnonzero(sizes)
+    for g in sorted({int(nonempty[0]), int(np.argmax(sizes)), int(nonempty[-1])}):
+        rows = slice(int(starts[g]), int(starts[g] + sizes[g]))
+        group_weights = pack_gate_up(rhs[g : g + 1], transposed=True) if activation else rhs[g : g + 1]
+        group_sizes_g = jnp.array([sizes[g]], jnp.int32)
+        expected = _forward_and_dgrad(lhs[rows], group_weights, group_sizes_g, cotangent[rows], fn=_xla, **options)
+        _check([a[rows] for a in kernel], expected, sizes[g], tols)
+    _check(kernel, kernel, sizes, (np.inf, np.inf))  # the rows past the sum
+
+
+def _sweep_cases(count: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    for index in range(count):
+        g = int(rng.choice([1, 3, 8, 16]))
+        m = int(rng.integers(64, 3000))  # mostly off 8 and off the 128-row tile
+        # N alternately a multiple of 128 (the dgrad in the kernel) and 64 off one (a 64-column last tile forward,
+        # the dgrad in XLA).
+        k, n = 128 * int(rng.integers(1, 12)), 128 * int(rng.integers(1, 8)) - 64 * (index % 2)
+        kind = str(rng.choice(["uniform", "empty", "hot", "tail", "zipf"]))
+        sizes = random_group_sizes(rng, g, m, kind)
+        # f32 inputs for f32 outputs (the output dtype and d lhs's are the inputs').
+        yield pytest.param(g, m, k, n, sizes, [jnp.bfloat16, jnp.float32][index % 2], id=f"{index}-{kind}")
+
+
+@pytest.mark.parametrize("g, m, k, n, sizes, dtype", list(_sweep_cases(6)))
+def test_random_shapes_against_xla(g, m, k, n, sizes, dtype):
+    keys = jax.random.split(jax.random.key(m), 3)
+    lhs = jax.random.normal(keys[0], (m, k), dtype)
+    rhs = (jax.random.normal(keys[1], (g, n, k), jnp.float32) * k**-0.5).astype(dtype)
+    cotangent = jax.random.normal(keys[2], (m, n), jnp.float32)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    kernel = _forward_and_dgrad(lhs, rhs, group_sizes, cotangent, fn=_pallas)
+    expected = _forward_and_dgrad(lhs, rhs, group_sizes, cotangent, fn=_xla)
+    tol = F32_OUT_TOL if dtype == jnp.float32 else BF16_OUT_TOL
+    _check(kernel, expected, sizes, (tol, tol))

@@ -1,0 +1,125 @@
+"""The FP8 kernel lowers for CUDA from a CPU host at the gate_up shapes of qwen3-30b and dsv3-ep8, with every
+epilogue and weight layout, and its config takes exactly the pipeline stages that fit in shared memory.
+
+The abstract H200 makes ``hardware.interpret_params()`` return None (compile, don't interpret); lowering runs Mosaic
+GPU's whole pipeline, shared-memory check included, and stops before the CUDA compiler. A forward and backward hold
+two Mosaic GPU kernels: the forward with its epilogue and the plain dgrad (the wgrad is XLA's).
+"""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src.mesh import AbstractDevice
+from jax.sharding import AbstractMesh
+
+import moe_jax
+from benchmarks import shapes
+from moe_jax.ops.grouped_matmul import config, launch
+from moe_jax.ops.grouped_matmul.packing import PackedGateUp, gate_up_block
+
+pytestmark = pytest.mark.smoke  # lowering and config checks: no numbers (tests/README.md)
+
+MOSAIC_CALL = "mosaic_gpu_v2"
+H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+NAMED = ["qwen3-30b/gate_up", "dsv3-ep8/gate_up"]
+
+
+def _lowered(fn, *args) -> str:
+    with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=H200)):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _fwd_bwd_text(name, *, activation=None, row_scale=False, transpose_rhs=True, out_dtype=jnp.bfloat16) -> str:
+    s = shapes.GMM_SHAPES[name]
+    lhs = jax.ShapeDtypeStruct((s.m, s.k), jnp.bfloat16)
+    weights = jax.ShapeDtypeStruct((s.g, s.n, s.k) if transpose_rhs else (s.g, s.k, s.n), jnp.bfloat16)
+    if activation is not None:
+        weights = PackedGateUp(weights, gate_up_block(s.n // 2), transposed=transpose_rhs)
+    scale = jax.ShapeDtypeStruct((s.m,), jnp.float32) if row_scale else None
+
+    def loss(lhs, rhs, group_sizes, row_scale):
+        out = moe_jax.grouped_matmul(
+            lhs,
+            rhs,
+            group_sizes,
+            activation=activation,
+            row_scale=row_scale,
+            preferred_element_type=out_dtype,
+            transpose_rhs=transpose_rhs,
+            quantization="fp8_block",
+            backend="pallas",
+        )
+        return jnp.sum(out.astype(jnp.float32))
+
+    group_sizes = jax.ShapeDtypeStruct((s.g,), jnp.int32)
+    return _lowered(jax.value_and_grad(loss, argnums=(0, 1)), lhs, weights, group_sizes, scale)
+
+
+@pytest.mark.parametrize("name", NAMED)
+@pytest.mark.parametrize(
+    "options, kernel",
+    [
+        (dict(), "moe_gmm_fp8"),
+        (dict(activation="swiglu"), "moe_gmm_fp8_glu"),
+        (dict(row_scale=True, out_dtype=jnp.float32), "moe_gmm_fp8_row_scale"),
+        (dict(transpose_rhs=False), "moe_gmm_fp8"),  # [G, K, N] weights: transposed in XLA first
+    ],
+)
+def test_named_shapes_lower_to_the_fp8_forward_and_dgrad_kernels(name, options, kernel):
+    text = _fwd_bwd_text(name, **options)
+    assert text.count(MOSAIC_CALL) == 2
+    # The kernels' names appear with suffixes (a counter, "_mosaic_gpu") too.
+    names = {re.sub(r"(_\d+|_mosaic_gpu)$", "", found) for found in re.findall(r"moe_gmm\w*", text)}
+    assert names == {kernel, "moe_gmm_fp8"}
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("row_scale", [False, True])
+def test_config_takes_the_stages_that_fit(out_dtype, row_scale):
+    """Config.smem_bytes counts the scales' buffers as laid out: fp8_config's stages lower at dsv3-ep8 gate_up (the
+    longest K: the most weight scales), one more stage does not, and Config.fits says the same."""
+    s = shapes.GMM_SHAPES["dsv3-ep8/gate_up"]
+    itemsize = jnp.dtype(out_dtype).itemsize
+    chosen = config.fp8_config(m=s.m, k=s.k, n=s.n, g=s.g, out_itemsize=itemsize, row_scale=row_scale)
+    buffers = dict(row_vectors=int(row_scale), scale_k_blocks=config.fp8_scale_k_blocks(s.k))
+    assert buffers["scale_k_blocks"] == s.k // 128  # no padding to do below
+    x = moe_jax.BlockScaled(
+        jax.ShapeDtypeStruct((s.m, s.k), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((s.m, s.k // 128), jnp.float32),
+        (1, 128),
+    )
+    w = moe_jax.BlockScaled(
+        jax.ShapeDtypeStruct((s.g, s.n, s.k), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((s.g, s.n // 128, s.k // 128), jnp.float32),
+        (1, 128, 128),
+    )
+    scale = jax.ShapeDtypeStruct((s.m,), jnp.float32) if row_scale else None
+    group_sizes = jax.ShapeDtypeStruct((s.g,), jnp.int32)
+    for stages, expected in ((chosen.num_stages, True), (chosen.num_stages + 1, False)):
+        c = dataclasses.replace(chosen, num_stages=stages)
+
+        def forward(x, w, group_sizes, row_scale, c=c):
+            return launch.run_forward_kernel(
+                x.values,
+                w.values,
+                group_sizes,
+                row_scale,
+                None,
+                out_dtype,
+                True,
+                keep=False,
+                config=c,
+                x_scales=x.scales.T,
+                w_scales=w.scales,
+            )
+
+        try:
+            _lowered(forward, x, w, group_sizes, scale)
+            lowers = True
+        except ValueError as error:
+            assert "exceeds available shared memory" in str(error)
+            lowers = False
+        assert lowers == expected == c.fits(1, itemsize, **buffers), stages

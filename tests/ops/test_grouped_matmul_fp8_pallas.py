@@ -1,0 +1,178 @@
+"""The FP8 kernel (``grouped_matmul(quantization="fp8_block", backend="pallas")``: the forward, and the dgrad where N
+is a multiple of 128) under the checking Mosaic GPU interpreter against the XLA implementation, on the same quantized
+operands.
+
+The interpreter multiplies the e4m3 values exactly in f32 (its wgmma is a NumPy matmul), so the kernel's sum per
+128-wide K block times the scales and the XLA path's product of the dequantized operands differ by f32 rounding only:
+``F32_OUT_TOL`` on f32 outputs, ``BF16_OUT_TOL`` where those sums are rounded to bf16 (a rare flip of one bf16 unit,
+2^-8 relative, in the relative norm). Through a GLU the gradients start from pre-activations that differ by f32
+rounding, and the cotangent's own quantization turns a rare such difference at an e4m3 rounding boundary into a
+whole e4m3 step (2^-4 relative) of an element or a block's scale: ``GLU_GRAD_TOL`` (2.6e-5 measured).
+
+Races are detected and uninitialised memory is NaN, so a scale read before its copy landed, or a row or column tile
+the kernel forgot, shows up. Shapes are small: 128 x 128 tiles on 4 simulated SMs.
+"""
+
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import moe_jax
+from moe_jax._core import backend as dispatch
+from moe_jax.ops.grouped_matmul import api
+from moe_jax.ops.grouped_matmul.packing import pack_gate_up
+from tests import oracle
+from tests.helpers import checked_interpreter
+
+F32_OUT_TOL = 1e-5
+BF16_OUT_TOL = 2e-3
+GLU_GRAD_TOL = 1e-3
+
+# (M, K, N, group sizes). "edges": empty, one row, and 127 / 128 / 129 rows across 128-row tiles, 35 rows past the
+# sum. "narrow": M off 8 (padded), N = 192 (a 64-column last column tile and weight-scale block), one hot group.
+# "decode": ~25 rows a group, which the config heuristic gives 64-row tiles on one consumer warpgroup.
+CASES = {
+    "edges": (420, 256, 256, [0, 1, 127, 128, 129]),
+    "narrow": (203, 384, 192, [0, 203, 0]),
+    "decode": (100, 128, 128, [25, 0, 40, 20]),
+}
+
+
+def _problem(seed, m, k, n, sizes, *, transpose_rhs=True, dtype=jnp.bfloat16):
+    rng = np.random.default_rng(seed)
+    lhs = jnp.asarray(rng.normal(size=(m, k)), dtype)
+    rhs_shape = (len(sizes), n, k) if transpose_rhs else (len(sizes), k, n)
+    rhs = jnp.asarray(rng.normal(size=rhs_shape) / np.sqrt(k), dtype)
+    return lhs, rhs, jnp.asarray(sizes, jnp.int32)
+
+
+@pytest.fixture
+def interpret():
+    """Runs the test's kernels under the checking interpreter and fails it on any detected race."""
+    with checked_interpreter():
+        yield
+
+
+def _both(lhs, rhs, group_sizes, **options):
+    """(the kernel's result, the XLA implementation's) of one quantized call."""
+    options = dict(quantization="fp8_block", **options)
+    kernel = moe_jax.grouped_matmul(lhs, rhs, group_sizes, backend="pallas", **options)
+    return kernel, moe_jax.grouped_matmul(lhs, rhs, group_sizes, backend="xla", **options)
+
+
+@pytest.mark.parametrize(
+    "case, transpose_rhs, out_dtype",
+    [("edges", True, jnp.float32), ("edges", False, jnp.bfloat16), ("narrow", True, None), ("decode", True, None)],
+)
+@pytest.mark.usefixtures("interpret")
+def test_forward_matches_xla(case, transpose_rhs, out_dtype):
+    m, k, n, sizes = CASES[case]
+    lhs, rhs, group_sizes = _problem(0, m, k, n, sizes, transpose_rhs=transpose_rhs)
+    out, expected = _both(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, preferred_element_type=out_dtype)
+    assert out.shape == (m, n) and out.dtype == (out_dtype or jnp.bfloat16) == expected.dtype
+    tol = F32_OUT_TOL if out_dtype == jnp.float32 else BF16_OUT_TOL
+    assert oracle.relative_error(out, expected) < tol
+    np.testing.assert_array_equal(np.asarray(out, np.float32)[sum(sizes) :], 0.0)
+
+
+@pytest.mark.parametrize("activation, packed", [("swiglu", True), ("gpt_oss", False)])
+@pytest.mark.usefixtures("interpret")
+def test_glu_and_row_scale_epilogue_matches_xla(activation, packed):
+    m, k, n, sizes = CASES["edges"]
+    lhs, rhs, group_sizes = _problem(1, m, k, n, sizes)
+    lhs = lhs * 3  # past gpt_oss's clamp
+    row_scale = jnp.asarray(np.random.default_rng(2).uniform(size=m), jnp.float32)
+    weights = pack_gate_up(rhs, transposed=True) if packed else rhs
+    options = dict(activation=activation, row_scale=row_scale, transpose_rhs=True, preferred_element_type=jnp.float32)
+    out, expected = _both(lhs, weights, group_sizes, **options)
+    assert out.shape == (m, n // 2)
+    assert oracle.relative_error(out, expected) < F32_OUT_TOL
+    np.testing.assert_array_equal(np.asarray(out)[sum(sizes) :], 0.0)
+
+
+@pytest.mark.usefixtures("interpret")
+def test_block_scaled_operands():
+    """Pre-quantized operands (activations and packed gate/up weights) go to the kernel as they are."""
+    m, k, n, sizes = CASES["edges"]
+    lhs, rhs, group_sizes = _problem(3, m, k, n, sizes)
+    x = moe_jax.quantize_blockwise(lhs, (1, 128))
+    w = api.quantize_weights(pack_gate_up(rhs, transposed=True), transpose_rhs=True)
+    out, expected = _both(x, w, group_sizes, activation="swiglu", transpose_rhs=True)
+    assert out.dtype == jnp.bfloat16
+    assert oracle.relative_error(out, expected) < BF16_OUT_TOL
+
+
+@pytest.mark.parametrize("activation, case", [(None, "edges"), ("geglu", "edges"), (None, "narrow")])
+@pytest.mark.usefixtures("interpret")
+def test_gradients_match_xla(activation, case):
+    """The kernel path's backward (the epilogue's VJP on the kept pre-activation, the dgrad in the FP8 kernel where N
+    is a multiple of 128, in XLA for "narrow"'s N = 192, the wgrad in XLA) gives the XLA path's gradients."""
+    m, k, n, sizes = CASES[case]
+    lhs, rhs, group_sizes = _problem(4, m, k, n, sizes, dtype=jnp.float32)
+    row_scale = jnp.asarray(np.random.default_rng(5).uniform(0.5, 1.5, size=m), jnp.float32)
+    cotangent = jnp.asarray(np.random.default_rng(6).normal(size=(m, n // 2 if activation else n)), jnp.float32)
+
+    def vjp(backend):
+        def op(lhs, rhs, row_scale):
+            return moe_jax.grouped_matmul(
+                lhs,
+                rhs,
+                group_sizes,
+                activation=activation,
+                row_scale=row_scale,
+                transpose_rhs=True,
+                quantization="fp8_block",
+                backend=backend,
+            )
+
+        out, pullback = jax.vjp(op, lhs, rhs, row_scale)
+        return (out, *pullback(cotangent))
+
+    names = ("out", "d_lhs", "d_rhs", "d_row_scale")
+    for name, actual, exact in zip(names, vjp("pallas"), vjp("xla"), strict=True):
+        assert actual.dtype == exact.dtype, name
+        tol = F32_OUT_TOL if name == "out" or activation is None else GLU_GRAD_TOL
+        assert oracle.relative_error(actual, exact) < tol, name
+
+
+def _args(k=256, n=256):
+    return _problem(7, 64, k, n, [30, 34])
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        (dict(quantization="mxfp8"), "runs quantization='fp8_block'"),
+        (dict(quantization="fp8_block", k=192), "multiple of 128"),
+        (dict(quantization="fp8_block", activation="swiglu", unpacked=True), "PackedGateUp"),
+    ],
+)
+def test_calls_the_kernel_cannot_run_say_why(options, match):
+    lhs, rhs, group_sizes = _args(k=options.pop("k", 256))
+    if options.pop("unpacked", False):
+        rhs = api.quantize_weights(rhs, transpose_rhs=True)
+    with pytest.raises(NotImplementedError, match=match):
+        moe_jax.grouped_matmul(lhs, rhs, group_sizes, transpose_rhs=True, backend="pallas", **options)
+
+
+def test_float64_inputs_whose_output_the_kernel_cannot_write_say_why():
+    with jax.enable_x64(True):
+        lhs, rhs, group_sizes = _problem(8, 64, 128, 128, [30, 34], dtype=jnp.float64)
+        with pytest.raises(NotImplementedError, match="writes float32, bfloat16 or float16, got float64"):
+            moe_jax.grouped_matmul(
+                lhs, rhs, group_sizes, transpose_rhs=True, quantization="fp8_block", backend="pallas"
+            )
+
+
+def test_auto_keeps_quantized_calls_on_xla_even_on_sm90():
+    """Until the FP8 kernel is measured faster, "auto" picks it for no quantized call; "pallas" does."""
+    lhs, rhs, _ = _args()
+    call = api._gemm_call(lhs, rhs, 256, 256, None, "fp8_block")
+    with mock.patch.object(dispatch, "has_sm90_gpu", return_value=True):
+        assert dispatch.select("grouped_matmul", "auto", api.IMPLEMENTATIONS, call).name == "xla"
+        assert dispatch.select("grouped_matmul", "pallas", api.IMPLEMENTATIONS, call).name == "pallas"
+        plain = api._gemm_call(lhs, rhs, 256, 256, None, None)
+        assert dispatch.select("grouped_matmul", "auto", api.IMPLEMENTATIONS, plain).name == "pallas"
