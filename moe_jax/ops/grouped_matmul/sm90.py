@@ -419,7 +419,7 @@ def grouped_matmul_rows(
     return kernel(tiles, num_tiles, x, w, *([row_tokens] if gathered else []), *bands, *fp8_scales, *operands)
 
 
-def _kernel_name(epi: Epilogue, gathered: bool, fp8_operands: bool) -> str:
+def _kernel_name(epi: Epilogue, gathered: bool, fp8_operands: bool = False) -> str:
     """What profiles call the kernel: "moe_gmm" plus its operands and epilogue, e.g. moe_gmm_gather_glu."""
     flags = (
         ("fp8", fp8_operands),
