@@ -70,9 +70,24 @@ def _other_tiling(get_config):
     return swapped
 
 
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("transpose_rhs, out_dtype", [(False, jnp.bfloat16), (True, jnp.float32)])
-@pytest.mark.parametrize("tiling", ["heuristic", "other"])
+# Every case on both tilings, each with one of the two layouts (rhs [G, K, N] and a bf16 output, or [G, N, K] and f32),
+# alternating so that every pair of case, layout and tiling runs; the other half of the cross-product is `slow`.
+LAYOUTS = [(False, jnp.bfloat16), (True, jnp.float32)]
+FORWARD_CASES = [
+    pytest.param(
+        case,
+        *layout,
+        tiling,
+        id=f"{tiling}-{'k_major-f32' if layout[0] else 'bf16'}-{case}",
+        marks=() if (index + (tiling == "other")) % 2 == LAYOUTS.index(layout) else pytest.mark.slow,
+    )
+    for index, case in enumerate(CASES)
+    for tiling in ("heuristic", "other")
+    for layout in LAYOUTS
+]
+
+
+@pytest.mark.parametrize("case, transpose_rhs, out_dtype, tiling", FORWARD_CASES)
 @pytest.mark.usefixtures("interpret")
 def test_forward_matches_reference(case, transpose_rhs, out_dtype, tiling):
     m, k, n, sizes = CASES[case]
@@ -139,10 +154,13 @@ def test_negative_sizes_and_sizes_past_m(transpose_rhs):
 # weights not shared, and a zero tile with the odd count's phantom), "hot expert" and "single group" a span of one
 # group (weights multicast), and "real and zero tile" a span whose second tile only stores zeros (it runs the steps
 # without MMA). The interpreter runs the cluster's CTAs and barriers but copies a multicast box into each CTA itself,
-# so on CPU this checks the span bookkeeping; tests/gpu checks the multicast.
+# so on CPU this checks the span bookkeeping; tests/gpu checks the multicast. Clusters are a tuner option that no
+# shipped config takes (test_heuristic_walks_large_groups_in_lockstep_group_bands): their interpreter tests here are
+# `slow`; test_grouped_matmul_lowering.py lowers clustered kernels by default.
 CLUSTER_CASES = {**CASES, "real and zero tile": (136, 64, 128, [100])}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CLUSTER_CASES))
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 @pytest.mark.usefixtures("interpret")
@@ -160,6 +178,7 @@ def test_two_cta_clusters_match_reference(case, transpose_rhs):
     np.testing.assert_array_equal(np.asarray(out)[sum(sizes) :], 0.0)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("interpret")
 def test_clusters_with_the_overlap_run_without_it_under_the_interpreter():
     """The interpreter's simulated warpgroups stall on 2-CTA clusters with the overlapped epilogue, so
@@ -179,8 +198,14 @@ def test_clusters_with_the_overlap_run_without_it_under_the_interpreter():
 OVERLAPPED = config.Config(block_m=128, block_n=128, epilogue_n=64, overlap_epilogue=True)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("kind", ["fwd", "dgrad", "wgrad"])
+# fwd and dgrad are one kernel (dgrad reads the rhs transposed): every case runs fwd and wgrad, dgrad runs two of them
+# by default and the other two are `slow`.
+@pytest.mark.parametrize(
+    "case, kind",
+    [(case, kind) for case in CASES for kind in ("fwd", "wgrad")]
+    + [("ragged", "dgrad"), ("tail tiles", "dgrad")]
+    + [pytest.param(case, "dgrad", marks=pytest.mark.slow) for case in ("hot expert", "single group")],
+)
 @pytest.mark.usefixtures("interpret")
 def test_overlapped_epilogue_matches_reference(case, kind):
     m, k, n, sizes = CASES[case]
@@ -203,9 +228,17 @@ def test_overlapped_epilogue_matches_reference(case, kind):
 
 
 # lockstep_tails: a warpgroup with no row to store still runs its MMAs, over rows of the next group or past the sum.
-# Rows past the sum are NaN here, so a computed row that reached a stored one (or a stored zero) would show.
-@pytest.mark.parametrize("case", ["ragged", "tail tiles"])
-@pytest.mark.parametrize("kind", ["fwd", "dgrad"])
+# Rows past the sum are NaN here, so a computed row that reached a stored one (or a stored zero) would show. Each case
+# on one kind by default (one kernel, as above), on the other `slow`.
+@pytest.mark.parametrize(
+    "case, kind",
+    [
+        ("ragged", "fwd"),
+        ("tail tiles", "dgrad"),
+        pytest.param("ragged", "dgrad", marks=pytest.mark.slow),
+        pytest.param("tail tiles", "fwd", marks=pytest.mark.slow),
+    ],
+)
 @pytest.mark.usefixtures("interpret")
 def test_lockstep_tails_match_reference(case, kind):
     m, k, n, sizes = CASES[case]
@@ -235,7 +268,10 @@ def test_lockstep_tails_match_reference(case, kind):
 # walks them (the table's and the heuristic's fwd / dgrad past 256 rows a group): in lockstep, each tile stored while
 # the next one's first steps run.
 @pytest.mark.parametrize("case", ["ragged", "hot expert", "tail tiles"])
-@pytest.mark.parametrize("cluster_m, grid_width, in_step", [(1, 1, False), (2, 2, False), (1, 16, True)])
+@pytest.mark.parametrize(
+    "cluster_m, grid_width, in_step",
+    [(1, 1, False), pytest.param(2, 2, False, marks=pytest.mark.slow), (1, 16, True)],
+)
 @pytest.mark.usefixtures("interpret")
 def test_group_bands_match_reference(case, cluster_m, grid_width, in_step):
     m, k, n, sizes = CASES[case]
@@ -265,9 +301,9 @@ def test_wgrad_rejects_group_bands():
 
 # Gathered rows (sm90_gather.py): row r of the product is x[row_tokens[r]] for tokens drawn with repeats from the odd
 # rows of x; the even rows are NaN, so a row gathered from the wrong token (or a stale buffer) poisons the output.
-# With the 2-CTA cluster the weights are multicast while each CTA gathers its own rows.
+# With the 2-CTA cluster (`slow`, as above) the weights are multicast while each CTA gathers its own rows.
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("cluster_m", [1, 2])
+@pytest.mark.parametrize("cluster_m", [1, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.usefixtures("interpret")
 def test_gathered_rows_match_reference(case, cluster_m):
     m, k, n, sizes = CASES[case]
@@ -295,7 +331,14 @@ def test_gathered_rows_match_reference(case, cluster_m):
     np.testing.assert_array_equal(np.asarray(out)[sum(sizes) :], 0.0)
 
 
-@pytest.mark.parametrize("activation", reference.ACTIVATIONS)
+# One activation by default: the kernels' code is the same for all three but for the epilogue's GLU, whose math
+# test_glu_mlp.py checks for each against jax.vjp, and which test_glu_mlp_pallas.py runs in these kernels for each.
+ONE_ACTIVATION_BY_DEFAULT = [
+    pytest.param(a, marks=() if a == "gpt_oss" else pytest.mark.slow) for a in reference.ACTIVATIONS
+]
+
+
+@pytest.mark.parametrize("activation", ONE_ACTIVATION_BY_DEFAULT)
 @pytest.mark.usefixtures("interpret")
 def test_jax_grad_through_gated_activation_and_row_scale(activation):
     m, k, n, sizes = 160, 64, 128, [3, 77, 0, 40]
@@ -320,7 +363,7 @@ def test_jax_grad_through_gated_activation_and_row_scale(activation):
 # the overlapped epilogue's registers. On 256-column tiles a tile holds two hidden chunks, each of whose three values
 # (kept gate, kept up, h) is computed in its own store's branch; N = 384 leaves the second tile's second chunk wholly
 # past N.
-@pytest.mark.parametrize("activation", reference.ACTIVATIONS)
+@pytest.mark.parametrize("activation", ONE_ACTIVATION_BY_DEFAULT)
 @pytest.mark.usefixtures("interpret")
 def test_forward_keeping_the_pre_activation_on_256_column_tiles(activation):
     m, k, n, sizes = 136, 64, 384, [0, 61, 3, 0, 40]
@@ -386,8 +429,19 @@ WGRAD_LAYOUTS = [
 ]
 
 
+def _unclustered(layouts: list[config.Config]) -> list[config.Config]:
+    """Each layout without its cluster, in order, once."""
+    return list(dict.fromkeys(dataclasses.replace(c, cluster_m=1) for c in layouts))
+
+
+# By default each order without its cluster; the clustered layouts are `slow` (clusters: see CLUSTER_CASES).
 @pytest.mark.parametrize(
-    "layout", WGRAD_LAYOUTS, ids=lambda c: f"{c.block_m}{c.grid_minor}{c.grid_width}c{c.cluster_m}"
+    "layout",
+    [
+        pytest.param(c, marks=pytest.mark.slow if c.cluster_m > 1 else ())
+        for c in _unclustered(WGRAD_LAYOUTS) + [c for c in WGRAD_LAYOUTS if c.cluster_m > 1]
+    ],
+    ids=lambda c: f"{c.block_m}{c.grid_minor}{c.grid_width}c{c.cluster_m}{'o' if c.overlap_epilogue else ''}",
 )
 @pytest.mark.usefixtures("interpret")
 def test_wgrad_orders_and_clusters_match_reference(layout):
