@@ -1,15 +1,24 @@
 #!/usr/bin/env bash
-# The whole CPU test suite: lint, format check, then pytest (kernels run under the Mosaic GPU interpreter).
+# The CPU test suite: lint, format check, then pytest (kernels run under the Mosaic GPU interpreter; tests/README.md).
 # Extra arguments go to pytest, e.g. `bash tools/test.sh -k routing`.
+# The default run leaves out the `slow` tests, the rest of cross-products whose every pair of parts a default test
+# covers; MOE_JAX_FULL_TESTS=1 runs them too (about 2 minutes more on 2 cores).
 # pytest runs in MOE_JAX_TEST_WORKERS processes (pytest-xdist; default: the CPU count, at most 4, as each holds its
-# own jax and interpreter state). On 2 cores the suite takes 16-22 minutes with two workers (README.md).
+# own jax and interpreter state), which steal queued tests from each other. On 2 cores the default run's pytest takes
+# about 8 minutes; a fresh clone's set-up (tools/env.sh) adds half a minute when pip has the packages cached.
 source "$(dirname "$0")/env.sh" || exit 1
 cd "$MOE_JAX_REPO" || exit 1
 ruff check . || exit 1
 ruff format --check . || exit 1
 cpus=$(nproc 2>/dev/null || echo 1)
 workers=${MOE_JAX_TEST_WORKERS:-$((cpus < 4 ? cpus : 4))}
-python -m pytest -n "$workers" "$@"
+# The tests compile many small XLA programs, whose compile time dominates their run time: with unoptimised code
+# generation the reference and interpreter tests take about three quarters of the time (GPU runs use
+# tools/gpu_tests.sh, which leaves this alone).
+export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_backend_optimization_level=0"
+tier=(-m "not slow")
+[ "${MOE_JAX_FULL_TESTS:-0}" = 1 ] && tier=()
+python -m pytest -n "$workers" --dist worksteal "${tier[@]}" "$@"
 status=$?
 # pytest exits 5 when it collected no test: that is a failure here, not a pass.
 [ "$status" -eq 5 ] && echo "error: pytest collected no tests" >&2

@@ -76,10 +76,11 @@ def _overlapped_get_config(*args, **kwargs) -> Config:
 # overlap: every kernel of the MLP with the overlapped epilogue (all six keep their outputs in registers at these
 # tile shapes): the GLU forward's kept pre-activation, the row-scale forward, the GLU backward's three outputs and
 # its partial sums accumulated over the column chunks of a tile that is stored during the next one.
+# Every pair of values in this table runs by default: the first row's pairs all appear in the others (`slow`).
 @pytest.mark.parametrize(
     "activation, case, with_row_scale, recompute, num_sms, overlap, zero_tail",
     [
-        ("swiglu", "ragged", True, False, 2, False, True),
+        pytest.param("swiglu", "ragged", True, False, 2, False, True, marks=pytest.mark.slow),
         ("geglu", "hot expert", True, True, 2, False, True),
         ("gpt_oss", "beyond the clamp", True, False, 2, False, True),
         ("swiglu", "single group", False, True, 1, False, True),
@@ -139,13 +140,15 @@ def _check_glu_mlp(activation, case, with_row_scale, recompute, zero_tail):
 # be the permute-then-MLP reference's. T = 40 tokens with k = 3 distinct experts each over G = 4 (expert 2 never
 # chosen); with "dropped", the last group is cut by 7 rows (as a capacity drop does), which must come out as zeros and
 # send no gradient to their tokens. "pallas_sorted" takes the permute-then-glu_mlp path that wide layers get.
-# zero_tail=False (what moe_ffn runs): the dropped rows are left unwritten, compared before the sum only.
+# zero_tail=False (what moe_ffn runs): the dropped rows are left unwritten, compared before the sum only. `slow`: the
+# gather with no row dropped (test_grouped_matmul_pallas.py gathers all M rows, test_moe_ffn_pallas.py runs the
+# dropless layer) and the permuted path with zero_tail (the fused path runs both zero_tail settings).
 @pytest.mark.parametrize(
     "activation, dropped, fuse_gather, zero_tail",
     [
-        ("swiglu", False, True, True),
+        pytest.param("swiglu", False, True, True, marks=pytest.mark.slow),
         ("gpt_oss", True, True, True),
-        ("swiglu", True, False, True),
+        pytest.param("swiglu", True, False, True, marks=pytest.mark.slow),
         ("geglu", True, True, False),
         ("swiglu", True, False, False),
     ],

@@ -62,15 +62,35 @@ def test_layouts_and_dtypes_lower(options):
     assert text.count(MOSAIC_CALL) == 3
 
 
-@pytest.mark.parametrize("g, m, k, n", [(4, 1024, 256, 128), (64, 8192, 1024, 7168), (1, 64, 64, 64)])
-@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+# Each shape with one output dtype by default (test_layouts_and_dtypes_lower lowers both); the rest is `slow`.
+@pytest.mark.parametrize(
+    "g, m, k, n, out_dtype",
+    [
+        pytest.param(*shape, dtype, marks=() if (i + j) % 2 == 0 else pytest.mark.slow)
+        for i, shape in enumerate([(4, 1024, 256, 128), (64, 8192, 1024, 7168), (1, 64, 64, 64)])
+        for j, dtype in enumerate([jnp.bfloat16, jnp.float32])
+    ],
+)
 def test_heuristic_configs_lower(g, m, k, n, out_dtype):
     """Shapes off the table (small, wide, tiny) get heuristic configs that lower within shared memory."""
     assert all((kind, g, m, k, n) not in config.tuned_configs() for kind in config.KINDS)
     assert _lowered_fwd_bwd(g, m, k, n, out_dtype=out_dtype).count(MOSAIC_CALL) == 3
 
 
-@pytest.mark.parametrize("name", [s.name for tag in ("heuristic", "decode") for s in shapes.gmm_shapes(tag)])
+# By default one model per regime of the heuristic, both projections: qwen3-235b (256 rows a group: group bands),
+# phi3.5-moe (1024 rows a group, in lockstep; the widest N and longest K), the decode steps (64-row tiles, one
+# consumer; gpt-oss's D = 2880). The other models' shapes are `slow`.
+OFF_TABLE_BY_DEFAULT = ("qwen3-235b", "phi3.5-moe", "qwen3-30b-t128/gate_up", "gpt-oss-120b-t128/down")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(s.name, marks=() if s.name.startswith(OFF_TABLE_BY_DEFAULT) else pytest.mark.slow)
+        for tag in ("heuristic", "decode")
+        for s in shapes.gmm_shapes(tag)
+    ],
+)
 def test_off_table_shapes_lower_with_heuristic_configs(name):
     """The other models' shapes and the decode-sized ones (shapes.py's "heuristic" and "decode" tags) take heuristic
     configs at real sizes: group bands in step past 256 rows a group, 64-row tiles with one consumer up to 64,

@@ -70,9 +70,24 @@ def _other_tiling(get_config):
     return swapped
 
 
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("transpose_rhs, out_dtype", [(False, jnp.bfloat16), (True, jnp.float32)])
-@pytest.mark.parametrize("tiling", ["heuristic", "other"])
+# Every case on both tilings, each with one of the two layouts (rhs [G, K, N] and a bf16 output, or [G, N, K] and f32),
+# alternating so that every pair of case, layout and tiling runs; the other half of the cross-product is `slow`.
+LAYOUTS = [(False, jnp.bfloat16), (True, jnp.float32)]
+FORWARD_CASES = [
+    pytest.param(
+        case,
+        *layout,
+        tiling,
+        id=f"{tiling}-{'k_major-f32' if layout[0] else 'bf16'}-{case}",
+        marks=() if (index + (tiling == "other")) % 2 == LAYOUTS.index(layout) else pytest.mark.slow,
+    )
+    for index, case in enumerate(CASES)
+    for tiling in ("heuristic", "other")
+    for layout in LAYOUTS
+]
+
+
+@pytest.mark.parametrize("case, transpose_rhs, out_dtype, tiling", FORWARD_CASES)
 @pytest.mark.usefixtures("interpret")
 def test_forward_matches_reference(case, transpose_rhs, out_dtype, tiling):
     m, k, n, sizes = CASES[case]
@@ -145,8 +160,14 @@ def test_negative_sizes_and_sizes_past_m(transpose_rhs):
 OVERLAPPED = config.Config(block_m=128, block_n=128, epilogue_n=64, overlap_epilogue=True)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("kind", ["fwd", "dgrad", "wgrad"])
+# fwd and dgrad are one kernel (dgrad reads the rhs transposed): every case runs fwd and wgrad, dgrad runs two of them
+# by default and the other two are `slow`.
+@pytest.mark.parametrize(
+    "case, kind",
+    [(case, kind) for case in CASES for kind in ("fwd", "wgrad")]
+    + [("ragged", "dgrad"), ("tail tiles", "dgrad")]
+    + [pytest.param(case, "dgrad", marks=pytest.mark.slow) for case in ("hot expert", "single group")],
+)
 @pytest.mark.usefixtures("interpret")
 def test_overlapped_epilogue_matches_reference(case, kind):
     m, k, n, sizes = CASES[case]
@@ -172,8 +193,16 @@ def test_overlapped_epilogue_matches_reference(case, kind):
 
 # keep_ctas_in_step: a warpgroup with no row to store still runs its MMAs, over rows of the next group or past the
 # sum. Rows past the sum are NaN here, so a computed row that reached a stored one (or a stored zero) would show.
-@pytest.mark.parametrize("case", ["ragged", "tail tiles"])
-@pytest.mark.parametrize("kind", ["fwd", "dgrad"])
+# Each case on one kind by default (one kernel, as above), on the other `slow`.
+@pytest.mark.parametrize(
+    "case, kind",
+    [
+        ("ragged", "fwd"),
+        ("tail tiles", "dgrad"),
+        pytest.param("ragged", "dgrad", marks=pytest.mark.slow),
+        pytest.param("tail tiles", "fwd", marks=pytest.mark.slow),
+    ],
+)
 @pytest.mark.usefixtures("interpret")
 def test_tail_tiles_kept_in_step_match_reference(case, kind):
     m, k, n, sizes = CASES[case]
@@ -260,7 +289,12 @@ def test_gathered_rows_match_reference(case):
     np.testing.assert_array_equal(np.asarray(out)[sum(sizes) :], 0.0)
 
 
-@pytest.mark.parametrize("activation", glu.ACTIVATIONS)
+# One activation by default: the kernels' code is the same for all three but for the epilogue's GLU, whose math
+# test_glu_mlp.py checks for each against jax.vjp, and which test_glu_mlp_pallas.py runs in these kernels for each.
+ONE_ACTIVATION_BY_DEFAULT = [pytest.param(a, marks=() if a == "gpt_oss" else pytest.mark.slow) for a in glu.ACTIVATIONS]
+
+
+@pytest.mark.parametrize("activation", ONE_ACTIVATION_BY_DEFAULT)
 @pytest.mark.usefixtures("interpret")
 def test_jax_grad_through_gated_activation_and_row_scale(activation):
     m, k, n, sizes = 160, 64, 128, [3, 77, 0, 40]
@@ -288,7 +322,7 @@ def test_jax_grad_through_gated_activation_and_row_scale(activation):
 # the overlapped epilogue's registers. On 256-column tiles a tile holds two hidden chunks, each of whose three values
 # (kept gate, kept up, h) is computed in its own store's branch; N = 384 leaves the second tile's second chunk wholly
 # past N.
-@pytest.mark.parametrize("activation", glu.ACTIVATIONS)
+@pytest.mark.parametrize("activation", ONE_ACTIVATION_BY_DEFAULT)
 @pytest.mark.usefixtures("interpret")
 def test_forward_keeping_the_pre_activation_on_256_column_tiles(activation):
     m, k, n, sizes = 136, 64, 384, [0, 61, 3, 0, 40]
