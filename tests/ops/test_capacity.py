@@ -24,6 +24,7 @@ from flax import nnx
 import moe_jax
 from moe_jax.ops.grouped_matmul.packing import gate_up_block
 from tests import oracle
+from tests.helpers import checked_interpreter
 
 TOL = 1e-5
 T, D, F, E, K = 16, 8, 4, 4, 2
@@ -62,7 +63,7 @@ def test_apply_capacity_keeps_the_earlier_of_tied_assignments(backend, score):
     inputs = _inputs(0)
     logits = jnp.asarray(inputs["x"] @ inputs["router_kernel"])  # exact: see the module docstring
     capacity_factor = _splitting_capacity_factor(inputs, score=score)
-    with oracle.checked_interpreter():
+    with checked_interpreter():
         routing = moe_jax.route(logits, K, score=score, backend=backend)
         group_sizes, sort_indices = jax.device_get(moe_jax.apply_capacity(routing, capacity_factor))
     tied = np.asarray(routing.selected_scores)[COPIES, 0]
