@@ -10,7 +10,8 @@ import pytest
 from benchmarks import shapes
 from moe_jax.ops.grouped_matmul import config
 
-# DESIGN §6, copied by hand: a change to the registry must be a deliberate change to this table too.
+# The named shapes of docs/design.md ("Benchmarks"), copied by hand: a change to the registry must be a deliberate
+# change to this table too.
 DESIGN_SHAPES = {
     "qwen3-30b/gate_up": (128, 32768, 2048, 1536),
     "qwen3-30b/down": (128, 32768, 768, 2048),
