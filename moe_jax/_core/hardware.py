@@ -16,8 +16,8 @@ _SERIAL_CPU_SCHEDULER_OPTION = SERIAL_CPU_SCHEDULER_FLAG.split("=")[0]
 # The interpreter runs each simulated warpgroup as an XLA:CPU computation of its own, and a barrier wait is a Python
 # callback that blocks whichever thread runs it, at times one of the CPU client's pool threads. The pool has one thread
 # per core unless PJRT_NPROC says otherwise, so on a 2-core host two blocked waits (or one and the kernel's own
-# callback) leave no thread for the warpgroup that would release them (docs/kernels/grouped_matmul.md, "Interpreter
-# gotcha"); a pool of 16 runs through. Only on request: 16 threads on 2 cores slow XLA's own work.
+# callback) leave no thread for the warpgroup that would release them (docs/kernels/grouped_matmul.md, "Running
+# kernels on a CPU"); a pool of 16 runs through. Only on request: 16 threads on 2 cores slow XLA's own work.
 MIN_CPU_POOL_THREADS = 16
 _POOL_VARIABLES = ("PJRT_NPROC", "NPROC")  # what XLA reads for its pool size, in this order
 
