@@ -21,6 +21,7 @@ import moe_jax
 from moe_jax.ops.grouped_matmul import api, reference
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp, pack_gate_up, unpack_gate_up
 from tests import oracle
+from tests.helpers import grouped_matmul_inputs
 
 EXACT_TOL = 1e-5
 UNQUANTIZED_TOL = 5e-2
@@ -41,11 +42,8 @@ CASES = {
 
 
 def _problem(seed, m, k, n, sizes, *, transpose_rhs=False, dtype=jnp.float32):
-    rng = np.random.default_rng(seed)
-    lhs = jnp.asarray(rng.normal(size=(m, k)), dtype)
-    rhs_shape = (len(sizes), n, k) if transpose_rhs else (len(sizes), k, n)
-    rhs = jnp.asarray(rng.normal(size=rhs_shape) / np.sqrt(k), dtype)
-    return lhs, rhs, jnp.asarray(sizes, jnp.int32)
+    lhs, rhs = grouped_matmul_inputs(np.random.default_rng(seed), m, k, n, len(sizes), transpose_rhs)
+    return jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype), jnp.asarray(sizes, jnp.int32)
 
 
 def _dequantized(quantized) -> np.ndarray:

@@ -25,7 +25,7 @@ from moe_jax._core import backend as dispatch
 from moe_jax.ops.grouped_matmul import api
 from moe_jax.ops.grouped_matmul.packing import pack_gate_up
 from tests import oracle
-from tests.helpers import checked_interpreter
+from tests.helpers import checked_interpreter, grouped_matmul_inputs
 
 F32_OUT_TOL = 1e-5
 BF16_OUT_TOL = 2e-3
@@ -42,11 +42,8 @@ CASES = {
 
 
 def _problem(seed, m, k, n, sizes, *, transpose_rhs=True, dtype=jnp.bfloat16):
-    rng = np.random.default_rng(seed)
-    lhs = jnp.asarray(rng.normal(size=(m, k)), dtype)
-    rhs_shape = (len(sizes), n, k) if transpose_rhs else (len(sizes), k, n)
-    rhs = jnp.asarray(rng.normal(size=rhs_shape) / np.sqrt(k), dtype)
-    return lhs, rhs, jnp.asarray(sizes, jnp.int32)
+    lhs, rhs = grouped_matmul_inputs(np.random.default_rng(seed), m, k, n, len(sizes), transpose_rhs)
+    return jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype), jnp.asarray(sizes, jnp.int32)
 
 
 @pytest.fixture
