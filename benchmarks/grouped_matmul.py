@@ -20,8 +20,10 @@ out of memory).
 With ``--quantization fp8_block`` the forward runs as "gmm-fp8" (``bench_shape_fp8``): our op on bf16 activations
 (quantized per call, as a forward does) and weights quantized beforehand in the FP8 kernel's [G, N, K] layout,
 against "dense", one XLA matmul of e4m3 operands (rhs K-major, per-tensor: no block scales) accumulating in f32, of
-the same FLOPs, and "hbm-floor" for the FP8 bytes. The check is the XLA implementation of the same quantization on
-three groups, each run alone (``QuantizedGroupOracle``).
+the same FLOPs, and "hbm-floor" for the FP8 bytes; beside them the dgrad's GEMM (d_out [M, N] times the same
+quantized weights, contraction N) and, with the pallas backend, both GEMMs by our bf16 kernel (``_fp8_candidates``).
+The check is the XLA implementation of the same quantization on three groups, each run alone
+(``QuantizedGroupOracle``).
 """
 
 import dataclasses
@@ -37,6 +39,7 @@ import moe_jax
 from benchmarks import common, tokamax_peer
 from benchmarks.shapes import GroupedMatmulShape
 from moe_jax.ops.grouped_matmul.api import quantize_weights
+from moe_jax.ops.quant.reference import BlockScaled
 from tests.oracle import GroupOracle
 
 
@@ -197,11 +200,19 @@ def bench_shape(
 
 @functools.partial(jax.jit, static_argnames=("g", "m", "k", "n", "quantization"))
 def _fp8_input_set(key, *, g: int, m: int, k: int, n: int, quantization: str) -> dict:
-    keys = jax.random.split(key, 4)
+    """The forward's operands (rhs [G, N, K], FP8 and bf16), the dgrad's (d_out [M, N]; the same weights read as
+    [G, K, N], the layout the dgrad GEMM contracts over N in), and the dense FP8 matmul's."""
+    keys = jax.random.split(key, 5)
     rhs = (jax.random.normal(keys[1], (g, n, k), jnp.float32) * k**-0.5).astype(jnp.bfloat16)
+    rhs_fp8 = quantize_weights(rhs, quantization, transpose_rhs=True)
     return {
         "lhs": jax.random.normal(keys[0], (m, k), jnp.bfloat16),
-        "rhs": quantize_weights(rhs, quantization, transpose_rhs=True),
+        "rhs": rhs_fp8,
+        "rhs_bf16": rhs,
+        "d_out": jax.random.normal(keys[4], (m, n), jnp.bfloat16),
+        "rhs_dgrad": BlockScaled(
+            jnp.swapaxes(rhs_fp8.values, 1, 2), jnp.swapaxes(rhs_fp8.scales, 1, 2), rhs_fp8.block_shape
+        ),
         "dense_lhs": jax.random.normal(keys[2], (m, k), jnp.float32).astype(jnp.float8_e4m3fn),
         "dense_rhs": jax.random.normal(keys[3], (n, k), jnp.float32).astype(jnp.float8_e4m3fn),
     }
@@ -268,7 +279,8 @@ def bench_shape_fp8(
         emit(record)
 
     with_dense = "dense" in options.baselines
-    impls = [("dense", "-"), ("hbm-floor", "-")] * with_dense + [(f"moe_jax:{b}", routing) for b in options.backends]
+    candidates = _fp8_candidates(quantization, options.backends)
+    impls = [("dense", "-"), ("hbm-floor", "-")] * with_dense + [(impl, routing) for impl, *_ in candidates]
     if common.past_deadline(options):
         for impl, row_routing in impls:
             done(common.skip(common.Record(bench, shape.name, row_routing, impl, flops, dims)))
@@ -285,16 +297,42 @@ def bench_shape_fp8(
         record = common.Record(bench, shape.name, "-", "hbm-floor", flops, dims)
         measure_hbm_floor(record, fp8_hbm_floor_bytes(shape), options)
         done(record)
-    oracle = QuantizedGroupOracle(sets[0]["lhs"], sets[0]["rhs"], group_sizes, quantization)
-    for backend in options.backends:
-        op = functools.partial(moe_jax.grouped_matmul, transpose_rhs=True, quantization=quantization, backend=backend)
-        record = common.Record(bench, shape.name, routing, f"moe_jax:{backend}", flops, dims)
-        output = common.measure(record, jax.jit(op), [(s["lhs"], s["rhs"], group_sizes) for s in sets], options)
-        if output is not None:
-            record.set_check(oracle.errors(output), oracle.describe())
+    oracles = {
+        "fwd": QuantizedGroupOracle(sets[0]["lhs"], sets[0]["rhs"], group_sizes, quantization),
+        "dgrad": QuantizedGroupOracle(sets[0]["d_out"], sets[0]["rhs_dgrad"], group_sizes, quantization),
+    }
+    for impl, gemm, operands, op in candidates:
+        record = common.Record(bench, shape.name, routing, impl, flops, dims)
+        output = common.measure(record, jax.jit(op), [(*(s[o] for o in operands), group_sizes) for s in sets], options)
+        if output is not None and impl.endswith(FP8_IMPL_SUFFIX):
+            record.set_check(oracles[gemm].errors(output), oracles[gemm].describe())
         del output
         done(record)
     return records
+
+
+FP8_IMPL_SUFFIX = "-fp8"
+
+
+def _fp8_candidates(quantization: str, backends) -> list[tuple]:
+    """(impl, GEMM, input-set keys, op) per timed row: for each backend the forward x . w[g]^T and the dgrad GEMM
+    d_out . w[g] (contraction N), quantized ("moe_jax:<backend>-fp8", "...-dgrad-fp8"), and with the pallas backend
+    the same two GEMMs by our bf16 kernel ("moe_jax:pallas-bf16", "moe_jax:pallas-dgrad-bf16"). The dgrad rows time
+    only its GEMM (d_out quantized per call, as the backward does), not a whole backward."""
+    candidates = []
+    for backend in backends:
+        fp8 = functools.partial(moe_jax.grouped_matmul, transpose_rhs=True, quantization=quantization, backend=backend)
+        candidates += [
+            (f"moe_jax:{backend}{FP8_IMPL_SUFFIX}", "fwd", ("lhs", "rhs"), fp8),
+            (f"moe_jax:{backend}-dgrad{FP8_IMPL_SUFFIX}", "dgrad", ("d_out", "rhs_dgrad"), fp8),
+        ]
+        if backend == "pallas":
+            bf16 = functools.partial(moe_jax.grouped_matmul, backend=backend)
+            candidates += [
+                ("moe_jax:pallas-bf16", "fwd", ("lhs", "rhs_bf16"), functools.partial(bf16, transpose_rhs=True)),
+                ("moe_jax:pallas-dgrad-bf16", "dgrad", ("d_out", "rhs_bf16"), bf16),
+            ]
+    return candidates
 
 
 def best_tokamax_config(records: list[common.Record], shape_name: str) -> dict | None:

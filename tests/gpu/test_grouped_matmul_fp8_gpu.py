@@ -33,13 +33,7 @@ from moe_jax.ops.grouped_matmul import api
 from moe_jax.ops.grouped_matmul.packing import pack_gate_up
 from tests.oracle import random_group_sizes, relative_error
 
-# The kernel faults on an H200 (CUDA_ERROR_MISALIGNED_ADDRESS) and the dispatch refuses it on a GPU until that is
-# found (launch.fp8_kernel_unsupported); strict, so that these tests fail as soon as the refusal goes and remind
-# whoever lifts it to drop this mark.
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.xfail(raises=NotImplementedError, strict=True, reason="the FP8 kernel faults on the device"),
-]
+pytestmark = pytest.mark.gpu
 F32_OUT_TOL = 2e-3
 BF16_OUT_TOL = 1e-2
 GLU_DGRAD_TOL = 3e-2

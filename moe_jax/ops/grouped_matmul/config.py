@@ -302,9 +302,11 @@ def _fit(config: Config, out_itemsize: int, kind: str, row_scale: bool) -> Confi
 
 
 def fp8_scale_k_blocks(contraction: int) -> int:
-    """The weight scales per tile that the FP8 kernel loads: ceil(K / FP8_BLOCK), padded to a multiple of 4 (one TMA
-    row is a multiple of 16 bytes)."""
-    return -(-math.ceil(contraction / FP8_BLOCK) // 4) * 4
+    """The weight scales per tile that the FP8 kernel loads: ceil(K / FP8_BLOCK), padded to a multiple of 32.
+
+    Each consumer's row of them is a TMA destination in shared memory, and a TMA destination starts on a 128-byte
+    boundary: 32 f32 make every row of the [consumers, K blocks] buffer start on one."""
+    return -(-math.ceil(contraction / FP8_BLOCK) // 32) * 32
 
 
 def fp8_config(*, m: int, k: int, n: int, g: int, out_itemsize: int = 2, row_scale: bool = False) -> Config:

@@ -94,10 +94,6 @@ def fp8_kernel_unsupported(
       unpacked_glu_weights: an activation with BlockScaled weights in [gate | up] order (not a PackedGateUp).
       out_dtype: the result's dtype.
     """
-    if jax.devices()[0].platform == "gpu":
-        # Its arithmetic holds under the Mosaic GPU interpreter and it lowers for CUDA, but on an H200 it stops with
-        # CUDA_ERROR_MISALIGNED_ADDRESS, which poisons the process's CUDA context: until that is found, refuse.
-        return "the FP8 kernel faults on the device (CUDA_ERROR_MISALIGNED_ADDRESS) and runs under the interpreter only"
     if quantization != FP8_KERNEL_QUANTIZATION:
         return (
             f"the FP8 kernel runs quantization={FP8_KERNEL_QUANTIZATION!r} (one promotion per 128-wide K block), got "

@@ -171,7 +171,7 @@ def quantize_rows_per_group(x: jax.Array, group_sizes: jax.Array, recipe: Recipe
     row_block = block_firsts[row_group] + (row - starts[row_group]) // block
     row_scales = scales[jnp.clip(row_block, 0, capacity - 1)]
     values = quant.scaled_values(x, quant.reciprocals(row_scales), DTYPE)
-    return jnp.where(row_mask(sizes, num_rows)[:, None], values.astype(jnp.float32) * row_scales, 0.0)
+    return jnp.where(row_mask(sizes, num_rows)[:, None], quant.widened(values) * row_scales, 0.0)
 
 
 def dgrad_weights(rhs, rhs_quantized: BlockScaled, recipe: Recipe, transpose_rhs: bool) -> BlockScaled:

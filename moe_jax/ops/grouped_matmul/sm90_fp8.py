@@ -12,9 +12,9 @@ The scales travel beside the tiles:
   * x's scales come MN-major, [K / 128, M] f32 (launch.py transposes them), so a tile's scales of one K block are
     block_m contiguous floats: the producer TMA-loads them with the step's x and w tiles into a ring of its own
     (the step's "produced" barrier counts three copies);
-  * w's scales of one tile are one row of [G, N / 128, K blocks] f32 (K blocks padded to a multiple of 4: a TMA row
-    is a multiple of 16 bytes), which each consumer TMA-loads at the tile's start into a buffer of its own and reads
-    as scalars, one per step.
+  * w's scales of one tile are one row of [G, N / 128, K blocks] f32, which each consumer TMA-loads at the tile's
+    start into its row of a [consumers, K blocks] buffer and reads as scalars, one per step. K blocks are padded to a
+    multiple of 32, so that every row of that buffer starts on the 128 bytes a TMA destination needs.
 
 The consumer reads its x scales while the step's MMA runs, then releases the slot (after a fence: those were
 generic-proxy reads of memory the producer's next TMA overwrites). The total and the partial of a [64, 128] tile

@@ -68,7 +68,17 @@ class BlockScaled:
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         """``values * scales`` (broadcast over the blocks) in f32, then cast to ``dtype``."""
         scales = broadcast_blocks(self.scales.astype(jnp.float32), self.block_shape, self.shape)
-        return (self.values.astype(jnp.float32) * scales).astype(dtype)
+        return (widened(self.values) * scales).astype(dtype)
+
+
+def widened(values: jax.Array) -> jax.Array:
+    """FP8 ``values`` in f32, exactly as rounded.
+
+    XLA:GPU folds convert(convert(x, f8), f32) into x when both converts are in one program (its default
+    ``xla_allow_excess_precision``), which would drop the quantization of an XLA quantizer followed by this; the
+    optimization barrier keeps the narrow values between them.
+    """
+    return lax.optimization_barrier(values).astype(jnp.float32)
 
 
 def broadcast_blocks(per_block: jax.Array, block_shape, shape) -> jax.Array:
