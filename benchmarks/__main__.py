@@ -107,7 +107,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--quantization",
         choices=("fp8_block", "mxfp8"),
-        help="gmm only: time grouped_matmul(quantization=...) against a dense FP8 matmul, as the gmm-fp8 bench",
+        help="gmm: time grouped_matmul(quantization=...) against a dense FP8 matmul (the gmm-fp8 bench); layer: also "
+        "time moe_ffn(quantization=...)",
     )
     parser.add_argument(
         "--baselines",
@@ -238,8 +239,8 @@ def main(argv: list[str] | None = None) -> list[common.Record]:
         raise SystemExit(f"--timer device reads GPU kernel times (CUPTI); this machine's jax runs on {platform}")
     tag = "ci" if args.tiny else "bench"
     benches = BENCHES if args.bench == "all" else _choices(args.bench, BENCHES, "bench")
-    if args.quantization and benches != ("gmm",):
-        raise SystemExit("--quantization times the grouped matmul's forward: pass --bench gmm")
+    if args.quantization and not set(benches) <= {"gmm", "layer"}:
+        raise SystemExit("--quantization times the grouped matmul's GEMMs or the layer: pass --bench gmm or layer")
     options = common.Options(
         backends=backends,
         baselines=_choices(args.baselines, ("dense", "ragged_dot", "tokamax", "experts"), "baseline"),

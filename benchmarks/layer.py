@@ -14,6 +14,8 @@ Side by side at each named layer shape (``benchmarks.shapes.LAYER_SHAPES``), rou
   permute, combine and the aux losses, including whatever the gathered gate_up loads cost over plain ones) is
   ``moe_jax:pallas - experts:pallas - router:xla``; the gather's own cost is ``experts:pallas-gathered -
   experts:pallas``.
+- "moe_jax:<backend>-<quantization>" (with ``--quantization``): ``moe_ffn(quantization=...)``, the expert GEMMs on
+  block-scaled FP8 operands; its check against the bf16 reference shows the quantization's error, not a fault.
 - "tokamax-gemms": the same composition as ``moe_ffn`` (route, permute, gate_up, activation, down, combine, aux
   losses) with tokamax's Mosaic GPU ragged dot (default config) in place of the two grouped matmuls. A benchmark-only
   baseline: moe_jax never imports tokamax.
@@ -113,7 +115,7 @@ def gathered_expert_gemms(x, sort_indices, w_gate_up, w_down, group_sizes, row_w
     return y, ()
 
 
-def _moe_ffn(shape: LayerShape, backend: str, route_kwargs: dict) -> Callable:
+def _moe_ffn(shape: LayerShape, backend: str, route_kwargs: dict, quantization: str | None = None) -> Callable:
     """``moe_jax.moe_ffn`` returning ``(y, (load_balancing_loss, z_loss))`` like ``moe_ffn_with_gmm``."""
 
     def layer(x, router_kernel, w_gate_up, w_down):
@@ -124,6 +126,7 @@ def _moe_ffn(shape: LayerShape, backend: str, route_kwargs: dict) -> Callable:
             w_down,
             activation=shape.activation,
             backend=backend,
+            quantization=quantization,
             **route_kwargs,
         )
         return y, (aux.load_balancing_loss, aux.z_loss)
@@ -216,6 +219,11 @@ def bench_shape(
                 "router:xla", lambda x, w: (router_logits(x, w), ()), ("x", "router_kernel"), "", flops=router_flops
             )
     layers = [(f"moe_jax:{backend}", _moe_ffn(shape, backend, route_kwargs)) for backend in options.backends]
+    if options.quantization:
+        layers += [
+            (f"moe_jax:{backend}-{options.quantization}", _moe_ffn(shape, backend, route_kwargs, options.quantization))
+            for backend in options.backends
+        ]
     if "tokamax" in options.baselines:
         gemms = functools.partial(
             moe_ffn_with_gmm,

@@ -91,7 +91,8 @@ def select(op: str, backend: str, implementations: Sequence[Implementation], cal
     candidates = [impl for impl in implementations if impl.is_kernel and backend in ("pallas", impl.name)]
     reasons = [reason for impl in candidates if (reason := impl.unsupported(call)) is not None]
     if len(reasons) == len(candidates):
-        reason = reasons[0] if reasons else "no Pallas Mosaic GPU kernel exists"
+        # Every distinct reason, once: the kernels may each refuse for their own.
+        reason = "; ".join(dict.fromkeys(reasons)) if reasons else "no Pallas Mosaic GPU kernel exists"
         raise NotImplementedError(f"{op}: {reason}; use backend='xla' (or 'auto', which falls back to it)")
     if hardware := _kernel_hardware_problem(op):
         raise NotImplementedError(f"{hardware}; use backend='xla'")

@@ -32,5 +32,5 @@ def test_tiny_run_times_the_dense_fp8_matmul_and_checks_the_op():
 
 
 def test_quantization_is_for_the_forward_bench_only():
-    with pytest.raises(SystemExit, match="--bench gmm"):
+    with pytest.raises(SystemExit, match="--bench gmm or layer"):
         main(["--tiny", "--bench", "gmm-bwd", "--quantization", "fp8_block"])

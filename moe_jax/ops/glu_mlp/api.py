@@ -15,6 +15,13 @@ from gu. What the backward keeps is x and gu (M * 2F * 2 bytes in bf16). Recompu
 (``_glu_mlp(..., recompute_gate_up=True)``) costs one more GEMM, two thirds of the forward's FLOPs, to save those
 bytes; keeping gu measured faster at every named shape (docs/kernels/grouped_matmul.md).
 
+With ``quantization`` ("fp8_block" / "mxfp8") the two GEMMs run on block-scaled FP8 operands: the op is then the
+composition of two quantized ``grouped_matmul`` calls (each quantizes its activations per call and its weights once
+per call, its forward and backward sharing the quantized weights; gradients reach the high-precision operands
+straight through), on the FP8 kernels under "pallas" and in XLA under "xla". The hidden activations are written in
+x's dtype and quantized again by the down GEMM (not yet in the gate_up epilogue), and the backward is the two ops'
+backwards (not the fused glu_dgrad above).
+
 ``routed_glu_mlp`` (what ``moe_ffn`` calls) takes the tokens [T, D] and the routing's sort indices instead of sorted
 rows. Its implementations, in order: "pallas_gather" (the gate_up kernel gathers its rows from the tokens, so the
 [T * k, D] permuted copy is never written and the backward keeps the tokens; preferred up to ``GATHER_MAX_D_FF``),
@@ -31,6 +38,7 @@ import jax.numpy as jnp
 from moe_jax._core import backend as dispatch
 from moe_jax._core import checks
 from moe_jax.ops.glu_mlp import reference
+from moe_jax.ops.grouped_matmul import api as grouped_matmul_api
 from moe_jax.ops.grouped_matmul.api import check_grouped_matmul_args
 from moe_jax.ops.grouped_matmul.glu import ACTIVATIONS
 from moe_jax.ops.grouped_matmul.launch import (
@@ -44,6 +52,7 @@ from moe_jax.ops.grouped_matmul.launch import (
 )
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp, pack_gate_up
 from moe_jax.ops.permute import api as permute_api
+from moe_jax.ops.quant.reference import BlockScaled
 
 # The two GEMMs' operands and dimensions as glu_mlp's caller knows them; the down projection's lhs is the hidden
 # activation, which has x's dtype.
@@ -57,9 +66,11 @@ DOWN_NAMES = ArgNames(op="glu_mlp", lhs="x (the hidden activations' dtype)", rhs
 GATHER_MAX_D_FF = 2048
 
 
-def check_glu_mlp_args(x, w_gate_up, w_down, group_sizes, *, activation, row_scale) -> tuple:
+def check_glu_mlp_args(x, w_gate_up, w_down, group_sizes, *, activation, row_scale, quantization=None) -> tuple:
     """Validates ``glu_mlp``'s arguments; returns (M, D, F, G)."""
     checks.check_choice("activation", activation, ACTIVATIONS)
+    if quantization is not None and isinstance(x, BlockScaled):
+        raise TypeError("x: glu_mlp quantizes x itself (1 x 128 blocks per row); pass it in high precision")
     if isinstance(w_gate_up, PackedGateUp) and w_gate_up.transposed:
         raise ValueError("w_gate_up: glu_mlp takes [G, D, 2F] weights; got a transposed PackedGateUp")
     num_rows, d_model, gate_up_cols, num_groups = check_grouped_matmul_args(
@@ -70,6 +81,7 @@ def check_glu_mlp_args(x, w_gate_up, w_down, group_sizes, *, activation, row_sca
         row_scale=None,
         preferred_element_type=None,
         transpose_rhs=False,
+        quantization=quantization,
         names=GATE_UP_NAMES,
     )
     d_ff = gate_up_cols // 2
@@ -85,6 +97,7 @@ def check_glu_mlp_args(x, w_gate_up, w_down, group_sizes, *, activation, row_sca
         row_scale=row_scale,
         preferred_element_type=None,
         transpose_rhs=False,
+        quantization=quantization,
         names=DOWN_NAMES,
     )
     return num_rows, d_model, d_ff, num_groups
@@ -92,16 +105,20 @@ def check_glu_mlp_args(x, w_gate_up, w_down, group_sizes, *, activation, row_sca
 
 @dataclasses.dataclass(frozen=True)
 class MlpCall:
-    """What the GLU MLP implementations decide on: the compute dtype, D, F and the activation."""
+    """What the GLU MLP implementations decide on: the compute dtype, D, F, the activation and the quantization."""
 
     dtype: jnp.dtype
     d_model: int
     d_ff: int
     activation: str
+    quantization: str | None = None
 
 
 def _kernels_unsupported(call: MlpCall) -> str | None:
     """Why the gate_up or the down kernels cannot run the MLP (None: both can)."""
+    if call.quantization is not None:
+        gemms = ((call.d_model, 2 * call.d_ff, call.activation), (call.d_ff, call.d_model, None))
+        return grouped_matmul_api.fp8_kernels_unsupported(call.dtype, gemms, call.quantization)
     x = jax.ShapeDtypeStruct((0, call.d_model), call.dtype)
     gate_up = kernel_unsupported(x, call.d_model, 2 * call.d_ff, call.activation, GATE_UP_NAMES)
     return gate_up or kernel_unsupported(x, call.d_ff, call.d_model, None, DOWN_NAMES)
@@ -111,10 +128,20 @@ def _gather_preferred(call: MlpCall) -> bool:
     return call.d_ff <= GATHER_MAX_D_FF
 
 
-IMPLEMENTATIONS = (dispatch.Implementation("pallas", _kernels_unsupported), dispatch.XLA)
+def _gather_unsupported(call: MlpCall) -> str | None:
+    if call.quantization is not None:
+        return "the FP8 kernel reads sorted rows (its x arrives quantized by TMA tiles, not gathered)"
+    return _kernels_unsupported(call)
+
+
+def _kernels_preferred(call: MlpCall) -> bool:
+    return grouped_matmul_api.kernel_preferred(call.quantization)
+
+
+IMPLEMENTATIONS = (dispatch.Implementation("pallas", _kernels_unsupported, _kernels_preferred), dispatch.XLA)
 ROUTED_IMPLEMENTATIONS = (
-    dispatch.Implementation("pallas_gather", _kernels_unsupported, _gather_preferred),
-    dispatch.Implementation("pallas_sorted", _kernels_unsupported),
+    dispatch.Implementation("pallas_gather", _gather_unsupported, _gather_preferred),
+    dispatch.Implementation("pallas_sorted", _kernels_unsupported, _kernels_preferred),
     dispatch.XLA,
 )
 
@@ -136,6 +163,7 @@ def glu_mlp(
     zero_tail: bool = True,
     backend: str = "auto",
     recompute_gate_up: bool | None = None,
+    quantization: str | None = None,
 ) -> jax.Array:
     """Grouped gated MLP: ``y_r = row_scale_r * (act(x_r W_gate[g]) * (x_r W_up[g])) W_down[g]`` for rows r of group g.
 
@@ -156,6 +184,10 @@ def glu_mlp(
       backend: "auto", "xla" or "pallas" ("pallas" needs bf16/f16, D and F multiples of 64).
       recompute_gate_up: deprecated and ignored (results are the same either way): the backward keeps the
         pre-activation.
+      quantization: None, "fp8_block" or "mxfp8": both GEMMs on block-scaled FP8 operands, as
+        ``grouped_matmul(quantization=...)`` defines them (the module docstring). The weights may then also be
+        ``BlockScaled`` (``quantize_weights``; w_gate_up as a PackedGateUp of one for the kernels), which get no
+        gradient; x stays high precision.
 
     Returns:
       [M, D] in x.dtype.
@@ -168,13 +200,23 @@ def glu_mlp(
             stacklevel=2,
         )
     _, d_model, d_ff, _ = check_glu_mlp_args(
-        x, w_gate_up, w_down, group_sizes, activation=activation, row_scale=row_scale
+        x, w_gate_up, w_down, group_sizes, activation=activation, row_scale=row_scale, quantization=quantization
     )
-    call = MlpCall(jnp.dtype(x.dtype), d_model, d_ff, activation)
+    call = MlpCall(jnp.dtype(x.dtype), d_model, d_ff, activation, quantization)
     implementation = dispatch.select("glu_mlp", backend, IMPLEMENTATIONS, call).name
-    return _glu_mlp(
-        x, w_gate_up, w_down, group_sizes.astype(jnp.int32), activation, row_scale, zero_tail, implementation
-    )
+    group_sizes = group_sizes.astype(jnp.int32)
+    if quantization is not None:
+        return _quantized_glu_mlp(
+            x, w_gate_up, w_down, group_sizes, activation, row_scale, quantization, implementation
+        )
+    return _glu_mlp(x, w_gate_up, w_down, group_sizes, activation, row_scale, zero_tail, implementation)
+
+
+def _quantized_glu_mlp(x, w_gate_up, w_down, group_sizes, activation, row_scale, quantization, implementation):
+    """The FP8 GLU MLP (the module docstring) on checked arguments, by ``implementation`` ("pallas" or "xla")."""
+    gemm = functools.partial(grouped_matmul_api.grouped_matmul, quantization=quantization, backend=implementation)
+    hidden = gemm(x, w_gate_up, group_sizes, activation=activation)
+    return gemm(hidden, w_down, group_sizes, row_scale=row_scale)
 
 
 def _glu_mlp(
@@ -202,6 +244,7 @@ def routed_glu_mlp(
     zero_tail: bool = True,
     positions: jax.Array | None = None,
     backend: str = "auto",
+    quantization: str | None = None,
 ) -> jax.Array:
     """``glu_mlp(permute(x, sort_indices, top_k), ...)``, on the kernel path with the permute fused into the
     gate_up kernel's loads where that pays.
@@ -218,6 +261,7 @@ def routed_glu_mlp(
       w_gate_up, w_down, group_sizes, activation, row_scale, zero_tail: as ``glu_mlp``'s, for the T * k sorted rows.
       positions: optional [T, k] int32, the inverse of ``sort_indices`` (``Routing.positions``), for ``permute``.
       backend: "auto", "xla", "pallas", or one implementation by name: "pallas_gather", "pallas_sorted".
+      quantization: ``glu_mlp``'s (the FP8 kernels read sorted rows: "pallas" selects "pallas_sorted" with it).
 
     Returns:
       [T * k, D] in x.dtype, in expert-sorted order (what ``combine`` takes).
@@ -228,8 +272,10 @@ def routed_glu_mlp(
     checks.check_int32("sort_indices", sort_indices)
     checks.check_dim("sort_indices", sort_indices.shape[0], num_tokens * top_k, "length (T * top_k)")
     rows = jax.ShapeDtypeStruct((num_tokens * top_k, d_model), x.dtype)
-    _, _, d_ff, _ = check_glu_mlp_args(rows, w_gate_up, w_down, group_sizes, activation=activation, row_scale=row_scale)
-    implementation = select_routed(backend, MlpCall(jnp.dtype(x.dtype), d_model, d_ff, activation))
+    _, _, d_ff, _ = check_glu_mlp_args(
+        rows, w_gate_up, w_down, group_sizes, activation=activation, row_scale=row_scale, quantization=quantization
+    )
+    implementation = select_routed(backend, MlpCall(jnp.dtype(x.dtype), d_model, d_ff, activation, quantization))
     group_sizes = group_sizes.astype(jnp.int32)
     if implementation == "pallas_gather":
         return _run_pallas(
@@ -238,6 +284,9 @@ def routed_glu_mlp(
     rows_backend = _rows_backend(x) if implementation == "pallas_sorted" else "xla"
     rows = permute_api.permute(x, sort_indices, top_k, positions=positions, backend=rows_backend)
     mlp_implementation = "xla" if implementation == "xla" else "pallas"
+    if quantization is not None:
+        args = (activation, row_scale, quantization, mlp_implementation)
+        return _quantized_glu_mlp(rows, w_gate_up, w_down, group_sizes, *args)
     return _glu_mlp(rows, w_gate_up, w_down, group_sizes, activation, row_scale, zero_tail, mlp_implementation)
 
 

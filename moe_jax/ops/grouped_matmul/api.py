@@ -270,8 +270,28 @@ def _kernel_unsupported(call: _GemmCall) -> str | None:
 
 
 def _kernel_preferred(call: _GemmCall) -> bool:
-    """The FP8 kernel runs under backend="pallas" only until it has been measured against the XLA path."""
-    return call.quantization is None
+    return kernel_preferred(call.quantization)
+
+
+def kernel_preferred(quantization: str | None) -> bool:
+    """Whether "auto" takes the kernels where they run: for bf16 / f16 operands. Quantized calls run the FP8 kernel
+    under backend="pallas" only until its dgrad's accuracy on many short groups is understood
+    (docs/kernels/grouped_matmul.md)."""
+    return quantization is None
+
+
+def fp8_kernels_unsupported(dtype, gemms, quantization: str) -> str | None:
+    """Why the FP8 kernel cannot run one of ``gemms`` on high-precision operands of ``dtype`` (None: it runs all).
+
+    Args:
+      gemms: (contraction, output columns, activation or None) per GEMM.
+    """
+    for contraction, num_cols, activation in gemms:
+        call = _GemmCall(jnp.dtype(dtype), contraction, num_cols, activation, quantization, out_dtype=jnp.dtype(dtype))
+        problem = _kernel_unsupported(call)
+        if problem is not None:
+            return problem
+    return None
 
 
 IMPLEMENTATIONS = (dispatch.Implementation("pallas", _kernel_unsupported, _kernel_preferred), dispatch.XLA)

@@ -10,7 +10,9 @@ from moe_jax.ops.glu_mlp import api as glu_mlp_api
 from moe_jax.ops.grouped_matmul.glu import ACTIVATIONS
 from moe_jax.ops.grouped_matmul.launch import rows_in_groups
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp
+from moe_jax.ops.grouped_matmul.reference_fp8 import QUANTIZATIONS
 from moe_jax.ops.permute import api as permute_api
+from moe_jax.ops.quant.reference import BlockScaled
 from moe_jax.ops.routing import api as routing_api
 from moe_jax.ops.routing.api import Routing, RoutingOptions, apply_capacity, load_balancing_loss, router_logits, z_loss
 
@@ -32,10 +34,20 @@ class MoEAux:
 
 
 def check_moe_args(
-    x, router_kernel, w_gate_up, w_down, *, top_k, activation, capacity_factor, routing: RoutingOptions, bias
+    x,
+    router_kernel,
+    w_gate_up,
+    w_down,
+    *,
+    top_k,
+    activation,
+    capacity_factor,
+    routing: RoutingOptions,
+    bias,
+    quantization=None,
 ) -> int:
-    """Checks one MoE layer call: the arrays' shapes and dtypes, the activation, the capacity, the routing options
-    and bias; returns E."""
+    """Checks one MoE layer call: the arrays' shapes and dtypes, the activation, the capacity, the routing options,
+    bias and quantization (with which the expert weights may be ``BlockScaled``); returns E."""
     _, d_model = checks.check_rank("x", x, 2, "[T, D]")
     router_d, num_experts = checks.check_rank("router_kernel", router_kernel, 2, "[D, E]")
     checks.check_dim("router_kernel", router_d, d_model, "shape[0] (D, from x [T, D])")
@@ -48,14 +60,17 @@ def check_moe_args(
     down_shape = checks.check_rank("w_down", w_down, 3, "[E, F, D]")
     if down_shape != (num_experts, d_ff, d_model):
         raise ValueError(f"w_down must have shape [E, F, D] = {(num_experts, d_ff, d_model)}, got {down_shape}")
-    for name, array in (
-        ("x", x),
-        ("router_kernel", router_kernel),
-        ("w_gate_up", w_gate_up),
-        ("w_down", w_down),
-    ):
+    checks.check_choice("quantization", quantization, (None, *QUANTIZATIONS))
+    weights = (("w_gate_up", w_gate_up.array if isinstance(w_gate_up, PackedGateUp) else w_gate_up), ("w_down", w_down))
+    if quantization is None:
+        for name, array in weights:
+            if isinstance(array, BlockScaled):
+                raise TypeError(f"{name} is a BlockScaled (FP8): pass quantization= ({QUANTIZATIONS}) to match it")
+    # BlockScaled weights (quantization only) have their blocks checked by grouped_matmul.
+    high_precision = [(name, a) for name, a in weights if not isinstance(a, BlockScaled)]
+    for name, array in (("x", x), ("router_kernel", router_kernel), *high_precision):
         checks.check_float(name, array)
-    expert_dtypes = {name: jnp.dtype(a.dtype) for name, a in (("x", x), ("w_gate_up", w_gate_up), ("w_down", w_down))}
+    expert_dtypes = {name: jnp.dtype(a.dtype) for name, a in (("x", x), *high_precision)}
     if len(set(expert_dtypes.values())) > 1:
         found = ", ".join(f"{name} {dtype.name}" for name, dtype in expert_dtypes.items())
         raise TypeError(f"x, w_gate_up and w_down must share one compute dtype, got {found}")
@@ -81,9 +96,11 @@ class LayerBackends:
     combine: str
 
     @classmethod
-    def select(cls, backend: str, x, num_experts: int, d_ff: int, *, top_k: int, activation: str, routing):
+    def select(
+        cls, backend: str, x, num_experts: int, d_ff: int, *, top_k: int, activation: str, routing, quantization=None
+    ):
         """What ``backend`` selects for a layer over tokens x [T, D], E experts of hidden width F."""
-        mlp_call = glu_mlp_api.MlpCall(jnp.dtype(x.dtype), x.shape[1], d_ff, activation)
+        mlp_call = glu_mlp_api.MlpCall(jnp.dtype(x.dtype), x.shape[1], d_ff, activation, quantization)
         return cls(
             route=routing_api.select(backend, num_experts, top_k, routing),
             experts=glu_mlp_api.select_routed(backend, mlp_call),
@@ -103,6 +120,7 @@ def moe_ffn(
     bias: jax.Array | None = None,
     capacity_factor: float | None = None,
     backend: str = "auto",
+    quantization: str | None = None,
     **routing_keywords,
 ) -> tuple[jax.Array, MoEAux]:
     """Routed-expert FFN: ``y_t = sum_j weight_tj * FFN_{e_tj}(x_t)``, ``FFN_e(x) = (act(x W_gate) * x W_up) W_down``.
@@ -122,6 +140,9 @@ def moe_ffn(
         its lowest-score assignments (``Routing.selected_scores``, as ``apply_capacity``; a dropped assignment
         contributes zero).
       backend: "auto", "xla" or "pallas", for every op of the layer (``LayerBackends``).
+      quantization: None, "fp8_block" or "mxfp8": the expert GEMMs on block-scaled FP8 operands (``glu_mlp``'s);
+        the router, the routing and the aux losses stay in high precision. The expert weights may then be
+        ``BlockScaled`` (``quantize_weights``; inference: they get no gradient).
 
     Returns:
       (y [T, D] in x.dtype, MoEAux).
@@ -137,9 +158,17 @@ def moe_ffn(
         capacity_factor=capacity_factor,
         routing=routing,
         bias=bias,
+        quantization=quantization,
     )
     backends = LayerBackends.select(
-        backend, x, num_experts, w_down.shape[1], top_k=top_k, activation=activation, routing=routing
+        backend,
+        x,
+        num_experts,
+        w_down.shape[1],
+        top_k=top_k,
+        activation=activation,
+        routing=routing,
+        quantization=quantization,
     )
     routed = route_tokens(x, router_kernel, top_k, routing, bias, backends.route)
     group_sizes, sort_indices = expert_rows(routed, capacity_factor)
@@ -154,6 +183,7 @@ def moe_ffn(
         zero_tail=capacity_factor is None,
         positions=routed.positions if capacity_factor is None else None,
         backends=backends,
+        quantization=quantization,
     )
     aux = MoEAux(
         load_balancing_loss=load_balancing_loss(routed),
@@ -189,6 +219,7 @@ def routed_experts(
     zero_tail: bool,
     positions=None,
     backends: LayerBackends,
+    quantization=None,
 ) -> jax.Array:
     """y [T, D] = the routing-weighted sum of each token's expert outputs, over the expert-sorted rows
     ``sort_indices`` [T*k] whose first ``sum(group_sizes)`` belong to the G experts of w_gate_up [G, D, 2F] /
@@ -198,6 +229,7 @@ def routed_experts(
     ``zero_tail``: ``glu_mlp``'s. False where rows past the sum can exist (a capacity's drops, another device's
     experts): the kernels then skip them and the combine does not read them. True where every row is routed (the
     tail is empty): the kernels keep the plain schedule, which measured faster there than the skipping one.
+    ``quantization``: ``glu_mlp``'s.
     """
     with jax.named_scope("experts"):
         # The routing weights scale the down projection's rows (its epilogue), so the combine is a plain sum.
@@ -215,6 +247,7 @@ def routed_experts(
             zero_tail=zero_tail,
             positions=positions,
             backend=backends.experts,
+            quantization=quantization,
         )
     with jax.named_scope("combine"):
         num_rows = None if zero_tail else rows_in_groups(group_sizes, sort_indices.shape[0])
