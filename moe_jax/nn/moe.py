@@ -116,17 +116,29 @@ class SharedExperts(nnx.Module):
     ``w_gate_up`` [1, D, 2F] is stored packed, as ``MoE.w_gate_up`` is.
     """
 
-    def __init__(self, d_model: int, d_ff: int, *, activation: str, param_dtype, backend: str, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        *,
+        activation: str,
+        param_dtype,
+        backend: str,
+        rngs: nnx.Rngs,
+        quantization: str | None = None,
+    ):
         self.w_gate_up = nnx.Param(_packed_gate_up_init(rngs.params(), (1, d_model, 2 * d_ff), param_dtype))
         self.w_down = nnx.Param(_fan_in_init(1, 2)(rngs.params(), (1, d_ff, d_model), param_dtype))
         self.activation = activation
         self.backend = backend
+        self.quantization = quantization
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [T, D] in the compute dtype -> [T, D]."""
         all_rows = jnp.full((1,), x.shape[0], jnp.int32)
         w_gate_up, w_down = _gate_up(self.w_gate_up, x.dtype), self.w_down[...].astype(x.dtype)
-        return glu_mlp(x, w_gate_up, w_down, all_rows, activation=self.activation, backend=self.backend)
+        options = dict(activation=self.activation, backend=self.backend, quantization=self.quantization)
+        return glu_mlp(x, w_gate_up, w_down, all_rows, **options)
 
 
 class MoE(nnx.Module):
@@ -141,6 +153,9 @@ class MoE(nnx.Module):
       num_shared_experts: width, in units of d_ff, of an always-on shared expert MLP (0: none).
       dtype: compute dtype (None: the input's).  param_dtype: dtype of the parameters.
       backend: "auto", "xla" or "pallas".
+      quantization: None, "fp8_block" or "mxfp8": the routed and shared experts' GEMMs on block-scaled FP8 operands
+        (``moe_jax.moe_ffn``'s); the parameters stay in ``param_dtype`` and are quantized on every call, the router
+        stays in high precision.
       expert_parallel: run the routed experts split over the current mesh's "expert" axis
         (``moe_jax.parallel.moe_ffn_expert_parallel``: all-gather dispatch, reduce-scatter combine under
         ``jax.shard_map``); call the layer under ``jax.set_mesh``. False: one ``moe_ffn`` that XLA partitions.
@@ -168,6 +183,7 @@ class MoE(nnx.Module):
         dtype=None,
         param_dtype=jnp.float32,
         backend: str = "auto",
+        quantization: str | None = None,
         expert_parallel: bool = False,
         rngs: nnx.Rngs,
         **routing_keywords,
@@ -196,6 +212,7 @@ class MoE(nnx.Module):
                 param_dtype=param_dtype,
                 backend=backend,
                 rngs=rngs,
+                quantization=quantization,
             )
             if num_shared_experts
             else None
@@ -204,6 +221,7 @@ class MoE(nnx.Module):
         self.capacity_factor = capacity_factor
         self.dtype = dtype
         self.backend = backend
+        self.quantization = quantization
         self.expert_parallel = expert_parallel
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -222,6 +240,7 @@ class MoE(nnx.Module):
             capacity_factor=self.capacity_factor,
             backend=self.backend,
             routing=self.router.routing,
+            quantization=self.quantization,
         )
         if self.shared is not None:
             y = y + self.shared(tokens)

@@ -1,5 +1,5 @@
-"""The FP8 layer: ``moe_ffn`` / ``glu_mlp`` with ``quantization=`` (backend "xla") against the float64 oracle on the
-unquantized weights, and the checks of its arguments.
+"""The FP8 layer: ``moe_ffn`` / ``glu_mlp`` / ``nn.MoE`` with ``quantization=`` (backend "xla") against the float64
+oracle on the unquantized weights, and the checks of its arguments.
 
 Tolerances are the recipe's: e4m3 keeps 3 fraction bits (~2.6 % relative per quantized operand); the layer quantizes
 four operands on the way to y (x, the gate_up weights, the hidden activations, the down weights), so y lies within
@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import moe_jax
 from tests import oracle
@@ -95,3 +96,19 @@ def test_quantization_arguments_are_checked():
             jnp.array([64, 0, 0, 0], jnp.int32),
             quantization="fp8_block",
         )
+
+
+def test_nn_moe_with_quantization_is_moe_ffn_with_it():
+    layer = moe_jax.nn.MoE(256, 128, 4, 2, quantization="fp8_block", backend="xla", rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(6).normal(size=(2, 16, 256)), jnp.float32)
+    w_gate_up = moe_jax.PackedGateUp(layer.w_gate_up[...], moe_jax.ops.grouped_matmul.packing.gate_up_block(128))
+    expected, _ = moe_jax.moe_ffn(
+        x.reshape(-1, 256),
+        layer.router.kernel[...],
+        w_gate_up,
+        layer.w_down[...],
+        top_k=2,
+        backend="xla",
+        quantization="fp8_block",
+    )
+    np.testing.assert_array_equal(layer(x).reshape(-1, 256), expected)
