@@ -1,0 +1,127 @@
+"""Device time of the FP8 layer, kernel by kernel (``python -m benchmarks.profile_fp8_layer``).
+
+``moe_ffn(quantization=..., backend="pallas")`` forward and forward + backward at a layer shape, beside the bf16
+layer (``quantization=None``), each profiled with ``jax.profiler`` (CUPTI) over ``--calls`` calls after a warm-up.
+Every kernel is put in one class by its name:
+
+  gemm       the grouped-matmul kernels (``moe_gmm*``: FP8 and bf16, forward, dgrad, wgrad) and XLA's GEMMs
+  quantize   the quantizer kernel (``moe_quantize_blockwise``) and XLA's fusions that make FP8 values or scales
+             (a convert to f8e4m3fn or an amax reduction in the fusion's name)
+  layout     XLA's transposes and copies (the FP8 weights' second layout, the activation scales' transposes)
+  other      everything else (routing, permute / combine, the GLU's backward in XLA, the aux losses)
+
+and the table gives each class's median µs per call and share of the call's kernel time, plus the heaviest kernels
+by name, so that what the quantization costs (the issue's "quantization overhead": every quantize pass and scale
+write) is read from one run. Usage (GPU machine): ``python -m benchmarks.profile_fp8_layer --shapes qwen3-30b-a3b
+--calls 5 [--out FILE]``.
+"""
+
+import argparse
+import collections
+import json
+import re
+import sys
+
+import jax
+import numpy as np
+
+import moe_jax
+from benchmarks import common, layer
+from benchmarks.shapes import LAYER_SHAPES
+
+CLASSES = ("gemm", "quantize", "layout", "other")
+TOP_KERNELS = 12
+
+
+def kernel_class(name: str) -> str:
+    """The class of a kernel by its name (module docstring)."""
+    if name.startswith("moe_gmm") or re.search(r"gemm|nvjet|xmma|cutlass|cublas", name):
+        return "gemm"
+    if name.startswith("moe_quantize") or re.search(r"f8e4m3|amax|reduce.*convert|convert.*reduce", name):
+        return "quantize"
+    if re.search(r"transpose|copy", name):
+        return "layout"
+    return "other"
+
+
+def summarize(calls: list[list[tuple[str, int, int]]]) -> dict:
+    """Median µs per class and per kernel name over the calls, and the median total."""
+    per_class, per_kernel = [], []
+    for call in calls:
+        classes, kernels = collections.defaultdict(float), collections.defaultdict(float)
+        for name, _, duration in call:
+            classes[kernel_class(name)] += duration / 1e3
+            kernels[name] += duration / 1e3
+        per_class.append(classes)
+        per_kernel.append(kernels)
+
+    def median(rows, key):
+        return float(np.median([row.get(key, 0.0) for row in rows]))
+
+    names = sorted({name for row in per_kernel for name in row})
+    kernels = {name: median(per_kernel, name) for name in names}
+    return {
+        "total_us": float(np.median([sum(row.values()) for row in per_class])),
+        "classes_us": {c: median(per_class, c) for c in CLASSES},
+        "top_kernels_us": dict(sorted(kernels.items(), key=lambda item: -item[1])[:TOP_KERNELS]),
+    }
+
+
+def profile(shape, quantization, *, backward: bool, calls: int, seed: int) -> dict:
+    route_kwargs = common.routing_kwargs(shape, seed)
+    inputs = layer.make_inputs(shape, seed=seed)[0]
+    names = ("x", "router_kernel", "w_gate_up", "w_down")
+
+    def forward(x, router_kernel, w_gate_up, w_down):
+        y, _ = moe_jax.moe_ffn(
+            x,
+            router_kernel,
+            w_gate_up,
+            w_down,
+            activation=shape.activation,
+            backend="pallas",
+            quantization=quantization,
+            **route_kwargs,
+        )
+        return y
+
+    fn = jax.jit(common.forward_backward(forward) if backward else forward)
+    args = tuple(inputs[n] for n in names) + ((inputs["ct"],) if backward else ())
+    return summarize(common.kernel_calls(fn, [args], calls))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default="qwen3-30b-a3b", help="comma-separated layer shapes")
+    parser.add_argument("--quantization", default="fp8_block", choices=("fp8_block", "mxfp8"))
+    parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", help="write {meta, results} JSON here")
+    args = parser.parse_args(argv)
+    results = []
+    for name in args.shapes.split(","):
+        shape = LAYER_SHAPES[name]
+        for backward in (False, True):
+            for quantization in (None, args.quantization):
+                summary = profile(shape, quantization, backward=backward, calls=args.calls, seed=args.seed)
+                results.append(dict(shape=name, backward=backward, quantization=quantization, **summary))
+                _print(results[-1])
+    if args.out:
+        command = " ".join(["python -m benchmarks.profile_fp8_layer", *(sys.argv[1:] if argv is None else argv)])
+        meta = common.run_metadata(command, {})
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+
+
+def _print(result: dict) -> None:
+    mode = "fwd+bwd" if result["backward"] else "fwd"
+    total = result["total_us"]
+    print(f"\n{result['shape']} {mode} quantization={result['quantization']}: {total:.0f} µs of kernels per call")
+    for name, us in result["classes_us"].items():
+        print(f"  {name:9s} {us:9.0f} µs  {us / total:6.1%}")
+    for name, us in result["top_kernels_us"].items():
+        print(f"    {us:9.0f} µs  {name[:100]}")
+
+
+if __name__ == "__main__":
+    main()

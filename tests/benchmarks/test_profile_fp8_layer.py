@@ -1,0 +1,30 @@
+"""The FP8 layer profile's bookkeeping: kernel classes by name and the per-call medians (hand-made traces)."""
+
+import pytest
+
+from benchmarks import profile_fp8_layer as profile
+
+
+@pytest.mark.parametrize(
+    "name, kernel_class",
+    [
+        ("moe_gmm_fp8_glu_mosaic_gpu_kernel", "gemm"),
+        ("moe_gmm_wgrad_fp8_mosaic_gpu_kernel", "gemm"),
+        ("nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_TNN", "gemm"),
+        ("moe_quantize_blockwise_mosaic_gpu_kernel", "quantize"),
+        ("loop_convert_f8e4m3fn_fusion", "quantize"),
+        ("input_reduce_fusion_amax", "quantize"),
+        ("transpose_fusion_3", "layout"),
+        ("moe_gating_mosaic_gpu_kernel", "other"),
+    ],
+)
+def test_kernels_are_classified_by_name(name, kernel_class):
+    assert profile.kernel_class(name) == kernel_class
+
+
+def test_summary_takes_medians_per_class_and_kernel():
+    calls = [[("moe_gmm_fp8_mosaic_gpu_kernel", 0, 1000 * us), ("transpose_fusion", 0, 2000)] for us in (10, 30, 20)]
+    summary = profile.summarize(calls)
+    assert summary["total_us"] == 22.0
+    assert summary["classes_us"] == {"gemm": 20.0, "quantize": 0.0, "layout": 2.0, "other": 0.0}
+    assert list(summary["top_kernels_us"]) == ["moe_gmm_fp8_mosaic_gpu_kernel", "transpose_fusion"]
