@@ -38,6 +38,7 @@ import numpy as np
 import moe_jax
 from benchmarks import common, tokamax_peer
 from benchmarks.shapes import GroupedMatmulShape
+from moe_jax.ops.grouped_matmul import launch, reference_fp8
 from moe_jax.ops.grouped_matmul.api import quantize_weights
 from moe_jax.ops.quant.reference import BlockScaled
 from tests.oracle import GroupOracle
@@ -301,6 +302,8 @@ def bench_shape_fp8(
         "fwd": QuantizedGroupOracle(sets[0]["lhs"], sets[0]["rhs"], group_sizes, quantization),
         "dgrad": QuantizedGroupOracle(sets[0]["d_out"], sets[0]["rhs_dgrad"], group_sizes, quantization),
     }
+    if any(gemm == "wgrad" for _, gemm, *_ in candidates):
+        oracles["wgrad"] = QuantizedWgradOracle(sets[0]["lhs"], sets[0]["d_out"], group_sizes, quantization)
     for impl, gemm, operands, op in candidates:
         record = common.Record(bench, shape.name, routing, impl, flops, dims)
         output = common.measure(record, jax.jit(op), [(*(s[o] for o in operands), group_sizes) for s in sets], options)
@@ -318,7 +321,12 @@ def _fp8_candidates(quantization: str, backends) -> list[tuple]:
     """(impl, GEMM, input-set keys, op) per timed row: for each backend the forward x . w[g]^T and the dgrad GEMM
     d_out . w[g] (contraction N), quantized ("moe_jax:<backend>-fp8", "...-dgrad-fp8"), and with the pallas backend
     the same two GEMMs by our bf16 kernel ("moe_jax:pallas-bf16", "moe_jax:pallas-dgrad-bf16"). The dgrad rows time
-    only its GEMM (d_out quantized per call, as the backward does), not a whole backward."""
+    only its GEMM (d_out quantized per call, as the backward does), not a whole backward.
+
+    With the pallas backend and fp8_block also the wgrad GEMM d w[g] = d_out_g^T . x_g in the [G, N, K] layout of the
+    forward's weights (the 2MKN FLOPs of the forward): "moe_jax:pallas-wgrad-fp8" (the FP8 wgrad kernel, both
+    operands quantized in row blocks per group per call, as the backward does) and "moe_jax:pallas-wgrad-bf16" (our
+    bf16 wgrad kernel)."""
     candidates = []
     for backend in backends:
         fp8 = functools.partial(moe_jax.grouped_matmul, transpose_rhs=True, quantization=quantization, backend=backend)
@@ -332,7 +340,52 @@ def _fp8_candidates(quantization: str, backends) -> list[tuple]:
                 ("moe_jax:pallas-bf16", "fwd", ("lhs", "rhs_bf16"), functools.partial(bf16, transpose_rhs=True)),
                 ("moe_jax:pallas-dgrad-bf16", "dgrad", ("d_out", "rhs_bf16"), bf16),
             ]
+        if backend == "pallas" and launch.fp8_wgrad_unsupported(quantization, 64, 64, jnp.bfloat16) is None:
+            candidates += [
+                (f"moe_jax:pallas-wgrad{FP8_IMPL_SUFFIX}", "wgrad", ("lhs", "d_out"), _fp8_wgrad),
+                ("moe_jax:pallas-wgrad-bf16", "wgrad", ("lhs", "d_out"), _bf16_wgrad),
+            ]
     return candidates
+
+
+def _fp8_wgrad(lhs, d_out, group_sizes):
+    """d w [G, N, K] = d_out_g^T . lhs_g by the FP8 wgrad kernel, both operands quantized here (bf16 out)."""
+    return launch.run_fp8_wgrad_kernel(d_out, lhs, group_sizes, out_dtype=jnp.bfloat16)
+
+
+def _bf16_wgrad(lhs, d_out, group_sizes):
+    """d w [G, N, K] = d_out_g^T . lhs_g by the bf16 wgrad kernel."""
+    return launch.run_wgrad_kernel(d_out, lhs, group_sizes, out_dtype=jnp.bfloat16, transposed=True)
+
+
+class QuantizedWgradOracle:
+    """The recipe's wgrad in XLA (``reference_fp8.quantized_wgrad``, d w [G, N, K]) of three groups (first non-empty,
+    largest, last non-empty), each run alone on its rows (its row blocks start at its first row), in f32."""
+
+    def __init__(self, lhs, d_out, group_sizes, quantization: str):
+        sizes = np.asarray(group_sizes)
+        nonempty, ends = np.flatnonzero(sizes), np.cumsum(sizes)
+        self.groups = sorted({int(nonempty[0]), int(np.argmax(sizes)), int(nonempty[-1])})
+        recipe = reference_fp8.RECIPES[quantization]
+        self.expected = {}
+        for g in self.groups:
+            rows = slice(int(ends[g] - sizes[g]), int(ends[g]))
+            one_group = jnp.array([rows.stop - rows.start], jnp.int32)
+            self.expected[g] = reference_fp8.quantized_wgrad(
+                lhs[rows], one_group, d_out[rows], recipe, True, jnp.float32
+            )[0]
+        self.quantization = quantization
+
+    def errors(self, output) -> list[float]:
+        """[``||actual - expected|| / ||expected||`` over the three groups together]."""
+        diff = total = 0.0
+        for g, expected in self.expected.items():
+            actual, expected = np.asarray(output[g], np.float64), np.asarray(expected, np.float64)
+            diff, total = diff + np.sum(np.square(actual - expected)), total + np.sum(np.square(expected))
+        return [float(np.sqrt(diff / total))]
+
+    def describe(self) -> str:
+        return f"XLA {self.quantization} wgrad, groups {self.groups}"
 
 
 def best_tokamax_config(records: list[common.Record], shape_name: str) -> dict | None:

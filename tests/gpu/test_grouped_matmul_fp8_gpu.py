@@ -12,6 +12,10 @@ Run on the GPU machine: ``PYTHONPATH=. python3 -m pytest -m gpu tests/gpu/test_g
   weight blocks do not depend on the other groups. Rows past the sum must be exactly zero.
 - A seeded sweep of small ragged shapes against the XLA implementation, forward and d lhs (the dgrad kernel where N
   is a multiple of 128).
+- The wgrad (d rhs, the FP8 wgrad kernel): at a named shape against the recipe's wgrad in XLA on three groups, each
+  run alone (its row blocks start at its first row either way), and in a seeded sweep of small ragged shapes in both
+  weight layouts against the XLA path's d rhs. Its tensor cores accumulate 128 rows per block (~2^-14 of a block's
+  partial sums): ``F32_OUT_TOL`` for f32 outputs, ``BF16_OUT_TOL`` for bf16.
 Tolerances against the XLA implementation (f32 products of the dequantized operands): ``F32_OUT_TOL`` where the
 kernel writes f32 (the tensor cores' ~14-bit accumulation within a block errs by ~2^-14 of a block's partial sums,
 a missed scale or block by O(1)); ``BF16_OUT_TOL`` for bf16 outputs (their rounding, 2^-9). ``GLU_DGRAD_TOL``: with
@@ -29,7 +33,7 @@ import pytest
 
 import moe_jax
 from benchmarks import shapes
-from moe_jax.ops.grouped_matmul import api
+from moe_jax.ops.grouped_matmul import api, launch, reference_fp8
 from moe_jax.ops.grouped_matmul.packing import pack_gate_up
 from tests.oracle import random_group_sizes, relative_error
 
@@ -174,3 +178,55 @@ def test_random_shapes_against_xla(g, m, k, n, sizes, dtype):
     expected = _forward_and_dgrad(lhs, rhs, group_sizes, cotangent, fn=_xla)
     tol = F32_OUT_TOL if dtype == jnp.float32 else BF16_OUT_TOL
     _check(kernel, expected, sizes, (tol, tol))
+
+
+def test_wgrad_named_shape_against_xla_on_three_groups():
+    s = shapes.GMM_SHAPES["dsv3-ep8/gate_up"]
+    keys = jax.random.split(jax.random.key(3), 2)
+    lhs = jax.random.normal(keys[0], (s.m, s.k), jnp.bfloat16)
+    d_out = jax.random.normal(keys[1], (s.m, s.n), jnp.bfloat16)
+    group_sizes = s.group_sizes("uniform", seed=4) * 15 // 16
+    # [G, N, K]: the layout of the forward's weights.
+    d_rhs = jax.jit(launch.run_fp8_wgrad_kernel, static_argnames="out_dtype")(
+        d_out, lhs, group_sizes, out_dtype=jnp.float32
+    )
+    assert d_rhs.shape == (s.g, s.n, s.k)
+
+    sizes = np.asarray(group_sizes)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    nonempty = np.flatnonzero(sizes)
+    recipe = reference_fp8.RECIPES["fp8_block"]
+    wgrad = jax.jit(reference_fp8.quantized_wgrad, static_argnums=(3, 4, 5))
+    for g in sorted({int(nonempty[0]), int(np.argmax(sizes)), int(nonempty[-1])}):
+        rows = slice(int(starts[g]), int(starts[g] + sizes[g]))
+        one_group = jnp.array([sizes[g]], jnp.int32)
+        expected = wgrad(lhs[rows], one_group, d_out[rows], recipe, True, jnp.float32)[0]
+        assert relative_error(d_rhs[g], expected) < F32_OUT_TOL, g
+
+
+@functools.partial(jax.jit, static_argnames=("backend", "transpose_rhs"))
+def _weight_gradient(lhs, rhs, group_sizes, cotangent, *, backend, transpose_rhs):
+    def op(rhs):
+        return moe_jax.grouped_matmul(
+            lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, quantization="fp8_block", backend=backend
+        )
+
+    _, pullback = jax.vjp(op, rhs)
+    return pullback(cotangent)[0]
+
+
+@pytest.mark.parametrize("g, m, k, n, sizes, dtype", list(_sweep_cases(6, seed=1)))
+def test_wgrad_random_shapes_against_xla(g, m, k, n, sizes, dtype):
+    """d rhs (in rhs's dtype) in either weight layout (alternating with M's parity)."""
+    keys = jax.random.split(jax.random.key(m + 1), 3)
+    lhs = jax.random.normal(keys[0], (m, k), dtype)
+    transpose_rhs = bool(m % 2)
+    shape = (g, n, k) if transpose_rhs else (g, k, n)
+    rhs = (jax.random.normal(keys[1], shape, jnp.float32) * k**-0.5).astype(dtype)
+    cotangent = jax.random.normal(keys[2], (m, n), dtype)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    args = (lhs, rhs, group_sizes, cotangent)
+    kernel = _weight_gradient(*args, backend="pallas", transpose_rhs=transpose_rhs)
+    expected = _weight_gradient(*args, backend="xla", transpose_rhs=transpose_rhs)
+    assert kernel.shape == rhs.shape and kernel.dtype == expected.dtype == dtype
+    assert relative_error(kernel, expected) < (F32_OUT_TOL if dtype == jnp.float32 else BF16_OUT_TOL)

@@ -3,7 +3,7 @@ epilogue and weight layout, and its config takes exactly the pipeline stages tha
 
 The abstract H200 makes ``hardware.interpret_params()`` return None (compile, don't interpret); lowering runs Mosaic
 GPU's whole pipeline, shared-memory check included, and stops before the CUDA compiler. A forward and backward hold
-two Mosaic GPU kernels: the forward with its epilogue and the plain dgrad (the wgrad is XLA's).
+three Mosaic GPU kernels: the forward with its epilogue, the plain dgrad and the FP8 wgrad.
 """
 
 import dataclasses
@@ -17,7 +17,7 @@ from jax.sharding import AbstractMesh
 
 import moe_jax
 from benchmarks import shapes
-from moe_jax.ops.grouped_matmul import config, launch
+from moe_jax.ops.grouped_matmul import config, launch, sm90_fp8_wgrad
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp, gate_up_block
 
 pytestmark = pytest.mark.smoke  # lowering and config checks: no numbers (tests/README.md)
@@ -68,12 +68,12 @@ def _fwd_bwd_text(name, *, activation=None, row_scale=False, transpose_rhs=True,
         (dict(transpose_rhs=False), "moe_gmm_fp8"),  # [G, K, N] weights: transposed in XLA first
     ],
 )
-def test_named_shapes_lower_to_the_fp8_forward_and_dgrad_kernels(name, options, kernel):
+def test_named_shapes_lower_to_the_fp8_forward_dgrad_and_wgrad_kernels(name, options, kernel):
     text = _fwd_bwd_text(name, **options)
-    assert text.count(MOSAIC_CALL) == 2
+    assert text.count(MOSAIC_CALL) == 3
     # The kernels' names appear with suffixes (a counter, "_mosaic_gpu") too.
     names = {re.sub(r"(_\d+|_mosaic_gpu)$", "", found) for found in re.findall(r"moe_gmm\w*", text)}
-    assert names == {kernel, "moe_gmm_fp8"}
+    assert names == {kernel, "moe_gmm_fp8", "moe_gmm_wgrad_fp8"}
 
 
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
@@ -123,3 +123,32 @@ def test_config_takes_the_stages_that_fit(out_dtype, row_scale):
             assert "exceeds available shared memory" in str(error)
             lowers = False
         assert lowers == expected == c.fits(1, itemsize, **buffers), stages
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_wgrad_config_takes_the_stages_that_fit(out_dtype):
+    """sm90_fp8_wgrad.smem_bytes counts the buffers as laid out: fp8_wgrad_config's stages lower at dsv3-ep8 gate_up,
+    one more stage does not, and smem_bytes says the same."""
+    s = shapes.GMM_SHAPES["dsv3-ep8/gate_up"]
+    itemsize = jnp.dtype(out_dtype).itemsize
+    chosen = launch.fp8_wgrad_config(m=s.m, p=s.k, q=s.n, g=s.g, out_itemsize=itemsize)
+    x = jax.ShapeDtypeStruct((s.m, s.k), jnp.bfloat16)
+    y = jax.ShapeDtypeStruct((s.m, s.n), jnp.bfloat16)
+    group_sizes = jax.ShapeDtypeStruct((s.g,), jnp.int32)
+    for stages, expected in ((chosen.num_stages, True), (chosen.num_stages + 1, False)):
+        c = dataclasses.replace(chosen, num_stages=stages)
+        try:
+            _lowered(
+                lambda x, y, group_sizes, c=c: launch.run_fp8_wgrad_kernel(
+                    x, y, group_sizes, out_dtype=out_dtype, config=c
+                ),
+                x,
+                y,
+                group_sizes,
+            )
+            lowers = True
+        except ValueError as error:
+            assert "exceeds available shared memory" in str(error)
+            lowers = False
+        fits = sm90_fp8_wgrad.smem_bytes(c, itemsize) <= config.SMEM_BYTES - 2048
+        assert lowers == expected == fits, stages

@@ -106,7 +106,8 @@ def test_block_scaled_operands():
 @pytest.mark.usefixtures("interpret")
 def test_gradients_match_xla(activation, case):
     """The kernel path's backward (the epilogue's VJP on the kept pre-activation, the dgrad in the FP8 kernel where N
-    is a multiple of 128, in XLA for "narrow"'s N = 192, the wgrad in XLA) gives the XLA path's gradients."""
+    is a multiple of 128, in XLA for "narrow"'s N = 192, the wgrad in the FP8 wgrad kernel) gives the XLA path's
+    gradients."""
     m, k, n, sizes = CASES[case]
     lhs, rhs, group_sizes = _problem(4, m, k, n, sizes, dtype=jnp.float32)
     row_scale = jnp.asarray(np.random.default_rng(5).uniform(0.5, 1.5, size=m), jnp.float32)

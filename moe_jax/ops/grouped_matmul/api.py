@@ -7,8 +7,9 @@ and wgrad kernels. The fused GLU backward lives in ``moe_jax.ops.glu_mlp``, wher
 an epilogue to run in. The kernel runners below (``run_rows_kernel``, ``run_wgrad_kernel``, ``gemm_grads``) serve both.
 
 With ``quantization="fp8_block"`` the "pallas" entry runs the FP8 kernel (block-scaled e4m3 operands, the same
-epilogues) for the forward and, where N is a multiple of 128, the dgrad; the wgrad is the recipe's in XLA
-(reference_fp8.py). "auto" keeps the XLA path for quantized calls until the kernel has been measured faster there.
+epilogues) for the forward and, where N is a multiple of 128, the dgrad; the wgrad runs the FP8 wgrad kernel on
+copies of x and dy quantized in row blocks per group (token_blocks.py, laid out in XLA). "auto" keeps the XLA path
+for quantized calls until the kernel has been measured faster there.
 """
 
 import dataclasses
@@ -27,10 +28,12 @@ from moe_jax.ops.grouped_matmul.launch import (
     ArgNames,
     fp8_dgrad_runs,
     fp8_kernel_unsupported,
+    fp8_wgrad_unsupported,
     gemm_grads,
     kernel_unsupported,
     run_forward_kernel,
     run_fp8_forward_kernel,
+    run_fp8_wgrad_kernel,
     run_rows_kernel,
 )
 from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, PackedGateUp, gate_up_block, pack_gate_up, split_gate_up
@@ -179,7 +182,8 @@ def grouped_matmul(
         not hold. With an activation or a row scale the kernel applies them in its epilogue (f32) and writes only
         the result; under differentiation it also keeps the pre-activation [M, N] for the backward. Quantized
         calls run the FP8 kernel under "pallas" only (fp8_block; K a multiple of 128, e4m3 operands, GLU weights
-        packed) for the forward and, with N a multiple of 128, the dgrad, the wgrad in XLA. The forward reads the
+        packed) for the forward and, with N a multiple of 128, the dgrad, and the FP8 wgrad kernel for the wgrad
+        (XLA for an rhs of another float dtype than f32 / bf16 / f16). The forward reads the
         weights [G, N, K] and the dgrad [G, K, N]: one transposed FP8 copy per step in either layout.
 
     Returns:
@@ -413,7 +417,7 @@ def _swap_last_axes(x: BlockScaled) -> BlockScaled:
 
 def _pallas_fp8_bwd(activation, out_dtype, transpose_rhs, quantization, residuals, d_out):
     """The epilogue's VJP in XLA on the kept pre-activation, then the recipe's quantized dgrad (``_fp8_dgrad``) and
-    wgrad (XLA); no gradient for a BlockScaled operand."""
+    wgrad (``_fp8_wgrad``); no gradient for a BlockScaled operand."""
     lhs, weights, w, group_sizes, row_scale, pre = residuals
     d_pre, d_row_scale = (d_out, None) if pre is None else _epilogue_vjp(pre, row_scale, activation, d_out)
     recipe = RECIPES[quantization]
@@ -421,7 +425,7 @@ def _pallas_fp8_bwd(activation, out_dtype, transpose_rhs, quantization, residual
     if not isinstance(lhs, BlockScaled):
         d_lhs = _fp8_dgrad(d_pre, weights, w, group_sizes, recipe, transpose_rhs, lhs.dtype)
     if not isinstance(weights, BlockScaled):
-        d_weights = reference_fp8.quantized_wgrad(lhs, group_sizes, d_pre, recipe, transpose_rhs, weights.dtype)
+        d_weights = _fp8_wgrad(lhs, group_sizes, d_pre, quantization, transpose_rhs, weights.dtype)
     return d_lhs, d_weights, None, d_row_scale
 
 
@@ -434,6 +438,18 @@ def _fp8_dgrad(d_pre, weights, w, group_sizes, recipe, transpose_rhs: bool, out_
     dy = quant.quantize_blockwise(d_pre, recipe.lhs_block, pow2_scales=recipe.pow2_scales)
     w_kn = _swap_last_axes(dgrad_w) if transpose_rhs else dgrad_w
     return run_fp8_forward_kernel(dy, w_kn, group_sizes, None, None, out_dtype, keep=False)
+
+
+def _fp8_wgrad(lhs, group_sizes, d_pre, quantization: str, transpose_rhs: bool, out_dtype) -> jax.Array:
+    """d rhs [G, K, N] (or [G, N, K]) = x_g^T . dy_g, lhs and d_pre [M, N] quantized in row blocks per group: the FP8
+    wgrad kernel where it runs (``fp8_wgrad_unsupported``), else in XLA."""
+    recipe = RECIPES[quantization]
+    if fp8_wgrad_unsupported(quantization, lhs.shape[1], d_pre.shape[1], out_dtype) is not None:
+        return reference_fp8.quantized_wgrad(lhs, group_sizes, d_pre, recipe, transpose_rhs, out_dtype)
+    x = reference_fp8.high_precision(lhs)
+    # [G, N, K] weights get their gradient in the same layout: dy_g^T . x_g.
+    operands = (d_pre, x) if transpose_rhs else (x, d_pre)
+    return run_fp8_wgrad_kernel(*operands, group_sizes, out_dtype=out_dtype)
 
 
 _pallas_fp8_matmul.defvjp(functools.partial(_pallas_fp8_fwd, keep=True), _pallas_fp8_bwd)

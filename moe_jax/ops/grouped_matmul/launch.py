@@ -9,6 +9,8 @@ backward adds the "glu_dgrad" kernel); this module holds no choice between backe
     wgrad       sm90_wgrad                  d w[g] = x_g^T . d out_g, contracting the group's ragged rows
     fp8 fwd     sm90.grouped_matmul_rows    the forward on block-scaled FP8 operands (sm90_fp8.py), and the dgrad
                                             dy . w[g]^T on them (w read [G, K, N]: N is its contraction)
+    fp8 wgrad   sm90_fp8_wgrad              d w[g] = x_g^T . d out_g on FP8 copies in row blocks per group
+                                            (token_blocks.py)
 """
 
 import dataclasses
@@ -18,10 +20,19 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax._core import hardware
-from moe_jax.ops.grouped_matmul import schedule, sm90, sm90_wgrad
-from moe_jax.ops.grouped_matmul.config import FP8_BLOCK, Config, fp8_config, fp8_scale_k_blocks, get_config
+from moe_jax.ops.grouped_matmul import schedule, sm90, sm90_fp8_wgrad, sm90_wgrad, token_blocks
+from moe_jax.ops.grouped_matmul.config import (
+    FP8_BLOCK,
+    SMEM_BYTES,
+    Config,
+    fp8_config,
+    fp8_scale_k_blocks,
+    get_config,
+    heuristic_config,
+)
 from moe_jax.ops.grouped_matmul.glu import glu, glu_grad, kept_pre_activation
 from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK
+from moe_jax.ops.grouped_matmul.reference_fp8 import RECIPES
 from moe_jax.ops.quant.reference import BlockScaled
 
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -337,6 +348,63 @@ def run_fp8_forward_kernel(
         config=config,
         x_scales=x.scales.T,
         w_scales=w_scales,
+    )
+
+
+def fp8_wgrad_unsupported(quantization: str, contraction: int, num_cols: int, out_dtype) -> str | None:
+    """Why the FP8 wgrad kernel cannot compute d rhs ([G, K, N] or [G, N, K]) of a quantized call it ran forward
+    (None when it can): the fp8_block recipe (one promotion per 128-row block), K and N multiples of 64 (its tiles'
+    TMA boxes), and an output dtype it writes (rhs's)."""
+    if quantization != FP8_KERNEL_QUANTIZATION:
+        return f"the FP8 wgrad kernel runs quantization={FP8_KERNEL_QUANTIZATION!r}, got {quantization!r}"
+    for name, size in (("K", contraction), ("N", num_cols)):
+        if size <= 0 or size % KERNEL_DIM_MULTIPLE:
+            return f"{name} must be a positive multiple of {KERNEL_DIM_MULTIPLE} for the FP8 wgrad kernel, got {size}"
+    if jnp.dtype(out_dtype) not in map(jnp.dtype, FP8_KERNEL_OUT_DTYPES):
+        return f"the FP8 wgrad kernel writes float32, bfloat16 or float16, got {jnp.dtype(out_dtype).name}"
+    return None
+
+
+def fp8_wgrad_config(*, m: int, p: int, q: int, g: int, out_itemsize: int) -> Config:
+    """The FP8 wgrad's config: the heuristic wgrad's tile order within a group, 128 x 128 tiles of 128-token steps
+    (sm90_fp8_wgrad.check), and as many stages as fit in shared memory. Not tuned."""
+    order = heuristic_config("wgrad", m=m, k=p, n=q, g=g, out_itemsize=out_itemsize)
+    config = dataclasses.replace(
+        order, block_m=FP8_BLOCK, block_n=FP8_BLOCK, block_k=FP8_BLOCK, num_compute_wgs=2, overlap_epilogue=False
+    )
+    for stages in range(8, 1, -1):
+        config = dataclasses.replace(config, num_stages=stages)
+        # Room for the barriers and the compiler's own scratch, as Config.fits leaves.
+        if sm90_fp8_wgrad.smem_bytes(config, out_itemsize) <= SMEM_BYTES - 2048:
+            break
+    return config
+
+
+def run_fp8_wgrad_kernel(x, y, group_sizes, *, out_dtype, config=None) -> jax.Array:
+    """The FP8 wgrad: out[g] = x_g^T . y_g -> [G, P, Q] with x [M, P] and y [M, Q] (high precision) quantized as the
+    fp8_block recipe's wgrad does, in 128-row blocks from each group's first row.
+
+    token_blocks.py lays both out for the kernel (transposed, group-padded; in XLA); group_sizes [G] int32 stay on
+    the device. ``config=None`` takes ``fp8_wgrad_config``'s. The op's d rhs [G, K, N] is (lhs, d out); [G, N, K] is
+    (d out, lhs).
+    """
+    recipe = RECIPES[FP8_KERNEL_QUANTIZATION]
+    (m, p), q = x.shape, y.shape[1]
+    if config is None:
+        itemsize = jnp.dtype(out_dtype).itemsize
+        config = fp8_wgrad_config(m=m, p=p, q=q, g=group_sizes.shape[0], out_itemsize=itemsize)
+    x_blocks = token_blocks.quantize_token_blocks(x, group_sizes, recipe)
+    y_blocks = token_blocks.quantize_token_blocks(y, group_sizes, recipe)
+    return sm90_fp8_wgrad.grouped_matmul_wgrad_fp8(
+        x_blocks.values_t,
+        x_blocks.scales,
+        y_blocks.values_t,
+        y_blocks.scales,
+        token_blocks.group_table(group_sizes, m, recipe.block),
+        out_dtype=out_dtype,
+        config=config,
+        num_sms=hardware.num_sms(),
+        interpret=hardware.interpret_params(),
     )
 
 

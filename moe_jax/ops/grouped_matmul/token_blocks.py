@@ -1,0 +1,97 @@
+"""The FP8 wgrad's operands: x [M, C] quantized in blocks of rows counted from each group's first row (the recipe of
+reference_fp8.py, ``quantize_rows_per_group``), laid out transposed on a group-padded token axis.
+
+The wgrad d w[g] = x_g^T . dy_g contracts over a group's rows, and Hopper's FP8 wgmma reads both operands K-major,
+K being the token axis here: the kernel (sm90_fp8_wgrad.py) reads x^T [C, M'] with the tokens contiguous. One
+pipeline step is one 128-token block, so a block must lie inside one group and start where the recipe's does: every
+group starts on a block boundary of the padded axis, the rest of its last block holds zeros. With block = 4 and
+group sizes [6, 0, 3]:
+
+    rows of x         0 1 2 3 4 5 | 6 7 8                   (M = 9)
+    padded tokens     0 1 2 3 | 4 5 . . | 6 7 8 . | . . . .  (M' = 16; . = zero)
+    blocks            b0 (g0)   b1 (g0)   b2 (g2)   unused
+
+Group g's rows fill tokens [block * f_g, block * f_g + size_g), f_g = sum over the groups before it of
+ceil(size / block) (its first block). Zeros raise no amax, so each block's scale and values are the recipe's, bit for
+bit. M' is static, block * ``max_token_blocks(M, G)``, as the sizes stay on the device; the blocks past the last
+group's are zeros too, and the kernel never reads them.
+
+This is XLA (a gather and two fusions: the blocks' amax, then the values written transposed): it reads x twice in
+its own dtype and writes M' * C FP8 values and (M' / block) * C f32 scales, where a fused quantize-and-transpose
+kernel (moe_jax/ops/quant/sm90.py's pattern) would read x once.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax.ops.grouped_matmul.reference_fp8 import DTYPE, Recipe
+from moe_jax.ops.grouped_matmul.schedule import _prefix_sums
+from moe_jax.ops.quant import reference as quant
+
+GROUP_ID, GROUP_FIRST_BLOCK, GROUP_BLOCKS = range(3)  # rows of the [3, G] group table (``group_table``)
+
+
+def max_token_blocks(num_rows: int, num_groups: int, block: int) -> int:
+    """Static bound on the blocks of any routing of ``num_rows`` rows over ``num_groups`` groups: ceil(size / block)
+    <= (size + block - 1) / block for each group, and the sizes add up to at most M. At least one block."""
+    return max((num_rows + (block - 1) * num_groups) // block, 1)
+
+
+def group_blocks(group_sizes: jax.Array, num_rows: int, block: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(first row, rows, first block) of every group, [G] int32 each: negative sizes count as 0 and rows past M
+    are dropped, as in ``quantize_rows_per_group``."""
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    ends = jnp.minimum(_prefix_sums(sizes), num_rows)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    rows = ends - starts
+    blocks = (rows + block - 1) // block
+    return starts, rows, _prefix_sums(blocks) - blocks
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenBlocks:
+    """x quantized per group in blocks of rows, transposed onto the group-padded token axis (module docstring).
+
+    Attributes:
+      values_t: [C, M'] float8_e4m3fn, M' = block * max_token_blocks(M, G); zeros outside the groups' rows.
+      scales: [M' / block, C] f32: block b's scale of column c at [b, c] (MN-major: a tile's scales of one block are
+        contiguous).
+    """
+
+    values_t: jax.Array
+    scales: jax.Array
+
+
+def quantize_token_blocks(x: jax.Array, group_sizes: jax.Array, recipe: Recipe) -> TokenBlocks:
+    """x [M, C] (any float dtype) quantized in blocks of ``recipe.block`` rows from each group's first row, in the
+    group-padded transposed layout. group_sizes: [G] int32."""
+    num_rows, _ = x.shape
+    block, num_groups = recipe.block, group_sizes.shape[0]
+    starts, rows, first_blocks = group_blocks(group_sizes, num_rows, block)
+    capacity = max_token_blocks(num_rows, num_groups, block)
+
+    # Each padded token's group and its row of x (tokens past every group's rows read none).
+    token = jnp.arange(capacity * block, dtype=jnp.int32)
+    group = jnp.searchsorted(first_blocks, token // block, side="right", method="compare_all") - 1
+    group = jnp.clip(group, 0, num_groups - 1).astype(jnp.int32)
+    offset = token - first_blocks[group] * block
+    member = (offset >= 0) & (offset < rows[group])
+    source = jnp.clip(starts[group] + offset, 0, max(num_rows - 1, 0))
+    padded = jnp.where(member[:, None], x.astype(jnp.float32)[source], 0.0)
+
+    blocks = padded.reshape(capacity, block, -1)
+    scales = quant.scales_from_amax(jnp.max(jnp.abs(blocks), axis=1), DTYPE, recipe.pow2_scales)  # [blocks, C]
+    values = quant.scaled_values(blocks, quant.reciprocals(scales)[:, None, :], DTYPE)
+    return TokenBlocks(values.reshape(capacity * block, -1).T, scales)
+
+
+def group_table(group_sizes: jax.Array, num_rows: int, block: int) -> jax.Array:
+    """The FP8 wgrad kernel's group table, [3, G] int32: per group (largest first, so that a hot expert's tiles are
+    handed out first and do not finish last) its index, first block and blocks on the padded token axis."""
+    _, rows, first_blocks = group_blocks(group_sizes, num_rows, block)
+    blocks = (rows + block - 1) // block
+    order = jnp.argsort(-blocks, stable=True).astype(jnp.int32)
+    return jnp.stack([order, first_blocks[order], blocks[order]]).astype(jnp.int32)

@@ -1,0 +1,97 @@
+"""The FP8 wgrad kernel (sm90_fp8_wgrad.py, through ``launch.run_fp8_wgrad_kernel`` and the quantized op's
+gradient) under the checking Mosaic GPU interpreter against ``reference_fp8.quantized_wgrad``, the recipe's wgrad in
+XLA, on the same quantization.
+
+The interpreter multiplies the e4m3 values exactly in f32, so the kernel's sum per 128-row block times both scales
+and the reference's product of the dequantized operands differ by f32 rounding only: ``F32_OUT_TOL`` on f32 outputs,
+``BF16_OUT_TOL`` where they are rounded to bf16 (a rare flip of one bf16 unit, 2^-8 relative, in the relative norm).
+Races are detected and uninitialised memory is NaN, so a scale read before its copy landed, a block of another group
+or an output tile the kernel forgot shows up.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import moe_jax
+from moe_jax.ops.grouped_matmul import launch, reference_fp8
+from tests import oracle
+from tests.helpers import checked_interpreter
+
+F32_OUT_TOL = 1e-5
+BF16_OUT_TOL = 2e-3
+RECIPE = reference_fp8.RECIPES["fp8_block"]
+
+# (M, P, Q, group sizes). "edges": empty, one row, one short of / exactly / one past a 128-row block, 35 rows past
+# the sum, Q = 192 (a last column tile of 64). "hot": one group takes every row, P = 192 (a last row tile whose second
+# warpgroup stores nothing), sizes past M.
+CASES = {
+    "edges": (420, 128, 192, [0, 1, 127, 128, 129]),
+    "hot": (300, 192, 128, [0, 300, 0, 40]),
+}
+
+
+@pytest.fixture
+def interpret():
+    """Runs the test's kernels under the checking interpreter and fails it on any detected race."""
+    with checked_interpreter():
+        yield
+
+
+def _operands(seed, m, p, q, dtype):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.normal(size=(m, p)), dtype), jnp.asarray(rng.normal(size=(m, q)), dtype)
+
+
+@pytest.mark.parametrize(
+    "case, in_dtype, out_dtype, tol",
+    [("edges", jnp.float32, jnp.float32, F32_OUT_TOL), ("hot", jnp.bfloat16, jnp.bfloat16, BF16_OUT_TOL)],
+)
+@pytest.mark.usefixtures("interpret")
+def test_kernel_matches_the_recipes_wgrad(case, in_dtype, out_dtype, tol):
+    m, p, q, sizes = CASES[case]
+    x, y = _operands(0, m, p, q, in_dtype)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    out = launch.run_fp8_wgrad_kernel(x, y, group_sizes, out_dtype=out_dtype)
+    expected = reference_fp8.quantized_wgrad(x, group_sizes, y, RECIPE, False, out_dtype)
+    assert out.shape == (len(sizes), p, q) and out.dtype == out_dtype
+    assert oracle.relative_error(out, expected) < tol
+    empty = [g for g, size in enumerate(sizes) if size == 0 or sum(sizes[:g]) >= m]
+    np.testing.assert_array_equal(np.asarray(out, np.float32)[empty], 0.0)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.usefixtures("interpret")
+def test_op_gradient_runs_the_kernel_in_either_weight_layout(transpose_rhs):
+    """d rhs of ``grouped_matmul(quantization="fp8_block", backend="pallas")``, [G, K, N] or [G, N, K], is the
+    recipe's wgrad (the XLA path's d rhs), for f32 weights."""
+    m, k, n, sizes = 300, 128, 192, [129, 0, 1, 127]
+    lhs, d_out = _operands(1, m, k, n, jnp.float32)
+    shape = (len(sizes), n, k) if transpose_rhs else (len(sizes), k, n)
+    rhs = jnp.asarray(np.random.default_rng(2).normal(size=shape) / np.sqrt(k), jnp.float32)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+
+    def op(rhs):
+        return moe_jax.grouped_matmul(
+            lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, quantization="fp8_block", backend="pallas"
+        )
+
+    _, pullback = jax.vjp(op, rhs)
+    (d_rhs,) = pullback(d_out)
+    expected = reference_fp8.quantized_wgrad(lhs, group_sizes, d_out, RECIPE, transpose_rhs, jnp.float32)
+    assert d_rhs.shape == rhs.shape and d_rhs.dtype == jnp.float32
+    assert oracle.relative_error(d_rhs, expected) < F32_OUT_TOL
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (("mxfp8", 128, 128, jnp.float32), "runs quantization='fp8_block'"),
+        (("fp8_block", 128, 96, jnp.float32), "N must be a positive multiple of 64"),
+        (("fp8_block", 128, 128, jnp.float64), "writes float32, bfloat16 or float16"),
+    ],
+)
+def test_calls_the_wgrad_kernel_cannot_run_say_why(args, match):
+    assert match in launch.fp8_wgrad_unsupported(*args)
+    assert launch.fp8_wgrad_unsupported("fp8_block", 128, 192, jnp.bfloat16) is None
