@@ -165,12 +165,11 @@ def test_float64_inputs_whose_output_the_kernel_cannot_write_say_why():
             )
 
 
-def test_auto_keeps_quantized_calls_on_xla_even_on_sm90():
-    """Until the FP8 kernel is measured faster, "auto" picks it for no quantized call; "pallas" does."""
+def test_auto_takes_the_fp8_kernel_on_sm90_where_it_runs():
+    """On an sm90 GPU "auto" runs a quantized call on the FP8 kernel where it applies (fp8_block), else in XLA
+    (mxfp8's 1 x 32 blocks)."""
     lhs, rhs, _ = _args()
-    call = api._gemm_call(lhs, rhs, 256, 256, None, "fp8_block")
     with mock.patch.object(dispatch, "has_sm90_gpu", return_value=True):
-        assert dispatch.select("grouped_matmul", "auto", api.IMPLEMENTATIONS, call).name == "xla"
-        assert dispatch.select("grouped_matmul", "pallas", api.IMPLEMENTATIONS, call).name == "pallas"
-        plain = api._gemm_call(lhs, rhs, 256, 256, None, None)
-        assert dispatch.select("grouped_matmul", "auto", api.IMPLEMENTATIONS, plain).name == "pallas"
+        for quantization, expected in (("fp8_block", "pallas"), ("mxfp8", "xla")):
+            call = api._gemm_call(lhs, rhs, 256, 256, None, quantization)
+            assert dispatch.select("grouped_matmul", "auto", api.IMPLEMENTATIONS, call).name == expected

@@ -134,14 +134,10 @@ def _gather_unsupported(call: MlpCall) -> str | None:
     return _kernels_unsupported(call)
 
 
-def _kernels_preferred(call: MlpCall) -> bool:
-    return grouped_matmul_api.kernel_preferred(call.quantization)
-
-
-IMPLEMENTATIONS = (dispatch.Implementation("pallas", _kernels_unsupported, _kernels_preferred), dispatch.XLA)
+IMPLEMENTATIONS = (dispatch.Implementation("pallas", _kernels_unsupported), dispatch.XLA)
 ROUTED_IMPLEMENTATIONS = (
     dispatch.Implementation("pallas_gather", _gather_unsupported, _gather_preferred),
-    dispatch.Implementation("pallas_sorted", _kernels_unsupported, _kernels_preferred),
+    dispatch.Implementation("pallas_sorted", _kernels_unsupported),
     dispatch.XLA,
 )
 

@@ -8,8 +8,8 @@ an epilogue to run in. The kernel runners below (``run_rows_kernel``, ``run_wgra
 
 With ``quantization="fp8_block"`` the "pallas" entry runs the FP8 kernel (block-scaled e4m3 operands, the same
 epilogues) for the forward and, where N is a multiple of 128, the dgrad; the wgrad runs the FP8 wgrad kernel on
-copies of x and dy quantized in row blocks per group (token_blocks.py, laid out in XLA). "auto" keeps the XLA path
-for quantized calls until the kernel has been measured faster there.
+copies of x and dy quantized in row blocks per group (token_blocks.py, laid out in XLA). "auto" takes them where they
+run, as for bf16.
 """
 
 import dataclasses
@@ -273,17 +273,6 @@ def _kernel_unsupported(call: _GemmCall) -> str | None:
     return kernel_unsupported(shaped, call.contraction, call.num_cols, call.activation)
 
 
-def _kernel_preferred(call: _GemmCall) -> bool:
-    return kernel_preferred(call.quantization)
-
-
-def kernel_preferred(quantization: str | None) -> bool:
-    """Whether "auto" takes the kernels where they run: for bf16 / f16 operands. Quantized calls run the FP8 kernel
-    under backend="pallas" only until its dgrad's accuracy on many short groups is understood
-    (docs/kernels/grouped_matmul.md)."""
-    return quantization is None
-
-
 def fp8_kernels_unsupported(dtype, gemms, quantization: str) -> str | None:
     """Why the FP8 kernel cannot run one of ``gemms`` on high-precision operands of ``dtype`` (None: it runs all).
 
@@ -298,7 +287,7 @@ def fp8_kernels_unsupported(dtype, gemms, quantization: str) -> str | None:
     return None
 
 
-IMPLEMENTATIONS = (dispatch.Implementation("pallas", _kernel_unsupported, _kernel_preferred), dispatch.XLA)
+IMPLEMENTATIONS = (dispatch.Implementation("pallas", _kernel_unsupported), dispatch.XLA)
 
 
 def quantize_weights(
