@@ -7,7 +7,7 @@ Examples:
   python -m benchmarks --bench all --out bench_out/all.json     # every bench (GPU machine)
   python -m benchmarks --bench routing --routing-shapes deepseek-v3 --routing-stages glue,glue-bwd
   python -m benchmarks --bench glu --glu-activations swiglu,gpt_oss --backends pallas   # the GLU's targets
-  python -m benchmarks --bench ep --backends pallas     # expert vs data parallel over all local GPUs
+  python -m benchmarks --bench ep --backends pallas     # expert (by dispatch) vs data parallel on 1, 2, 4 GPUs
   python -m benchmarks --plot benchmarks/results/<run>.jsonl   # bar charts of a recorded run (<run>.png)
   python -m benchmarks --report                                 # benchmarks/RESULTS.md from benchmarks/results/
 """
@@ -39,8 +39,8 @@ TITLES = {
     "glu": "Gate_up grouped matmul + GLU, forward (fused epilogue vs GEMM, GEMM + XLA GLU)",
     "glu-bwd": "GLU MLP (gate_up, GLU, down, row scale), backward alone from the forward's residuals",
     "glu-mlp": "GLU MLP (gate_up, GLU, down, row scale), forward + backward",
-    "ep": "moe_ffn layer over all local devices (expert and data parallel), forward",
-    "ep-bwd": "moe_ffn layer over all local devices (expert and data parallel), forward + backward",
+    "ep": "moe_ffn layer on 1, 2, 4 devices at a fixed batch per device (expert parallel by dispatch, data parallel)",
+    "ep-bwd": "the ep bench's layers, forward + backward",
     "quant": "Block-scaled FP8 quantization (sm90 kernel vs XLA), fraction of the HBM roofline",
 }
 TABLES = {  # benches without a FLOP model (routing) or with a baseline of their own (ep) have their own table
@@ -84,7 +84,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--skew-shapes", help=f"shapes for skew (default: {DEFAULT_SKEW_SHAPE['bench']})")
     parser.add_argument(
         "--layer-shapes",
-        help="layer shapes for layer and ep (default: every 'bench' layer shape; ep: the first)",
+        help="layer shapes for layer and ep (default: every 'bench' layer shape; ep: qwen3-30b-a3b and gpt-oss-120b)",
     )
     parser.add_argument(
         "--routing-shapes",
@@ -305,9 +305,10 @@ def main(argv: list[str] | None = None) -> list[common.Record]:
         elif bench == "layer":
             records += layer.run(layer_shapes, options, emit=emit)
         elif bench == "ep":
-            records += expert_parallel.run(
-                layer_shapes[:1] if args.layer_shapes is None else layer_shapes, options, emit=emit
+            ep_shapes = (
+                expert_parallel.default_shapes() if args.layer_shapes is None and tag == "bench" else layer_shapes
             )
+            records += expert_parallel.run(ep_shapes, options, emit=emit)
         elif bench == "glu":
             records += glu.run(glu_shapes, options, activations=glu_activations, routing=args.routing, emit=emit)
         elif bench == "quant":

@@ -1,18 +1,23 @@
-"""The MoE layer over all local devices: expert parallelism ("ep", "ep-bwd") against one device and data parallelism.
+"""The MoE layer over 1, 2 and 4 local devices at a fixed batch per device (weak scaling): expert parallelism by
+all-gather and by all-to-all dispatch against data parallelism ("ep" forward, "ep-bwd" forward + backward).
 
-At each layer shape, with P = ``jax.device_count()`` and the same global batch of T tokens:
+At each layer shape, T_dev = T / (the largest device count used) tokens per device, and for n devices (1, 2, 4, as
+many as there are) the global batch is n * T_dev:
 
-- "moe_jax:<backend>": ``moe_jax.moe_ffn`` on one device (the first), the whole batch: the speed-up's baseline;
-- "dp<P>:<backend>": data parallelism, ``moe_ffn_expert_parallel`` on a ("data", "expert") mesh of (P, 1): every
-  device holds all E experts and routes and computes its own T / P tokens; no collective in the layer's forward
-  (its backward all-reduces the weights' gradients);
-- "ep<P>:<backend>": expert parallelism on a mesh of (1, P): every device holds E / P experts, all-gathers the
-  batch, routes all of it, computes its experts' rows and reduce-scatters the partial outputs;
-- "ep<P>:collectives": the all-gather and the reduce-scatter of [T / P, D] bf16 alone (forward) and with their
-  transposes (forward + backward), what the "ep" row spends on communication at least.
+- "moe_jax:<backend>": ``moe_jax.moe_ffn`` on one device: the weak-scaling baseline;
+- "dp<n>:<backend>": data parallelism, a ("data", "expert") mesh of (n, 1): all E experts on every device, no
+  collective in the layer's forward (its backward all-reduces the weights' gradients);
+- "ep<n>-all_gather:<backend>", "ep<n>-all_to_all:<backend>": expert parallelism on (1, n), E / n experts a device,
+  ``moe_ffn_expert_parallel(dispatch=...)``, the all-to-all named by its exchange: "-ragged" (GPUs) or "-padded"
+  (elsewhere, and beside the ragged one on GPUs at the most devices).
 
-FLOPs are the whole layer's (``common.moe_ffn_flops``), so TF/s is the sum over the devices. Outputs (and gradients
-with respect to x, the router kernel and both expert weights) are checked against the one-device row's.
+Routing: "uniform" (the layer's router on N(0, 1) tokens) and "skewed" (the first E / 8 experts get +1 selection
+bias, so the first device's experts take several times their share), the latter at the most devices only.
+Each record's dims hold: ``bytes_per_token``, forward bytes sent per token per layer and device, both ways, as the
+implementation sends them and as the ideal does (each routed row to each distinct remote owner of the token's
+experts once, and back), computed from the routing of the timed inputs (the backward sends as much again);
+``memory``, the compiled program's per-device temp, argument and output bytes. Outputs (and gradients) of the
+expert-parallel rows are checked against the data-parallel row of the same devices and inputs.
 """
 
 import functools
@@ -20,33 +25,44 @@ import sys
 from collections.abc import Callable
 
 import jax
-from jax import lax
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moe_jax
 from benchmarks import common
 from benchmarks.layer import make_inputs
-from benchmarks.shapes import LayerShape
+from benchmarks.shapes import LAYER_SHAPES, LayerShape
+from moe_jax.ops.routing.api import router_logits
 from moe_jax.parallel import moe_ffn_expert_parallel
 
 ARG_NAMES = ("x", "router_kernel", "w_gate_up", "w_down")
 AXES = ("data", "expert")
+MAX_DEVICES = 4
+DEFAULT_SHAPES = ("qwen3-30b-a3b", "gpt-oss-120b")
 
 
-def layer_fn(shape: LayerShape, backend: str, route_kwargs: dict, *, parallel: bool) -> Callable:
-    """``(x, router_kernel, w_gate_up, w_down) -> y`` through ``moe_ffn`` or its expert-parallel form."""
-    ffn = moe_ffn_expert_parallel if parallel else moe_jax.moe_ffn
+def default_shapes() -> list[LayerShape]:
+    """The layers the issue's targets name."""
+    return [LAYER_SHAPES[name] for name in DEFAULT_SHAPES]
+
+
+def layer_fn(shape: LayerShape, backend: str, route_kwargs: dict, *, parallel: dict | None) -> Callable:
+    """``(x, router_kernel, w_gate_up, w_down) -> y`` through ``moe_ffn`` or, with ``parallel`` (its keywords), the
+    expert-parallel layer."""
 
     def layer(x, router_kernel, w_gate_up, w_down):
-        return ffn(x, router_kernel, w_gate_up, w_down, activation=shape.activation, backend=backend, **route_kwargs)[0]
+        if parallel is None:
+            return moe_jax.moe_ffn(
+                x, router_kernel, w_gate_up, w_down, activation=shape.activation, backend=backend, **route_kwargs
+            )[0]
+        return moe_ffn_expert_parallel(
+            x, router_kernel, w_gate_up, w_down, activation=shape.activation, backend=backend, **route_kwargs,
+            **parallel
+        )[0]  # fmt: skip
 
     return layer
-
-
-def _collectives(x):
-    """x [T / P, D] -> the all-gather over "expert" then the reduce-scatter of the result: EP's two collectives."""
-    return lax.psum_scatter(lax.all_gather(x, "expert", tiled=True), "expert", tiled=True)
 
 
 def placements(mesh: jax.sharding.Mesh) -> dict:
@@ -70,7 +86,44 @@ def on_mesh(fn: Callable, mesh: jax.sharding.Mesh) -> Callable:
         with jax.set_mesh(mesh):
             return jitted(*args)
 
+    call.lower = lambda *args: _lower_under(jitted, mesh, args)
     return call
+
+
+def _lower_under(jitted, mesh, args):
+    with jax.set_mesh(mesh):
+        return jitted.lower(*args)
+
+
+def bytes_per_token(experts: np.ndarray, num_devices: int, num_experts: int, row_bytes: int, impl: str) -> dict:
+    """Forward bytes sent per token and device, both ways, for tokens split evenly over ``num_devices`` in order.
+
+    experts: [T, k] the routing's selection. "ideal": each token's row once to each distinct device other than its
+    own that owns one of its experts, and the output back (none for data parallelism). "sent": what ``impl`` sends:
+    the ragged all-to-all each routed row to a remote owner and back, plus 8 bytes of weight and expert id; the padded
+    one every peer's slot of T_dev * k rows (and their 8 bytes) there and back; all_gather P - 1 rows each way per
+    token; data parallel none.
+    """
+    num_tokens, top_k = experts.shape
+    home = np.arange(num_tokens)[:, None] // (num_tokens // num_devices)
+    owner = experts // (num_experts // num_devices)
+    remote = owner != home
+    distinct_remote = np.array([len(set(row[mask])) for row, mask in zip(owner, remote, strict=True)])
+    if impl.startswith(("dp", "moe_jax")):
+        return {"ideal": 0.0, "sent": 0.0}
+    ideal = 2 * row_bytes * distinct_remote.mean()
+    if "all_gather" in impl:
+        sent = 2 * row_bytes * (num_devices - 1)
+    elif "padded" in impl:
+        sent = (2 * row_bytes + 8) * (num_devices - 1) * top_k
+    else:
+        sent = (2 * row_bytes + 8) * remote.sum(1).mean()
+    return {"ideal": float(ideal), "sent": float(sent)}
+
+
+def skewed_bias(num_experts: int) -> jax.Array:
+    """+1 selection bias on the first E / 8 experts."""
+    return jnp.where(jnp.arange(num_experts) < max(1, num_experts // 8), 1.0, 0.0)
 
 
 def bench_shape(
@@ -78,28 +131,46 @@ def bench_shape(
 ) -> list[common.Record]:
     bench = "ep-bwd" if backward else "ep"
     devices = jax.devices()
-    num_devices = len(devices)
-    # Only what the layer reads; placed on one device or a mesh per row (inputs built on first use, as in layer.py).
+    counts = [n for n in (1, 2, 4) if n <= min(MAX_DEVICES, len(devices))]
+    tokens_per_device = shape.t // counts[-1]
     inputs = functools.cache(
-        lambda: [{name: s[name] for name in (*ARG_NAMES, "ct")} for s in make_inputs(shape, seed=options.seed)]
+        lambda: [{name: s[name] for name in (*ARG_NAMES, "ct")} for s in make_inputs(shape, seed=options.seed)][:1]
     )
-    dims = {"t": shape.t, "d": shape.d, "f": shape.f, "e": shape.e, "k": shape.top_k, "devices": num_devices}
-    dims |= shape.route_options()
-    flops = common.moe_ffn_flops(shape.t, shape.d, shape.f, shape.e, shape.top_k, backward=backward)
-    route_kwargs = common.routing_kwargs(shape, options.seed)
+    flops_per_device = common.moe_ffn_flops(
+        tokens_per_device, shape.d, shape.f, shape.e, shape.top_k, backward=backward
+    )
+    base_route = common.routing_kwargs(shape, options.seed)
+    row_bytes = shape.d * 2  # bf16 rows, as the bench's inputs
+    on_gpu = devices[0].platform == "gpu"
     records = []
 
-    def time_it(impl: str, fn: Callable, shardings: dict, names=ARG_NAMES, reference=None, flops=flops):
-        record = common.Record(bench, shape.name, "router", impl, flops, dims)
+    def time_it(impl, fn, shardings, num_devices, routing_name, experts, reference=None):
+        dims = {"t": num_devices * tokens_per_device, "d": shape.d, "f": shape.f, "e": shape.e, "k": shape.top_k}
+        dims |= {"devices": num_devices, "tokens_per_device": tokens_per_device}
+        dims["bytes_per_token"] = bytes_per_token(experts, num_devices, shape.e, row_bytes, impl)
+        record = common.Record(bench, shape.name, routing_name, impl, flops_per_device * num_devices, dims)
         if common.past_deadline(options):
             records.append(common.skip(record))
             emit(record)
             return None
-        names += ("ct",) if backward else ()
-        arg_sets = [tuple(jax.device_put(s[name], shardings[name]) for name in names) for s in inputs()]
+        names = ARG_NAMES + (("ct",) if backward else ())
+        tokens = num_devices * tokens_per_device
+        arg_sets = [
+            tuple(jax.device_put(s[n][:tokens] if n in ("x", "ct") else s[n], shardings[n]) for n in names)
+            for s in inputs()
+        ]
+        try:
+            analysis = fn.lower(*arg_sets[0]).compile().memory_analysis()
+            dims["memory"] = {
+                "temp": analysis.temp_size_in_bytes,
+                "arguments": analysis.argument_size_in_bytes,
+                "outputs": analysis.output_size_in_bytes,
+            }
+        except Exception as error:  # the measurement below reports the failure
+            dims["memory"] = {"error": common.classify_failure(error)[1]}
         output = common.measure(record, fn, arg_sets, options)
         if output is not None:
-            output = jax.device_get(output)  # host copies: the rows' outputs live on different devices
+            output = jax.device_get(output)
             if reference is not None:
                 record.set_check(common.relative_errors(output, reference[1]), reference[0])
         records.append(record)
@@ -109,31 +180,55 @@ def bench_shape(
     def differentiated(layer):
         return common.forward_backward(layer) if backward else layer
 
-    one_device = jax.sharding.SingleDeviceSharding(devices[0])
-    single = dict.fromkeys((*ARG_NAMES, "ct"), one_device)
-    meshes = {
-        f"dp{num_devices}": jax.make_mesh((num_devices, 1), AXES, axis_types=(AxisType.Explicit,) * 2),
-        f"ep{num_devices}": jax.make_mesh((1, num_devices), AXES, axis_types=(AxisType.Explicit,) * 2),
-    }
     for backend in options.backends:
-        layer = layer_fn(shape, backend, route_kwargs, parallel=False)
-        output = time_it(f"moe_jax:{backend}", jax.jit(differentiated(layer)), single)
-        reference = (f"moe_jax:{backend}", output) if output is not None else None
-        parallel = layer_fn(shape, backend, route_kwargs, parallel=True)
-        for name, mesh in meshes.items():
-            time_it(f"{name}:{backend}", on_mesh(differentiated(parallel), mesh), placements(mesh), reference=reference)
-    ep_mesh = meshes[f"ep{num_devices}"]
-    collectives = jax.shard_map(_collectives, mesh=ep_mesh, in_specs=P(AXES), out_specs=P(AXES))
-    if backward:
-        collectives = common.forward_backward(collectives)
-    time_it(f"ep{num_devices}:collectives", jax.jit(collectives), placements(ep_mesh), names=("x",), flops=0)
+        for routing_name in ("uniform", "skewed"):
+            route_kwargs = dict(base_route)
+            if routing_name == "skewed":
+                route_kwargs["bias"] = skewed_bias(shape.e)
+            experts = np.asarray(
+                moe_jax.route(
+                    router_logits(inputs()[0]["x"], inputs()[0]["router_kernel"]),
+                    shape.top_k,
+                    bias=route_kwargs.get("bias"),
+                    **shape.route_options(),
+                    backend="xla",
+                ).experts
+            )
+            one_device = jax.sharding.SingleDeviceSharding(devices[0])
+            single = dict.fromkeys((*ARG_NAMES, "ct"), one_device)
+            if routing_name == "uniform":
+                layer = differentiated(layer_fn(shape, backend, route_kwargs, parallel=None))
+                jitted = jax.jit(layer)
+                time_it(f"moe_jax:{backend}", jitted, single, 1, routing_name, experts[:tokens_per_device])
+            for num_devices in counts[1:] if routing_name == "uniform" else counts[-1:]:
+                mesh_devices = devices[:num_devices]
+                meshes = {
+                    kind: jax.make_mesh(shape_, AXES, axis_types=(AxisType.Explicit,) * 2, devices=mesh_devices)
+                    for kind, shape_ in (("dp", (num_devices, 1)), ("ep", (1, num_devices)))
+                }
+                used = experts[: num_devices * tokens_per_device]
+                dp = differentiated(layer_fn(shape, backend, route_kwargs, parallel=dict(dispatch="all_gather")))
+                dp_impl = f"dp{num_devices}:{backend}"
+                out = time_it(dp_impl, on_mesh(dp, meshes["dp"]), placements(meshes["dp"]), num_devices,
+                              routing_name, used)  # fmt: skip
+                reference = (dp_impl, out) if out is not None else None
+                # The exchange "auto" picks (ragged on GPUs); on GPUs the padded one too, at the most devices.
+                exchange = "ragged" if on_gpu else "padded"
+                variants = {"all_gather": {}, f"all_to_all-{exchange}": dict(exchange=exchange)}
+                if on_gpu and num_devices == counts[-1]:
+                    variants["all_to_all-padded"] = dict(exchange="padded")
+                for name, extra in variants.items():
+                    parallel = dict(dispatch=name.split("-")[0], **extra)
+                    layer = differentiated(layer_fn(shape, backend, route_kwargs, parallel=parallel))
+                    time_it(f"ep{num_devices}-{name}:{backend}", on_mesh(layer, meshes["ep"]),
+                            placements(meshes["ep"]), num_devices, routing_name, used, reference)  # fmt: skip
     return records
 
 
 def run(shapes: list[LayerShape], options: common.Options, *, emit: Callable[[common.Record], None]):
-    """Runs "ep" and "ep-bwd" over ``shapes`` on all local devices."""
+    """Runs "ep" and "ep-bwd" over ``shapes`` on up to 4 local devices."""
     records = []
-    for backward in (False, True):
+    for backward in (True, False):  # forward + backward first: the targets' numbers, should a time limit cut the run
         for shape in shapes:
             print(f"[ep{'-bwd' if backward else ''}] {shape.name} on {jax.device_count()} devices", file=sys.stderr)
             records += bench_shape(shape, options, backward=backward, emit=emit)
@@ -141,23 +236,30 @@ def run(shapes: list[LayerShape], options: common.Options, *, emit: Callable[[co
 
 
 def scaling_table(records: list[common.Record]) -> str:
-    """One row per record: its time and speed-up over the one-device layer of the same bench, shape and backend."""
+    """One row per record: time, tokens/s per device and its ratio to one device at the same per-device batch
+    (weak-scaling efficiency), forward bytes sent per token against the ideal, per-device memory."""
     rows = [
-        "| shape | devices | impl | ms | spread | speed-up vs one device | rel err |",
-        "|---|---:|---|---:|---:|---:|---:|",
+        "| shape | routing | devices | impl | ms | tokens/s per device | vs one device | bytes/token sent (ideal) "
+        "| temp MiB | rel err |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     single = {
-        (r.bench, r.shape, r.impl.split(":")[1]): r.timing.median_s
+        (r.bench, r.shape, r.impl.split(":")[-1]): r.timing.median_s
         for r in records
         if r.impl.startswith("moe_jax:") and r.timing
     }
     for r in records:
-        head = f"| {r.shape} | {r.dims['devices']} | {r.impl} |"
+        head = f"| {r.shape} | {r.routing} | {r.dims['devices']} | {r.impl} |"
         if r.timing is None:
-            rows.append(f"{head} {r.status}: {r.note} | | | |")
+            rows.append(f"{head} {r.status}: {r.note} | | | | | |")
             continue
-        baseline = single.get((r.bench, r.shape, r.impl.split(":")[1]))
-        speedup = f"{baseline / r.timing.median_s:.2f}" if baseline else ""
+        per_device = r.dims["tokens_per_device"] / r.timing.median_s
+        baseline = single.get((r.bench, r.shape, r.impl.split(":")[-1]))
+        ratio = f"{baseline / r.timing.median_s:.2f}" if baseline else ""
+        traffic = r.dims.get("bytes_per_token", {})
+        sent = f"{traffic.get('sent', 0):.0f} ({traffic.get('ideal', 0):.0f})" if traffic else ""
+        temp = r.dims.get("memory", {}).get("temp")
+        temp = f"{temp / 2**20:.0f}" if temp is not None else ""
         err = f"{r.rel_err:.1e}" if r.rel_err is not None else ""
-        rows.append(f"{head} {r.timing.median_s * 1e3:.3f} | {r.timing.spread * 100:.0f}% | {speedup} | {err} |")
+        rows.append(f"{head} {r.timing.median_s * 1e3:.3f} | {per_device:,.0f} | {ratio} | {sent} | {temp} | {err} |")
     return "\n".join(rows)

@@ -140,6 +140,34 @@ def capacity_keep(experts, selected_scores, capacity: int) -> np.ndarray:
     return keep.reshape(np.shape(experts))
 
 
+def buffer_keep(
+    experts, selected_scores, *, num_devices: int, num_peers: int, experts_per_device: int, bound: int
+) -> np.ndarray:
+    """[T, k] bool: the assignments that expert parallelism's receive buffers keep.
+
+    T tokens split evenly over ``num_devices`` devices in order; consecutive runs of P = ``num_peers`` devices form an
+    expert axis, device i of a run owning experts [i * G, (i + 1) * G), G = ``experts_per_device``. Each device
+    keeps the ``bound`` best-scored assignments sent to it from its run: by descending score, then by sender, then
+    by the sender's expert-sorted order (expert, token, slot).
+    """
+    experts, selected_scores = np.asarray(experts), np.asarray(selected_scores)
+    num_tokens, top_k = experts.shape
+    tokens_per_device = num_tokens // num_devices
+    keep = np.zeros(experts.shape, bool)
+    for first_device in range(0, num_devices, num_peers):
+        for receiver in range(num_peers):
+            candidates = []
+            for sender in range(num_peers):
+                first_token = (first_device + sender) * tokens_per_device
+                for t in range(first_token, first_token + tokens_per_device):
+                    for j in range(top_k):
+                        if experts[t, j] // experts_per_device == receiver:
+                            candidates.append((-selected_scores[t, j], sender, experts[t, j], t, j))
+            for *_, t, j in sorted(candidates)[:bound]:
+                keep[t, j] = True
+    return keep
+
+
 def capacity_rows(experts, keep, num_experts: int) -> tuple[np.ndarray, np.ndarray, set[int]]:
     """(group_sizes [E], kept [sum(group_sizes)] assignment indices in expert-sorted order, the set of dropped
     assignments) of a [T, k] selection and its [T, k] ``keep``: per expert, its kept assignments by increasing index."""
@@ -203,9 +231,12 @@ def grouped_matmul(lhs, rhs, group_sizes, *, activation=None, row_scale=None, tr
     return out
 
 
-def _layer_routing(x, router_kernel, top_k, capacity_factor, routing) -> tuple[np.ndarray, dict, np.ndarray]:
+def _layer_routing(
+    x, router_kernel, top_k, capacity_factor, routing, keep_rule=None
+) -> tuple[np.ndarray, dict, np.ndarray]:
     """(logits [T, E], ``route``'s dict, keep [T, k]) of one layer; logits token by token, so equal tokens get
-    bit-equal logits (and so tie exactly, as they do in the layer)."""
+    bit-equal logits (and so tie exactly, as they do in the layer). ``keep_rule(routed) -> [T, k] bool`` drops
+    assignments (e.g. ``buffer_keep``'s) on top of a capacity."""
     router_kernel = np.asarray(router_kernel, np.float64)
     logits = np.stack([token @ router_kernel for token in x])
     routed = route(logits, top_k, **routing)
@@ -214,6 +245,8 @@ def _layer_routing(x, router_kernel, top_k, capacity_factor, routing) -> tuple[n
     if capacity_factor is not None:
         capacity = expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
         keep = capacity_keep(routed["experts"], routed["selected_scores"], capacity)
+    if keep_rule is not None:
+        keep = keep & keep_rule(routed)
     return logits, routed, keep
 
 
@@ -223,11 +256,13 @@ def _expert_tokens(routed, keep, expert) -> tuple[np.ndarray, np.ndarray]:
     return tokens, routed["weights"][tokens, slots]
 
 
-def moe_ffn(x, router_kernel, w_gate_up, w_down, *, top_k, activation="swiglu", capacity_factor=None, **routing):
+def moe_ffn(
+    x, router_kernel, w_gate_up, w_down, *, top_k, activation="swiglu", capacity_factor=None, keep_rule=None, **routing
+):
     """Returns (y [T, D], dict(load_balancing_loss, z_loss, expert_counts, keep [T, k])): expert by expert over the
-    tokens each one keeps, no permutation."""
+    tokens each one keeps, no permutation (``keep_rule``: as ``_layer_routing``'s)."""
     x = np.asarray(x, np.float64)
-    logits, routed, keep = _layer_routing(x, router_kernel, top_k, capacity_factor, routing)
+    logits, routed, keep = _layer_routing(x, router_kernel, top_k, capacity_factor, routing, keep_rule)
     w_gate_up = np.asarray(w_gate_up, np.float64)
     w_down = np.asarray(w_down, np.float64)
     half = w_gate_up.shape[2] // 2
@@ -265,6 +300,7 @@ def moe_ffn_gradients(
     top_k,
     activation="swiglu",
     capacity_factor=None,
+    keep_rule=None,
     load_balancing_weight=1.0,
     z_loss_weight=0.0,
     score="softmax",
@@ -283,7 +319,12 @@ def moe_ffn_gradients(
         np.asarray(a, np.float64) for a in (x, router_kernel, w_gate_up, w_down, cotangent)
     )
     logits, routed, keep = _layer_routing(
-        x, router_kernel, top_k, capacity_factor, dict(score=score, renormalize=renormalize, scale=scale, **routing)
+        x,
+        router_kernel,
+        top_k,
+        capacity_factor,
+        dict(score=score, renormalize=renormalize, scale=scale, **routing),
+        keep_rule,
     )
     num_tokens, num_experts = logits.shape
     half = w_gate_up.shape[2] // 2

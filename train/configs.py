@@ -100,6 +100,7 @@ class TrainConfig:
       seed: parameter initialisation and the training data stream.
       expert_parallelism: size of the mesh's "expert" axis (the rest of the devices form the "data" axis); above 1
         the MoE layers run expert-parallel (``moe_jax.nn.MoE(expert_parallel=True)``).
+      dispatch: the expert-parallel layers' ``dispatch`` ("auto", "all_gather" or "all_to_all").
     """
 
     model: ModelConfig
@@ -123,6 +124,7 @@ class TrainConfig:
     ckpt_every: int = 100
     seed: int = 0
     expert_parallelism: int = 1
+    dispatch: str = "auto"
 
     def __post_init__(self):
         _check_positive(

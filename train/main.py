@@ -24,6 +24,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=os.environ.get("MOE_JAX_DISTRIBUTED") == "1",
         help="call jax.distributed.initialize() first (multi-process runs; also MOE_JAX_DISTRIBUTED=1)",
     )
+    parser.add_argument(
+        "--expert-parallel", type=int, metavar="N", help="devices of the mesh's expert axis (default: the config's)"
+    )
+    parser.add_argument(
+        "--dispatch", choices=("auto", "all_gather", "all_to_all"), help="expert-parallel dispatch (default: auto)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     return parser.parse_args(argv)
 
@@ -45,6 +51,10 @@ def main(argv: list[str] | None = None) -> None:
         # Short runs keep a tenth of their steps for warm-up at most, so that the cosine part never vanishes.
         warmup = min(config.warmup_steps, args.steps // 10)
         config = dataclasses.replace(config, steps=args.steps, warmup_steps=warmup)
+    if args.expert_parallel is not None:
+        config = dataclasses.replace(config, expert_parallelism=args.expert_parallel)
+    if args.dispatch is not None:
+        config = dataclasses.replace(config, dispatch=args.dispatch)
     train(
         config,
         backend=args.backend,

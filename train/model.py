@@ -64,7 +64,7 @@ class Attention(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, config: ModelConfig, *, backend: str, expert_parallel: bool, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, backend: str, expert_parallel: bool, dispatch: str, rngs: nnx.Rngs):
         self.attention_norm = RMSNorm(config.d_model, param_dtype=config.params_dtype)
         self.attention = Attention(config, rngs=rngs)
         self.moe_norm = RMSNorm(config.d_model, param_dtype=config.params_dtype)
@@ -82,6 +82,7 @@ class Block(nnx.Module):
             param_dtype=config.params_dtype,
             backend=backend,
             expert_parallel=expert_parallel,
+            dispatch=dispatch,
             rngs=rngs,
         )
 
@@ -96,12 +97,22 @@ class Transformer(nnx.Module):
     Each MoE layer sows its ``MoEAux`` (collect with ``nnx.capture(model, nnx.Intermediate)``; see ``layer_aux``).
     """
 
-    def __init__(self, config: ModelConfig, *, backend: str = "auto", expert_parallel: bool = False, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        backend: str = "auto",
+        expert_parallel: bool = False,
+        dispatch: str = "auto",
+        rngs: nnx.Rngs,
+    ):
         dtype = config.params_dtype
         self.embed = replicated_param(
             nnx.initializers.normal(1.0)(rngs.params(), (config.vocab_size, config.d_model), dtype)
         )
-        block = functools.partial(Block, config, backend=backend, expert_parallel=expert_parallel, rngs=rngs)
+        block = functools.partial(
+            Block, config, backend=backend, expert_parallel=expert_parallel, dispatch=dispatch, rngs=rngs
+        )
         self.blocks = nnx.List([block() for _ in range(config.num_layers)])
         self.final_norm = RMSNorm(config.d_model, param_dtype=dtype)
         head_init = nnx.initializers.normal(config.d_model**-0.5)

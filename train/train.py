@@ -214,7 +214,13 @@ def train(
     with jax.set_mesh(mesh):
         # With an expert axis the MoE layers run expert-parallel (moe_jax.parallel), not as one XLA-partitioned op.
         expert_parallel = config.expert_parallelism > 1
-        model = Transformer(config.model, backend=backend, expert_parallel=expert_parallel, rngs=nnx.Rngs(config.seed))
+        model = Transformer(
+            config.model,
+            backend=backend,
+            expert_parallel=expert_parallel,
+            dispatch=config.dispatch,
+            rngs=nnx.Rngs(config.seed),
+        )
         optimizer = nnx.Optimizer(model, make_optimizer(config), wrt=nnx.Param)
         checkpointer = Checkpointer(ckpt_dir) if ckpt_dir else None
         start = data_position = 0

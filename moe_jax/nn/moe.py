@@ -156,9 +156,10 @@ class MoE(nnx.Module):
       quantization: None, "fp8_block" or "mxfp8": the routed and shared experts' GEMMs on block-scaled FP8 operands
         (``moe_jax.moe_ffn``'s); the parameters stay in ``param_dtype`` and are quantized on every call, the router
         stays in high precision.
-      expert_parallel: run the routed experts split over the current mesh's "expert" axis
-        (``moe_jax.parallel.moe_ffn_expert_parallel``: all-gather dispatch, reduce-scatter combine under
-        ``jax.shard_map``); call the layer under ``jax.set_mesh``. False: one ``moe_ffn`` that XLA partitions.
+      expert_parallel: run the layer with the routed experts split over the current mesh's "expert" axis
+        (``moe_jax.parallel.moe_ffn_expert_parallel`` under ``jax.shard_map``, the shared experts inside it); call
+        the layer under ``jax.set_mesh``. False: one ``moe_ffn`` that XLA partitions.
+      dispatch, buffer_factor, num_chunks: ``moe_ffn_expert_parallel``'s, with ``expert_parallel`` only.
       rngs: ``nnx.Rngs`` with a ``params`` stream.
 
     Parameters: ``router.kernel`` [D, E], ``w_gate_up`` [E, D, 2F], ``w_down`` [E, F, D]; the expert axis carries the
@@ -185,6 +186,9 @@ class MoE(nnx.Module):
         backend: str = "auto",
         quantization: str | None = None,
         expert_parallel: bool = False,
+        dispatch: str = "auto",
+        buffer_factor: float | None = None,
+        num_chunks: int = 1,
         rngs: nnx.Rngs,
         **routing_keywords,
     ):
@@ -223,12 +227,28 @@ class MoE(nnx.Module):
         self.backend = backend
         self.quantization = quantization
         self.expert_parallel = expert_parallel
+        self.dispatch = dispatch
+        self.buffer_factor = buffer_factor
+        self.num_chunks = num_chunks
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [..., D] -> [..., D] in the compute dtype; sows a ``MoEAux`` as ``nnx.Intermediate`` "moe_aux"."""
         dtype = self.dtype or x.dtype
         tokens = x.reshape(-1, x.shape[-1]).astype(dtype)
-        layer = functools.partial(moe_ffn_expert_parallel, expert_axis=EXPERT_AXIS) if self.expert_parallel else moe_ffn
+        if self.expert_parallel:
+            shared = None
+            if self.shared is not None:
+                shared = (_gate_up(self.shared.w_gate_up, dtype), self.shared.w_down[...].astype(dtype))
+            layer = functools.partial(
+                moe_ffn_expert_parallel,
+                expert_axis=EXPERT_AXIS,
+                dispatch=self.dispatch,
+                buffer_factor=self.buffer_factor,
+                num_chunks=self.num_chunks,
+                shared_experts=shared,
+            )
+        else:
+            layer = moe_ffn
         y, aux = layer(
             tokens,
             self.router.kernel[...],
@@ -242,7 +262,10 @@ class MoE(nnx.Module):
             routing=self.router.routing,
             quantization=self.quantization,
         )
-        if self.shared is not None:
+        if self.expert_parallel and jax.typeof(y).sharding.spec != jax.typeof(tokens).sharding.spec:
+            # Under Explicit axes y comes back sharded over the tokens: back to the layout of the tokens it replaces.
+            y = jax.sharding.reshard(y, jax.typeof(tokens).sharding.spec)
+        if self.shared is not None and not self.expert_parallel:
             y = y + self.shared(tokens)
         # Outside nnx.capture there is nowhere to put it: sowing is then a no-op.
         self.sow(nnx.Intermediate, "moe_aux", aux, capture_noop=True)

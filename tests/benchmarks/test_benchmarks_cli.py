@@ -159,23 +159,39 @@ def test_pallas_backend_is_picked_up(tmp_path):
 
 
 def test_expert_parallel_bench_over_two_devices(tmp_path):
-    """--bench ep on two virtual CPU devices: one device, data and expert parallel, collectives; checked and tabled."""
+    """--bench ep on two virtual CPU devices: one device, data parallel and both dispatches, uniform and skewed
+    routing; checked against data parallelism, with bytes per token and memory, and tabled."""
     stdout, data, _ = run_cli(
-        tmp_path, "--bench", "ep", "--backends", "xla", env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+        tmp_path,
+        "--bench",
+        "ep",
+        "--backends",
+        "xla",
+        "--layer-shapes",
+        "ci/layer",
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
     )
-    impls = ("moe_jax:xla", "dp2:xla", "ep2:xla", "ep2:collectives")
-    assert sorted((r["bench"], r["impl"]) for r in data["records"]) == sorted(
-        (bench, impl) for bench in ("ep", "ep-bwd") for impl in impls
+    parallel = ("dp2:xla", "ep2-all_gather:xla", "ep2-all_to_all-padded:xla")
+    expected = [("uniform", "moe_jax:xla")] + [
+        (routing, impl) for routing in ("uniform", "skewed") for impl in parallel
+    ]
+    assert sorted((r["bench"], r["routing"], r["impl"]) for r in data["records"]) == sorted(
+        (bench, *case) for bench in ("ep", "ep-bwd") for case in expected
     )
     for r in data["records"]:
         assert r["status"] == "ok" and r["timing"]["median_s"] > 0, r
-        assert r["dims"]["devices"] == 2
-        if r["impl"] in ("dp2:xla", "ep2:xla"):
-            assert r["checked_against"] == "moe_jax:xla", r
-            # forward + backward: y and 4 gradients, bf16 (summed in another order on two devices).
+        assert r["dims"]["devices"] == (1 if r["impl"] == "moe_jax:xla" else 2)
+        assert r["dims"]["memory"]["temp"] > 0, r
+        traffic = r["dims"]["bytes_per_token"]
+        if r["impl"].startswith("ep2-all_to_all"):
+            # The padded exchange sends every peer's whole slot: k rows a token there and back, plus 8 bytes a row.
+            assert traffic["ideal"] <= traffic["sent"] == (2 * 128 * 2 + 8) * 2, r
+        if r["impl"].startswith("ep2"):
+            assert r["checked_against"] == "dp2:xla", r
+            # forward + backward: y and 4 gradients, bf16 (summed in another order).
             assert len(r["rel_err_leaves"]) == (5 if r["bench"] == "ep-bwd" else 1) and r["rel_err"] < 1e-2, r
-    assert "| shape | devices | impl | ms | spread | speed-up vs one device | rel err |" in stdout
-    assert "| ci/layer | 2 | ep2:xla |" in stdout and "| ci/layer | 2 | moe_jax:xla |" in stdout
+    assert "| shape | routing | devices | impl | ms | tokens/s per device | vs one device |" in stdout
+    assert "| ci/layer | uniform | 2 | ep2-all_to_all-padded:xla |" in stdout
 
 
 def test_routing_kernels_side_by_side_with_xla(tmp_path):

@@ -115,7 +115,13 @@ def _results(layer, inputs, options, backend):
 
 
 # The capacity is per expert-axis group: equal to moe_ffn's only where one group holds the batch (layout "expert").
-LAYOUTS = [(case, "expert") for case in CASES] + [(case, "data") for case in CASES if "capacity" not in CASES[case]]
+# "expert all_to_all": the all-to-all dispatch (ragged_all_to_all on GPUs), gradients included.
+DROPLESS = [case for case in CASES if "capacity" not in CASES[case]]
+LAYOUTS = (
+    [(case, "expert") for case in CASES]
+    + [(case, "data") for case in DROPLESS]
+    + [(case, "expert all_to_all") for case in DROPLESS]
+)
 
 
 @pytest.mark.parametrize(("case", "layout"), LAYOUTS)
@@ -126,14 +132,15 @@ def test_pallas_over_devices_matches_reference(num_devices, case, layout):
     expected = _results(moe_jax.moe_ffn, inputs, options, "xla")
     exact = _exact_results(inputs, options)
 
-    shape = (1, num_devices) if layout == "expert" else (num_devices, 1)
+    shape = (1, num_devices) if layout.startswith("expert") else (num_devices, 1)
     mesh = jax.make_mesh(shape, ("data", "expert"), axis_types=(AxisType.Explicit,) * 2)
     placed = dict(inputs)
     placed["x"] = jax.device_put(inputs["x"], NamedSharding(mesh, P(("data", "expert"))))
     for name in ("w_gate_up", "w_down"):
         placed[name] = jax.device_put(inputs[name], NamedSharding(mesh, P("expert")))
     with jax.set_mesh(mesh):
-        got = _results(moe_ffn_expert_parallel, placed, options, "pallas")
+        dispatch = "all_to_all" if layout.endswith("all_to_all") else "all_gather"
+        got = _results(moe_ffn_expert_parallel, placed, dict(options, dispatch=dispatch), "pallas")
 
     np.testing.assert_array_equal(got["counts"], expected["counts"], err_msg=f"seed {seed}")
     np.testing.assert_array_equal(got["counts"], exact["counts"], err_msg=f"seed {seed}")

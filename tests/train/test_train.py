@@ -131,15 +131,16 @@ config = eval(sys.argv[1], vars(configs))
 with jax.set_mesh(make_mesh(2)):
     model = Transformer(config.model, rngs=nnx.Rngs(0))
     spec = model.blocks[0].moe.w_gate_up[...].sharding.spec
-losses = {ep: train(dataclasses.replace(config, expert_parallelism=ep), backend="xla", progress_bar=False).step_losses
-          for ep in (1, 2)}
+runs = {"1": (1, "auto"), "2 all_gather": (2, "all_gather"), "2 all_to_all": (2, "all_to_all")}
+losses = {name: train(dataclasses.replace(config, expert_parallelism=ep, dispatch=dispatch), backend="xla",
+                      progress_bar=False).step_losses for name, (ep, dispatch) in runs.items()}
 print(json.dumps({"devices": jax.device_count(), "expert_weight_spec": list(spec), "losses": losses}))
 """
 
 
 def test_two_device_mesh_matches_one_device():
     """(data=2, expert=1) and (data=1, expert=2) meshes on 2 virtual CPU devices train like one device; the second
-    runs the MoE layers expert-parallel (shard_map)."""
+    runs the MoE layers expert-parallel (shard_map), by either dispatch."""
     config = dataclasses.replace(SMALL, steps=4, eval_every=4, eval_batches=1, log_every=2)
     single = train(config, backend="xla", progress_bar=False).step_losses
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
@@ -155,5 +156,6 @@ def test_two_device_mesh_matches_one_device():
     report = json.loads(completed.stdout.strip().splitlines()[-1])
     assert report["devices"] == 2
     assert report["expert_weight_spec"] == ["expert", None, None]
+    assert len(report["losses"]) == 3
     for losses in report["losses"].values():
         np.testing.assert_allclose([losses[str(s)] for s in sorted(single)], list(single.values()), rtol=1e-5)

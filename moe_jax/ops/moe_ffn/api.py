@@ -26,11 +26,16 @@ class MoEAux:
       load_balancing_loss: f32 scalar ``E * sum_e f_e * P_e``.
       z_loss: f32 scalar ``mean_t logsumexp(logits_t)^2``.
       expert_counts: [E] int32 assignments routed to each expert (before any capacity drop).
+      received_rows: expert parallelism only (else None): [devices] int32, the routed rows each device computed.
+      dropped_rows: expert parallelism only (else None): [devices] int32, the rows sent to each device past its
+        receive buffer (``buffer_factor``), dropped.
     """
 
     load_balancing_loss: jax.Array
     z_loss: jax.Array
     expert_counts: jax.Array
+    received_rows: jax.Array | None = None
+    dropped_rows: jax.Array | None = None
 
 
 def check_moe_args(
