@@ -145,6 +145,7 @@ def received_experts(recv_x, recv_weights, recv_experts, w_gate_up, w_down, *, a
         row_scale=recv_weights[order],
         zero_tail=False,  # the empty slots lie past the local sum
         backend=backend.experts,
+        quantization=backend.quantization,
     )
     # top_k 1: the combine puts each row back in receive order.
     return permute_api.combine(out_sorted, order, 1, num_rows=jnp.sum(local_sizes), backend=backend.combine)

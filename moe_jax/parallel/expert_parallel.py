@@ -29,6 +29,7 @@ from moe_jax._core import checks
 from moe_jax.ops.glu_mlp.api import glu_mlp
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp
 from moe_jax.ops.moe_ffn.api import LayerBackends, MoEAux, check_moe_args, expert_rows, route_tokens, routed_experts
+from moe_jax.ops.quant.reference import BlockScaled
 from moe_jax.ops.routing.api import RoutingOptions, z_loss
 from moe_jax.ops.routing.reference import load_balancing_loss_from
 from moe_jax.parallel import all_to_all
@@ -85,6 +86,7 @@ def moe_ffn_expert_parallel(
     exchange: str = "auto",
     shared_experts: tuple | None = None,
     backend: str = "auto",
+    quantization: str | None = None,
     **routing_keywords,
 ) -> tuple[jax.Array, MoEAux]:
     """``moe_jax.moe_ffn`` with the E experts split over the mesh axis ``expert_axis`` (P devices, E / P each).
@@ -119,8 +121,8 @@ def moe_ffn_expert_parallel(
         "padded" (``moe_jax.parallel.all_to_all``).
       shared_experts: optional (w_gate_up [1, D, 2F_s] or its ``PackedGateUp``, w_down [1, F_s, D]): an always-on
         gated MLP added to y, run inside the same shard_map on each device's own tokens.
-      top_k, activation, routing (or its fields as keywords), bias, capacity_factor, backend: as in
-        ``moe_jax.moe_ffn``.
+      top_k, activation, routing (or its fields as keywords), bias, capacity_factor, backend, quantization: as in
+        ``moe_jax.moe_ffn`` (the shared experts quantized too); the weights come in high precision.
 
     Returns:
       (y [T, D] sharded like x, MoEAux replicated, with ``received_rows`` and ``dropped_rows`` [mesh size] int32 per
@@ -137,7 +139,13 @@ def moe_ffn_expert_parallel(
         capacity_factor=capacity_factor,
         routing=routing,
         bias=bias,
+        quantization=quantization,
     )
+    if any(isinstance(w, BlockScaled) for w in (_array(w_gate_up), w_down)):
+        raise TypeError(
+            "moe_ffn_expert_parallel quantizes its weights on every device: pass them in high precision, not as "
+            "BlockScaled"
+        )
     mesh = jax.sharding.get_abstract_mesh()
     if expert_axis not in mesh.axis_names:
         raise ValueError(
@@ -171,7 +179,14 @@ def moe_ffn_expert_parallel(
     data_axes = tuple(a for a in mesh.axis_names if a != expert_axis)  # across the expert-axis groups
     token_spec = P((*data_axes, expert_axis))
     backends = LayerBackends.select(
-        backend, x, num_experts, w_down.shape[1], top_k=top_k, activation=activation, routing=routing
+        backend,
+        x,
+        num_experts,
+        w_down.shape[1],
+        top_k=top_k,
+        activation=activation,
+        routing=routing,
+        quantization=quantization,
     )
     common = dict(top_k=top_k, activation=activation, expert_axis=expert_axis, data_axes=data_axes, backends=backends)
     if dispatch == "all_gather":
@@ -186,7 +201,8 @@ def moe_ffn_expert_parallel(
             exchange=exchange,
             **common,
         )
-    body = functools.partial(_body, layer=layer, compute_dtype=x.dtype, activation=activation, backend=backend)
+    shared_options = dict(activation=activation, backend=backend, quantization=quantization)
+    body = functools.partial(_body, layer=layer, compute_dtype=x.dtype, shared_options=shared_options)
 
     # Weights shared by several devices enter the shard_map in f32 (and are cast to x's dtype inside): its transpose
     # sums their gradients over those devices in the operands' dtype.
@@ -216,6 +232,11 @@ def moe_ffn_expert_parallel(
     return sharded(*operands)
 
 
+def _array(w):
+    """A PackedGateUp's array, anything else as it is."""
+    return w.array if isinstance(w, PackedGateUp) else w
+
+
 def _check_shared_experts(shared_experts, x):
     """(w_gate_up [1, D, 2F_s], w_down [1, F_s, D]) checked, or None."""
     if shared_experts is None:
@@ -233,13 +254,14 @@ def _check_shared_experts(shared_experts, x):
     return shared_experts
 
 
-def _body(x, router_kernel, w_gate_up, w_down, bias, shared, *, layer, compute_dtype, activation, backend):
-    """One device: the routed layer, plus the shared experts on the same tokens."""
+def _body(x, router_kernel, w_gate_up, w_down, bias, shared, *, layer, compute_dtype, shared_options):
+    """One device: the routed layer, plus the shared experts on the same tokens (``glu_mlp`` with
+    ``shared_options``)."""
     y, aux = layer(x, router_kernel, w_gate_up.astype(compute_dtype), w_down.astype(compute_dtype), bias)
     if shared is not None:
         shared_gate_up, shared_down = (w.astype(compute_dtype) for w in shared)
         all_rows = jnp.full((1,), x.shape[0], jnp.int32)
-        y = y + glu_mlp(x, shared_gate_up, shared_down, all_rows, activation=activation, backend=backend)
+        y = y + glu_mlp(x, shared_gate_up, shared_down, all_rows, **shared_options)
     return y, aux
 
 

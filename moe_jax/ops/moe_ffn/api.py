@@ -94,11 +94,13 @@ class LayerBackends:
       route: ``route``'s ("pallas" or "xla").
       experts: ``routed_glu_mlp``'s ("pallas_gather", "pallas_sorted" or "xla").
       combine: ``combine``'s ("pallas" or "xla").
+      quantization: the expert GEMMs' (None, "fp8_block" or "mxfp8"), which ``experts`` was chosen for.
     """
 
     route: str
     experts: str
     combine: str
+    quantization: str | None = None
 
     @classmethod
     def select(
@@ -110,6 +112,7 @@ class LayerBackends:
             route=routing_api.select(backend, num_experts, top_k, routing),
             experts=glu_mlp_api.select_routed(backend, mlp_call),
             combine=permute_api.select("combine", backend, x),
+            quantization=quantization,
         )
 
 
@@ -188,7 +191,6 @@ def moe_ffn(
         zero_tail=capacity_factor is None,
         positions=routed.positions if capacity_factor is None else None,
         backends=backends,
-        quantization=quantization,
     )
     aux = MoEAux(
         load_balancing_loss=load_balancing_loss(routed),
@@ -224,7 +226,6 @@ def routed_experts(
     zero_tail: bool,
     positions=None,
     backends: LayerBackends,
-    quantization=None,
 ) -> jax.Array:
     """y [T, D] = the routing-weighted sum of each token's expert outputs, over the expert-sorted rows
     ``sort_indices`` [T*k] whose first ``sum(group_sizes)`` belong to the G experts of w_gate_up [G, D, 2F] /
@@ -234,7 +235,6 @@ def routed_experts(
     ``zero_tail``: ``glu_mlp``'s. False where rows past the sum can exist (a capacity's drops, another device's
     experts): the kernels then skip them and the combine does not read them. True where every row is routed (the
     tail is empty): the kernels keep the plain schedule, which measured faster there than the skipping one.
-    ``quantization``: ``glu_mlp``'s.
     """
     with jax.named_scope("experts"):
         # The routing weights scale the down projection's rows (its epilogue), so the combine is a plain sum.
@@ -252,7 +252,7 @@ def routed_experts(
             zero_tail=zero_tail,
             positions=positions,
             backend=backends.experts,
-            quantization=quantization,
+            quantization=backends.quantization,
         )
     with jax.named_scope("combine"):
         num_rows = None if zero_tail else rows_in_groups(group_sizes, sort_indices.shape[0])
