@@ -13,7 +13,8 @@ import jax
 
 
 def enable_compile_cache(directory: str | pathlib.Path) -> None:
-    """Caches every executable this process compiles in ``directory`` (created if missing), with XLA's own caches.
+    """Caches every executable this process compiles in ``directory`` (created if missing), and XLA's autotuning
+    results (JAX's default companion cache).
 
     Call it before the first compilation: JAX opens the cache once. The thresholds are lowered to nothing because
     the steps' executables are what a launch waits for, and small or quickly compiled ones cost little to keep.
@@ -23,7 +24,6 @@ def enable_compile_cache(directory: str | pathlib.Path) -> None:
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    jax.config.update("jax_persistent_cache_enable_xla_caches", "all")
 
 
 @dataclasses.dataclass(frozen=True)

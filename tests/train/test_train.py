@@ -58,8 +58,10 @@ def test_smoke_loss_decreases_and_metrics_are_written(tmp_path):
     assert last["mfu"] is None  # no known peak on a CPU
 
 
-def test_interrupted_and_resumed_run_reproduces_the_uninterrupted_losses_exactly(tmp_path):
-    config = dataclasses.replace(SMALL, steps=12, ckpt_every=4, eval_every=6)
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["listed", "scanned"])
+def test_interrupted_and_resumed_run_reproduces_the_uninterrupted_losses_exactly(tmp_path, scan_layers):
+    model = dataclasses.replace(SMALL.model, scan_layers=scan_layers)
+    config = dataclasses.replace(SMALL, model=model, steps=12, ckpt_every=4, eval_every=6)
     whole = train(config, backend="xla", progress_bar=False)
     ckpt_dir = str(tmp_path / "ckpt")
     first = train(config, backend="xla", ckpt_dir=ckpt_dir, stop_after=7, progress_bar=False)
