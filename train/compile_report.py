@@ -5,11 +5,12 @@ Measures, and prints as one table:
     (``train.compilation.compile_ahead``) and the time to the first step's end, from a cold persistent cache and
     again from a second process that shares the cache directory (warm);
   - tokens/s, MFU (model FLOPs / bf16 dense peak, ``train.metrics``) and peak memory over the same runs' timed steps,
-    and over a run with ``--backend xla`` (whose dense-masked ``ragged_dot`` needs more micro-batches to fit:
-    ``--xla-grad-accum``, the same tokens a step);
+    over a run with ``--remat`` where asked (the recomputation's cost and saving), and over a run with
+    ``--backend xla`` (whose dense-masked ``ragged_dot`` needs more micro-batches to fit: ``--xla-grad-accum``, the
+    same tokens a step);
   - one ``moe_ffn`` layer's jitted forward + backward traced, lowered and compiled twice in this process (the second
-    a new function, as every unscanned layer is) at the issue's reference layer (T 8192, D 1024, F 2048, E 8, k 2)
-    and at the config's layer (one micro-batch's tokens).
+    a new function, as every unscanned layer is) at the ``gpu`` config's coarse layer (T 8192, D 1024, F 2048, E 8,
+    k 2) and at ``--config``'s layer (one micro-batch's tokens).
 
 Each training run is ``python -m train`` in a subprocess (so that each starts cold and holds the GPU alone); its
 metrics JSONL is read back. The record ``{meta, results}`` goes to ``--out`` (default: benchmarks/results/, named
@@ -128,6 +129,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run-timeout", type=float, default=150, help="seconds before a training run is abandoned")
     parser.add_argument("--backend", default="pallas", help="backend of the cached runs and the layer (default pallas)")
     parser.add_argument("--skip-xla", action="store_true", help="no xla run")
+    parser.add_argument(
+        "--remat", choices=("moe", "full"), help="add a run with this remat policy (its memory and speed beside none)"
+    )
     parser.add_argument("--out", help="the JSON record's path (default: benchmarks/results/...)")
     args = parser.parse_args(argv)
 
@@ -138,6 +142,10 @@ def main(argv: list[str] | None = None) -> None:
         common = ["--config", args.config, "--steps", str(args.steps)]
         for name in (f"{args.backend} cold cache", f"{args.backend} warm cache"):
             runs.append(train_run(name, [*common, "--backend", args.backend, *cache], workdir, args.run_timeout))
+            print(json.dumps(runs[-1]), flush=True)
+        if args.remat:
+            remat = [*common, "--backend", args.backend, *cache, "--remat", args.remat]
+            runs.append(train_run(f"{args.backend} remat {args.remat}", remat, workdir, args.run_timeout))
             print(json.dumps(runs[-1]), flush=True)
         if not args.skip_xla:
             xla = ["--config", args.config, "--steps", str(args.xla_steps), "--backend", "xla"]
