@@ -1,7 +1,8 @@
 """Frozen configurations of the toy MoE language model; ``get_config(name)`` returns a named one.
 
-"tiny" trains on 2 CPU cores in a few minutes; "gpu" is a few hundred million parameters (about a tenth of them
-active per token) sized for one H100/H200. Tests shrink them with ``dataclasses.replace``.
+"tiny" trains on 2 CPU cores in a few minutes; "gpu" is a few hundred million parameters (about a third of them
+active per token) sized for one H100/H200; "gpu-moe" is a fine-grained MoE (64 experts, top-8, a shared expert)
+of about 2.6B parameters sized for one 80 GB GPU. Tests shrink them with ``dataclasses.replace``.
 """
 
 import dataclasses
@@ -12,6 +13,8 @@ from moe_jax.ops.grouped_matmul.glu import ACTIVATIONS
 from moe_jax.ops.routing.api import SCORES
 
 DTYPES = ("float32", "bfloat16")
+REMATS = ("none", "moe", "full")
+ATTENTIONS = ("auto", "xla", "cudnn")
 
 
 def _check_positive(config, *names: str) -> None:
@@ -32,6 +35,12 @@ class ModelConfig:
       activation, score, capacity_factor, num_shared_experts, balance_bias: as in ``moe_jax.nn.MoE``.
       rope_base: RoPE wavelength base.
       dtype: compute dtype.  param_dtype: parameter (and optimizer state) dtype.
+      scan_layers: hold the L blocks as one block with stacked [L, ...] parameters applied by ``jax.lax.scan``, so
+        that a step compiles one block instead of L (another parameter tree: checkpoints of the two do not mix).
+      remat: what the backward recomputes: "none"; "moe" (each MoE sublayer keeps its input and router logits and
+        recomputes routing, permutation and the expert GLU); "full" (each block keeps only its input).
+      attention: ``jax.nn.dot_product_attention``'s implementation: "xla", "cudnn" (fused; GPU, bf16/f16, head size
+        a multiple of 8 up to 128) or "auto" (cuDNN where it applies, XLA elsewhere).
     """
 
     d_model: int
@@ -49,6 +58,9 @@ class ModelConfig:
     rope_base: float = 10_000.0
     dtype: str = "float32"
     param_dtype: str = "float32"
+    scan_layers: bool = False
+    remat: str = "none"
+    attention: str = "auto"
 
     def __post_init__(self):
         _check_positive(self, "d_model", "num_layers", "num_heads", "num_experts", "top_k", "d_ff", "vocab_size")
@@ -66,6 +78,10 @@ class ModelConfig:
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"ModelConfig.{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
+        if self.remat not in REMATS:
+            raise ValueError(f"ModelConfig.remat must be one of {REMATS}, got {self.remat!r}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"ModelConfig.attention must be one of {ATTENTIONS}, got {self.attention!r}")
 
     @property
     def head_dim(self) -> int:
@@ -87,6 +103,8 @@ class TrainConfig:
     Attributes:
       model: the ``ModelConfig``.
       seq_len: S, tokens (bytes) per training window.  batch_size: B, windows per step (global, all devices).
+      grad_accum_steps: A, micro-batches of B / A windows whose gradients one optimizer step sums (under the jitted
+        step, by ``jax.lax.scan``), so that the activations of B / A windows bound the memory.
       steps: optimizer steps; the learning-rate schedule spans exactly these.
       peak_lr, warmup_steps, end_lr_ratio: linear warm-up to ``peak_lr``, then cosine decay to
         ``end_lr_ratio * peak_lr`` at ``steps``.
@@ -125,12 +143,17 @@ class TrainConfig:
     seed: int = 0
     expert_parallelism: int = 1
     dispatch: str = "auto"
+    grad_accum_steps: int = 1
 
     def __post_init__(self):
         _check_positive(
             self, "seq_len", "batch_size", "steps", "peak_lr", "eval_every", "eval_batches", "log_every", "ckpt_every"
         )
-        _check_positive(self, "expert_parallelism")
+        _check_positive(self, "expert_parallelism", "grad_accum_steps")
+        if self.batch_size % self.grad_accum_steps:
+            raise ValueError(
+                f"TrainConfig.grad_accum_steps must divide batch_size={self.batch_size}, got {self.grad_accum_steps}"
+            )
         if not 0 <= self.warmup_steps < self.steps:
             raise ValueError(f"TrainConfig.warmup_steps must be in [0, steps={self.steps}), got {self.warmup_steps}")
         if not 0 < self.validation_percent < 100:
@@ -168,6 +191,7 @@ GPU = TrainConfig(
         d_ff=2048,
         balance_bias=True,
         dtype="bfloat16",
+        scan_layers=True,
     ),
     seq_len=1024,
     # 8 x 1024 tokens: XLA's dense-masked ragged_dot keeps [E, rows, 2F] f32 temporaries for the backward (about
@@ -183,7 +207,41 @@ GPU = TrainConfig(
     ckpt_every=500,
 )
 
-CONFIGS = {"tiny": TINY, "gpu": GPU}
+# A fine-grained MoE in current style (many small experts, top-8, a shared expert, sigmoid routing balanced by the
+# aux-loss-free bias): about 2.6B parameters, 0.47B active per token, sized for one 80 GB GPU. Parameters, gradients
+# and AdamW moments are f32 (16 bytes a parameter, about 41 GB); 64k tokens a step in 4 micro-batches of 16k keep
+# the activations to a fraction of the rest.
+GPU_MOE = TrainConfig(
+    model=ModelConfig(
+        d_model=2048,
+        num_layers=8,
+        num_heads=16,
+        num_experts=64,
+        top_k=8,
+        d_ff=768,
+        score="sigmoid",
+        num_shared_experts=1,
+        balance_bias=True,
+        dtype="bfloat16",
+        scan_layers=True,
+    ),
+    seq_len=2048,
+    batch_size=32,
+    grad_accum_steps=4,
+    steps=2000,
+    peak_lr=4e-4,
+    warmup_steps=100,
+    # The bias balances the experts; a small load-balancing loss only guards against collapse within a sequence.
+    load_balancing_coef=1e-4,
+    z_loss_coef=0.0,
+    bias_update_rate=1e-3,
+    eval_every=500,
+    eval_batches=2,
+    log_every=10,
+    ckpt_every=500,
+)
+
+CONFIGS = {"tiny": TINY, "gpu": GPU, "gpu-moe": GPU_MOE}
 
 
 def get_config(name: str) -> TrainConfig:
@@ -192,4 +250,4 @@ def get_config(name: str) -> TrainConfig:
     return CONFIGS[name]
 
 
-__all__ = ["CONFIGS", "ModelConfig", "TrainConfig", "get_config"]
+__all__ = ["CONFIGS", "GPU", "GPU_MOE", "ModelConfig", "TINY", "TrainConfig", "get_config"]

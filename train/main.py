@@ -6,7 +6,7 @@ import os
 
 from moe_jax._core.backend import BACKENDS
 from moe_jax._core.hardware import configure_cpu_interpreter
-from train.configs import CONFIGS, get_config
+from train.configs import ATTENTIONS, CONFIGS, REMATS, get_config
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -31,6 +31,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--dispatch", choices=("auto", "all_gather", "all_to_all"), help="expert-parallel dispatch (default: auto)"
     )
     parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    parser.add_argument(
+        "--scan-layers",
+        action=argparse.BooleanOptionalAction,
+        help="one scanned block with stacked [L, ...] parameters, compiled once (default: the config's; on for gpu*)",
+    )
+    parser.add_argument("--remat", choices=REMATS, help="what the backward recomputes (default: the config's)")
+    parser.add_argument("--attention", choices=ATTENTIONS, help="attention implementation (default: the config's)")
+    parser.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (default: the config's)")
+    parser.add_argument(
+        "--compile-cache",
+        help="JAX persistent compilation cache directory (default: compile_cache/ beside the metrics file)",
+    )
+    parser.add_argument("--no-compile-cache", action="store_true", help="no persistent compilation cache")
     return parser.parse_args(argv)
 
 
@@ -46,7 +59,34 @@ def main(argv: list[str] | None = None) -> None:
         jax.distributed.initialize()
     from train.train import train
 
-    config = get_config(args.config)
+    metrics_path = args.metrics or f"runs/{args.config}/metrics.jsonl"
+    if not args.no_compile_cache:
+        from train.compilation import enable_compile_cache
+
+        enable_compile_cache(args.compile_cache or os.path.join(os.path.dirname(metrics_path), "compile_cache"))
+    config = with_overrides(get_config(args.config), args)
+    train(
+        config,
+        backend=args.backend,
+        ckpt_dir=args.ckpt_dir,
+        resume=args.resume,
+        stop_after=args.stop_after,
+        metrics_path=metrics_path,
+        progress_bar=not args.no_progress,
+    )
+
+
+def with_overrides(config, args: argparse.Namespace):
+    """``config`` with the command line's --steps, --grad-accum, --scan-layers, --remat, --attention,
+    --expert-parallel and --dispatch applied."""
+    model_overrides = {
+        name: value
+        for name, value in (("scan_layers", args.scan_layers), ("remat", args.remat), ("attention", args.attention))
+        if value is not None
+    }
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, **model_overrides))
+    if args.grad_accum is not None:
+        config = dataclasses.replace(config, grad_accum_steps=args.grad_accum)
     if args.steps is not None:
         # Short runs keep a tenth of their steps for warm-up at most, so that the cosine part never vanishes.
         warmup = min(config.warmup_steps, args.steps // 10)
@@ -55,12 +95,4 @@ def main(argv: list[str] | None = None) -> None:
         config = dataclasses.replace(config, expert_parallelism=args.expert_parallel)
     if args.dispatch is not None:
         config = dataclasses.replace(config, dispatch=args.dispatch)
-    train(
-        config,
-        backend=args.backend,
-        ckpt_dir=args.ckpt_dir,
-        resume=args.resume,
-        stop_after=args.stop_after,
-        metrics_path=args.metrics or f"runs/{args.config}/metrics.jsonl",
-        progress_bar=not args.no_progress,
-    )
+    return config

@@ -8,6 +8,7 @@ axis of more than one device the MoE layers run expert-parallel (``moe_jax.paral
 """
 
 import dataclasses
+import functools
 import time
 
 import jax
@@ -19,10 +20,10 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-from moe_jax.nn import update_balancing_biases
 from moe_jax.nn.moe import EXPERT_AXIS
 from train import data
 from train.checkpoint import Checkpointer, Progress
+from train.compilation import abstract, compile_ahead
 from train.configs import TrainConfig
 from train.metrics import JsonlWriter, MetricsBuffer, peak_flops, training_flops_per_token
 from train.model import Transformer, layer_aux, parameter_counts
@@ -64,6 +65,17 @@ def learning_rate(config: TrainConfig) -> optax.Schedule:
     )
 
 
+def decays(config: TrainConfig, params) -> object:
+    """The tree of ``params`` with True where weight decay applies: matrices, not vectors (norm scales), counting
+    the dimensions of one layer (a scanned block's parameters carry a leading layer axis)."""
+
+    def is_matrix(path, param) -> bool:
+        stacked = config.model.scan_layers and path[0].key == "blocks"
+        return param.ndim - stacked >= 2
+
+    return jax.tree_util.tree_map_with_path(is_matrix, params)
+
+
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW with warm-up and cosine decay; no weight decay on vectors (norm scales)."""
     return optax.chain(
@@ -73,7 +85,7 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
             b1=config.b1,
             b2=config.b2,
             weight_decay=config.weight_decay,
-            mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
+            mask=functools.partial(decays, config),
         ),
     )
 
@@ -83,31 +95,64 @@ def loss_fn(model: Transformer, inputs: jax.Array, targets: jax.Array, config: T
     logits, intermediates = nnx.capture(model, nnx.Intermediate)(inputs)
     cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
     aux = layer_aux(intermediates)
-    balance = sum(a.load_balancing_loss for a in aux)
-    z = sum(a.z_loss for a in aux)
+    balance = aux.load_balancing_loss.sum()
+    z = aux.z_loss.sum()
     loss = cross_entropy + config.load_balancing_coef * balance + config.z_loss_coef * z
-    counts = jnp.stack([a.expert_counts for a in aux])  # [L, E]
-    return loss, (cross_entropy, balance, z, counts, intermediates)
+    return loss, {
+        "loss": loss,
+        "cross_entropy": cross_entropy,
+        "load_balancing_loss": balance,
+        "z_loss": z,
+        "expert_counts": aux.expert_counts,  # [L, E]
+    }
 
 
-def make_train_step(config: TrainConfig):
-    """``step(model, optimizer, inputs, targets) -> metrics`` (device arrays); updates model and optimizer in place."""
+def gradients(model: Transformer, inputs: jax.Array, targets: jax.Array, config: TrainConfig):
+    """(gradients of the parameters, metrics) of one step's batch [B, S], in ``config.grad_accum_steps`` micro-batches.
 
-    @nnx.jit(donate_argnums=(0, 1))
-    def train_step(model, optimizer, inputs, targets):
-        grad_fn = nnx.value_and_grad(loss_fn, has_aux=True)
-        (loss, (cross_entropy, balance, z, counts, intermediates)), grads = grad_fn(model, inputs, targets, config)
+    Micro-batch i takes rows i, i + A, i + 2A, ... so that each keeps the batch's split over the devices. Gradients
+    and scalar metrics are means over the micro-batches; expert counts are their sums.
+    """
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def micro_batch(params, inputs, targets):
+        return loss_fn(nnx.merge(graphdef, params, rest), inputs, targets, config)
+
+    grad_fn = jax.grad(micro_batch, has_aux=True)
+    accum = config.grad_accum_steps
+    if accum == 1:
+        return grad_fn(params, inputs, targets)
+
+    def accumulate(grad_sum, batch):
+        grads, metrics = grad_fn(params, *batch)
+        return jax.tree.map(jnp.add, grad_sum, grads), metrics
+
+    def split(a: jax.Array) -> jax.Array:  # [B, S] -> [A, B / A, S]
+        return a.reshape(-1, accum, a.shape[-1]).swapaxes(0, 1)
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grad_sum, per_micro_batch = jax.lax.scan(accumulate, zeros, (split(inputs), split(targets)))
+    metrics = {name: value.mean(0) for name, value in per_micro_batch.items()}
+    metrics["expert_counts"] = per_micro_batch["expert_counts"].sum(0)
+    return jax.tree.map(lambda g: g / accum, grad_sum), metrics
+
+
+def make_train_step(config: TrainConfig, graphdef: nnx.GraphDef):
+    """``step(state, inputs, targets) -> (state, metrics)``, jitted, over ``nnx.split((model, optimizer))``'s state.
+
+    The state (parameters, router biases, optimizer moments) is donated: XLA updates it in place, and the caller
+    must drop the arrays it passed in (``nnx.update`` the model and optimizer with the returned state).
+    """
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def train_step(state, inputs, targets):
+        model, optimizer = nnx.merge(graphdef, state)
+        grads, metrics = gradients(model, inputs, targets, config)
         optimizer.update(model, grads)
         if config.bias_update_rate:
-            update_balancing_biases(model, intermediates, config.bias_update_rate)
-        return {
-            "loss": loss,
-            "cross_entropy": cross_entropy,
-            "load_balancing_loss": balance,
-            "z_loss": z,
-            "grad_norm": optax.tree.norm(grads),
-            "expert_counts": counts,
-        }
+            model.update_balancing_biases(metrics["expert_counts"], config.bias_update_rate)
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        return nnx.state((model, optimizer)), metrics
 
     return train_step
 
@@ -205,10 +250,13 @@ def train(
         raise ValueError("resume=True needs ckpt_dir, the directory of the checkpoints to resume from")
     main_process = jax.process_index() == 0
     say = tqdm.write if main_process else (lambda _: None)
-    train_data, validation_data, unigram = _load_data(config)
     mesh = make_mesh(config.expert_parallelism)
-    if config.batch_size % mesh.size:
-        raise ValueError(f"batch_size={config.batch_size} must be a multiple of the device count {mesh.size}")
+    micro_batch = config.batch_size // config.grad_accum_steps
+    if micro_batch % mesh.size:
+        raise ValueError(
+            f"batch_size={config.batch_size} / grad_accum_steps={config.grad_accum_steps} must be a multiple of the "
+            f"device count {mesh.size}"
+        )
     sharding = batch_sharding(mesh)
 
     with jax.set_mesh(mesh):
@@ -229,10 +277,6 @@ def train(
             start, data_position = progress.step, progress.data_position
         elif checkpointer is not None and checkpointer.latest_step() is not None:
             raise ValueError(f"{ckpt_dir} already holds checkpoints: pass --resume, or choose another --ckpt-dir")
-        train_step = make_train_step(config)
-        validation_batches = [
-            _to_device(validation_data.batch(i), sharding, config.batch_size) for i in range(config.eval_batches)
-        ]
 
         writer = JsonlWriter(metrics_path, append=resume)
         setup = _setup_record(config, backend, mesh, start)
@@ -242,6 +286,19 @@ def train(
             f"{counts['total'] / 1e6:.2f}M parameters ({counts['active'] / 1e6:.2f}M active per token), "
             f"{jax.device_count()} x {setup['device_kind']}, mesh {setup['mesh']}, backend {backend!r}"
         )
+        # Ahead of time, before any data is loaded: the step is traced, lowered and compiled for the batch's shape.
+        graphdef, state = nnx.split((model, optimizer))
+        batch = jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32, sharding=sharding)
+        train_step, times = compile_ahead(make_train_step(config, graphdef), abstract(state), batch, batch)
+        say(
+            f"train step compiled in {times.total_s:.1f} s (trace {times.trace_s:.1f} s, lower {times.lower_s:.1f} s, "
+            f"compile {times.compile_s:.1f} s)"
+        )
+
+        train_data, validation_data, unigram = _load_data(config)
+        validation_batches = [
+            _to_device(validation_data.batch(i), sharding, config.batch_size) for i in range(config.eval_batches)
+        ]
         buffer = MetricsBuffer(
             writer,
             tokens_per_step=config.tokens_per_step,
@@ -254,15 +311,25 @@ def train(
         for done in range(start + 1, stop + 1):
             inputs, targets = _to_device(train_data.batch(data_position), sharding, config.batch_size)
             data_position += 1
-            metrics = train_step(model, optimizer, inputs, targets)
+            state, metrics = train_step(state, inputs, targets)
+            # The passed-in state was donated: the model and optimizer take the new one.
+            nnx.update((model, optimizer), state)
             first = done == start + 1
             buffer.add(done, metrics, timed=not first)
             if first:
-                # The one sync of the first step keeps compilation out of the throughput figures.
+                # The one sync of the first step keeps its start-up (allocation, the first transfers) out of the
+                # throughput figures.
                 jax.block_until_ready(metrics)
-                seconds = time.perf_counter() - buffer.start
-                writer.write({"kind": "compile", "step": done, "seconds": seconds})
-                say(f"first step (compilation included) took {seconds:.1f} s")
+                first_step_s = time.perf_counter() - buffer.start
+                writer.write(
+                    {
+                        "kind": "compile",
+                        "step": done,
+                        **dataclasses.asdict(times),
+                        "first_step_s": first_step_s,
+                        "seconds": times.total_s + first_step_s,
+                    }
+                )
                 buffer.restart_clock()
             bar.update()
             evaluate_now = done % config.eval_every == 0 or done == config.steps

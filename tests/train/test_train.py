@@ -8,14 +8,15 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from train import configs, main
 from train.metrics import training_flops_per_token
-from train.model import Transformer, parameter_counts
-from train.train import train
+from train.model import Transformer, attention_implementation, parameter_counts
+from train.train import make_optimizer, make_train_step, train
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -57,8 +58,10 @@ def test_smoke_loss_decreases_and_metrics_are_written(tmp_path):
     assert last["mfu"] is None  # no known peak on a CPU
 
 
-def test_interrupted_and_resumed_run_reproduces_the_uninterrupted_losses_exactly(tmp_path):
-    config = dataclasses.replace(SMALL, steps=12, ckpt_every=4, eval_every=6)
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["listed", "scanned"])
+def test_interrupted_and_resumed_run_reproduces_the_uninterrupted_losses_exactly(tmp_path, scan_layers):
+    model = dataclasses.replace(SMALL.model, scan_layers=scan_layers)
+    config = dataclasses.replace(SMALL, model=model, steps=12, ckpt_every=4, eval_every=6)
     whole = train(config, backend="xla", progress_bar=False)
     ckpt_dir = str(tmp_path / "ckpt")
     first = train(config, backend="xla", ckpt_dir=ckpt_dir, stop_after=7, progress_bar=False)
@@ -96,6 +99,12 @@ def test_configs_validate_their_fields():
         dataclasses.replace(configs.TINY, warmup_steps=configs.TINY.steps)
     with pytest.raises(ValueError, match="balance_bias"):
         dataclasses.replace(configs.TINY, model=dataclasses.replace(configs.TINY.model, balance_bias=False))
+    with pytest.raises(ValueError, match="remat"):
+        dataclasses.replace(configs.TINY.model, remat="attention")
+    with pytest.raises(ValueError, match="attention"):
+        dataclasses.replace(configs.TINY.model, attention="flash")
+    with pytest.raises(ValueError, match="grad_accum_steps"):
+        dataclasses.replace(configs.TINY, grad_accum_steps=3)
     with pytest.raises(ValueError, match="config"):
         configs.get_config("huge")
     with pytest.raises(SystemExit):
@@ -159,3 +168,117 @@ def test_two_device_mesh_matches_one_device():
     assert len(report["losses"]) == 3
     for losses in report["losses"].values():
         np.testing.assert_allclose([losses[str(s)] for s in sorted(single)], list(single.values()), rtol=1e-5)
+
+
+def test_gpu_moe_config_is_the_documented_fine_grained_model():
+    """gpu-moe: D 2048, 64 experts top-8 of F 768 and a shared expert, sigmoid routing balanced by the bias, >= 64k
+    tokens a step; about 2.6B parameters (0.48B active). The count comes from the constructed (abstract) model."""
+    config = configs.get_config("gpu-moe")
+    model = config.model
+    assert (model.d_model, model.num_experts, model.top_k, model.d_ff) == (2048, 64, 8, 768)
+    assert model.num_shared_experts == 1 and model.score == "sigmoid" and model.balance_bias
+    assert config.bias_update_rate > 0 and model.scan_layers and model.dtype == "bfloat16"
+    assert config.tokens_per_step >= 65536
+    abstract_model = nnx.eval_shape(lambda: Transformer(model, backend="xla", rngs=nnx.Rngs(0)))
+    shapes = jax.tree.leaves(nnx.state(abstract_model, nnx.Param))
+    total = sum(int(np.prod(p.shape)) for p in shapes)
+    assert parameter_counts(model)["total"] == total
+    assert 2.55e9 < total < 2.65e9
+    # A token uses everything but the E - k routed experts it skips and the embedding (a lookup, no matmul); of that,
+    # the norm scales do no matmul work (parameter_counts's "active" leaves out the final norm's scale).
+    moe = abstract_model.blocks.moe
+    unused = (moe.w_gate_up.size + moe.w_down.size) * (model.num_experts - model.top_k) // model.num_experts
+    active = total - unused - abstract_model.embed.size
+    assert parameter_counts(model)["active"] == active - model.d_model
+    assert 0.45e9 < active < 0.5e9
+    norm_scales = model.num_layers * 2 * model.d_model + model.d_model
+    attention_scores = 2 * model.num_layers * config.seq_len * model.d_model
+    expected = 3 * (2 * (active - norm_scales) + attention_scores)
+    assert training_flops_per_token(model, config.seq_len) == expected
+
+
+def test_attention_takes_cudnn_only_where_it_applies():
+    gpu_moe = configs.GPU_MOE.model
+    assert attention_implementation(gpu_moe, "gpu") == "cudnn"
+    assert attention_implementation(gpu_moe, "cpu") == "xla"
+    assert attention_implementation(configs.TINY.model, "gpu") == "xla"  # f32
+    with pytest.raises(ValueError, match="attention='cudnn'"):
+        attention_implementation(dataclasses.replace(gpu_moe, attention="cudnn"), "cpu")
+    assert attention_implementation(dataclasses.replace(gpu_moe, attention="xla"), "gpu") == "xla"
+
+
+def _stacked_copy(source: Transformer, config: configs.ModelConfig) -> Transformer:
+    """A scanned model holding copies of ``source``'s parameters and router biases (its blocks stacked on a layer
+    axis); copies, because a training step donates the arrays it is given."""
+    target = Transformer(config, backend="xla", rngs=nnx.Rngs(1))
+    nnx.update(target.blocks, jax.tree.map(lambda *layers: jnp.stack(layers), *[nnx.state(b) for b in source.blocks]))
+    target.final_norm.scale[...] = jnp.copy(source.final_norm.scale[...])
+    target.embed[...], target.head[...] = jnp.copy(source.embed[...]), jnp.copy(source.head[...])
+    return target
+
+
+def _steps(model: Transformer, config: configs.TrainConfig, num_steps: int) -> list[dict]:
+    """Metrics of ``num_steps`` jitted training steps on seeded random bytes."""
+    optimizer = nnx.Optimizer(model, make_optimizer(config), wrt=nnx.Param)
+    graphdef, state = nnx.split((model, optimizer))
+    step = make_train_step(config, graphdef)
+    fetched = []
+    for key in jax.random.split(jax.random.key(7), num_steps):
+        tokens = jax.random.randint(key, (config.batch_size, config.seq_len + 1), 0, 256)
+        state, metrics = step(state, tokens[:, :-1], tokens[:, 1:])
+        fetched.append(jax.device_get(metrics))
+    return fetched
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(scan_layers=True),
+        dict(scan_layers=True, remat="full"),
+        dict(scan_layers=True, remat="moe"),
+        dict(remat="moe"),
+        dict(grad_accum_steps=2),
+    ],
+    ids=lambda v: ",".join(f"{k}={v[k]}" for k in v),
+)
+def test_scan_remat_and_accumulation_train_like_the_plain_step(variant):
+    """Oracle: the unscanned, unrematerialised, unaccumulated step from the same parameters. Aux-loss weights are 0
+    because the load-balancing loss of half a batch is not half the whole batch's (the cross-entropy's mean is)."""
+    config = dataclasses.replace(SMALL, load_balancing_coef=0.0, z_loss_coef=0.0)
+    model_fields = {k: v for k, v in variant.items() if k != "grad_accum_steps"}
+    variant_config = dataclasses.replace(
+        config,
+        model=dataclasses.replace(config.model, **model_fields),
+        grad_accum_steps=variant.get("grad_accum_steps", 1),
+    )
+    plain = Transformer(config.model, backend="xla", rngs=nnx.Rngs(0))
+    if variant_config.model.scan_layers:
+        other = _stacked_copy(plain, variant_config.model)
+    else:
+        other = Transformer(variant_config.model, backend="xla", rngs=nnx.Rngs(0))
+    expected = _steps(plain, config, 3)
+    actual = _steps(other, variant_config, 3)
+    for want, got in zip(expected, actual, strict=True):
+        for name in ("loss", "cross_entropy", "grad_norm"):
+            np.testing.assert_allclose(got[name], want[name], rtol=2e-5, err_msg=name)
+        # The bias step moves the routing of the next steps; equal counts show that every layer's bias moved alike.
+        np.testing.assert_array_equal(got["expert_counts"], want["expert_counts"])
+
+
+def test_compile_cache_flag_fills_the_cache_directory(tmp_path):
+    """Two steps of the tiny config through the command line, with and without the cache."""
+    cache = tmp_path / "cache"
+    command = [sys.executable, "-m", "train", "--config", "tiny", "--steps", "2", "--no-progress"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    for extra in (["--compile-cache", str(cache)], ["--no-compile-cache"]):
+        metrics = tmp_path / f"metrics{len(extra)}.jsonl"
+        completed = subprocess.run(
+            [*command, "--metrics", str(metrics), *extra], env=env, cwd=REPO, capture_output=True, text=True
+        )
+        assert completed.returncode == 0, completed.stderr[-3000:]
+        (compile_record,) = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "compile"]
+        for name in ("trace_s", "lower_s", "compile_s", "first_step_s"):
+            assert compile_record[name] > 0, name
+    entries = [p for p in cache.rglob("*") if p.is_file()]
+    assert entries, "the compilation cache stayed empty"
+    assert not (tmp_path / "compile_cache").exists()  # --no-compile-cache wrote nothing beside the metrics
