@@ -10,6 +10,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from moe_jax.ops.grouped_matmul.glu import ACTIVATIONS
+from moe_jax.ops.grouped_matmul.reference_fp8 import QUANTIZATIONS
 from moe_jax.ops.routing.api import SCORES
 
 DTYPES = ("float32", "bfloat16")
@@ -41,6 +42,8 @@ class ModelConfig:
         recomputes routing, permutation and the expert GLU); "full" (each block keeps only its input).
       attention: ``jax.nn.dot_product_attention``'s implementation: "xla", "cudnn" (fused; GPU, bf16/f16, head size
         a multiple of 8 up to 128) or "auto" (cuDNN where it applies, XLA elsewhere).
+      quantization: None, "fp8_block" or "mxfp8": the MoE layers' expert GEMMs on block-scaled FP8 operands
+        (``moe_jax.nn.MoE``'s); everything else unchanged.
     """
 
     d_model: int
@@ -61,6 +64,7 @@ class ModelConfig:
     scan_layers: bool = False
     remat: str = "none"
     attention: str = "auto"
+    quantization: str | None = None
 
     def __post_init__(self):
         _check_positive(self, "d_model", "num_layers", "num_heads", "num_experts", "top_k", "d_ff", "vocab_size")
@@ -82,6 +86,10 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.remat must be one of {REMATS}, got {self.remat!r}")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"ModelConfig.attention must be one of {ATTENTIONS}, got {self.attention!r}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(
+                f"ModelConfig.quantization must be None or one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
 
     @property
     def head_dim(self) -> int:

@@ -6,6 +6,7 @@ import os
 
 from moe_jax._core.backend import BACKENDS
 from moe_jax._core.hardware import configure_cpu_interpreter
+from moe_jax.ops.grouped_matmul.reference_fp8 import QUANTIZATIONS
 from train.configs import ATTENTIONS, CONFIGS, REMATS, get_config
 
 
@@ -39,6 +40,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--remat", choices=REMATS, help="what the backward recomputes (default: the config's)")
     parser.add_argument("--attention", choices=ATTENTIONS, help="attention implementation (default: the config's)")
     parser.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (default: the config's)")
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        help="the MoE layers' expert GEMMs in block-scaled FP8 (default: the config's, bf16 for every config)",
+    )
     parser.add_argument(
         "--compile-cache",
         help="JAX persistent compilation cache directory (default: compile_cache/ beside the metrics file)",
@@ -77,11 +83,16 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def with_overrides(config, args: argparse.Namespace):
-    """``config`` with the command line's --steps, --grad-accum, --scan-layers, --remat, --attention,
+    """``config`` with the command line's --steps, --grad-accum, --scan-layers, --remat, --attention, --quantization,
     --expert-parallel and --dispatch applied."""
     model_overrides = {
         name: value
-        for name, value in (("scan_layers", args.scan_layers), ("remat", args.remat), ("attention", args.attention))
+        for name, value in (
+            ("scan_layers", args.scan_layers),
+            ("remat", args.remat),
+            ("attention", args.attention),
+            ("quantization", args.quantization),
+        )
         if value is not None
     }
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, **model_overrides))

@@ -131,6 +131,7 @@ class Block(nnx.Module):
             dtype=config.compute_dtype,
             param_dtype=config.params_dtype,
             backend=backend,
+            quantization=config.quantization,
             expert_parallel=expert_parallel,
             dispatch=dispatch,
             rngs=rngs,
