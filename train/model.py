@@ -36,7 +36,7 @@ def replicated_param(value: jax.Array) -> nnx.Param:
 def attention_implementation(config: ModelConfig, platform: str) -> str:
     """The ``jax.nn.dot_product_attention`` implementation the model runs on ``platform`` ("gpu", "cpu", ...).
 
-    "auto" takes cuDNN where its fused kernel applies (a GPU, bf16/f16, even head sizes up to 128) and XLA
+    "auto" takes cuDNN where its fused kernel applies (a GPU, bf16/f16, head sizes a multiple of 8 up to 128) and XLA
     elsewhere; "cudnn" where it does not apply is a ValueError naming what is missing.
     """
     fits = (
@@ -105,7 +105,8 @@ def moe_with_aux(moe: MoE, x: jax.Array) -> tuple[jax.Array, MoEAux]:
 
 
 # remat "moe": the MoE sublayer keeps its input and the router logits (the only dot_general inside it; the expert
-# matmuls are Mosaic GPU kernels or ragged_dot) and recomputes the gating, permutation and expert GLU in the backward.
+# matmuls, the shared expert's included, are Mosaic GPU kernels or ragged_dot) and recomputes the gating,
+# permutation and expert GLU in the backward.
 _moe_with_aux_remat = nnx.remat(
     moe_with_aux, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable, graph=False
 )

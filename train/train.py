@@ -107,11 +107,17 @@ def loss_fn(model: Transformer, inputs: jax.Array, targets: jax.Array, config: T
     }
 
 
+def micro_batches(batch: jax.Array, num_micro_batches: int) -> jax.Array:
+    """[B, S] -> [A, B / A, S]: micro-batch i holds rows i, i + A, i + 2A, ..., so each keeps the batch's split over
+    the devices."""
+    return batch.reshape(-1, num_micro_batches, batch.shape[-1]).swapaxes(0, 1)
+
+
 def gradients(model: Transformer, inputs: jax.Array, targets: jax.Array, config: TrainConfig):
     """(gradients of the parameters, metrics) of one step's batch [B, S], in ``config.grad_accum_steps`` micro-batches.
 
-    Micro-batch i takes rows i, i + A, i + 2A, ... so that each keeps the batch's split over the devices. Gradients
-    and scalar metrics are means over the micro-batches; expert counts are their sums.
+    Micro-batches as ``micro_batches`` cuts them. Gradients and scalar metrics are means over the micro-batches;
+    expert counts are their sums.
     """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
@@ -127,10 +133,8 @@ def gradients(model: Transformer, inputs: jax.Array, targets: jax.Array, config:
         grads, metrics = grad_fn(params, *batch)
         return jax.tree.map(jnp.add, grad_sum, grads), metrics
 
-    def split(a: jax.Array) -> jax.Array:  # [B, S] -> [A, B / A, S]
-        return a.reshape(-1, accum, a.shape[-1]).swapaxes(0, 1)
-
     zeros = jax.tree.map(jnp.zeros_like, params)
+    split = functools.partial(micro_batches, num_micro_batches=accum)
     grad_sum, per_micro_batch = jax.lax.scan(accumulate, zeros, (split(inputs), split(targets)))
     metrics = {name: value.mean(0) for name, value in per_micro_batch.items()}
     metrics["expert_counts"] = per_micro_batch["expert_counts"].sum(0)
@@ -157,11 +161,20 @@ def make_train_step(config: TrainConfig, graphdef: nnx.GraphDef):
     return train_step
 
 
-@nnx.jit
-def eval_step(model: Transformer, inputs: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-byte cross-entropy (nats) of one batch."""
-    logits, _ = nnx.capture(model, nnx.Intermediate)(inputs)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+@functools.partial(nnx.jit, static_argnames="num_micro_batches")
+def eval_step(model: Transformer, inputs: jax.Array, targets: jax.Array, num_micro_batches: int = 1) -> jax.Array:
+    """Mean next-byte cross-entropy (nats) of one batch, in micro-batches as the training step takes them (so that
+    evaluation fits wherever training does)."""
+    graphdef, state = nnx.split(model)
+
+    def cross_entropy(batch):
+        logits, _ = nnx.capture(nnx.merge(graphdef, state), nnx.Intermediate)(batch[0])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
+
+    if num_micro_batches == 1:
+        return cross_entropy((inputs, targets))
+    split = functools.partial(micro_batches, num_micro_batches=num_micro_batches)
+    return jax.lax.map(cross_entropy, (split(inputs), split(targets))).mean()
 
 
 def _to_device(batch: data.Batch, sharding: NamedSharding, global_batch: int) -> tuple[jax.Array, jax.Array]:
@@ -339,7 +352,7 @@ def train(
                 result.step_losses.update(losses)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s'] or 0:.0f}")
             if evaluate_now:
-                batch_losses = [eval_step(model, *batch) for batch in validation_batches]
+                batch_losses = [eval_step(model, *batch, config.grad_accum_steps) for batch in validation_batches]
                 result.validation_losses[done] = float(np.mean(jax.device_get(batch_losses)))
                 writer.write({"kind": "eval", "step": done, "validation_loss": result.validation_losses[done]})
                 say(f"step {done}: validation loss {result.validation_losses[done]:.4f}")
