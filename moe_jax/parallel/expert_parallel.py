@@ -117,8 +117,9 @@ def moe_ffn_expert_parallel(
         expert-sorted row), contribute zero and get zero gradients, and ``MoEAux.dropped_rows`` counts them.
       num_chunks: "all_to_all" only: the local tokens are dispatched in this many equal chunks, independent of each
         other, so that one chunk's exchange can overlap another's expert GEMMs; dropless results do not depend on it.
-      exchange: "all_to_all" only: how rows move, "auto" (``ragged_all_to_all`` on GPUs, else padded), "ragged" or
-        "padded" (``moe_jax.parallel.all_to_all``).
+      exchange: "all_to_all" only: how rows move, "padded" ("auto": ``ppermute`` rounds of fixed-size slots) or
+        "ragged" (``ragged_all_to_all``, GPUs only: on two H200s it made the qwen3-30b-a3b layer 44x slower than
+        all_gather, docs/design.md), as ``moe_jax.parallel.all_to_all`` describes them.
       shared_experts: optional (w_gate_up [1, D, 2F_s] or its ``PackedGateUp``, w_down [1, F_s, D]): an always-on
         gated MLP added to y, run inside the same shard_map on each device's own tokens.
       top_k, activation, routing (or its fields as keywords), bias, capacity_factor, backend, quantization: as in
@@ -173,7 +174,7 @@ def moe_ffn_expert_parallel(
             f"(x.shape[0]={x.shape[0]} over {mesh.size} devices)"
         )
     if exchange == "auto":
-        exchange = "ragged" if jax.devices()[0].platform == "gpu" else "padded"
+        exchange = "padded"
     shared = _check_shared_experts(shared_experts, x)
 
     data_axes = tuple(a for a in mesh.axis_names if a != expert_axis)  # across the expert-axis groups
