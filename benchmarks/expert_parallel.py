@@ -253,7 +253,9 @@ def scaling_table(records: list[common.Record]) -> str:
         if r.timing is None:
             rows.append(f"{head} {r.status}: {r.note} | | | | | |")
             continue
-        per_device = r.dims["tokens_per_device"] / r.timing.median_s
+        # Records of strong-scaling runs hold only the global batch: t tokens split over the devices.
+        tokens_per_device = r.dims.get("tokens_per_device", r.dims["t"] // r.dims["devices"])
+        per_device = tokens_per_device / r.timing.median_s
         baseline = single.get((r.bench, r.shape, r.impl.split(":")[-1]))
         ratio = f"{baseline / r.timing.median_s:.2f}" if baseline else ""
         traffic = r.dims.get("bytes_per_token", {})

@@ -124,15 +124,72 @@ def bench_report(runs: list[Run], titles: dict[str, str], tables: dict[str, Call
     return lines
 
 
-def read_profiles(paths: list[str]) -> list[tuple[dict, dict, str]]:
-    """(meta, result, path) of every shape in ``profile_layer`` records."""
-    profiles = []
+def read_records(paths: list[str], result_key: str) -> list[tuple[dict, dict, str]]:
+    """(meta, result, path) of every result holding ``result_key`` in the ``{meta, results}`` records at ``paths``
+    (``results`` a list of results, or one result): "stages_us" picks ``profile_layer``'s, "classes_us"
+    ``profile_fp8_layer``'s, "runs" ``train.compile_report``'s."""
+    found = []
     for path in paths:
         with open(path) as f:
             content = json.load(f)
-        if isinstance(content, dict) and "meta" in content and "results" in content:
-            profiles += [(content["meta"], result, path) for result in content["results"]]
-    return profiles
+        if not (isinstance(content, dict) and "meta" in content and "results" in content):
+            continue
+        results = content["results"] if isinstance(content["results"], list) else [content["results"]]
+        found += [(content["meta"], result, path) for result in results if result_key in result]
+    return found
+
+
+def fp8_profile_report(profiles: list[tuple[dict, dict, str]]) -> list[str]:
+    """Every FP8 layer profile, kernel time by class (``benchmarks.profile_fp8_layer``)."""
+    if not profiles:
+        return []
+    lines = [
+        "## FP8 moe_ffn (pallas), kernel time by class: `python -m benchmarks.profile_fp8_layer`",
+        "",
+        "GPU kernel time per call, µs (median over the calls); the classes are the module docstring's.",
+        "",
+        "| GPU | shape | pass | quantization | total | gemm | quantize | layout | other | record |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for meta, result, path in profiles:
+        classes = result["classes_us"]
+        cells = [meta["device_kind"], result["shape"], "fwd+bwd" if result["backward"] else "fwd"]
+        cells += [str(result["quantization"]), f"{result['total_us']:.0f}"]
+        cells += [f"{classes[name]:.0f}" for name in ("gemm", "quantize", "layout", "other")]
+        cells.append(f"{meta['date'][:10]}, git {short_revision(meta['git_revision'])}: `{os.path.basename(path)}`")
+        lines.append("| " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def compile_report(reports: list[tuple[dict, dict, str]]) -> list[str]:
+    """Every training compile report (``train.compile_report``): its runs and one layer's compile times."""
+    if not reports:
+        return []
+    lines = ["## Training compile time and throughput: `python -m train.compile_report`", ""]
+    for meta, result, path in reports:
+        lines += [
+            f"{meta['date'][:10]}, {meta['device_kind']}, git {short_revision(meta['git_revision'])}, "
+            f"`--config {result['config']}`: `{meta['command']}` (`{os.path.basename(path)}`)",
+            "",
+            "| run | status | trace, s | lower, s | compile, s | first step ends, s | tokens/s | MFU | peak GB |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for run in result["runs"]:
+            if run["status"] != "ok":
+                lines.append(f"| {run['run']} | {run['status']} | | | | | | | |")
+                continue
+            cells = [f"{run[k]:.1f}" for k in ("trace_s", "lower_s", "compile_s", "time_to_first_step_s")]
+            cells += [f"{run['tokens_per_s']:.0f}", f"{run['mfu']:.3f}", f"{run['peak_memory_gb']:.1f}"]
+            lines.append(f"| {run['run']} | ok | " + " | ".join(cells) + " |")
+        lines += ["", "| layer | jit | trace, s | lower, s | compile, s | total, s |", "|---|---|---:|---:|---:|---:|"]
+        for name, layer in result["layers"].items():
+            for jit, times in layer["times"].items():
+                cells = [f"{times[k]:.1f}" for k in ("trace_s", "lower_s", "compile_s", "total_s")]
+                lines.append(
+                    f"| {name} (T {layer['tokens']}, D {layer['d_model']}) | {jit} | " + " | ".join(cells) + " |"
+                )
+        lines.append("")
+    return lines
 
 
 def profile_report(profiles: list[tuple[dict, dict, str]]) -> list[str]:
@@ -242,7 +299,9 @@ def build_report(results_dir: str, titles: dict[str, str], tables: dict[str, Cal
         *(f"{note}\n" for note in notes),
     ]
     lines += bench_report(runs, titles, tables)
-    lines += profile_report(read_profiles(json_files))
+    lines += profile_report(read_records(json_files, "stages_us"))
+    lines += fp8_profile_report(read_records(json_files, "classes_us"))
+    lines += compile_report(read_records(json_files, "runs"))
     lines += training_report(read_training([p for p in jsonl if TRAIN_SUFFIX in os.path.basename(p)]))
     return "\n".join(lines).rstrip() + "\n"
 

@@ -151,6 +151,44 @@ def test_profile_section_takes_each_layers_newest_profile(tmp_path):
     assert "`new profile`" in text and "old profile" not in text
 
 
+def test_fp8_profile_and_compile_report_sections_print_their_records(tmp_path):
+    fp8_result = {
+        "shape": "layer",
+        "backward": True,
+        "quantization": "fp8_block",
+        "total_us": 1000.0,
+        "classes_us": {"gemm": 600.0, "quantize": 100.0, "layout": 200.0, "other": 100.0},
+        "top_kernels_us": {},
+    }
+    run = {"run": "pallas warm cache", "status": "ok", "trace_s": 1.0, "lower_s": 2.0, "compile_s": 3.0}
+    run |= {"time_to_first_step_s": 7.5, "tokens_per_s": 5000.0, "mfu": 0.25, "peak_memory_gb": 40.0}
+    times = {"trace_s": 0.5, "lower_s": 1.5, "compile_s": 2.5, "total_s": 4.5}
+    layer = {"tokens": 8192, "d_model": 1024, "times": {"first": times}}
+    compile_result = {
+        "config": "gpu-moe",
+        "runs": [run, {"run": "cold", "status": "timed out"}],
+        "layers": {"ref": layer},
+    }
+    records = {"fp8.json": [fp8_result], "compile.json": compile_result}
+    for name, results in records.items():
+        with open(tmp_path / name, "w") as f:
+            json.dump({"meta": meta("2026-01-03", "4444444", name), "results": results}, f)
+    lines = build(tmp_path).splitlines()
+    fp8_row = next(line for line in lines if line.startswith(f"| {GPU} | layer |"))
+    assert [c.strip() for c in fp8_row.strip("|").split("|")][2:9] == [
+        "fwd+bwd",
+        "fp8_block",
+        "1000",
+        "600",
+        "100",
+        "200",
+        "100",
+    ]
+    assert "| pallas warm cache | ok | 1.0 | 2.0 | 3.0 | 7.5 | 5000 | 0.250 | 40.0 |" in lines
+    assert "| cold | timed out | | | | | | | |" in lines
+    assert "| ref (T 8192, D 1024) | first | 0.5 | 1.5 | 2.5 | 4.5 |" in lines
+
+
 def train_records(tokens_per_s: list[float], *, device_kind: str = GPU) -> list[dict]:
     setup = {
         "kind": "setup",
