@@ -66,9 +66,9 @@ def mesh_of(shape, kind=AxisType.Explicit):
 
 
 # (mesh, E, top_k, options): E / P = 1, top_k 1 / 2 / 8, a hot expert (the bias sends every token to expert 5),
-# chunks, and the all-gather dispatch on the same mesh for the per-device counts.
+# chunks, the all-gather dispatch on the same mesh for the per-device counts, and FP8 expert GEMMs (the (2, 4) mesh
+# with top_k 2 runs in the hot and FP8 cases).
 CASES = {
-    "(2,4) k2": ((2, 4), 8, 2, {}),
     "(1,8) k1 E/P=1": ((1, 8), 8, 1, {}),
     "(8,1) k2": ((8, 1), 8, 2, {}),
     "(1,8) k8 chunks2": ((1, 8), 16, 8, dict(num_chunks=2)),
