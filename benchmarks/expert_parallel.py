@@ -8,8 +8,8 @@ many as there are) the global batch is n * T_dev:
 - "dp<n>:<backend>": data parallelism, a ("data", "expert") mesh of (n, 1): all E experts on every device, no
   collective in the layer's forward (its backward all-reduces the weights' gradients);
 - "ep<n>-all_gather:<backend>", "ep<n>-all_to_all:<backend>": expert parallelism on (1, n), E / n experts a device,
-  ``moe_ffn_expert_parallel(dispatch=...)``, the all-to-all named by its exchange: "-ragged" (GPUs) or "-padded"
-  (elsewhere, and beside the ragged one on GPUs at the most devices).
+  ``moe_ffn_expert_parallel(dispatch=...)``, the all-to-all named by its exchange: "-padded" (what "auto" picks)
+  and, on GPUs at the most devices, "-ragged" (``ragged_all_to_all``) beside it.
 
 Routing: "uniform" (the layer's router on N(0, 1) tokens) and "skewed" (the first E / 8 experts get +1 selection
 bias, so the first device's experts take several times their share), the latter at the most devices only.
@@ -44,7 +44,7 @@ DEFAULT_SHAPES = ("qwen3-30b-a3b", "gpt-oss-120b")
 
 
 def default_shapes() -> list[LayerShape]:
-    """The layers the issue's targets name."""
+    """qwen3-30b-a3b and gpt-oss-120b: the layers the weak-scaling numbers are quoted at (docs/design.md)."""
     return [LAYER_SHAPES[name] for name in DEFAULT_SHAPES]
 
 
@@ -212,11 +212,10 @@ def bench_shape(
                 out = time_it(dp_impl, on_mesh(dp, meshes["dp"]), placements(meshes["dp"]), num_devices,
                               routing_name, used)  # fmt: skip
                 reference = (dp_impl, out) if out is not None else None
-                # The exchange "auto" picks (ragged on GPUs); on GPUs the padded one too, at the most devices.
-                exchange = "ragged" if on_gpu else "padded"
-                variants = {"all_gather": {}, f"all_to_all-{exchange}": dict(exchange=exchange)}
+                # The exchange "auto" picks (padded); on GPUs the ragged one too, at the most devices.
+                variants = {"all_gather": {}, "all_to_all-padded": dict(exchange="padded")}
                 if on_gpu and num_devices == counts[-1]:
-                    variants["all_to_all-padded"] = dict(exchange="padded")
+                    variants["all_to_all-ragged"] = dict(exchange="ragged")
                 for name, extra in variants.items():
                     parallel = dict(dispatch=name.split("-")[0], **extra)
                     layer = differentiated(layer_fn(shape, backend, route_kwargs, parallel=parallel))
@@ -228,7 +227,10 @@ def bench_shape(
 def run(shapes: list[LayerShape], options: common.Options, *, emit: Callable[[common.Record], None]):
     """Runs "ep" and "ep-bwd" over ``shapes`` on up to 4 local devices."""
     records = []
-    for backward in (True, False):  # forward + backward first: the targets' numbers, should a time limit cut the run
+    for backward in (
+        True,
+        False,
+    ):  # forward + backward first: the numbers docs/design.md quotes, should a time limit cut the run
         for shape in shapes:
             print(f"[ep{'-bwd' if backward else ''}] {shape.name} on {jax.device_count()} devices", file=sys.stderr)
             records += bench_shape(shape, options, backward=backward, emit=emit)

@@ -21,7 +21,8 @@ With ``--quantization fp8_block`` the forward runs as "gmm-fp8" (``bench_shape_f
 (quantized per call, as a forward does) and weights quantized beforehand in the FP8 kernel's [G, N, K] layout,
 against "dense", one XLA matmul of e4m3 operands (rhs K-major, per-tensor: no block scales) accumulating in f32, of
 the same FLOPs, and "hbm-floor" for the FP8 bytes; beside them the dgrad's GEMM (d_out [M, N] times the same
-quantized weights, contraction N) and, with the pallas backend, both GEMMs by our bf16 kernel (``_fp8_candidates``).
+quantized weights, contraction N), with the pallas backend the wgrad's (x and d_out quantized in row blocks per
+group, as the backward does, by the FP8 wgrad kernel) and all three GEMMs by our bf16 kernels (``_fp8_candidates``).
 The check is the XLA implementation of the same quantization on three groups, each run alone
 (``QuantizedGroupOracle``).
 """
@@ -280,7 +281,7 @@ def bench_shape_fp8(
         emit(record)
 
     with_dense = "dense" in options.baselines
-    candidates = _fp8_candidates(quantization, options.backends)
+    candidates = _fp8_candidates(quantization, options.backends, shape)
     impls = [("dense", "-"), ("hbm-floor", "-")] * with_dense + [(impl, routing) for impl, *_ in candidates]
     if common.past_deadline(options):
         for impl, row_routing in impls:
@@ -317,7 +318,7 @@ def bench_shape_fp8(
 FP8_IMPL_SUFFIX = "-fp8"
 
 
-def _fp8_candidates(quantization: str, backends) -> list[tuple]:
+def _fp8_candidates(quantization: str, backends, shape: GroupedMatmulShape) -> list[tuple]:
     """(impl, GEMM, input-set keys, op) per timed row: for each backend the forward x . w[g]^T and the dgrad GEMM
     d_out . w[g] (contraction N), quantized ("moe_jax:<backend>-fp8", "...-dgrad-fp8"), and with the pallas backend
     the same two GEMMs by our bf16 kernel ("moe_jax:pallas-bf16", "moe_jax:pallas-dgrad-bf16"). The dgrad rows time
@@ -340,7 +341,7 @@ def _fp8_candidates(quantization: str, backends) -> list[tuple]:
                 ("moe_jax:pallas-bf16", "fwd", ("lhs", "rhs_bf16"), functools.partial(bf16, transpose_rhs=True)),
                 ("moe_jax:pallas-dgrad-bf16", "dgrad", ("d_out", "rhs_bf16"), bf16),
             ]
-        if backend == "pallas" and launch.fp8_wgrad_unsupported(quantization, 64, 64, jnp.bfloat16) is None:
+        if backend == "pallas" and launch.fp8_wgrad_unsupported(quantization, shape.k, shape.n, jnp.bfloat16) is None:
             candidates += [
                 (f"moe_jax:pallas-wgrad{FP8_IMPL_SUFFIX}", "wgrad", ("lhs", "d_out"), _fp8_wgrad),
                 ("moe_jax:pallas-wgrad-bf16", "wgrad", ("lhs", "d_out"), _bf16_wgrad),

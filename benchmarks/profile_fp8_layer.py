@@ -11,8 +11,8 @@ Every kernel is put in one class by its name:
   other      everything else (routing, permute / combine, the GLU's backward in XLA, the aux losses)
 
 and the table gives each class's median µs per call and share of the call's kernel time, plus the heaviest kernels
-by name, so that what the quantization costs (the issue's "quantization overhead": every quantize pass and scale
-write) is read from one run. Usage (GPU machine): ``python -m benchmarks.profile_fp8_layer --shapes qwen3-30b-a3b
+by name, so that what the quantization costs (every quantize pass and scale write, and the FP8 copies' transposes) is
+read from one run. Usage (GPU machine): ``python -m benchmarks.profile_fp8_layer --shapes qwen3-30b-a3b
 --calls 5 [--out FILE]``.
 """
 
@@ -93,7 +93,7 @@ def profile(shape, quantization, *, backward: bool, calls: int, seed: int) -> di
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="qwen3-30b-a3b", help="comma-separated layer shapes")
-    parser.add_argument("--quantization", default="fp8_block", choices=("fp8_block", "mxfp8"))
+    parser.add_argument("--quantization", default="fp8_block", choices=("fp8_block",), help="what the kernels run")
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write {meta, results} JSON here")

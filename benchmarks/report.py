@@ -179,7 +179,8 @@ def compile_report(reports: list[tuple[dict, dict, str]]) -> list[str]:
                 lines.append(f"| {run['run']} | {run['status']} | | | | | | | |")
                 continue
             cells = [f"{run[k]:.1f}" for k in ("trace_s", "lower_s", "compile_s", "time_to_first_step_s")]
-            cells += [f"{run['tokens_per_s']:.0f}", f"{run['mfu']:.3f}", f"{run['peak_memory_gb']:.1f}"]
+            mfu = "-" if run["mfu"] is None else f"{run['mfu']:.3f}"  # no known peak off a GPU
+            cells += [f"{run['tokens_per_s']:.0f}", mfu, f"{run['peak_memory_gb']:.1f}"]
             lines.append(f"| {run['run']} | ok | " + " | ".join(cells) + " |")
         lines += ["", "| layer | jit | trace, s | lower, s | compile, s | total, s |", "|---|---|---:|---:|---:|---:|"]
         for name, layer in result["layers"].items():

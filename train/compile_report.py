@@ -1,6 +1,6 @@
 """Compile time and throughput of the toy LM on one GPU: ``python -m train.compile_report`` (a few minutes).
 
-Measures, and prints as one table:
+Measures, and prints as the tables ``python -m benchmarks --report`` shows for the record:
   - the first step of ``--config`` (default gpu-moe) with ``--backend pallas``: trace, lower and compile seconds
     (``train.compilation.compile_ahead``) and the time to the first step's end, from a cold persistent cache and
     again from a second process that shares the cache directory (warm);
@@ -89,30 +89,6 @@ def layer_compile_times(layer: dict, backend: str) -> dict:
     return results
 
 
-def table(results: dict) -> str:
-    lines = [
-        "| run | trace s | lower s | compile s | to first step s | tokens/s | MFU | peak GB | status |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for run in results["runs"]:
-        if run["status"] != "ok":
-            lines.append(f"| {run['run']} | | | | | | | | {run['status']} |")
-            continue
-        mfu = f"{run['mfu']:.3f}" if run["mfu"] is not None else "-"
-        lines.append(
-            f"| {run['run']} | {run['trace_s']:.1f} | {run['lower_s']:.1f} | {run['compile_s']:.1f} | "
-            f"{run['time_to_first_step_s']:.1f} | {run['tokens_per_s']:.0f} | {mfu} | "
-            f"{run['peak_memory_gb']:.1f} | ok |"
-        )
-    for name, layer in results["layers"].items():
-        for attempt, times in layer["times"].items():
-            lines.append(
-                f"| moe_ffn fwd+bwd {name} ({attempt} jit) | {times['trace_s']:.1f} | {times['lower_s']:.1f} | "
-                f"{times['compile_s']:.1f} | | | | | {layer['backend']} |"
-            )
-    return "\n".join(lines)
-
-
 def default_out(meta: dict) -> pathlib.Path:
     kind = meta["device_kind"].lower()
     device = next((name for name in ("h200", "h100") if name in kind), kind.replace(" ", "-"))
@@ -154,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(runs[-1]), flush=True)
 
     # Only now does this process touch the GPU: the training runs above had it to themselves.
+    from benchmarks import report
     from benchmarks.common import run_metadata
     from train.configs import get_config
 
@@ -175,10 +152,10 @@ def main(argv: list[str] | None = None) -> None:
     meta = run_metadata("python -m train.compile_report " + " ".join(argv or sys.argv[1:]), peers={})
     meta["flop_model"] = "training: train/metrics.py (3 x forward; forward = 2 x active matmul parameters + 2 L S D)"
     results = {"config": args.config, "runs": runs, "layers": layers}
-    print(table(results))
     out = pathlib.Path(args.out) if args.out else default_out(meta)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+    print("\n".join(report.compile_report([(meta, results, str(out))])))
     print(f"record: {os.path.relpath(out, REPO)}")
 
 

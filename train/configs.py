@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from moe_jax.ops.grouped_matmul.glu import ACTIVATIONS
 from moe_jax.ops.grouped_matmul.reference_fp8 import QUANTIZATIONS
 from moe_jax.ops.routing.api import SCORES
+from moe_jax.parallel.expert_parallel import DISPATCHES
 
 DTYPES = ("float32", "bfloat16")
 REMATS = ("none", "moe", "full")
@@ -166,6 +167,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.warmup_steps must be in [0, steps={self.steps}), got {self.warmup_steps}")
         if not 0 < self.validation_percent < 100:
             raise ValueError(f"TrainConfig.validation_percent must be in (0, 100), got {self.validation_percent}")
+        if self.dispatch not in DISPATCHES:
+            raise ValueError(f"TrainConfig.dispatch must be one of {DISPATCHES}, got {self.dispatch!r}")
         if self.bias_update_rate < 0:
             raise ValueError(f"TrainConfig.bias_update_rate must be >= 0, got {self.bias_update_rate}")
         if self.bias_update_rate and not self.model.balance_bias:
@@ -216,7 +219,7 @@ GPU = TrainConfig(
 )
 
 # A fine-grained MoE in current style (many small experts, top-8, a shared expert, sigmoid routing balanced by the
-# aux-loss-free bias): about 2.6B parameters, 0.47B active per token, sized for one 80 GB GPU. Parameters, gradients
+# aux-loss-free bias): about 2.6B parameters, 0.48B active per token, sized for one 80 GB GPU. Parameters, gradients
 # and AdamW moments are f32 (16 bytes a parameter, about 41 GB); 64k tokens a step in 4 micro-batches of 16k keep
 # the activations to a fraction of the rest.
 GPU_MOE = TrainConfig(

@@ -7,6 +7,7 @@ import os
 from moe_jax._core.backend import BACKENDS
 from moe_jax._core.hardware import configure_cpu_interpreter
 from moe_jax.ops.grouped_matmul.reference_fp8 import QUANTIZATIONS
+from moe_jax.parallel.expert_parallel import DISPATCHES
 from train.configs import ATTENTIONS, CONFIGS, REMATS, get_config
 
 
@@ -28,9 +29,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--expert-parallel", type=int, metavar="N", help="devices of the mesh's expert axis (default: the config's)"
     )
-    parser.add_argument(
-        "--dispatch", choices=("auto", "all_gather", "all_to_all"), help="expert-parallel dispatch (default: auto)"
-    )
+    parser.add_argument("--dispatch", choices=DISPATCHES, help="expert-parallel dispatch (default: auto)")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     parser.add_argument(
         "--scan-layers",
@@ -43,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--quantization",
         choices=QUANTIZATIONS,
-        help="the MoE layers' expert GEMMs in block-scaled FP8 (default: the config's, bf16 for every config)",
+        help="the MoE layers' expert GEMMs in block-scaled FP8 (default: the config's; no config quantizes)",
     )
     parser.add_argument(
         "--compile-cache",

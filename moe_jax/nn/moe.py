@@ -112,7 +112,7 @@ class Router(nnx.Module):
 class SharedExperts(nnx.Module):
     """Always-on gated MLP ``act(x W_gate) * (x W_up) W_down`` added to the routed output (DeepSeek-style).
 
-    Runs as a one-group ``glu_mlp``, so it shares the routed experts' kernels, epilogues and fused backward.
+    Runs as a one-group ``glu_mlp``, so it shares the routed experts' kernels, epilogues and backward.
     ``w_gate_up`` [1, D, 2F] is stored packed, as ``MoE.w_gate_up`` is.
     """
 
@@ -227,6 +227,11 @@ class MoE(nnx.Module):
         self.backend = backend
         self.quantization = quantization
         self.expert_parallel = expert_parallel
+        if not expert_parallel and (dispatch, buffer_factor, num_chunks) != ("auto", None, 1):
+            raise ValueError(
+                f"dispatch={dispatch!r}, buffer_factor={buffer_factor} and num_chunks={num_chunks} configure the "
+                "expert-parallel layer: pass them with expert_parallel=True"
+            )
         self.dispatch = dispatch
         self.buffer_factor = buffer_factor
         self.num_chunks = num_chunks

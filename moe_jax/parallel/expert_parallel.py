@@ -97,8 +97,9 @@ def moe_ffn_expert_parallel(
     results are ``moe_ffn``'s on the whole batch (y, the losses, the expert counts and every gradient), with these
     documented differences: a ``capacity_factor`` counts the tokens of one expert-axis group of P devices under
     "all_gather" (``ceil(cf * T_group * k / E)`` rows per expert) and of one device under "all_to_all"; a
-    ``buffer_factor`` drops rows. Expert and shared weights reach the shard_map in f32, so their gradients are
-    summed over the devices in f32 (the weights are cast to x's dtype inside).
+    ``buffer_factor`` drops rows. Weights that several devices share (the expert weights with a data axis, the
+    shared experts) reach the shard_map in f32, so their gradients are summed over the devices in f32 (the weights
+    are cast to x's dtype inside).
 
     Traffic per token and direction, in rows of D: "all_gather" P - 1 (each token to every other member of its
     group, each partial output back); "all_to_all" k (P - 1) / P on average (a routed row to its expert's device,
@@ -118,8 +119,8 @@ def moe_ffn_expert_parallel(
       num_chunks: "all_to_all" only: the local tokens are dispatched in this many equal chunks, independent of each
         other, so that one chunk's exchange can overlap another's expert GEMMs; dropless results do not depend on it.
       exchange: "all_to_all" only: how rows move, "padded" ("auto": ``ppermute`` rounds of fixed-size slots) or
-        "ragged" (``ragged_all_to_all``, GPUs only: on two H200s it made the qwen3-30b-a3b layer 44x slower than
-        all_gather, docs/design.md), as ``moe_jax.parallel.all_to_all`` describes them.
+        "ragged" (``ragged_all_to_all``, GPUs only: about 44x slower than all_gather at the qwen3-30b-a3b layer on
+        two H200s, docs/design.md), as ``moe_jax.parallel.all_to_all`` describes them.
       shared_experts: optional (w_gate_up [1, D, 2F_s] or its ``PackedGateUp``, w_down [1, F_s, D]): an always-on
         gated MLP added to y, run inside the same shard_map on each device's own tokens.
       top_k, activation, routing (or its fields as keywords), bias, capacity_factor, backend, quantization: as in
@@ -130,6 +131,11 @@ def moe_ffn_expert_parallel(
       device in the order of x's shards).
     """
     routing = RoutingOptions.of(routing, routing_keywords)
+    if any(isinstance(w, BlockScaled) for w in (_array(w_gate_up), w_down)):
+        raise TypeError(
+            "moe_ffn_expert_parallel quantizes its weights on every device: pass them in high precision, not as "
+            "BlockScaled"
+        )
     num_experts = check_moe_args(
         x,
         router_kernel,
@@ -142,11 +148,6 @@ def moe_ffn_expert_parallel(
         bias=bias,
         quantization=quantization,
     )
-    if any(isinstance(w, BlockScaled) for w in (_array(w_gate_up), w_down)):
-        raise TypeError(
-            "moe_ffn_expert_parallel quantizes its weights on every device: pass them in high precision, not as "
-            "BlockScaled"
-        )
     mesh = jax.sharding.get_abstract_mesh()
     if expert_axis not in mesh.axis_names:
         raise ValueError(
@@ -182,8 +183,8 @@ def moe_ffn_expert_parallel(
     backends = LayerBackends.select(
         backend,
         x,
-        num_experts,
-        w_down.shape[1],
+        w_gate_up,
+        w_down,
         top_k=top_k,
         activation=activation,
         routing=routing,

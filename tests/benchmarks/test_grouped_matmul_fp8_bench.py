@@ -56,7 +56,7 @@ def test_wgrad_rows_match_the_recipes_wgrad():
     oracle = grouped_matmul.QuantizedWgradOracle(lhs, d_out, group_sizes, "fp8_block")
     rows = {
         impl: (operands, op)
-        for impl, gemm, operands, op in grouped_matmul._fp8_candidates("fp8_block", ("pallas",))
+        for impl, gemm, operands, op in grouped_matmul._fp8_candidates("fp8_block", ("pallas",), s)
         if gemm == "wgrad"
     }
     assert list(rows) == ["moe_jax:pallas-wgrad-fp8", "moe_jax:pallas-wgrad-bf16"]

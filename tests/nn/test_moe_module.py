@@ -203,3 +203,9 @@ def test_router_module_returns_a_routing():
     routing = router(x)
     expected = oracle.route(np.asarray(x) @ np.asarray(router.kernel[...]), 2, score="sigmoid")
     np.testing.assert_array_equal(routing.experts, expected["experts"])
+
+
+@pytest.mark.parametrize("option", [dict(dispatch="all_to_all"), dict(buffer_factor=1.0), dict(num_chunks=2)])
+def test_expert_parallel_options_need_expert_parallel(option):
+    with pytest.raises(ValueError, match="expert_parallel=True"):
+        moe_jax.nn.MoE(16, 8, 4, 2, rngs=nnx.Rngs(0), **option)

@@ -2,13 +2,17 @@
 implementations (``LayerBackends``), and the deprecated ``glu_mlp(recompute_gate_up=)``. XLA path, tiny shapes;
 results compared exactly (the same computation spelled two ways) or against the float64 oracle."""
 
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import moe_jax
+from moe_jax._core import backend as dispatch
 from moe_jax.ops.glu_mlp import api as glu_mlp_api
+from moe_jax.ops.grouped_matmul.api import quantize_weights
 from moe_jax.ops.moe_ffn.api import LayerBackends
 from tests import oracle
 
@@ -82,17 +86,39 @@ def test_routing_must_be_routing_options():
 
 def test_a_layer_chooses_its_implementations_once():
     x = jax.ShapeDtypeStruct((T, 128), jnp.bfloat16)
-    options = moe_jax.RoutingOptions()
-    on_xla = LayerBackends.select("xla", x, E, 128, top_k=K, activation="swiglu", routing=options)
+    options = dict(top_k=K, activation="swiglu", routing=moe_jax.RoutingOptions())
+
+    def weights(d_ff):
+        return jax.ShapeDtypeStruct((E, 128, 2 * d_ff), jnp.bfloat16), jax.ShapeDtypeStruct(
+            (E, d_ff, 128), jnp.bfloat16
+        )
+
+    on_xla = LayerBackends.select("xla", x, *weights(128), **options)
     assert on_xla == LayerBackends(route="xla", experts="xla", combine="xla")
-    on_kernels = LayerBackends.select("pallas", x, E, 128, top_k=K, activation="swiglu", routing=options)
+    on_kernels = LayerBackends.select("pallas", x, *weights(128), **options)
     assert on_kernels == LayerBackends(route="pallas", experts="pallas_gather", combine="pallas")
-    wide = LayerBackends.select(
-        "pallas", x, E, glu_mlp_api.GATHER_MAX_D_FF + 64, top_k=K, activation="swiglu", routing=options
-    )
+    wide = LayerBackends.select("pallas", x, *weights(glu_mlp_api.GATHER_MAX_D_FF + 64), **options)
     assert wide.experts == "pallas_sorted"  # past the gather's width the layer permutes first
     with pytest.raises(NotImplementedError, match="glu_mlp: .*multiple of 64"):
-        LayerBackends.select("pallas", x, E, 96, top_k=K, activation="swiglu", routing=options)
+        LayerBackends.select("pallas", x, *weights(96), **options)
+
+
+def test_a_quantized_layer_takes_the_fp8_kernels_only_where_they_take_its_weights():
+    """On an sm90 GPU "auto" runs fp8_block's experts on the sorted-rows FP8 kernels for high-precision weights and
+    packed BlockScaled ones, and in XLA for a BlockScaled [gate | up] array (the GLU kernel reads packed columns)."""
+    x = jax.ShapeDtypeStruct((T, 128), jnp.bfloat16)
+    options = dict(top_k=K, activation="swiglu", routing=moe_jax.RoutingOptions(), quantization="fp8_block")
+    w_gate_up = jnp.zeros((E, 128, 256), jnp.bfloat16)
+    w_down = jnp.zeros((E, 128, 128), jnp.bfloat16)
+    quantized_down = quantize_weights(w_down)
+    cases = [
+        ((w_gate_up, w_down), "pallas_sorted"),
+        ((quantize_weights(moe_jax.pack_gate_up(w_gate_up)), quantized_down), "pallas_sorted"),
+        ((quantize_weights(w_gate_up), quantized_down), "xla"),
+    ]
+    with mock.patch.object(dispatch, "has_sm90_gpu", return_value=True):
+        for weights, expected in cases:
+            assert LayerBackends.select("auto", x, *weights, **options).experts == expected
 
 
 def test_recompute_gate_up_is_deprecated_and_changes_nothing():

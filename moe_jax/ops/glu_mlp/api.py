@@ -105,19 +105,27 @@ def check_glu_mlp_args(x, w_gate_up, w_down, group_sizes, *, activation, row_sca
 
 @dataclasses.dataclass(frozen=True)
 class MlpCall:
-    """What the GLU MLP implementations decide on: the compute dtype, D, F, the activation and the quantization."""
+    """What the GLU MLP implementations decide on: the compute dtype, D, F, the activation, the quantization and,
+    with one, the weights' types (``abstract_weights``: whether they come BlockScaled, in which dtype and layout)."""
 
     dtype: jnp.dtype
     d_model: int
     d_ff: int
     activation: str
     quantization: str | None = None
+    weights: tuple = (None, None)
+
+
+def abstract_weights(w_gate_up, w_down) -> tuple:
+    """(w_gate_up, w_down) with ``jax.ShapeDtypeStruct`` leaves, their pytree types (BlockScaled, PackedGateUp) kept."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (w_gate_up, w_down))
 
 
 def _kernels_unsupported(call: MlpCall) -> str | None:
     """Why the gate_up or the down kernels cannot run the MLP (None: both can)."""
     if call.quantization is not None:
-        gemms = ((call.d_model, 2 * call.d_ff, call.activation), (call.d_ff, call.d_model, None))
+        w_gate_up, w_down = call.weights
+        gemms = ((call.d_model, 2 * call.d_ff, call.activation, w_gate_up), (call.d_ff, call.d_model, None, w_down))
         return grouped_matmul_api.fp8_kernels_unsupported(call.dtype, gemms, call.quantization)
     x = jax.ShapeDtypeStruct((0, call.d_model), call.dtype)
     gate_up = kernel_unsupported(x, call.d_model, 2 * call.d_ff, call.activation, GATE_UP_NAMES)
@@ -164,7 +172,8 @@ def glu_mlp(
     """Grouped gated MLP: ``y_r = row_scale_r * (act(x_r W_gate[g]) * (x_r W_up[g])) W_down[g]`` for rows r of group g.
 
     Equal to ``grouped_matmul(grouped_matmul(x, w_gate_up, group_sizes, activation=activation), w_down, group_sizes,
-    row_scale=row_scale)`` (the hidden activations rounded to x.dtype in between), with a fused backward.
+    row_scale=row_scale)`` (the hidden activations rounded to x.dtype in between), with a fused backward (without
+    ``quantization``: with it, exactly that composition).
 
     Args:
       x: [M, D] rows sorted by group.
@@ -176,8 +185,10 @@ def glu_mlp(
       row_scale: optional [M] float (the routing weights); gets a gradient.
       zero_tail: False lets the Pallas path leave the result's rows past ``sum(group_sizes)`` unwritten (their
         values unspecified) and skip them in every kernel of the backward: for callers that never read those rows,
-        e.g. ``combine(..., num_rows=sum(group_sizes))``. Gradients stay exact.
-      backend: "auto", "xla" or "pallas" ("pallas" needs bf16/f16, D and F multiples of 64).
+        e.g. ``combine(..., num_rows=sum(group_sizes))``. Gradients stay exact. With ``quantization`` the FP8
+        kernels write zeros there either way.
+      backend: "auto", "xla" or "pallas" ("pallas" needs bf16/f16, D and F multiples of 64; with ``quantization``
+        bf16/f16/f32, D and F multiples of 128, and weights high precision or packed).
       recompute_gate_up: deprecated and ignored (results are the same either way): the backward keeps the
         pre-activation.
       quantization: None, "fp8_block" or "mxfp8": both GEMMs on block-scaled FP8 operands, as
@@ -198,7 +209,7 @@ def glu_mlp(
     _, d_model, d_ff, _ = check_glu_mlp_args(
         x, w_gate_up, w_down, group_sizes, activation=activation, row_scale=row_scale, quantization=quantization
     )
-    call = MlpCall(jnp.dtype(x.dtype), d_model, d_ff, activation, quantization)
+    call = MlpCall(jnp.dtype(x.dtype), d_model, d_ff, activation, quantization, abstract_weights(w_gate_up, w_down))
     implementation = dispatch.select("glu_mlp", backend, IMPLEMENTATIONS, call).name
     group_sizes = group_sizes.astype(jnp.int32)
     if quantization is not None:
@@ -271,7 +282,10 @@ def routed_glu_mlp(
     _, _, d_ff, _ = check_glu_mlp_args(
         rows, w_gate_up, w_down, group_sizes, activation=activation, row_scale=row_scale, quantization=quantization
     )
-    implementation = select_routed(backend, MlpCall(jnp.dtype(x.dtype), d_model, d_ff, activation, quantization))
+    weights = abstract_weights(w_gate_up, w_down)
+    implementation = select_routed(
+        backend, MlpCall(jnp.dtype(x.dtype), d_model, d_ff, activation, quantization, weights)
+    )
     group_sizes = group_sizes.astype(jnp.int32)
     if implementation == "pallas_gather":
         return _run_pallas(

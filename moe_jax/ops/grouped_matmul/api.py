@@ -181,8 +181,8 @@ def grouped_matmul(
         K, N multiples of 64 and, with an activation, F a multiple of 64; "auto" falls back to "xla" where those do
         not hold. With an activation or a row scale the kernel applies them in its epilogue (f32) and writes only
         the result; under differentiation it also keeps the pre-activation [M, N] for the backward. Quantized
-        calls run the FP8 kernel under "pallas" only (fp8_block; K a multiple of 128, e4m3 operands, GLU weights
-        packed) for the forward and, with N a multiple of 128, the dgrad, and the FP8 wgrad kernel for the wgrad
+        calls run the FP8 kernel under "auto" and "pallas" (fp8_block; K a multiple of 128, e4m3 operands, GLU
+        weights packed) for the forward and, with N a multiple of 128, the dgrad, and the FP8 wgrad kernel for the wgrad
         (XLA for an rhs of another float dtype than f32 / bf16 / f16). The forward reads the
         weights [G, N, K] and the dgrad [G, K, N]: one transposed FP8 copy per step in either layout.
 
@@ -274,14 +274,15 @@ def _kernel_unsupported(call: _GemmCall) -> str | None:
 
 
 def fp8_kernels_unsupported(dtype, gemms, quantization: str) -> str | None:
-    """Why the FP8 kernel cannot run one of ``gemms`` on high-precision operands of ``dtype`` (None: it runs all).
+    """Why the FP8 kernel cannot run one of ``gemms`` on a high-precision lhs of ``dtype`` (None: it runs all).
 
     Args:
-      gemms: (contraction, output columns, activation or None) per GEMM.
+      gemms: (contraction, output columns, activation or None, rhs) per GEMM, rhs as the op takes it (high precision,
+        ``BlockScaled`` or a ``PackedGateUp``; arrays or ``jax.ShapeDtypeStruct`` leaves).
     """
-    for contraction, num_cols, activation in gemms:
-        call = _GemmCall(jnp.dtype(dtype), contraction, num_cols, activation, quantization, out_dtype=jnp.dtype(dtype))
-        problem = _kernel_unsupported(call)
+    for contraction, num_cols, activation, rhs in gemms:
+        lhs = jax.ShapeDtypeStruct((0, contraction), dtype)
+        problem = _kernel_unsupported(_gemm_call(lhs, rhs, contraction, num_cols, activation, quantization, dtype))
         if problem is not None:
             return problem
     return None

@@ -103,11 +103,12 @@ class LayerBackends:
     quantization: str | None = None
 
     @classmethod
-    def select(
-        cls, backend: str, x, num_experts: int, d_ff: int, *, top_k: int, activation: str, routing, quantization=None
-    ):
-        """What ``backend`` selects for a layer over tokens x [T, D], E experts of hidden width F."""
-        mlp_call = glu_mlp_api.MlpCall(jnp.dtype(x.dtype), x.shape[1], d_ff, activation, quantization)
+    def select(cls, backend: str, x, w_gate_up, w_down, *, top_k: int, activation: str, routing, quantization=None):
+        """What ``backend`` selects for a layer over tokens x [T, D] and the expert weights w_gate_up [E, D, 2F] /
+        w_down [E, F, D] (high precision, or with ``quantization`` also BlockScaled)."""
+        num_experts, d_ff = w_down.shape[:2]
+        weights = glu_mlp_api.abstract_weights(w_gate_up, w_down)
+        mlp_call = glu_mlp_api.MlpCall(jnp.dtype(x.dtype), x.shape[1], d_ff, activation, quantization, weights)
         return cls(
             route=routing_api.select(backend, num_experts, top_k, routing),
             experts=glu_mlp_api.select_routed(backend, mlp_call),
@@ -156,7 +157,7 @@ def moe_ffn(
       (y [T, D] in x.dtype, MoEAux).
     """
     routing = RoutingOptions.of(routing, routing_keywords)
-    num_experts = check_moe_args(
+    check_moe_args(
         x,
         router_kernel,
         w_gate_up,
@@ -171,8 +172,8 @@ def moe_ffn(
     backends = LayerBackends.select(
         backend,
         x,
-        num_experts,
-        w_down.shape[1],
+        w_gate_up,
+        w_down,
         top_k=top_k,
         activation=activation,
         routing=routing,
