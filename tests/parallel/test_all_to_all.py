@@ -290,9 +290,7 @@ def test_all_to_all_runs_the_pallas_kernels():
     cotangent = jax.random.normal(keys[4], (t, d))
 
     def loss(x, w_gate_up, w_down):
-        y, aux = moe_ffn_expert_parallel(
-            x, router, w_gate_up, w_down, top_k=k, dispatch="all_to_all", num_chunks=2, backend="pallas"
-        )
+        y, aux = moe_ffn_expert_parallel(x, router, w_gate_up, w_down, top_k=k, dispatch="all_to_all", backend="pallas")
         return jnp.sum(y.astype(jnp.float32) * cotangent), y
 
     mesh = jax.make_mesh((1, 1), ("data", "expert"), axis_types=(AxisType.Explicit,) * 2)

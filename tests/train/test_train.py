@@ -62,19 +62,21 @@ def test_fp8_run_learns_close_to_the_bf16_run_and_records_its_recipe(tmp_path):
     """The MoE layers' expert GEMMs in fp8_block (the XLA path on CPU): the loss falls as the unquantized run's does,
     within 0.1 of it at the end (e4m3 perturbs each step's gradients by a few percent, not the descent), but not
     equal to it (the quantization ran), and the metrics record the recipe."""
-    fp8 = dataclasses.replace(SMALL, model=dataclasses.replace(SMALL.model, quantization="fp8_block"))
+    small = dataclasses.replace(SMALL, steps=16, log_every=8, eval_every=8)
+    fp8 = dataclasses.replace(small, model=dataclasses.replace(small.model, quantization="fp8_block"))
     metrics = tmp_path / "metrics.jsonl"
     quantized = train(fp8, backend="xla", metrics_path=str(metrics), progress_bar=False)
-    plain = train(SMALL, backend="xla", progress_bar=False)
-    steps = range(SMALL.steps - 4, SMALL.steps + 1)
+    plain = train(small, backend="xla", progress_bar=False)
+    steps = range(small.steps - 4, small.steps + 1)
     last = [np.mean([run.step_losses[step] for step in steps]) for run in (quantized, plain)]
     assert abs(last[0] - last[1]) < 0.1
-    assert quantized.step_losses[SMALL.steps] != plain.step_losses[SMALL.steps]
+    assert quantized.step_losses[small.steps] != plain.step_losses[small.steps]
     setup = json.loads(metrics.read_text().splitlines()[0])
     assert setup["config"]["model"]["quantization"] == "fp8_block"
 
 
-@pytest.mark.parametrize("scan_layers", [False, True], ids=["listed", "scanned"])
+# The scanned model resumes by the same code on another parameter tree (the scan is covered by the tests below).
+@pytest.mark.parametrize("scan_layers", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["listed", "scanned"])
 def test_interrupted_and_resumed_run_reproduces_the_uninterrupted_losses_exactly(tmp_path, scan_layers):
     model = dataclasses.replace(SMALL.model, scan_layers=scan_layers)
     config = dataclasses.replace(SMALL, model=model, steps=12, ckpt_every=4, eval_every=6)
@@ -254,7 +256,8 @@ def _steps(model: Transformer, config: configs.TrainConfig, num_steps: int) -> l
         dict(scan_layers=True),
         dict(scan_layers=True, remat="full"),
         dict(scan_layers=True, remat="moe"),
-        dict(remat="moe"),
+        # remat "moe" alone: the scanned case above runs the same policy.
+        pytest.param(dict(remat="moe"), marks=pytest.mark.slow),
         dict(grad_accum_steps=2),
     ],
     ids=lambda v: ",".join(f"{k}={v[k]}" for k in v),
@@ -292,19 +295,30 @@ def test_evaluation_in_micro_batches_matches_the_whole_batch():
 
 
 def test_compile_cache_flag_fills_the_cache_directory(tmp_path):
-    """Two steps of the tiny config through the command line, with and without the cache."""
+    """Two steps of the tiny config through the command line fill the --compile-cache directory and time the
+    compilation's phases."""
     cache = tmp_path / "cache"
+    metrics = tmp_path / "metrics.jsonl"
     command = [sys.executable, "-m", "train", "--config", "tiny", "--steps", "2", "--no-progress"]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    for extra in (["--compile-cache", str(cache)], ["--no-compile-cache"]):
-        metrics = tmp_path / f"metrics{len(extra)}.jsonl"
-        completed = subprocess.run(
-            [*command, "--metrics", str(metrics), *extra], env=env, cwd=REPO, capture_output=True, text=True
-        )
-        assert completed.returncode == 0, completed.stderr[-3000:]
-        (compile_record,) = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "compile"]
-        for name in ("trace_s", "lower_s", "compile_s", "first_step_s"):
-            assert compile_record[name] > 0, name
-    entries = [p for p in cache.rglob("*") if p.is_file()]
-    assert entries, "the compilation cache stayed empty"
-    assert not (tmp_path / "compile_cache").exists()  # --no-compile-cache wrote nothing beside the metrics
+    completed = subprocess.run(
+        [*command, "--metrics", str(metrics), "--compile-cache", str(cache)],
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    (compile_record,) = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "compile"]
+    for name in ("trace_s", "lower_s", "compile_s", "first_step_s"):
+        assert compile_record[name] > 0, name
+    assert [p for p in cache.rglob("*") if p.is_file()], "the compilation cache stayed empty"
+
+
+@pytest.mark.parametrize("flags, expected", [([], "runs/tiny/compile_cache"), (["--no-compile-cache"], None)])
+def test_the_cache_lies_beside_the_metrics_unless_turned_off(monkeypatch, flags, expected):
+    """The command line's cache choice, with the training itself stubbed out."""
+    enabled = []
+    monkeypatch.setattr("train.compilation.enable_compile_cache", enabled.append)
+    monkeypatch.setattr("train.train.train", lambda *args, **kwargs: None)
+    main.main(["--config", "tiny", *flags])
+    assert enabled == ([] if expected is None else [expected])
