@@ -18,9 +18,9 @@ bytes; keeping gu measured faster at every named shape (docs/kernels/grouped_mat
 With ``quantization`` ("fp8_block" / "mxfp8") the two GEMMs run on block-scaled FP8 operands: the op is then the
 composition of two quantized ``grouped_matmul`` calls (each quantizes its activations per call and its weights once
 per call, its forward and backward sharing the quantized weights; gradients reach the high-precision operands
-straight through), on the FP8 kernels under "pallas" and in XLA under "xla". The hidden activations are written in
-x's dtype and quantized again by the down GEMM (not yet in the gate_up epilogue), and the backward is the two ops'
-backwards (not the fused glu_dgrad above).
+straight through), on the FP8 kernels where they run ("auto", "pallas") and in XLA otherwise or under "xla". The
+hidden activations are written in x's dtype and quantized again by the down GEMM (not yet in the gate_up epilogue),
+and the backward is the two ops' backwards (not the fused glu_dgrad above).
 
 ``routed_glu_mlp`` (what ``moe_ffn`` calls) takes the tokens [T, D] and the routing's sort indices instead of sorted
 rows. Its implementations, in order: "pallas_gather" (the gate_up kernel gathers its rows from the tokens, so the
