@@ -48,6 +48,13 @@ def _prefix_sums(values: jax.Array) -> jax.Array:
     return jnp.sum(jnp.where(index[None, :] <= index[:, None], values[None, :], 0), axis=1, dtype=values.dtype)
 
 
+def group_bounds(group_sizes: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
+    """(first row, one past the last row) of every group, [G] int32 each: negative sizes count as 0 and rows past
+    ``num_rows`` are dropped."""
+    ends = jnp.minimum(_prefix_sums(jnp.maximum(group_sizes.astype(jnp.int32), 0)), num_rows)
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]]), ends
+
+
 def row_tiles(
     group_sizes: jax.Array, num_rows: int, block_m: int, *, zero_tail: bool = True
 ) -> tuple[jax.Array, jax.Array]:
@@ -68,20 +75,19 @@ def row_tiles(
         last tile); entries at or past ``num_tiles`` are padding.
       num_tiles: [1] int32, the tiles in use.
     """
-    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    ends = jnp.minimum(_prefix_sums(sizes), num_rows)
+    _, ends = group_bounds(group_sizes, num_rows)
     # The zero segment [sum, M) is one more "group", so that one table drives both kinds of tile.
     tail_end = num_rows if zero_tail else jnp.maximum(ends[-1], min(num_rows, 1))
     seg_ends = jnp.concatenate([ends, jnp.full((1,), tail_end, jnp.int32)])
     seg_starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), seg_ends[:-1]])
-    seg_ids = jnp.concatenate([jnp.arange(sizes.shape[0], dtype=jnp.int32), jnp.full((1,), ZERO_TILE, jnp.int32)])
+    seg_ids = jnp.concatenate([jnp.arange(group_sizes.shape[0], dtype=jnp.int32), jnp.full((1,), ZERO_TILE, jnp.int32)])
     seg_boxes = seg_starts // ROW_ALIGN * ROW_ALIGN
     seg_tiles = jnp.where(seg_ends > seg_starts, (seg_ends - seg_boxes + block_m - 1) // block_m, 0)
     seg_end_tile = _prefix_sums(seg_tiles)
     seg_first_tile = seg_end_tile - seg_tiles
     num_tiles = seg_end_tile[-1]
 
-    capacity = max_row_tiles(num_rows, sizes.shape[0], block_m)
+    capacity = max_row_tiles(num_rows, group_sizes.shape[0], block_m)
     t = jnp.arange(capacity, dtype=jnp.int32)
     # The segment of tile t: the last one whose first tile is <= t (empty segments share their successor's start).
     seg = jnp.searchsorted(seg_end_tile, t, side="right", method="compare_all")
@@ -155,9 +161,7 @@ def wgrad_groups(group_sizes: jax.Array, b_rows: jax.Array, block_k: int) -> jax
       row of B its chunks read outside it is finite, else 0.
     """
     num_rows = b_rows.shape[0]
-    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    ends = jnp.minimum(_prefix_sums(sizes), num_rows)
-    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    starts, ends = group_bounds(group_sizes, num_rows)
     boxes = starts // ROW_ALIGN * ROW_ALIGN
     last_chunks = boxes + jnp.maximum(-(-(ends - boxes) // block_k) - 1, 0) * block_k
     finite = jnp.stack(

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.ops.grouped_matmul.reference_fp8 import DTYPE, Recipe
-from moe_jax.ops.grouped_matmul.schedule import _prefix_sums
+from moe_jax.ops.grouped_matmul.schedule import _prefix_sums, group_bounds
 from moe_jax.ops.quant import reference as quant
 
 GROUP_ID, GROUP_FIRST_BLOCK, GROUP_BLOCKS = range(3)  # rows of the [3, G] group table (``group_table``)
@@ -40,11 +40,9 @@ def max_token_blocks(num_rows: int, num_groups: int, block: int) -> int:
 
 
 def group_blocks(group_sizes: jax.Array, num_rows: int, block: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(first row, rows, first block) of every group, [G] int32 each: negative sizes count as 0 and rows past M
-    are dropped, as in ``quantize_rows_per_group``."""
-    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    ends = jnp.minimum(_prefix_sums(sizes), num_rows)
-    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    """(first row, rows, first block) of every group, [G] int32 each (``schedule.group_bounds``: negative sizes
+    count as 0, rows past M are dropped, as in ``quantize_rows_per_group``)."""
+    starts, ends = group_bounds(group_sizes, num_rows)
     rows = ends - starts
     blocks = (rows + block - 1) // block
     return starts, rows, _prefix_sums(blocks) - blocks
