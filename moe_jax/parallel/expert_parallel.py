@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax._core import checks
 from moe_jax.ops.glu_mlp.api import glu_mlp
-from moe_jax.ops.grouped_matmul.packing import PackedGateUp
+from moe_jax.ops.grouped_matmul.packing import PackedGateUp, stored_array
 from moe_jax.ops.moe_ffn.api import LayerBackends, MoEAux, check_moe_args, expert_rows, route_tokens, routed_experts
 from moe_jax.ops.quant.reference import BlockScaled
 from moe_jax.ops.routing.api import RoutingOptions, z_loss
@@ -131,7 +131,7 @@ def moe_ffn_expert_parallel(
       device in the order of x's shards).
     """
     routing = RoutingOptions.of(routing, routing_keywords)
-    if any(isinstance(w, BlockScaled) for w in (_array(w_gate_up), w_down)):
+    if any(isinstance(w, BlockScaled) for w in (stored_array(w_gate_up), w_down)):
         raise TypeError(
             "moe_ffn_expert_parallel quantizes its weights on every device: pass them in high precision, not as "
             "BlockScaled"
@@ -232,11 +232,6 @@ def moe_ffn_expert_parallel(
     # varying-axes check (jax 0.11.2); what is replicated here is so by the explicit collectives of the body.
     sharded = jax.shard_map(body, in_specs=in_specs, out_specs=(token_spec, P()), check_vma=False)
     return sharded(*operands)
-
-
-def _array(w):
-    """A PackedGateUp's array, anything else as it is."""
-    return w.array if isinstance(w, PackedGateUp) else w
 
 
 def _check_shared_experts(shared_experts, x):

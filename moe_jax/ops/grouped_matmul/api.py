@@ -36,7 +36,14 @@ from moe_jax.ops.grouped_matmul.launch import (
     run_fp8_wgrad_kernel,
     run_rows_kernel,
 )
-from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, PackedGateUp, gate_up_block, pack_gate_up, split_gate_up
+from moe_jax.ops.grouped_matmul.packing import (
+    PACK_BLOCK,
+    PackedGateUp,
+    gate_up_block,
+    pack_gate_up,
+    split_gate_up,
+    stored_array,
+)
 from moe_jax.ops.grouped_matmul.reference_fp8 import QUANTIZATIONS, RECIPES
 from moe_jax.ops.quant import api as quant
 from moe_jax.ops.quant.reference import FP8_DTYPES, BlockScaled
@@ -77,7 +84,7 @@ def check_grouped_matmul_args(
     checks.check_rank("group_sizes", group_sizes, 1, "[G]")
     checks.check_int32("group_sizes", group_sizes)
     checks.check_dim("group_sizes", group_sizes.shape[0], num_groups, f"length (G, {rhs_name}.shape[0])")
-    weights = rhs.array if isinstance(rhs, PackedGateUp) else rhs
+    weights = stored_array(rhs)
     _check_operand_types(lhs, weights, quantization, transpose_rhs, names)
     if activation is not None:
         checks.check_choice("activation", activation, (None, *ACTIVATIONS))
@@ -234,7 +241,7 @@ def grouped_matmul(
         return _pallas_grouped_matmul(lhs, rhs, group_sizes, out_dtype, transpose_rhs)
     if activation is not None and not isinstance(rhs, PackedGateUp):
         rhs = pack_gate_up(rhs, transposed=transpose_rhs)
-    weights = rhs.array if isinstance(rhs, PackedGateUp) else rhs
+    weights = stored_array(rhs)
     scale = None if row_scale is None else row_scale.astype(jnp.float32)
     return _pallas_epilogue_matmul(lhs, weights, group_sizes, scale, activation, out_dtype, transpose_rhs)
 
@@ -258,7 +265,7 @@ class _GemmCall:
 def _gemm_call(lhs, rhs, contraction: int, num_cols: int, activation, quantization, preferred_element_type=None):
     if quantization is None:
         return _GemmCall(lhs.dtype, contraction, num_cols, activation)
-    weights = rhs.array if isinstance(rhs, PackedGateUp) else rhs
+    weights = stored_array(rhs)
     fp8_dtypes = tuple(jnp.dtype(x.dtype) for x in (lhs, weights) if isinstance(x, BlockScaled))
     unpacked = activation is not None and isinstance(rhs, BlockScaled)
     out_dtype = reference_fp8.output_dtype(lhs, rhs, preferred_element_type)
@@ -307,7 +314,7 @@ def quantize_weights(
     """
     checks.check_choice("quantization", quantization, QUANTIZATIONS)
     recipe = RECIPES[quantization]
-    weights = rhs.array if isinstance(rhs, PackedGateUp) else rhs
+    weights = stored_array(rhs)
     checks.check_rank("rhs", weights, 3, "[G, N, K]" if transpose_rhs else "[G, K, N]")
     checks.check_float("rhs", weights)
     quantized = reference_fp8.quantize(weights, recipe.rhs_block(transpose_rhs), recipe)

@@ -51,6 +51,11 @@ class PackedGateUp:
         return dataclasses.replace(self, array=self.array.astype(dtype))
 
 
+def stored_array(weights):
+    """The array a ``PackedGateUp`` holds; any other weights as they are."""
+    return weights.array if isinstance(weights, PackedGateUp) else weights
+
+
 def gate_up_block(d_ff: int) -> int:
     """The interleave width for F = ``d_ff`` hidden columns: PACK_BLOCK where it divides F, else F (no interleave)."""
     return PACK_BLOCK if d_ff % PACK_BLOCK == 0 else d_ff

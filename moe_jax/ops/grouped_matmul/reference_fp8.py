@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from moe_jax.ops.grouped_matmul.packing import PackedGateUp, pack_gate_up
+from moe_jax.ops.grouped_matmul.packing import PackedGateUp, pack_gate_up, stored_array
 from moe_jax.ops.grouped_matmul.reference import epilogue, row_mask
 from moe_jax.ops.quant import reference as quant
 from moe_jax.ops.quant.reference import BlockScaled
@@ -112,7 +112,7 @@ def output_dtype(lhs, rhs, preferred_element_type) -> jnp.dtype:
     """``preferred_element_type``, else the high-precision inputs' dtype (lhs's, then rhs's), else bf16."""
     if preferred_element_type is not None:
         return jnp.dtype(preferred_element_type)
-    for operand in (lhs, rhs.array if isinstance(rhs, PackedGateUp) else rhs):
+    for operand in (lhs, stored_array(rhs)):
         if not isinstance(operand, BlockScaled):
             return jnp.dtype(operand.dtype)
     return jnp.dtype(jnp.bfloat16)

@@ -9,7 +9,7 @@ from moe_jax._core import checks
 from moe_jax.ops.glu_mlp import api as glu_mlp_api
 from moe_jax.ops.grouped_matmul.glu import ACTIVATIONS
 from moe_jax.ops.grouped_matmul.launch import rows_in_groups
-from moe_jax.ops.grouped_matmul.packing import PackedGateUp
+from moe_jax.ops.grouped_matmul.packing import PackedGateUp, stored_array
 from moe_jax.ops.grouped_matmul.reference_fp8 import QUANTIZATIONS
 from moe_jax.ops.permute import api as permute_api
 from moe_jax.ops.quant.reference import BlockScaled
@@ -66,7 +66,7 @@ def check_moe_args(
     if down_shape != (num_experts, d_ff, d_model):
         raise ValueError(f"w_down must have shape [E, F, D] = {(num_experts, d_ff, d_model)}, got {down_shape}")
     checks.check_choice("quantization", quantization, (None, *QUANTIZATIONS))
-    weights = (("w_gate_up", w_gate_up.array if isinstance(w_gate_up, PackedGateUp) else w_gate_up), ("w_down", w_down))
+    weights = (("w_gate_up", stored_array(w_gate_up)), ("w_down", w_down))
     if quantization is None:
         for name, array in weights:
             if isinstance(array, BlockScaled):
