@@ -14,7 +14,8 @@ Record files, by what their lines or keys hold:
   ``*.json`` ``{meta, records}``        ``python -m benchmarks --out``
   ``*.json`` ``{meta, results}``        ``python -m benchmarks.profile_layer --out``
   ``*_train_gpu_<backend>.jsonl``       ``python -m train --metrics``: a run is a pair of files, xla and pallas, named
-                                        ``<date>_<gpu>_<git>``; the records hold no date, so it comes from the name
+                                        ``<date>_<gpu>_<git>``; the records hold no date, so it comes from the name;
+                                        ``pallas-fp8_block`` (``--quantization fp8_block``) joins a pair as a third row
 Anything else (notes of one-off experiments) is not read.
 """
 
@@ -35,6 +36,7 @@ TIMER_WORDS = {"device": "GPU kernel time (CUPTI)", "wall": "wall clock"}
 PROFILE_STAGES = ("router", "gating", "xla-glue", "permute", "gate_up", "down", "combine")
 TRAIN_SUFFIX = "_train_gpu_"
 TRAIN_BACKENDS = ("xla", "pallas")
+TRAIN_VARIANTS = ("pallas-fp8_block",)  # optional rows beside a pair: same config, seed and data
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -228,15 +230,16 @@ def profile_report(profiles: list[tuple[dict, dict, str]]) -> list[str]:
 
 
 def read_training(paths: list[str]) -> dict[str, dict[str, list[dict]]]:
-    """{run name: {backend: records}} of the training records that come as an xla / pallas pair."""
+    """{run name: {backend: records}} of the training records that come as an xla / pallas pair (and the variants
+    recorded beside it)."""
     runs: dict[str, dict[str, list[dict]]] = {}
     for path in paths:
         name = os.path.basename(path)
         run, _, backend = name.removesuffix(".jsonl").rpartition(TRAIN_SUFFIX)
-        if backend in TRAIN_BACKENDS:
+        if backend in TRAIN_BACKENDS + TRAIN_VARIANTS:
             with open(path) as f:
                 runs.setdefault(run, {})[backend] = [json.loads(line) for line in f if line.strip()]
-    return {run: pair for run, pair in runs.items() if set(pair) == set(TRAIN_BACKENDS)}
+    return {run: pair for run, pair in runs.items() if set(TRAIN_BACKENDS) <= set(pair)}
 
 
 def training_row(backend: str, records: list[dict]) -> str:
@@ -244,13 +247,14 @@ def training_row(backend: str, records: list[dict]) -> str:
     intervals = [r for r in records if r["kind"] == "train"]
     steady = intervals[1:] or intervals
     compile_s = next(r["seconds"] for r in records if r["kind"] == "compile")
+    validation = next((r["validation_loss"] for r in records if r["kind"] == "final"), None)
     tokens = float(np.median([r["tokens_per_s"] for r in steady]))
     mfu = float(np.median([r["mfu"] for r in steady]))
     memory = max(r["peak_memory_bytes"] for r in intervals) / 1e9
     last = intervals[-1]
     return (
         f"| {backend} | {tokens:.0f} | {mfu:.4f} | {memory:.2f} | {compile_s:.1f} | {last['step']} | "
-        f"{last['loss']:.4f} |"
+        f"{last['loss']:.4f} | {'-' if validation is None else f'{validation:.4f}'} |"
     )
 
 
@@ -271,12 +275,14 @@ def training_report(runs: dict[str, dict[str, list[dict]]]) -> list[str]:
             "",
             f"{run[:10]}, {gpu}, git {run.split('_')[2]}; records `{run}{TRAIN_SUFFIX}{{xla,pallas}}.jsonl` (the "
             "records hold the config, not the command line: `python -m train --config gpu --backend {xla,pallas} "
-            f"--metrics FILE`); {parameters['total'] / 1e6:.1f}M parameters, {parameters['active'] / 1e6:.1f}M "
+            "--metrics FILE`, the pallas-fp8_block row with `--quantization fp8_block`, same seed and data); "
+            f"{parameters['total'] / 1e6:.1f}M parameters, {parameters['active'] / 1e6:.1f}M "
             f"active per token, batch {setup['config']['batch_size']} x {setup['config']['seq_len']} bytes.",
             "",
-            "| backend | tokens/s | MFU | peak GPU memory, GB | first step (compile), s | last step | its loss |",
-            "|---|---:|---:|---:|---:|---:|---:|",
-            *(training_row(backend, runs[run][backend]) for backend in TRAIN_BACKENDS),
+            "| backend | tokens/s | MFU | peak GPU memory, GB | first step (compile), s | last step | its loss | "
+            "validation loss |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            *(training_row(name, runs[run][name]) for name in TRAIN_BACKENDS + TRAIN_VARIANTS if name in runs[run]),
             "",
         ]
     return lines

@@ -189,7 +189,7 @@ def test_fp8_profile_and_compile_report_sections_print_their_records(tmp_path):
     assert "| ref (T 8192, D 1024) | first | 0.5 | 1.5 | 2.5 | 4.5 |" in lines
 
 
-def train_records(tokens_per_s: list[float], *, device_kind: str = GPU) -> list[dict]:
+def train_records(tokens_per_s: list[float], *, device_kind: str = GPU, validation_loss=None) -> list[dict]:
     setup = {
         "kind": "setup",
         "device_kind": device_kind,
@@ -207,7 +207,12 @@ def train_records(tokens_per_s: list[float], *, device_kind: str = GPU) -> list[
         }
         for i, t in enumerate(tokens_per_s)
     ]
-    return [setup, {"kind": "compile", "step": 1, "seconds": 12.5}, *intervals]
+    final = (
+        []
+        if validation_loss is None
+        else [{"kind": "final", "step": 20 * len(intervals), "validation_loss": validation_loss}]
+    )
+    return [setup, {"kind": "compile", "step": 1, "seconds": 12.5}, *intervals, *final]
 
 
 def test_training_section_takes_medians_past_the_first_interval_of_the_newest_pair(tmp_path):
@@ -217,15 +222,20 @@ def test_training_section_takes_medians_past_the_first_interval_of_the_newest_pa
             records = train_records([1.0, 100.0 * speed * factor, 300.0 * speed * factor, 200.0 * speed * factor])
             with open(tmp_path / f"{run}_train_gpu_{backend}.jsonl", "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in records)
-    # A pallas run without its xla partner is not a comparison.
-    with open(tmp_path / "2026-01-03_h100_ccccccc_train_gpu_pallas.jsonl", "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in train_records([5.0, 5.0]))
+    # An FP8 run beside the newest pair is a third row, with its validation loss.
+    with open(tmp_path / "2026-01-02_h100_bbbbbbb_train_gpu_pallas-fp8_block.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in train_records([1.0, 500.0, 700.0, 600.0], validation_loss=1.25))
+    # A pallas run without its xla partner is not a comparison, nor is an FP8 run alone.
+    for backend in ("pallas", "pallas-fp8_block"):
+        with open(tmp_path / f"2026-01-03_h100_ccccccc_train_gpu_{backend}.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in train_records([5.0, 5.0]))
     text = build(tmp_path)
     assert "2026-01-02, " + GPU + ", git bbbbbbb" in text and "aaaaaaa" not in text and "ccccccc" not in text
     rows = table_rows(text, "2026-01-02, " + GPU)
     assert rows == [
-        ["xla", "400", "0.0004", "1.00", "12.5", "80", "1.5000"],
-        ["pallas", "1200", "0.0012", "1.00", "12.5", "80", "1.5000"],
+        ["xla", "400", "0.0004", "1.00", "12.5", "80", "1.5000", "-"],
+        ["pallas", "1200", "0.0012", "1.00", "12.5", "80", "1.5000", "-"],
+        ["pallas-fp8_block", "600", "0.0006", "1.00", "12.5", "80", "1.5000", "1.2500"],
     ]
 
 
