@@ -3,9 +3,10 @@
 The public surface (re-exports only): ``route`` (with ``Routing``, ``RoutingOptions``, ``apply_capacity``,
 ``load_balancing_loss`` and ``z_loss``), ``grouped_matmul`` (with ``pack_gate_up`` / ``unpack_gate_up`` /
 ``PackedGateUp`` for the GLU weight layout), ``glu_mlp``, ``permute``, ``combine``, ``moe_ffn`` (with ``MoEAux``),
-``quantize_blockwise`` (block-scaled FP8, ``BlockScaled``), the Flax NNX modules in ``moe_jax.nn`` and expert
-parallelism in ``moe_jax.parallel``; ``configure_cpu_interpreter`` prepares a CPU host's XLA for kernels run under the
-Mosaic GPU interpreter (importing moe_jax changes no environment variable).
+``quantize_blockwise`` (block-scaled FP8, ``BlockScaled``; ``from_qarray`` / ``to_qarray`` convert to and from qwix's
+``QArray``), the Flax NNX modules in ``moe_jax.nn`` and expert parallelism in ``moe_jax.parallel``;
+``configure_cpu_interpreter`` prepares a CPU host's XLA for kernels run under the Mosaic GPU interpreter (importing
+moe_jax changes no environment variable).
 """
 
 from moe_jax import nn, parallel
@@ -16,6 +17,7 @@ from moe_jax.ops.grouped_matmul.packing import PackedGateUp, pack_gate_up, unpac
 from moe_jax.ops.moe_ffn.api import MoEAux, moe_ffn
 from moe_jax.ops.permute.api import combine, permute
 from moe_jax.ops.quant.api import BlockScaled, quantize_blockwise, quantize_blockwise_with_transpose
+from moe_jax.ops.quant.qwix_interop import from_qarray, to_qarray
 from moe_jax.ops.routing.api import Routing, RoutingOptions, apply_capacity, load_balancing_loss, route, z_loss
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "apply_capacity",
     "combine",
     "configure_cpu_interpreter",
+    "from_qarray",
     "glu_mlp",
     "grouped_matmul",
     "load_balancing_loss",
@@ -38,6 +41,7 @@ __all__ = [
     "quantize_blockwise",
     "quantize_blockwise_with_transpose",
     "route",
+    "to_qarray",
     "unpack_gate_up",
     "z_loss",
 ]

@@ -46,6 +46,7 @@ from moe_jax.ops.grouped_matmul.packing import (
 )
 from moe_jax.ops.grouped_matmul.reference_fp8 import QUANTIZATIONS, RECIPES
 from moe_jax.ops.quant import api as quant
+from moe_jax.ops.quant.qwix_interop import from_qarray, is_qarray
 from moe_jax.ops.quant.reference import FP8_DTYPES, BlockScaled
 
 OUTPUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -161,7 +162,8 @@ def grouped_matmul(
     """Ragged grouped matmul: rows ``[offset_g, offset_g + group_sizes[g])`` of ``lhs`` multiply ``rhs[g]``.
 
     Args:
-      lhs: [M, K] rows sorted by group (with ``quantization``, also a ``BlockScaled``).
+      lhs: [M, K] rows sorted by group (with ``quantization``, also a ``BlockScaled``, or a qwix ``QArray`` of the
+        same blocks: ``quant.qwix_interop.from_qarray``).
       rhs: [G, K, N] weights, or [G, N, K] (K-major) with ``transpose_rhs=True``; same dtype as lhs. With an
         activation it may also be a ``PackedGateUp`` (``pack_gate_up(rhs)``): the same [gate | up] weights with their
         columns interleaved so that one kernel tile holds matching gate and up columns. The type says the layout,
@@ -196,6 +198,7 @@ def grouped_matmul(
     Returns:
       [M, N], or [M, N/2] with an activation.
     """
+    lhs, rhs = (from_qarray(x, name=name) if is_qarray(x) else x for x, name in ((lhs, "lhs"), (rhs, "rhs")))
     _, contraction, num_cols, _ = check_grouped_matmul_args(
         lhs,
         rhs,
