@@ -1,4 +1,4 @@
-"""The sm90 quantizer kernel on the device against the XLA reference on the same device.
+"""The sm90 quantizer kernels on the device against the XLA reference on the same device.
 
 Run on the GPU machine: ``PYTHONPATH=. python3 -m pytest -m gpu tests/gpu/test_quant_gpu.py``. Both compute each block
 with the same f32 operations (IEEE products and one IEEE division per block, a round-to-nearest-even cast to FP8),
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from moe_jax.ops.quant import reference
-from moe_jax.ops.quant.api import quantize_blockwise, quantize_blockwise_with_transpose
+from moe_jax.ops.quant.api import quantize_blockwise, quantize_blockwise_with_transpose, quantize_square_blocks
 
 pytestmark = pytest.mark.gpu
 
@@ -100,3 +100,28 @@ def test_dequantize_in_the_same_program_keeps_the_rounding(backend):
     _assert_same_bits(fused, apart)
     # e4m3 keeps 3 fraction bits: most bf16 inputs (7 bits) change.
     assert float(jnp.mean((fused != x.astype(jnp.float32)).astype(jnp.float32))) > 0.5
+
+
+# Weights [G, A, B] in 128 x 128 blocks: Qwen3-30B-A3B's w_gate_up and w_down (both copies), a partial tile along both
+# axes with f32 input and power-of-two scales.
+SQUARE_CASES = [
+    ((128, 2048, 1536), jnp.bfloat16, False),
+    ((128, 768, 2048), jnp.bfloat16, False),
+    ((3, 2880, 320), jnp.float32, True),
+]
+
+
+@pytest.mark.parametrize("shape, w_dtype, pow2_scales", SQUARE_CASES)
+def test_square_blocks_match_reference(shape, w_dtype, pow2_scales):
+    w = np.array(_random(sum(shape), shape, jnp.float32))
+    w[0, :128, :128] = 0.0
+    w[1, 5, 7], w[1, 300, 200] = np.nan, np.inf
+    w = jnp.asarray(w, w_dtype)
+
+    def quantize(w, backend):
+        return quantize_square_blocks(w, pow2_scales=pow2_scales, backend=backend)
+
+    kernel = jax.jit(quantize, static_argnums=1)(w, "pallas")
+    expected = jax.jit(quantize, static_argnums=1)(w, "xla")
+    for actual, wanted in zip(kernel, expected, strict=True):
+        _assert_same(actual, wanted)

@@ -16,7 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_jax.ops.quant.api import BlockScaled, quantize_blockwise, quantize_blockwise_with_transpose
+from moe_jax.ops.quant.api import (
+    BlockScaled,
+    quantize_blockwise,
+    quantize_blockwise_with_transpose,
+    quantize_square_blocks,
+)
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -226,6 +231,15 @@ def test_the_k_major_weight_copy_is_the_transpose_of_the_quantized_weights():
         np.testing.assert_array_equal(actual.astype(jnp.float32), expected.astype(jnp.float32).transpose(0, 2, 1))
 
 
+def test_square_blocks_give_the_weights_and_their_transpose_quantized():
+    w = _random(13, (2, 160, 130))
+    as_is, transposed = quantize_square_blocks(jnp.asarray(w, jnp.bfloat16), backend="xla")
+    _assert_matches_oracle(as_is, w, (1, 128, 128), E4M3, False)
+    _assert_matches_oracle(transposed, w.transpose(0, 2, 1), (1, 128, 128), E4M3, False)
+    (alone,) = quantize_square_blocks(jnp.asarray(w, jnp.bfloat16), copies=("transposed",), backend="xla")
+    np.testing.assert_array_equal(np.asarray(alone.values).view(np.uint8), np.asarray(transposed.values).view(np.uint8))
+
+
 def test_block_scaled_is_a_pytree_with_a_static_block_shape():
     q = _quantized(_random(11, (4, 128)), (1, 128))
     leaves, treedef = jax.tree.flatten(q)
@@ -252,6 +266,10 @@ def test_block_scaled_is_a_pytree_with_a_static_block_shape():
         (lambda x: quantize_blockwise(x, (1, 128), backend="cuda"), ValueError, r"backend must be one of"),
         (lambda x: quantize_blockwise_with_transpose(x[0]), ValueError, r"x must have shape \[M, K\]"),
         (lambda x: quantize_blockwise_with_transpose(x, 0), ValueError, r"block_size must be >= 1"),
+        (lambda x: quantize_square_blocks(x), ValueError, r"w must have shape \[G, A, B\]"),
+        (lambda x: quantize_square_blocks(x[None], copies=()), ValueError, r"copies must name each of"),
+        (lambda x: quantize_square_blocks(x[None], copies=("as_is", "as_is")), ValueError, r"copies must name each"),
+        (lambda x: quantize_square_blocks(x[None], copies=("k_major",)), ValueError, r"copies must name each of"),
     ],
 )
 def test_bad_arguments_are_named(call, error, pattern):
@@ -263,8 +281,10 @@ def test_bad_arguments_are_named(call, error, pattern):
     "shape, block_shape, pattern",
     [
         ((4, 256), (1, 64), r"takes block_shape \(1, b\) with b in \(32, 128\)"),
-        ((4, 2, 256), (1, 1, 128), r"takes \[M, K\] arrays"),
+        ((4, 2, 2, 256), (1, 1, 1, 128), r"takes \[M, K\] or \[G, A, B\] arrays"),
         ((4, 96), (1, 32), r"K positive multiples of 64"),
+        ((4, 2, 256), (1, 1, 128), r"takes \[G, A, B\] arrays in block_shape \(1, 128, 128\)"),
+        ((2, 96, 128), (1, 128, 128), r"A, B positive multiples of 64"),
     ],
 )
 def test_pallas_names_what_its_kernel_does_not_take(shape, block_shape, pattern):

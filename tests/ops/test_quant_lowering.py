@@ -1,6 +1,7 @@
 """Every configuration of the sm90 quantizer kernel lowers for CUDA from a CPU host, at activation sizes of the
 benchmark models (rows M = 32768 routed tokens; columns the models' d_model and d_ff: K = 2880 is no multiple of
-128, and 768 FP8 columns take the 128-byte swizzle, 2880 the 64-byte one). Shared memory must fit at every size."""
+128, and 768 FP8 columns take the 128-byte swizzle, 2880 the 64-byte one), and the square-block weight quantizer at
+the models' expert weights. Shared memory must fit at every size."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,7 @@ import pytest
 from jax._src.mesh import AbstractDevice
 from jax.sharding import AbstractMesh
 
-from moe_jax.ops.quant.api import quantize_blockwise, quantize_blockwise_with_transpose
+from moe_jax.ops.quant.api import quantize_blockwise, quantize_blockwise_with_transpose, quantize_square_blocks
 
 MOSAIC_CALL = "mosaic_gpu_v2"
 H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
@@ -42,5 +43,21 @@ def test_quantizer_lowers(shape, dtype, block, pow2_scales):
 def test_quantizer_with_transposed_copy_lowers(shape, dtype, block):
     def quantize(x):
         return quantize_blockwise_with_transpose(x, block, dtype=jnp.float8_e5m2, backend="pallas")
+
+    assert _lowered(quantize, shape, dtype).count(MOSAIC_CALL) == 1
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, copies",
+    [
+        ((128, 2048, 1536), jnp.bfloat16, ("transposed", "as_is")),  # Qwen3-30B-A3B's w_gate_up, both layouts
+        ((128, 768, 2048), jnp.bfloat16, ("transposed",)),  # its w_down, the forward's layout alone
+        ((32, 7168, 4096), jnp.float32, ("as_is", "transposed")),  # DeepSeek-V3's, f32: a 2-stage ring
+        ((4, 2880, 320), jnp.float16, ("as_is",)),  # 64-byte swizzle on both FP8 copies
+    ],
+)
+def test_square_block_quantizer_lowers(shape, dtype, copies):
+    def quantize(w):
+        return quantize_square_blocks(w, copies=copies, backend="pallas")
 
     assert _lowered(quantize, shape, dtype).count(MOSAIC_CALL) == 1

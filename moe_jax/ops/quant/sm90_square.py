@@ -77,9 +77,11 @@ def quantize_square_tiles(
     copies = [c for c, wanted in (("as_is", as_is), ("transposed", transposed)) if wanted]
 
     def body(w_gmem, *refs):
-        outputs = dict(zip(copies, zip(refs[0 : 2 * len(copies) : 2], refs[1 : 2 * len(copies) : 2], strict=True)))
-        out_smems = dict(zip(copies, refs[2 * len(copies) : 3 * len(copies)], strict=True))
-        x_smem, amax_smem, loaded, consumed, exchanged = refs[3 * len(copies) :]
+        # refs: (values, scales) per copy, then the scratch: an FP8 buffer per copy, the ring and the rest.
+        count = len(copies)
+        outputs = {copy: refs[2 * i : 2 * i + 2] for i, copy in enumerate(copies)}
+        out_smems = dict(zip(copies, refs[2 * count : 3 * count], strict=True))
+        x_smem, amax_smem, loaded, consumed, exchanged = refs[3 * count :]
         wg = lax.axis_index("wg")
 
         @pl.when(wg == CONSUMERS)
