@@ -1,7 +1,8 @@
 """Every configuration of the sm90 quantizer kernel lowers for CUDA from a CPU host, at activation sizes of the
 benchmark models (rows M = 32768 routed tokens; columns the models' d_model and d_ff: K = 2880 is no multiple of
 128, and 768 FP8 columns take the 128-byte swizzle, 2880 the 64-byte one), and the square-block weight quantizer at
-the models' expert weights. Shared memory must fit at every size."""
+the models' expert weights, and the wgrad's row-block quantizer at routed-row sizes. Shared memory must fit at every
+size."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,12 @@ import pytest
 from jax._src.mesh import AbstractDevice
 from jax.sharding import AbstractMesh
 
-from moe_jax.ops.quant.api import quantize_blockwise, quantize_blockwise_with_transpose, quantize_square_blocks
+from moe_jax.ops.quant.api import (
+    quantize_blockwise,
+    quantize_blockwise_with_transpose,
+    quantize_row_blocks_transposed,
+    quantize_square_blocks,
+)
 
 MOSAIC_CALL = "mosaic_gpu_v2"
 H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
@@ -61,3 +67,24 @@ def test_square_block_quantizer_lowers(shape, dtype, copies):
         return quantize_square_blocks(w, copies=copies, backend="pallas")
 
     assert _lowered(quantize, shape, dtype).count(MOSAIC_CALL) == 1
+
+
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [
+        ((131072, 2048), jnp.bfloat16),
+        ((131072, 768), jnp.bfloat16),
+        ((32768, 2880), jnp.float16),
+        ((4100, 64), jnp.float16),
+    ],
+)
+def test_row_block_quantizer_lowers(shape, dtype):
+    num_blocks = shape[0] // 128 + 128  # the wgrad's bound with 128 groups
+
+    def quantize(x, first_rows, row_counts):
+        return quantize_row_blocks_transposed(x, first_rows, row_counts, backend="pallas")
+
+    table = jax.ShapeDtypeStruct((num_blocks,), jnp.int32)
+    with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=H200)):
+        lowered = jax.jit(quantize).trace(jax.ShapeDtypeStruct(shape, dtype), table, table)
+        assert lowered.lower(lowering_platforms=("cuda",)).as_text().count(MOSAIC_CALL) == 1

@@ -6,8 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_jax.ops.quant import reference, sm90, sm90_square
-from moe_jax.ops.quant.api import quantize_blockwise, quantize_blockwise_with_transpose, quantize_square_blocks
+from moe_jax.ops.quant import reference, sm90, sm90_row_blocks, sm90_square
+from moe_jax.ops.quant.api import (
+    quantize_blockwise,
+    quantize_blockwise_with_transpose,
+    quantize_row_blocks_transposed,
+    quantize_square_blocks,
+)
 from moe_jax.ops.quant.config import Config
 from tests.helpers import checked_interpreter
 
@@ -187,3 +192,51 @@ def test_square_blocks_ring_and_amax_exchange_wrap_around_on_one_sm():
     np.testing.assert_array_equal(_bits(scales), _bits(expected.scales))
     np.testing.assert_array_equal(_bits(values_t), _bits(jnp.swapaxes(expected.values, 1, 2)))
     np.testing.assert_array_equal(_bits(scales_t), _bits(jnp.swapaxes(expected.scales, 1, 2)))
+
+
+# Blocks of rows at any start (off multiples of 8), short and empty ones, one running past M, a block of another's
+# rows; C = 192: a partial column tile.
+ROW_BLOCKS = ([0, 5, 133, 290, 0, 250], [128, 3, 128, 20, 0, 128])
+
+
+@pytest.mark.parametrize(
+    "cols, x_dtype, dtype, pow2_scales",
+    [(192, jnp.bfloat16, E4M3, False), (128, jnp.bfloat16, jnp.float8_e5m2, True), (64, jnp.float16, E4M3, False)],
+)
+def test_row_blocks_transposed_match_reference(cols, x_dtype, dtype, pow2_scales):
+    x = np.array(_random(cols, (300, cols), jnp.float32))
+    # Infinities in two blocks, and an all-zero column. No NaN: XLA:CPU's reduce-max (the reference's on this host)
+    # drops NaN, so a NaN block's scale would differ; tests/gpu/test_quant_gpu.py checks NaN against XLA:GPU's.
+    x[7, 3], x[140, cols - 1] = np.inf, -np.inf
+    x[:, 10] = 0.0
+    x = jnp.asarray(x, x_dtype)
+    first_rows, row_counts = (jnp.asarray(table, jnp.int32) for table in ROW_BLOCKS)
+
+    def quantize(x, first_rows, row_counts):
+        return quantize_row_blocks_transposed(
+            x, first_rows, row_counts, dtype=dtype, pow2_scales=pow2_scales, backend="pallas"
+        )
+
+    values_t, scales = _interpreted(quantize, x, first_rows, row_counts)
+    expected = reference.quantize_row_blocks_transposed(x, first_rows, row_counts, 128, dtype, pow2_scales)
+    assert values_t.shape == (cols, 128 * 6) and scales.shape == (6, cols)
+    assert values_t.dtype == expected[0].dtype and scales.dtype == expected[1].dtype
+    np.testing.assert_array_equal(_bits(values_t), _bits(expected[0]))
+    np.testing.assert_array_equal(_bits(scales), _bits(expected[1]))
+
+
+def test_row_blocks_ring_wraps_around_on_one_sm():
+    x = _random(5, (1000, 256), jnp.bfloat16)
+    rng = np.random.default_rng(6)
+    first_rows = jnp.asarray(rng.integers(0, 1000, size=7), jnp.int32)
+    row_counts = jnp.asarray(rng.integers(0, 129, size=7), jnp.int32)
+
+    def quantize(x, first_rows, row_counts):
+        return sm90_row_blocks.quantize_row_blocks_transposed(
+            x, first_rows, row_counts, dtype=E4M3, pow2_scales=False, config=Config(stages=2), num_sms=1
+        )
+
+    actual = _interpreted(quantize, x, first_rows, row_counts)
+    expected = reference.quantize_row_blocks_transposed(x, first_rows, row_counts, 128, E4M3, False)
+    for a, e in zip(actual, expected, strict=True):
+        np.testing.assert_array_equal(_bits(a), _bits(e))

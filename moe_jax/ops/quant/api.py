@@ -12,10 +12,16 @@ from jax import lax
 from moe_jax._core import backend as dispatch
 from moe_jax._core import checks
 from moe_jax._core.hardware import interpret_params, num_sms
-from moe_jax.ops.quant import config, reference, sm90, sm90_square
+from moe_jax.ops.quant import config, reference, sm90, sm90_row_blocks, sm90_square
 from moe_jax.ops.quant.reference import FP8_DTYPES, POW2_SCALE_DTYPE, BlockScaled
 
-__all__ = ["BlockScaled", "quantize_blockwise", "quantize_blockwise_with_transpose", "quantize_square_blocks"]
+__all__ = [
+    "BlockScaled",
+    "quantize_blockwise",
+    "quantize_blockwise_with_transpose",
+    "quantize_row_blocks_transposed",
+    "quantize_square_blocks",
+]
 
 
 def _check_block_shape(block_shape, ndim: int) -> tuple[int, ...]:
@@ -50,18 +56,22 @@ class _QuantizeCall:
     block_shape: tuple[int, ...]
     dtype: jnp.dtype
     with_transpose: bool
+    row_blocks: bool = False  # quantize_row_blocks_transposed's blocks of block_shape[0] rows at given starts
 
 
 def _kernel_unsupported(call: _QuantizeCall) -> str | None:
-    refusal = config.refusal(call.shape, call.in_dtype, call.block_shape, call.dtype, call.with_transpose)
+    if call.row_blocks:
+        refusal = config.row_blocks_refusal(call.shape, call.in_dtype, call.block_shape[0], call.dtype)
+    else:
+        refusal = config.refusal(call.shape, call.in_dtype, call.block_shape, call.dtype, call.with_transpose)
     return None if refusal is None else f"the Pallas kernel {refusal}"
 
 
 IMPLEMENTATIONS = (dispatch.Implementation("pallas", _kernel_unsupported), dispatch.XLA)
 
 
-def _use_kernel(op: str, x, block_shape, dtype, with_transpose: bool, backend: str) -> bool:
-    call = _QuantizeCall(tuple(x.shape), jnp.dtype(x.dtype), block_shape, jnp.dtype(dtype), with_transpose)
+def _use_kernel(op: str, x, block_shape, dtype, with_transpose: bool, backend: str, row_blocks: bool = False) -> bool:
+    call = _QuantizeCall(tuple(x.shape), jnp.dtype(x.dtype), block_shape, jnp.dtype(dtype), with_transpose, row_blocks)
     return dispatch.select(op, backend, IMPLEMENTATIONS, call).is_kernel
 
 
@@ -226,3 +236,51 @@ def swap_last_axes(x: BlockScaled) -> BlockScaled:
     """[G, A, B] -> [G, B, A]: values, scales and blocks transposed together."""
     g, a, b = x.block_shape
     return BlockScaled(jnp.swapaxes(x.values, 1, 2), jnp.swapaxes(x.scales, 1, 2), (g, b, a))
+
+
+def quantize_row_blocks_transposed(
+    x: jax.Array,
+    first_rows: jax.Array,
+    row_counts: jax.Array,
+    block_size: int = config.TILE,
+    *,
+    dtype=jnp.float8_e4m3fn,
+    pow2_scales: bool = False,
+    backend: str = "auto",
+) -> tuple[jax.Array, jax.Array]:
+    """Blocks of up to ``block_size`` rows of x, each starting on any row, quantized along their rows per column and
+    written transposed, each padded with zeros to ``block_size`` rows: the FP8 wgrad's operand layout
+    (grouped_matmul/token_blocks.py), from one read of x.
+
+    Args:
+      x: [M, C] float.
+      first_rows: [B] int32, block b's first row (in [0, M); any row for an empty block).
+      row_counts: [B] int32 in [0, block_size], its rows (rows past M count as zeros).
+      block_size: the blocks' rows.
+      dtype, pow2_scales, backend: as in ``quantize_blockwise``; the kernel takes block_size 128, bf16/f16 x and C
+        a multiple of 64.
+
+    Returns:
+      (values_t [C, block_size * B]: block b's rows in columns [block_size * b, block_size * b + row_counts[b]),
+      zeros after; scales [B, C]: block b's scale of column c at [b, c], f32 or float8_e8m0fnu).
+    """
+    _check_options(x, dtype, pow2_scales)
+    checks.check_rank("x", x, 2, "[M, C]")
+    checks.check_positive_int("block_size", block_size)
+    for name, table in (("first_rows", first_rows), ("row_counts", row_counts)):
+        checks.check_rank(name, table, 1, "[B]")
+        checks.check_int32(name, table)
+    checks.check_dim("row_counts", row_counts.shape[0], first_rows.shape[0], "length (B, first_rows.shape[0])")
+    if _use_kernel("quantize_row_blocks_transposed", x, (block_size, 1), dtype, True, backend, row_blocks=True):
+        values_t, scales = sm90_row_blocks.quantize_row_blocks_transposed(
+            x,
+            first_rows,
+            row_counts,
+            dtype=dtype,
+            pow2_scales=pow2_scales,
+            config=config.heuristic_config(x.dtype, False),
+            num_sms=num_sms(),
+            interpret=interpret_params(),
+        )
+        return values_t, lax.bitcast_convert_type(scales, POW2_SCALE_DTYPE) if pow2_scales else scales
+    return reference.quantize_row_blocks_transposed(x, first_rows, row_counts, block_size, dtype, pow2_scales)

@@ -1,4 +1,4 @@
-"""Tiles, pipeline depth and reach of the sm90 quantizer kernels (sm90.py: 1 x b blocks; sm90_square.py: 128 x 128)."""
+"""Tiles, pipeline depth and reach of the sm90 quantizer kernels (sm90.py, sm90_row_blocks.py, sm90_square.py)."""
 
 import dataclasses
 
@@ -86,4 +86,20 @@ def _square_refusal(shape: tuple[int, int, int], in_dtype, block_shape: tuple[in
         return dtypes_refusal
     if min(shape) == 0 or shape[1] % DIM_MULTIPLE or shape[2] % DIM_MULTIPLE:
         return f"needs G > 0 and A, B positive multiples of {DIM_MULTIPLE}, got [G, A, B] = {list(shape)}"
+    return None
+
+
+def row_blocks_refusal(shape: tuple[int, int], in_dtype, block_rows: int, dtype) -> str | None:
+    """Why sm90_row_blocks.py cannot quantize x [M, C] of ``in_dtype`` in blocks of ``block_rows`` rows; None when it
+    can."""
+    if block_rows != TILE:
+        return f"takes blocks of {TILE} rows, got {block_rows}"
+    if jnp.dtype(in_dtype).itemsize > 2:
+        # Mosaic GPU's layout inference finds no layout for a transposing read of 32-bit rows in one-row tiles.
+        return f"takes 16-bit inputs (bfloat16, float16), got {jnp.dtype(in_dtype).name}"
+    dtypes_refusal = _dtypes_refusal(in_dtype, dtype)
+    if dtypes_refusal is not None:
+        return dtypes_refusal
+    if min(shape) == 0 or shape[1] % DIM_MULTIPLE:
+        return f"needs M > 0 and C a positive multiple of {DIM_MULTIPLE}, got [M, C] = {list(shape)}"
     return None

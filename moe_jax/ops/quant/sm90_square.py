@@ -33,8 +33,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moe_jax.ops.quant import reference
-from moe_jax.ops.quant.config import CONSUMER_REGISTERS, CONSUMERS, PRODUCER_REGISTERS, TILE, Config
-from moe_jax.ops.quant.sm90 import exponent_bytes, scale_bits_dtype, swizzled
+from moe_jax.ops.quant.config import CONSUMER_REGISTERS, CONSUMERS, TILE, Config
+from moe_jax.ops.quant.sm90 import exponent_bytes, produce_tiles, scale_bits_dtype, swizzled
 
 _LAYOUT = plgpu.Layout.WGMMA
 _COLUMN_VECTOR = plgpu.Layout.WGMMA.reduce(0)  # [TILE] spread over a quad's lanes, each thread 32 of them
@@ -86,28 +86,11 @@ def quantize_square_tiles(
 
         @pl.when(wg == CONSUMERS)
         def _producer():
-            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+            def window(index):
+                group, row_tile, col_tile = index
+                return w_gmem.at[group, pl.ds(row_tile * TILE, TILE), pl.ds(col_tile * TILE, TILE)]
 
-            def load(info, carry):
-                group, row_tile, col_tile = info.index
-                step = info.local_index
-                slot = lax.rem(step, stages)
-
-                # The slot held the tile `stages` steps back: wait until both consumers have read it.
-                @pl.when(step >= stages)
-                def _():
-                    plgpu.barrier_wait(consumed.at[slot])
-
-                window = w_gmem.at[group, pl.ds(row_tile * TILE, TILE), pl.ds(col_tile * TILE, TILE)]
-                plgpu.copy_gmem_to_smem(window, x_smem.at[slot], loaded.at[slot])
-                return carry + 1
-
-            steps = plgpu.nd_loop(grid, collective_axes="sm", init_carry=jnp.int32(0))(load)
-
-            # Observe the release of the last slots too, so that every barrier ends with no phase pending.
-            @pl.loop(jnp.maximum(steps - stages, 0), steps)
-            def _drain(step):
-                plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
+            produce_tiles(grid, window, x_smem, loaded, consumed)
 
         @pl.when(wg < CONSUMERS)
         def _consumer():
