@@ -7,6 +7,8 @@ At each named shape (``SHAPES``, bf16 inputs), per variant (``variants``):
 - "1x128+t": ``quantize_blockwise_with_transpose(x, 128)``: also x^T [K, M] quantized along M (the weight gradient's
              operand), from the same read of x;
 - "mxfp8":   ``quantize_blockwise(x, (1, 32), pow2_scales=True)``: e8m0 scales;
+- "wgrad":   ``token_blocks.quantize_token_blocks``: the FP8 wgrad's operand, x in blocks of 128 rows from each group's
+             first row, transposed and group-padded (``GROUPS`` uneven groups);
 - "128x128": ``quantize_blockwise(w [G, K, N], (1, 128, 128))``: weights, once per step;
 - "128x128 fwd": ``quantize_square_blocks(w, copies=("transposed",))``: the FP8 forward's copy [G, N, K] alone (what a
              call without gradients quantizes);
@@ -30,10 +32,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import common, grouped_matmul
+from moe_jax.ops.grouped_matmul import reference_fp8, token_blocks
 from moe_jax.ops.quant.api import quantize_blockwise, quantize_blockwise_with_transpose, quantize_square_blocks
 
 REFERENCE = "xla"
 TARGET_ROOFLINE = 0.85
+GROUPS = 128  # the wgrad variant's groups (Qwen3-30B-A3B's experts), sized by a seeded multinomial
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,10 +76,18 @@ def variants(shape: QuantShape) -> dict[str, Callable]:
             "128x128 fwd": lambda w, backend: quantize_square_blocks(w, copies=("transposed",), backend=backend),
             "128x128+t": lambda w, backend: quantize_square_blocks(w, backend=backend),
         }
+    groups = min(GROUPS, shape.dims[0] // 64)  # a few at the ci shapes, where the interpreter walks every block
+    sizes = np.random.default_rng(0).multinomial(shape.dims[0], np.random.default_rng(1).dirichlet(np.ones(groups)))
+    recipe = reference_fp8.RECIPES["fp8_block"]
+
+    def wgrad_blocks(x, backend):
+        return token_blocks.quantize_token_blocks(x, jnp.asarray(sizes, jnp.int32), recipe, backend=backend)
+
     return {
         "1x128": lambda x, backend: quantize_blockwise(x, (1, 128), backend=backend),
         "1x128+t": lambda x, backend: quantize_blockwise_with_transpose(x, 128, backend=backend),
         "mxfp8": lambda x, backend: quantize_blockwise(x, (1, 32), pow2_scales=True, backend=backend),
+        "wgrad": wgrad_blocks,
     }
 
 

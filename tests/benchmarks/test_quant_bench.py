@@ -31,10 +31,10 @@ def test_tiny_run_times_both_backends_and_finds_them_equal():
     records = quant.run([quant.SHAPES["ci/x"], quant.SHAPES["ci/w"]], TINY, emit=lambda record: None)
     rows = [(r.shape, r.stage, r.impl) for r in records]
     impls = ["hbm-floor", "moe_jax:xla", "moe_jax:pallas"]
-    expected = [("ci/x", variant, impl) for variant in ("1x128", "1x128+t", "mxfp8") for impl in impls]
+    expected = [("ci/x", variant, impl) for variant in ("1x128", "1x128+t", "mxfp8", "wgrad") for impl in impls]
     expected += [("ci/w", variant, impl) for variant in ("128x128", "128x128 fwd", "128x128+t") for impl in impls]
     assert rows == expected
     assert all(r.status == "ok" and r.timing is not None for r in records)
-    assert [r.rel_err for r in records if r.impl == "moe_jax:pallas"] == [0.0] * 6  # no byte differs
+    assert [r.rel_err for r in records if r.impl == "moe_jax:pallas"] == [0.0] * 7  # no byte differs
     table = quant.markdown_table(records)
-    assert table.count("bit-exact") == 6 and "| ci/w | 128x128 |" in table and "| ci/w | 128x128+t |" in table
+    assert table.count("bit-exact") == 7 and "| ci/w | 128x128 |" in table and "| ci/w | 128x128+t |" in table

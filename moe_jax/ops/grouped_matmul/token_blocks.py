@@ -63,10 +63,12 @@ class TokenBlocks:
     scales: jax.Array
 
 
-def quantize_token_blocks(x: jax.Array, group_sizes: jax.Array, recipe: Recipe) -> TokenBlocks:
+def quantize_token_blocks(
+    x: jax.Array, group_sizes: jax.Array, recipe: Recipe, *, backend: str = "auto"
+) -> TokenBlocks:
     """x [M, C] (any float dtype) quantized in blocks of ``recipe.block`` rows from each group's first row, in the
-    group-padded transposed layout (``quantize_row_blocks_transposed``: the Pallas kernel where it runs, one read of
-    x). group_sizes: [G] int32."""
+    group-padded transposed layout (``quantize_row_blocks_transposed``, by ``backend``: the Pallas kernel reads x
+    once). group_sizes: [G] int32."""
     num_rows, _ = x.shape
     block, num_groups = recipe.block, group_sizes.shape[0]
     starts, rows, first_blocks = group_blocks(group_sizes, num_rows, block)
@@ -80,7 +82,7 @@ def quantize_token_blocks(x: jax.Array, group_sizes: jax.Array, recipe: Recipe) 
     row_counts = jnp.clip(rows[group] - offset, 0, block).astype(jnp.int32)
     first_rows = jnp.where(row_counts > 0, starts[group] + offset, 0).astype(jnp.int32)
     values_t, scales = quantize_row_blocks_transposed(
-        x, first_rows, row_counts, block, dtype=DTYPE, pow2_scales=recipe.pow2_scales
+        x, first_rows, row_counts, block, dtype=DTYPE, pow2_scales=recipe.pow2_scales, backend=backend
     )
     # Power-of-two scales come as float8_e8m0fnu: f32 holds them exactly, as TokenBlocks does every scale.
     return TokenBlocks(values_t, scales.astype(jnp.float32))
