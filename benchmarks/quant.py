@@ -1,4 +1,4 @@
-"""Block-scaled FP8 quantization ("quant"): the sm90 quantizer kernel against the XLA reference, as fractions of the
+"""Block-scaled FP8 quantization ("quant"): the sm90 quantizer kernels against the XLA reference, as fractions of the
 HBM roofline of the bytes each must move.
 
 At each named shape (``SHAPES``, bf16 inputs), per variant (``variants``):

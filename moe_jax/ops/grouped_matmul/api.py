@@ -8,7 +8,7 @@ an epilogue to run in. The kernel runners below (``run_rows_kernel``, ``run_wgra
 
 With ``quantization="fp8_block"`` the "pallas" entry runs the FP8 kernel (block-scaled e4m3 operands, the same
 epilogues) for the forward and, where N is a multiple of 128, the dgrad; the wgrad runs the FP8 wgrad kernel on
-copies of x and dy quantized in row blocks per group (token_blocks.py, laid out in XLA). "auto" takes them where they
+copies of x and dy quantized in row blocks per group (token_blocks.py). "auto" takes them where they
 run, as for bf16.
 """
 
