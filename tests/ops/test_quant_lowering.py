@@ -2,7 +2,9 @@
 benchmark models (rows M = 32768 routed tokens; columns the models' d_model and d_ff: K = 2880 is no multiple of
 128, and 768 FP8 columns take the 128-byte swizzle, 2880 the 64-byte one), and the square-block weight quantizer at
 the models' expert weights, and the wgrad's row-block quantizer at routed-row sizes. Shared memory must fit at every
-size."""
+size. On an sm90 GPU the FP8 grouped matmul quantizes through these kernels, its weights with no XLA transpose."""
+
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +12,8 @@ import pytest
 from jax._src.mesh import AbstractDevice
 from jax.sharding import AbstractMesh
 
+import moe_jax
+from moe_jax._core import backend as dispatch
 from moe_jax.ops.quant.api import (
     quantize_blockwise,
     quantize_blockwise_with_transpose,
@@ -22,8 +26,12 @@ H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
 
 
 def _lowered(fn, shape, dtype) -> str:
+    return _lowered_args(fn, jax.ShapeDtypeStruct(shape, dtype))
+
+
+def _lowered_args(fn, *args) -> str:
     with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=H200)):
-        return jax.jit(fn).trace(jax.ShapeDtypeStruct(shape, dtype)).lower(lowering_platforms=("cuda",)).as_text()
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.parametrize(
@@ -85,6 +93,31 @@ def test_row_block_quantizer_lowers(shape, dtype):
         return quantize_row_blocks_transposed(x, first_rows, row_counts, backend="pallas")
 
     table = jax.ShapeDtypeStruct((num_blocks,), jnp.int32)
-    with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=H200)):
-        lowered = jax.jit(quantize).trace(jax.ShapeDtypeStruct(shape, dtype), table, table)
-        assert lowered.lower(lowering_platforms=("cuda",)).as_text().count(MOSAIC_CALL) == 1
+    assert _lowered_args(quantize, jax.ShapeDtypeStruct(shape, dtype), table, table).count(MOSAIC_CALL) == 1
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_fp8_grouped_matmul_quantizes_through_the_kernels_on_sm90(backward):
+    """On an sm90 GPU the FP8 grouped matmul quantizes its weights [G, K, N] with the square-block kernel (the
+    forward's [G, N, K] copy, and with the backward also the dgrad's [G, K, N]) and the wgrad's operands with the
+    row-block kernel: no XLA transpose touches the weights."""
+    args = (
+        jax.ShapeDtypeStruct((1024, 256), jnp.bfloat16),
+        jax.ShapeDtypeStruct((4, 256, 512), jnp.bfloat16),
+        jax.ShapeDtypeStruct((4,), jnp.int32),
+    )
+
+    def loss(lhs, rhs, group_sizes):
+        out = moe_jax.grouped_matmul(lhs, rhs, group_sizes, quantization="fp8_block", backend="pallas")
+        return jnp.sum(out.astype(jnp.float32))
+
+    fn = jax.value_and_grad(loss, argnums=(0, 1)) if backward else loss
+    with mock.patch.object(dispatch, "has_sm90_gpu", return_value=True):
+        text = _lowered_args(fn, *args)
+    # Forward: the weights' quantizer, x's, the FP8 GEMM; backward: also dy's quantizer, the dgrad, the two wgrad
+    # operands' quantizers and the wgrad.
+    assert text.count(MOSAIC_CALL) == (8 if backward else 3)
+    assert "moe_quantize_square_blocks" in text
+    assert ("moe_quantize_row_blocks_transposed" in text) == backward
+    transposes = [line for line in text.splitlines() if "stablehlo.transpose" in line]
+    assert not any("4x256x512" in line or "4x512x256" in line for line in transposes)
