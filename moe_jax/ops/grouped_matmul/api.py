@@ -397,7 +397,8 @@ def _pallas_fp8_fwd(lhs, weights, group_sizes, row_scale, activation, out_dtype,
     x = lhs
     if not isinstance(lhs, BlockScaled):
         x = quant.quantize_blockwise(lhs, recipe.lhs_block, pow2_scales=recipe.pow2_scales)
-    # The dgrad's weights, where the backward runs one (keep: this is the forward of a VJP).
+    # With keep this is a VJP's forward: where its backward runs a dgrad (lhs high precision), the weights' pass also
+    # writes the dgrad's copy.
     w_nk, w_kn = _kernel_weights(weights, recipe, transpose_rhs, with_dgrad=keep and not isinstance(lhs, BlockScaled))
     # The backward needs the pre-activation only where an epilogue lies between it and the output.
     keep = keep and (activation is not None or row_scale is not None)
