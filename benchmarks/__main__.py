@@ -101,6 +101,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="gate_up shapes for glu, by name or tag (a tag's <model>/gate_up shapes; default: every 'bench' one; "
         "with --tiny: ci/gate_up)",
     )
+    parser.add_argument(
+        "--quant-shapes",
+        help="arrays for quant, by name (benchmarks/quant.py's SHAPES) or tag (default: every 'bench' one; with "
+        "--tiny: the 'ci' ones)",
+    )
     parser.add_argument("--glu-activations", default="swiglu", help="comma-separated activations for glu")
     parser.add_argument("--routing", default="uniform", choices=shape_registry.ROUTINGS, help="for gmm/gmm-bwd/glu")
     parser.add_argument("--backends", default="xla,pallas", help="moe_jax backends to time (default: xla,pallas)")
@@ -272,6 +277,7 @@ def main(argv: list[str] | None = None) -> list[common.Record]:
     routing_stages = _choices(args.routing_stages, routing.STAGES, "routing stage")
     glu_shapes = common.named_shapes(args.glu_shapes, gmms, glu.glu_shapes, glu.glu_shapes(tag))
     glu_activations = _choices(args.glu_activations, ACTIVATIONS, "activation")
+    quant_shapes = common.named_shapes(args.quant_shapes, quant.SHAPES, quant.shapes, quant.shapes(tag))
 
     command = shlex.join(["python", "-m", "benchmarks", *(sys.argv[1:] if argv is None else argv)])
     meta = common.run_metadata(command, {"tokamax": tokamax_peer.version()})
@@ -312,7 +318,7 @@ def main(argv: list[str] | None = None) -> list[common.Record]:
         elif bench == "glu":
             records += glu.run(glu_shapes, options, activations=glu_activations, routing=args.routing, emit=emit)
         elif bench == "quant":
-            records += quant.run(quant.shapes(tag), options, emit=emit)
+            records += quant.run(quant_shapes, options, emit=emit)
         else:
             records += routing.run(routing_shapes, options, stages=routing_stages, emit=emit)
 

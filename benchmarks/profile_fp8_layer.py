@@ -5,8 +5,9 @@ layer (``quantization=None``), each profiled with ``jax.profiler`` (CUPTI) over 
 Every kernel is put in one class by its name:
 
   gemm       the grouped-matmul kernels (``moe_gmm*``: FP8 and bf16, forward, dgrad, wgrad) and XLA's GEMMs
-  quantize   the quantizer kernel (``moe_quantize_blockwise``) and XLA's fusions that make FP8 values or scales
-             (a convert to f8e4m3fn or an amax reduction in the fusion's name)
+  quantize   the quantizer kernels (``moe_quantize_*``: activations, the weights' two FP8 layouts, the wgrad's
+             token blocks) and XLA's fusions that make FP8 values or scales (a convert to f8e4m3fn or an amax
+             reduction in the fusion's name)
   layout     XLA's transposes and copies (the FP8 weights' second layout, the activation scales' transposes)
   other      everything else (routing, permute / combine, the GLU's backward in XLA, the aux losses)
 

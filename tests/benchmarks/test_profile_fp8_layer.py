@@ -12,6 +12,8 @@ from benchmarks import profile_fp8_layer as profile
         ("moe_gmm_wgrad_fp8_mosaic_gpu_kernel", "gemm"),
         ("nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_TNN", "gemm"),
         ("moe_quantize_blockwise_mosaic_gpu_kernel", "quantize"),
+        ("moe_quantize_square_blocks_mosaic_gpu_kernel", "quantize"),
+        ("moe_quantize_row_blocks_transposed_mosaic_gpu_kernel", "quantize"),
         ("loop_convert_f8e4m3fn_fusion", "quantize"),
         ("input_reduce_fusion_amax", "quantize"),
         ("transpose_fusion_3", "layout"),

@@ -19,15 +19,22 @@ def test_floor_bytes_are_the_input_and_every_output_once():
     assert quant.moved_bytes(lambda x: variants["1x128+t"](x, "xla"), x) == rows + transposed
     # MXFP8: 1 x 32 blocks with one-byte e8m0 scales.
     assert quant.moved_bytes(lambda x: variants["mxfp8"](x, "xla"), x) == 192 * 320 * 3 + 192 * 10
+    # Weights: w in bf16; per copy FP8 values and one f32 scale per 128 x 128 block (2 x 3 of them per group).
+    w = jax.ShapeDtypeStruct((2, 256, 320), jnp.bfloat16)
+    copy = 2 * 256 * 320 + 2 * 2 * 3 * 4
+    weight_variants = quant.variants(quant.SHAPES["ci/w"])
+    assert quant.moved_bytes(lambda w: weight_variants["128x128 fwd"](w, "xla"), w) == 2 * 256 * 320 * 2 + copy
+    assert quant.moved_bytes(lambda w: weight_variants["128x128+t"](w, "xla"), w) == 2 * 256 * 320 * 2 + 2 * copy
 
 
 def test_tiny_run_times_both_backends_and_finds_them_equal():
     records = quant.run([quant.SHAPES["ci/x"], quant.SHAPES["ci/w"]], TINY, emit=lambda record: None)
     rows = [(r.shape, r.stage, r.impl) for r in records]
     impls = ["hbm-floor", "moe_jax:xla", "moe_jax:pallas"]
-    expected = [("ci/x", variant, impl) for variant in ("1x128", "1x128+t", "mxfp8") for impl in impls]
-    assert rows == expected + [("ci/w", "128x128", "hbm-floor"), ("ci/w", "128x128", "moe_jax:xla")]
+    expected = [("ci/x", variant, impl) for variant in ("1x128", "1x128+t", "mxfp8", "wgrad") for impl in impls]
+    expected += [("ci/w", variant, impl) for variant in ("128x128", "128x128 fwd", "128x128+t") for impl in impls]
+    assert rows == expected
     assert all(r.status == "ok" and r.timing is not None for r in records)
-    assert [r.rel_err for r in records if r.impl == "moe_jax:pallas"] == [0.0] * 3  # no byte differs
+    assert [r.rel_err for r in records if r.impl == "moe_jax:pallas"] == [0.0] * 7  # no byte differs
     table = quant.markdown_table(records)
-    assert table.count("bit-exact") == 3 and "| ci/w | 128x128 |" in table
+    assert table.count("bit-exact") == 7 and "| ci/w | 128x128 |" in table and "| ci/w | 128x128+t |" in table

@@ -1,4 +1,4 @@
-"""The sm90 quantizer kernel on the device against the XLA reference on the same device.
+"""The sm90 quantizer kernels on the device against the XLA reference on the same device.
 
 Run on the GPU machine: ``PYTHONPATH=. python3 -m pytest -m gpu tests/gpu/test_quant_gpu.py``. Both compute each block
 with the same f32 operations (IEEE products and one IEEE division per block, a round-to-nearest-even cast to FP8),
@@ -11,7 +11,12 @@ import numpy as np
 import pytest
 
 from moe_jax.ops.quant import reference
-from moe_jax.ops.quant.api import quantize_blockwise, quantize_blockwise_with_transpose
+from moe_jax.ops.quant.api import (
+    quantize_blockwise,
+    quantize_blockwise_with_transpose,
+    quantize_row_blocks_transposed,
+    quantize_square_blocks,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -100,3 +105,56 @@ def test_dequantize_in_the_same_program_keeps_the_rounding(backend):
     _assert_same_bits(fused, apart)
     # e4m3 keeps 3 fraction bits: most bf16 inputs (7 bits) change.
     assert float(jnp.mean((fused != x.astype(jnp.float32)).astype(jnp.float32))) > 0.5
+
+
+# Weights [G, A, B] in 128 x 128 blocks: Qwen3-30B-A3B's w_gate_up and w_down (both copies), a partial tile along both
+# axes with f32 input and power-of-two scales.
+SQUARE_CASES = [
+    ((128, 2048, 1536), jnp.bfloat16, False),
+    ((128, 768, 2048), jnp.bfloat16, False),
+    ((3, 2880, 320), jnp.float32, True),
+]
+
+
+@pytest.mark.parametrize("shape, w_dtype, pow2_scales", SQUARE_CASES)
+def test_square_blocks_match_reference(shape, w_dtype, pow2_scales):
+    w = np.array(_random(sum(shape), shape, jnp.float32))
+    w[0, :128, :128] = 0.0
+    w[1, 5, 7], w[1, 300, 200] = np.nan, np.inf
+    w = jnp.asarray(w, w_dtype)
+
+    def quantize(w, backend):
+        return quantize_square_blocks(w, pow2_scales=pow2_scales, backend=backend)
+
+    kernel = jax.jit(quantize, static_argnums=1)(w, "pallas")
+    expected = jax.jit(quantize, static_argnums=1)(w, "xla")
+    for actual, wanted in zip(kernel, expected, strict=True):
+        _assert_same(actual, wanted)
+
+
+def test_row_blocks_transposed_match_reference():
+    """The wgrad's token blocks of Qwen3-30B-A3B's layer (16k tokens x top-8 over 128 experts, uneven), with NaN and
+    Inf in some blocks."""
+    from moe_jax.ops.grouped_matmul import token_blocks
+    from moe_jax.ops.grouped_matmul.reference_fp8 import RECIPES
+
+    x = np.array(_random(3, (131072, 2048), jnp.float32))
+    x[5, 7], x[70000, 2047], x[100000, 3] = np.nan, np.inf, -np.inf
+    x = jnp.asarray(x, jnp.bfloat16)
+    sizes = np.random.default_rng(4).multinomial(131072 - 300, np.random.default_rng(5).dirichlet(np.ones(128)))
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    kernel = jax.jit(lambda x, g: token_blocks.quantize_token_blocks(x, g, RECIPES["fp8_block"]))(x, group_sizes)
+
+    def reference_blocks(x, group_sizes):
+        starts, rows, first_blocks = token_blocks.group_blocks(group_sizes, x.shape[0], 128)
+        capacity = token_blocks.max_token_blocks(x.shape[0], 128, 128)
+        blocks = jnp.arange(capacity, dtype=jnp.int32)
+        group = jnp.clip(jnp.searchsorted(first_blocks, blocks, side="right") - 1, 0, 127)
+        offset = (blocks - first_blocks[group]) * 128
+        counts = jnp.clip(rows[group] - offset, 0, 128).astype(jnp.int32)
+        first_rows = jnp.where(counts > 0, starts[group] + offset, 0).astype(jnp.int32)
+        return quantize_row_blocks_transposed(x, first_rows, counts, backend="xla")
+
+    values_t, scales = jax.jit(reference_blocks)(x, group_sizes)
+    _assert_same_bits(kernel.values_t, values_t)
+    _assert_same_bits(kernel.scales, scales)

@@ -16,7 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_jax.ops.quant.api import BlockScaled, quantize_blockwise, quantize_blockwise_with_transpose
+from moe_jax.ops.quant.api import (
+    BlockScaled,
+    quantize_blockwise,
+    quantize_blockwise_with_transpose,
+    quantize_row_blocks_transposed,
+    quantize_square_blocks,
+)
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -226,6 +232,15 @@ def test_the_k_major_weight_copy_is_the_transpose_of_the_quantized_weights():
         np.testing.assert_array_equal(actual.astype(jnp.float32), expected.astype(jnp.float32).transpose(0, 2, 1))
 
 
+def test_square_blocks_give_the_weights_and_their_transpose_quantized():
+    w = _random(13, (2, 160, 130))
+    as_is, transposed = quantize_square_blocks(jnp.asarray(w, jnp.bfloat16), backend="xla")
+    _assert_matches_oracle(as_is, w, (1, 128, 128), E4M3, False)
+    _assert_matches_oracle(transposed, w.transpose(0, 2, 1), (1, 128, 128), E4M3, False)
+    (alone,) = quantize_square_blocks(jnp.asarray(w, jnp.bfloat16), copies=("transposed",), backend="xla")
+    np.testing.assert_array_equal(np.asarray(alone.values).view(np.uint8), np.asarray(transposed.values).view(np.uint8))
+
+
 def test_block_scaled_is_a_pytree_with_a_static_block_shape():
     q = _quantized(_random(11, (4, 128)), (1, 128))
     leaves, treedef = jax.tree.flatten(q)
@@ -237,6 +252,9 @@ def test_block_scaled_is_a_pytree_with_a_static_block_shape():
 
 
 # ---------------------------------------------------------------------------------------------------------- errors
+
+
+_TABLE = jnp.zeros((3,), jnp.int32)  # a block table: first rows or row counts
 
 
 @pytest.mark.parametrize(
@@ -252,6 +270,13 @@ def test_block_scaled_is_a_pytree_with_a_static_block_shape():
         (lambda x: quantize_blockwise(x, (1, 128), backend="cuda"), ValueError, r"backend must be one of"),
         (lambda x: quantize_blockwise_with_transpose(x[0]), ValueError, r"x must have shape \[M, K\]"),
         (lambda x: quantize_blockwise_with_transpose(x, 0), ValueError, r"block_size must be >= 1"),
+        (lambda x: quantize_square_blocks(x), ValueError, r"w must have shape \[G, A, B\]"),
+        (lambda x: quantize_row_blocks_transposed(x, _TABLE.astype(float), _TABLE), TypeError, r"first_rows must be"),
+        (lambda x: quantize_row_blocks_transposed(x, _TABLE, _TABLE[:1]), ValueError, r"row_counts: length \(B"),
+        (lambda x: quantize_row_blocks_transposed(x, _TABLE[None], _TABLE), ValueError, r"first_rows must have"),
+        (lambda x: quantize_square_blocks(x[None], copies=()), ValueError, r"copies must name each of"),
+        (lambda x: quantize_square_blocks(x[None], copies=("as_is", "as_is")), ValueError, r"copies must name each"),
+        (lambda x: quantize_square_blocks(x[None], copies=("k_major",)), ValueError, r"copies must name each of"),
     ],
 )
 def test_bad_arguments_are_named(call, error, pattern):
@@ -263,10 +288,33 @@ def test_bad_arguments_are_named(call, error, pattern):
     "shape, block_shape, pattern",
     [
         ((4, 256), (1, 64), r"takes block_shape \(1, b\) with b in \(32, 128\)"),
-        ((4, 2, 256), (1, 1, 128), r"takes \[M, K\] arrays"),
+        ((4, 2, 2, 256), (1, 1, 1, 128), r"takes \[M, K\] or \[G, A, B\] arrays"),
         ((4, 96), (1, 32), r"K positive multiples of 64"),
+        ((4, 2, 256), (1, 1, 128), r"takes \[G, A, B\] arrays in block_shape \(1, 128, 128\)"),
+        ((2, 96, 128), (1, 128, 128), r"A, B positive multiples of 64"),
     ],
 )
 def test_pallas_names_what_its_kernel_does_not_take(shape, block_shape, pattern):
     with pytest.raises(NotImplementedError, match=r"quantize_blockwise: the Pallas kernel .*" + pattern):
         quantize_blockwise(jnp.ones(shape, jnp.bfloat16), block_shape, backend="pallas")
+
+
+@pytest.mark.parametrize(
+    "dtype, block_size, pattern",
+    [(jnp.bfloat16, 32, r"takes blocks of 128 rows"), (jnp.float32, 128, r"takes 16-bit inputs")],
+)
+def test_pallas_names_what_its_row_block_kernel_does_not_take(dtype, block_size, pattern):
+    with pytest.raises(NotImplementedError, match=r"quantize_row_blocks_transposed: the Pallas kernel .*" + pattern):
+        quantize_row_blocks_transposed(jnp.ones((4, 256), dtype), _TABLE, _TABLE, block_size, backend="pallas")
+
+
+def test_row_blocks_are_the_blocks_quantized_along_their_rows_transposed():
+    x = _random(14, (40, 96))
+    first_rows, row_counts = jnp.asarray([3, 30, 0], jnp.int32), jnp.asarray([16, 16, 0], jnp.int32)
+    values_t, scales = quantize_row_blocks_transposed(jnp.asarray(x, jnp.bfloat16), first_rows, row_counts, 16)
+    # Block b padded with zeros to 16 rows (rows past M = 40 count as zeros), quantized along its rows.
+    padded = np.zeros((3, 16, 96))
+    padded[0], padded[1, :10] = x[3:19], x[30:40]
+    for b in range(3):
+        block = BlockScaled(values_t[:, 16 * b : 16 * (b + 1)].T, scales[b][None], (16, 1))
+        _assert_matches_oracle(block, padded[b], (16, 1), E4M3, False)

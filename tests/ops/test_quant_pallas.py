@@ -1,4 +1,4 @@
-"""The sm90 quantizer kernel under the Mosaic GPU interpreter (races detected, memory NaN-poisoned) against the XLA
+"""The sm90 quantizer kernels under the Mosaic GPU interpreter (races detected, memory NaN-poisoned) against the XLA
 reference: the same f32 arithmetic per block, so values and scales must be equal bit for bit."""
 
 import jax
@@ -6,8 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_jax.ops.quant import reference, sm90
-from moe_jax.ops.quant.api import quantize_blockwise, quantize_blockwise_with_transpose
+from moe_jax.ops.quant import reference, sm90, sm90_row_blocks, sm90_square
+from moe_jax.ops.quant.api import (
+    quantize_blockwise,
+    quantize_blockwise_with_transpose,
+    quantize_row_blocks_transposed,
+    quantize_square_blocks,
+)
 from moe_jax.ops.quant.config import Config
 from tests.helpers import checked_interpreter
 
@@ -108,3 +113,130 @@ def test_the_ring_wraps_around_on_one_sm():
         np.testing.assert_array_equal(_bits(actual), _bits(wanted))
     for actual, wanted in ((values_t, expected_t.values), (scales_t, expected_t.scales)):
         np.testing.assert_array_equal(_bits(actual), _bits(wanted))
+
+
+# Weights [G, A, B] in 128 x 128 blocks: partial row and column tiles (A = 192, B = 320: a 64-wide last tile of
+# each), f32 and f16 inputs, e5m2, power-of-two scales.
+SQUARE_CASES = [
+    ((2, 192, 320), jnp.bfloat16, E4M3, False),
+    ((1, 128, 256), jnp.float32, jnp.float8_e5m2, True),
+    ((3, 64, 128), jnp.float16, E4M3, False),
+]
+
+
+@pytest.mark.parametrize("shape, w_dtype, dtype, pow2_scales", SQUARE_CASES)
+def test_square_blocks_match_reference_in_both_layouts(shape, w_dtype, dtype, pow2_scales):
+    w = _random(sum(shape), shape, w_dtype)
+
+    def quantize(w):
+        return quantize_square_blocks(w, dtype=dtype, pow2_scales=pow2_scales, backend="pallas")
+
+    as_is, transposed = _interpreted(quantize, w)
+    block = (1, 128, 128)
+    _assert_same(as_is, reference.quantize_blockwise(w, block, dtype, pow2_scales))
+    _assert_same(transposed, reference.quantize_blockwise(w.transpose(0, 2, 1), block, dtype, pow2_scales))
+
+
+@pytest.mark.parametrize("copies", [("transposed",), ("as_is",), ("transposed", "as_is")])
+def test_square_blocks_write_the_copies_asked_for_in_order(copies):
+    w = _random(2, (2, 128, 192), jnp.bfloat16)
+
+    def quantize(w):
+        return quantize_square_blocks(w, copies=copies, backend="pallas")
+
+    made = _interpreted(quantize, w)
+    expected = {
+        "as_is": reference.quantize_blockwise(w, (1, 128, 128), E4M3, False),
+        "transposed": reference.quantize_blockwise(w.transpose(0, 2, 1), (1, 128, 128), E4M3, False),
+    }
+    assert len(made) == len(copies)
+    for copy, actual in zip(copies, made, strict=True):
+        _assert_same(actual, expected[copy])
+
+
+def test_square_blocks_of_zeros_and_non_finite_values_match_reference():
+    w = np.array(_random(3, (2, 256, 128), jnp.float32))
+    w[0, :128] = 0.0  # an all-zero block: values 0, the smallest scale
+    w[1, 5, 7], w[1, 200, 100] = np.nan, np.inf  # two blocks with one non-finite value each
+    w[0, 140, 3] = -np.inf
+    w = jnp.asarray(w)
+
+    def quantize(w):
+        return quantize_square_blocks(w, backend="pallas") + (quantize_blockwise(w, (1, 128, 128), backend="pallas"),)
+
+    as_is, transposed, alone = _interpreted(quantize, w)
+    expected = reference.quantize_blockwise(w, (1, 128, 128), E4M3, False)
+    _assert_same(as_is, expected)
+    _assert_same(alone, expected)
+    _assert_same(transposed, reference.quantize_blockwise(w.transpose(0, 2, 1), (1, 128, 128), E4M3, False))
+    assert np.all(np.asarray(as_is.values[0, :128]).astype(np.float32) == 0)
+    # An Inf makes its block's scale infinite: no finite value comes back from the block. A NaN stays NaN.
+    dequantized = np.asarray(as_is.dequantize())
+    assert not np.isfinite(dequantized[1, 128:]).any() and not np.isfinite(dequantized[0, 128:]).any()
+    assert np.isnan(dequantized[1, 5, 7])
+
+
+def test_square_blocks_ring_and_amax_exchange_wrap_around_on_one_sm():
+    # One CTA walks 2 x 3 x 2 tiles through a 2-slot ring: the slots, the output buffers and the two amax buffers are
+    # each reused several times, so their barriers are exercised (races would be reported).
+    w = _random(4, (2, 384, 256), jnp.bfloat16)
+
+    def quantize(w):
+        return sm90_square.quantize_square_tiles(
+            w, dtype=E4M3, pow2_scales=False, as_is=True, transposed=True, config=Config(stages=2), num_sms=1
+        )
+
+    values, scales, values_t, scales_t = _interpreted(quantize, w)
+    expected = reference.quantize_blockwise(w, (1, 128, 128), E4M3, False)
+    np.testing.assert_array_equal(_bits(values), _bits(expected.values))
+    np.testing.assert_array_equal(_bits(scales), _bits(expected.scales))
+    np.testing.assert_array_equal(_bits(values_t), _bits(jnp.swapaxes(expected.values, 1, 2)))
+    np.testing.assert_array_equal(_bits(scales_t), _bits(jnp.swapaxes(expected.scales, 1, 2)))
+
+
+# Blocks of rows at any start (off multiples of 8), short and empty ones, one running past M, a block of another's
+# rows; C = 192: a partial column tile.
+ROW_BLOCKS = ([0, 5, 133, 290, 0, 250], [128, 3, 128, 20, 0, 128])
+
+
+@pytest.mark.parametrize(
+    "cols, x_dtype, dtype, pow2_scales",
+    [(192, jnp.bfloat16, E4M3, False), (128, jnp.bfloat16, jnp.float8_e5m2, True), (64, jnp.float16, E4M3, False)],
+)
+def test_row_blocks_transposed_match_reference(cols, x_dtype, dtype, pow2_scales):
+    x = np.array(_random(cols, (300, cols), jnp.float32))
+    # Infinities in two blocks, and an all-zero column. No NaN: XLA:CPU's reduce-max (the reference's on this host)
+    # drops NaN, so a NaN block's scale would differ; tests/gpu/test_quant_gpu.py checks NaN against XLA:GPU's.
+    x[7, 3], x[140, cols - 1] = np.inf, -np.inf
+    x[:, 10] = 0.0
+    x = jnp.asarray(x, x_dtype)
+    first_rows, row_counts = (jnp.asarray(table, jnp.int32) for table in ROW_BLOCKS)
+
+    def quantize(x, first_rows, row_counts):
+        return quantize_row_blocks_transposed(
+            x, first_rows, row_counts, dtype=dtype, pow2_scales=pow2_scales, backend="pallas"
+        )
+
+    values_t, scales = _interpreted(quantize, x, first_rows, row_counts)
+    expected = reference.quantize_row_blocks_transposed(x, first_rows, row_counts, 128, dtype, pow2_scales)
+    assert values_t.shape == (cols, 128 * 6) and scales.shape == (6, cols)
+    assert values_t.dtype == expected[0].dtype and scales.dtype == expected[1].dtype
+    np.testing.assert_array_equal(_bits(values_t), _bits(expected[0]))
+    np.testing.assert_array_equal(_bits(scales), _bits(expected[1]))
+
+
+def test_row_blocks_ring_wraps_around_on_one_sm():
+    x = _random(5, (1000, 256), jnp.bfloat16)
+    rng = np.random.default_rng(6)
+    first_rows = jnp.asarray(rng.integers(0, 1000, size=7), jnp.int32)
+    row_counts = jnp.asarray(rng.integers(0, 129, size=7), jnp.int32)
+
+    def quantize(x, first_rows, row_counts):
+        return sm90_row_blocks.quantize_row_blocks_transposed(
+            x, first_rows, row_counts, dtype=E4M3, pow2_scales=False, config=Config(stages=2), num_sms=1
+        )
+
+    actual = _interpreted(quantize, x, first_rows, row_counts)
+    expected = reference.quantize_row_blocks_transposed(x, first_rows, row_counts, 128, E4M3, False)
+    for a, e in zip(actual, expected, strict=True):
+        np.testing.assert_array_equal(_bits(a), _bits(e))

@@ -8,7 +8,7 @@ an epilogue to run in. The kernel runners below (``run_rows_kernel``, ``run_wgra
 
 With ``quantization="fp8_block"`` the "pallas" entry runs the FP8 kernel (block-scaled e4m3 operands, the same
 epilogues) for the forward and, where N is a multiple of 128, the dgrad; the wgrad runs the FP8 wgrad kernel on
-copies of x and dy quantized in row blocks per group (token_blocks.py, laid out in XLA). "auto" takes them where they
+copies of x and dy quantized in row blocks per group (token_blocks.py). "auto" takes them where they
 run, as for bf16.
 """
 
@@ -193,7 +193,8 @@ def grouped_matmul(
         calls run the FP8 kernel under "auto" and "pallas" (fp8_block; K a multiple of 128, e4m3 operands, GLU
         weights packed) for the forward and, with N a multiple of 128, the dgrad, and the FP8 wgrad kernel for the wgrad
         (XLA for an rhs of another float dtype than f32 / bf16 / f16). The forward reads the
-        weights [G, N, K] and the dgrad [G, K, N]: one transposed FP8 copy per step in either layout.
+        weights [G, N, K] and the dgrad [G, K, N]: high-precision weights are quantized into both layouts in one
+        pass (``quantize_square_blocks``), BlockScaled ones transposed where their layout is not the GEMM's.
 
     Returns:
       [M, N], or [M, N/2] with an activation.
@@ -399,44 +400,56 @@ def _pallas_fp8_fwd(lhs, weights, group_sizes, row_scale, activation, out_dtype,
     x = lhs
     if not isinstance(lhs, BlockScaled):
         x = quant.quantize_blockwise(lhs, recipe.lhs_block, pow2_scales=recipe.pow2_scales)
-    w = reference_fp8.as_quantized(weights, recipe.rhs_block(transpose_rhs), recipe)
-    # The kernel reads w [G, N, K] (FP8 wgmma operands are K-major): [G, K, N] weights are transposed here.
-    w_nk = w if transpose_rhs else _swap_last_axes(w)
+    # With keep this is a VJP's forward: where its backward runs a dgrad (lhs high precision), the weights' pass also
+    # writes the dgrad's copy.
+    w_nk, w_kn = _kernel_weights(weights, recipe, transpose_rhs, with_dgrad=keep and not isinstance(lhs, BlockScaled))
     # The backward needs the pre-activation only where an epilogue lies between it and the output.
     keep = keep and (activation is not None or row_scale is not None)
     outs = run_fp8_forward_kernel(x, w_nk, group_sizes, row_scale, activation, out_dtype, keep=keep)
     out, pre = outs if keep else (outs, None)
-    return out, (lhs, weights, w, group_sizes, row_scale, pre)
+    return out, (lhs, weights, w_kn, group_sizes, row_scale, pre)
 
 
-def _swap_last_axes(x: BlockScaled) -> BlockScaled:
-    """[G, A, B] -> [G, B, A]: values, scales and blocks transposed together."""
-    g, a, b = x.block_shape
-    return BlockScaled(jnp.swapaxes(x.values, 1, 2), jnp.swapaxes(x.scales, 1, 2), (g, b, a))
+def _kernel_weights(weights, recipe, transpose_rhs: bool, *, with_dgrad: bool):
+    """(w [G, N, K] for the forward, w [G, K, N] for the dgrad or None) in fp8_block's 128 x 128 blocks.
+
+    FP8 wgmma operands are K-major, so the forward reads the weights [G, N, K] and the dgrad, contracting over N,
+    [G, K, N]; fp8_block's dgrad multiplies by the forward's quantized weights (square blocks). High-precision weights
+    are quantized into both layouts in one pass (``quantize_square_blocks``: once per step, the forward and the
+    backward sharing the copies); BlockScaled ones are transposed as needed.
+    """
+    forward, dgrad = ("as_is", "transposed") if transpose_rhs else ("transposed", "as_is")
+    copies = (forward, dgrad) if with_dgrad else (forward,)
+    if isinstance(weights, BlockScaled):
+        made = {"as_is": weights, "transposed": quant.swap_last_axes(weights)}
+        made = tuple(made[copy] for copy in copies)
+    else:
+        made = quant.quantize_square_blocks(weights, recipe.block, copies=copies, pow2_scales=recipe.pow2_scales)
+    return made[0], made[1] if with_dgrad else None
 
 
 def _pallas_fp8_bwd(activation, out_dtype, transpose_rhs, quantization, residuals, d_out):
     """The epilogue's VJP in XLA on the kept pre-activation, then the recipe's quantized dgrad (``_fp8_dgrad``) and
     wgrad (``_fp8_wgrad``); no gradient for a BlockScaled operand."""
-    lhs, weights, w, group_sizes, row_scale, pre = residuals
+    lhs, weights, w_kn, group_sizes, row_scale, pre = residuals
     d_pre, d_row_scale = (d_out, None) if pre is None else _epilogue_vjp(pre, row_scale, activation, d_out)
     recipe = RECIPES[quantization]
     d_lhs = d_weights = None
     if not isinstance(lhs, BlockScaled):
-        d_lhs = _fp8_dgrad(d_pre, weights, w, group_sizes, recipe, transpose_rhs, lhs.dtype)
+        d_lhs = _fp8_dgrad(d_pre, w_kn, group_sizes, recipe, transpose_rhs, lhs.dtype)
     if not isinstance(weights, BlockScaled):
         d_weights = _fp8_wgrad(lhs, group_sizes, d_pre, quantization, transpose_rhs, weights.dtype)
     return d_lhs, d_weights, None, d_row_scale
 
 
-def _fp8_dgrad(d_pre, weights, w, group_sizes, recipe, transpose_rhs: bool, out_dtype) -> jax.Array:
+def _fp8_dgrad(d_pre, w_kn: BlockScaled, group_sizes, recipe, transpose_rhs: bool, out_dtype) -> jax.Array:
     """d lhs [M, K] = dy . w[g]^T, dy = d_pre [M, N] quantized along N: the FP8 kernel with N as its contraction,
-    reading the forward's quantized weights as [G, K, N] (K-major for this GEMM), where it runs; else in XLA."""
-    dgrad_w = reference_fp8.dgrad_weights(weights, w, recipe, transpose_rhs)
+    reading the forward's quantized weights as [G, K, N] (``w_kn``: K-major for this GEMM), where it runs; else in
+    XLA."""
     if not fp8_dgrad_runs(d_pre.shape[1], out_dtype):
-        return reference_fp8.quantized_dgrad(dgrad_w, group_sizes, d_pre, recipe, transpose_rhs, out_dtype)
+        stored = quant.swap_last_axes(w_kn) if transpose_rhs else w_kn  # the weights' own layout, as XLA's path takes
+        return reference_fp8.quantized_dgrad(stored, group_sizes, d_pre, recipe, transpose_rhs, out_dtype)
     dy = quant.quantize_blockwise(d_pre, recipe.lhs_block, pow2_scales=recipe.pow2_scales)
-    w_kn = _swap_last_axes(dgrad_w) if transpose_rhs else dgrad_w
     return run_fp8_forward_kernel(dy, w_kn, group_sizes, None, None, out_dtype, keep=False)
 
 

@@ -16,9 +16,9 @@ ceil(size / block) (its first block). Zeros raise no amax, so each block's scale
 bit. M' is static, block * ``max_token_blocks(M, G)``, as the sizes stay on the device; the blocks past the last
 group's are zeros too, and the kernel never reads them.
 
-This is XLA (a gather and two fusions: the blocks' amax, then the values written transposed): it reads x twice in
-its own dtype and writes M' * C FP8 values and (M' / block) * C f32 scales, where a fused quantize-and-transpose
-kernel (moe_jax/ops/quant/sm90.py's pattern) would read x once.
+The quantizer (moe_jax/ops/quant/sm90_row_blocks.py on an H100/H200, else XLA) reads each block's rows of x once
+and writes M' * C FP8 values and (M' / block) * C f32 scales; the table of the blocks' first rows and row counts is
+a few XLA ops on [M' / block] integers.
 """
 
 import dataclasses
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from moe_jax.ops.grouped_matmul.reference_fp8 import DTYPE, Recipe
 from moe_jax.ops.grouped_matmul.schedule import _prefix_sums, group_bounds
-from moe_jax.ops.quant import reference as quant
+from moe_jax.ops.quant.api import quantize_row_blocks_transposed
 
 GROUP_ID, GROUP_FIRST_BLOCK, GROUP_BLOCKS = range(3)  # rows of the [3, G] group table (``group_table``)
 
@@ -63,27 +63,29 @@ class TokenBlocks:
     scales: jax.Array
 
 
-def quantize_token_blocks(x: jax.Array, group_sizes: jax.Array, recipe: Recipe) -> TokenBlocks:
+def quantize_token_blocks(
+    x: jax.Array, group_sizes: jax.Array, recipe: Recipe, *, backend: str = "auto"
+) -> TokenBlocks:
     """x [M, C] (any float dtype) quantized in blocks of ``recipe.block`` rows from each group's first row, in the
-    group-padded transposed layout. group_sizes: [G] int32."""
+    group-padded transposed layout (``quantize_row_blocks_transposed``, by ``backend``: the Pallas kernel reads x
+    once). group_sizes: [G] int32."""
     num_rows, _ = x.shape
     block, num_groups = recipe.block, group_sizes.shape[0]
     starts, rows, first_blocks = group_blocks(group_sizes, num_rows, block)
     capacity = max_token_blocks(num_rows, num_groups, block)
 
-    # Each padded token's group and its row of x (tokens past every group's rows read none).
-    token = jnp.arange(capacity * block, dtype=jnp.int32)
-    group = jnp.searchsorted(first_blocks, token // block, side="right", method="compare_all") - 1
+    # Each padded block's group, and its rows of x (none for the blocks past every group's).
+    blocks = jnp.arange(capacity, dtype=jnp.int32)
+    group = jnp.searchsorted(first_blocks, blocks, side="right", method="compare_all") - 1
     group = jnp.clip(group, 0, num_groups - 1).astype(jnp.int32)
-    offset = token - first_blocks[group] * block
-    member = (offset >= 0) & (offset < rows[group])
-    source = jnp.clip(starts[group] + offset, 0, max(num_rows - 1, 0))
-    padded = jnp.where(member[:, None], x.astype(jnp.float32)[source], 0.0)
-
-    blocks = padded.reshape(capacity, block, -1)
-    scales = quant.scales_from_amax(jnp.max(jnp.abs(blocks), axis=1), DTYPE, recipe.pow2_scales)  # [blocks, C]
-    values = quant.scaled_values(blocks, quant.reciprocals(scales)[:, None, :], DTYPE)
-    return TokenBlocks(values.reshape(capacity * block, -1).T, scales)
+    offset = (blocks - first_blocks[group]) * block
+    row_counts = jnp.clip(rows[group] - offset, 0, block).astype(jnp.int32)
+    first_rows = jnp.where(row_counts > 0, starts[group] + offset, 0).astype(jnp.int32)
+    values_t, scales = quantize_row_blocks_transposed(
+        x, first_rows, row_counts, block, dtype=DTYPE, pow2_scales=recipe.pow2_scales, backend=backend
+    )
+    # Power-of-two scales come as float8_e8m0fnu: f32 holds them exactly, as TokenBlocks does every scale.
+    return TokenBlocks(values_t, scales.astype(jnp.float32))
 
 
 def group_table(group_sizes: jax.Array, num_rows: int, block: int) -> jax.Array:

@@ -1,5 +1,6 @@
 """``moe_jax.quantize_blockwise``: block-scaled FP8 quantization (1 x 128 activations, 128 x 128 weights, MXFP8's
-1 x 32 with power-of-two scales), and the activation quantizer's fused transposed copy for weight gradients."""
+1 x 32 with power-of-two scales); the activation quantizer's fused transposed copy for weight gradients, and the
+weight quantizer's two layouts (the FP8 forward's and dgrad's) from one read of the weights."""
 
 import dataclasses
 
@@ -11,10 +12,16 @@ from jax import lax
 from moe_jax._core import backend as dispatch
 from moe_jax._core import checks
 from moe_jax._core.hardware import interpret_params, num_sms
-from moe_jax.ops.quant import config, reference, sm90
+from moe_jax.ops.quant import config, reference, sm90, sm90_row_blocks, sm90_square
 from moe_jax.ops.quant.reference import FP8_DTYPES, POW2_SCALE_DTYPE, BlockScaled
 
-__all__ = ["BlockScaled", "quantize_blockwise", "quantize_blockwise_with_transpose"]
+__all__ = [
+    "BlockScaled",
+    "quantize_blockwise",
+    "quantize_blockwise_with_transpose",
+    "quantize_row_blocks_transposed",
+    "quantize_square_blocks",
+]
 
 
 def _check_block_shape(block_shape, ndim: int) -> tuple[int, ...]:
@@ -31,9 +38,9 @@ def _check_block_shape(block_shape, ndim: int) -> tuple[int, ...]:
     return tuple(int(b) for b in block_shape)
 
 
-def _check_options(x, dtype, pow2_scales) -> None:
-    checks.shape_of("x", x)
-    checks.check_float("x", x)
+def _check_options(x, dtype, pow2_scales, name: str = "x") -> None:
+    checks.shape_of(name, x)
+    checks.check_float(name, x)
     if jnp.dtype(dtype) not in map(jnp.dtype, FP8_DTYPES):
         names = ", ".join(jnp.dtype(d).name for d in FP8_DTYPES)
         raise TypeError(f"dtype must be one of ({names}), got {jnp.dtype(dtype).name}")
@@ -49,18 +56,22 @@ class _QuantizeCall:
     block_shape: tuple[int, ...]
     dtype: jnp.dtype
     with_transpose: bool
+    row_blocks: bool = False  # quantize_row_blocks_transposed's blocks of block_shape[0] rows at given starts
 
 
 def _kernel_unsupported(call: _QuantizeCall) -> str | None:
-    refusal = config.refusal(call.shape, call.in_dtype, call.block_shape, call.dtype, call.with_transpose)
+    if call.row_blocks:
+        refusal = config.row_blocks_refusal(call.shape, call.in_dtype, call.block_shape[0], call.dtype)
+    else:
+        refusal = config.refusal(call.shape, call.in_dtype, call.block_shape, call.dtype, call.with_transpose)
     return None if refusal is None else f"the Pallas kernel {refusal}"
 
 
 IMPLEMENTATIONS = (dispatch.Implementation("pallas", _kernel_unsupported), dispatch.XLA)
 
 
-def _use_kernel(op: str, x, block_shape, dtype, with_transpose: bool, backend: str) -> bool:
-    call = _QuantizeCall(tuple(x.shape), jnp.dtype(x.dtype), block_shape, jnp.dtype(dtype), with_transpose)
+def _use_kernel(op: str, x, block_shape, dtype, with_transpose: bool, backend: str, row_blocks: bool = False) -> bool:
+    call = _QuantizeCall(tuple(x.shape), jnp.dtype(x.dtype), block_shape, jnp.dtype(dtype), with_transpose, row_blocks)
     return dispatch.select(op, backend, IMPLEMENTATIONS, call).is_kernel
 
 
@@ -81,6 +92,26 @@ def _kernel(x, block: int, dtype, pow2_scales: bool, with_transpose: bool) -> li
         if pow2_scales:
             scales = lax.bitcast_convert_type(scales, POW2_SCALE_DTYPE)
         results.append(BlockScaled(values, scales, (1, block)))
+    return results
+
+
+def _square_kernel(w, dtype, pow2_scales: bool, as_is: bool, transposed: bool) -> list[BlockScaled]:
+    """The sm90 square-block kernel's outputs as BlockScaled: w's copy, then w^T's, as asked."""
+    outputs = sm90_square.quantize_square_tiles(
+        w,
+        dtype=dtype,
+        pow2_scales=pow2_scales,
+        as_is=as_is,
+        transposed=transposed,
+        config=config.heuristic_config(w.dtype, as_is and transposed),
+        num_sms=num_sms(),
+        interpret=interpret_params(),
+    )
+    results = []
+    for values, scales in zip(outputs[::2], outputs[1::2], strict=True):
+        if pow2_scales:
+            scales = lax.bitcast_convert_type(scales, POW2_SCALE_DTYPE)
+        results.append(BlockScaled(values, scales, (1, config.TILE, config.TILE)))
     return results
 
 
@@ -108,10 +139,8 @@ def quantize_blockwise(
       pow2_scales: power-of-two scales, stored as float8_e8m0fnu; otherwise f32 scales.
       backend: "auto", "xla" or "pallas". The Pallas kernel (an H100/H200's default under "auto") takes
         [M, K] bf16/f16/f32 with block_shape (1, 128) or (1, 32) and K a multiple of 64; "auto" falls back to "xla"
-        elsewhere. Weights take the XLA path: they are quantized once per step, against every activation's
-        quantization per GEMM, and a 128 x 128 block is the same block of w [G, K, N] and of its K-major copy
-        [G, N, K], so ``quantize_blockwise(w.transpose(0, 2, 1), (1, 128, 128))`` gives that copy (its scales are
-        the transposed scales of w's).
+        elsewhere. It also takes weights [G, A, B] bf16/f16/f32 with block_shape (1, 128, 128) and A, B multiples
+        of 64 (``quantize_square_blocks`` writes their transposed copy in the same pass).
 
     Returns:
       ``BlockScaled`` with values [x.shape] in ``dtype`` and scales [ceil(x.shape / block_shape)].
@@ -119,6 +148,8 @@ def quantize_blockwise(
     _check_options(x, dtype, pow2_scales)
     block_shape = _check_block_shape(block_shape, x.ndim)
     if _use_kernel("quantize_blockwise", x, block_shape, dtype, False, backend):
+        if x.ndim == 3:
+            return _square_kernel(x, dtype, pow2_scales, as_is=True, transposed=False)[0]
         return _kernel(x, block_shape[1], dtype, pow2_scales, with_transpose=False)[0]
     return reference.quantize_blockwise(x, block_shape, dtype, pow2_scales)
 
@@ -156,3 +187,100 @@ def quantize_blockwise_with_transpose(
         reference.quantize_blockwise(x, block_shape, dtype, pow2_scales),
         reference.quantize_blockwise(x.T, block_shape, dtype, pow2_scales),
     )
+
+
+COPIES = ("as_is", "transposed")
+
+
+def quantize_square_blocks(
+    w: jax.Array,
+    block_size: int = config.TILE,
+    *,
+    copies: tuple[str, ...] = COPIES,
+    dtype=jnp.float8_e4m3fn,
+    pow2_scales: bool = False,
+    backend: str = "auto",
+) -> tuple[BlockScaled, ...]:
+    """``quantize_blockwise(w, (1, b, b))`` and/or the same for ``w.transpose(0, 2, 1)``, from one read of w.
+
+    A b x b block is the same block of w [G, A, B] and of w^T [G, B, A], with one scale: the FP8 grouped matmul reads
+    its weights [G, N, K] in the forward and [G, K, N] in the dgrad, and the Pallas kernel writes both copies as it
+    reads w once (XLA's path quantizes w, then transposes the FP8 copy).
+
+    Args:
+      w: [G, A, B] float.
+      block_size: b, the blocks' side.
+      copies: which copies to return, in this order: "as_is" ([G, A, B]) and/or "transposed" ([G, B, A]).
+      dtype, pow2_scales, backend: as in ``quantize_blockwise``; the kernel takes b = 128, bf16/f16/f32 w and A, B
+        multiples of 64.
+
+    Returns:
+      One BlockScaled of block_shape (1, b, b) per entry of ``copies``: values [G, A, B] and scales
+      [G, ceil(A / b), ceil(B / b)], or values [G, B, A] and scales [G, ceil(B / b), ceil(A / b)].
+    """
+    _check_options(w, dtype, pow2_scales, "w")
+    checks.check_rank("w", w, 3, "[G, A, B]")
+    checks.check_positive_int("block_size", block_size)
+    if not copies or len(set(copies)) != len(copies) or any(copy not in COPIES for copy in copies):
+        raise ValueError(f"copies must name each of {COPIES} at most once (at least one), got {copies!r}")
+    block_shape = (1, block_size, block_size)
+    if _use_kernel("quantize_square_blocks", w, block_shape, dtype, len(copies) == 2, backend):
+        made = _square_kernel(w, dtype, pow2_scales, as_is="as_is" in copies, transposed="transposed" in copies)
+        return tuple(made) if copies[0] == "as_is" or len(made) == 1 else tuple(reversed(made))
+    quantized = reference.quantize_blockwise(w, block_shape, dtype, pow2_scales)
+    made = {"as_is": quantized, "transposed": swap_last_axes(quantized)}
+    return tuple(made[copy] for copy in copies)
+
+
+def swap_last_axes(x: BlockScaled) -> BlockScaled:
+    """[G, A, B] -> [G, B, A]: values, scales and blocks transposed together."""
+    g, a, b = x.block_shape
+    return BlockScaled(jnp.swapaxes(x.values, 1, 2), jnp.swapaxes(x.scales, 1, 2), (g, b, a))
+
+
+def quantize_row_blocks_transposed(
+    x: jax.Array,
+    first_rows: jax.Array,
+    row_counts: jax.Array,
+    block_size: int = config.TILE,
+    *,
+    dtype=jnp.float8_e4m3fn,
+    pow2_scales: bool = False,
+    backend: str = "auto",
+) -> tuple[jax.Array, jax.Array]:
+    """Blocks of up to ``block_size`` rows of x, each starting on any row, quantized along their rows per column and
+    written transposed, each padded with zeros to ``block_size`` rows: the FP8 wgrad's operand layout
+    (grouped_matmul/token_blocks.py), from one read of x.
+
+    Args:
+      x: [M, C] float.
+      first_rows: [B] int32, block b's first row (in [0, M); any row for an empty block).
+      row_counts: [B] int32 in [0, block_size], its rows (rows past M count as zeros).
+      block_size: the blocks' rows.
+      dtype, pow2_scales, backend: as in ``quantize_blockwise``; the kernel takes block_size 128, bf16/f16 x and C
+        a multiple of 64.
+
+    Returns:
+      (values_t [C, block_size * B]: block b's rows in columns [block_size * b, block_size * b + row_counts[b]),
+      zeros after; scales [B, C]: block b's scale of column c at [b, c], f32 or float8_e8m0fnu).
+    """
+    _check_options(x, dtype, pow2_scales)
+    checks.check_rank("x", x, 2, "[M, C]")
+    checks.check_positive_int("block_size", block_size)
+    for name, table in (("first_rows", first_rows), ("row_counts", row_counts)):
+        checks.check_rank(name, table, 1, "[B]")
+        checks.check_int32(name, table)
+    checks.check_dim("row_counts", row_counts.shape[0], first_rows.shape[0], "length (B, first_rows.shape[0])")
+    if _use_kernel("quantize_row_blocks_transposed", x, (block_size, 1), dtype, True, backend, row_blocks=True):
+        values_t, scales = sm90_row_blocks.quantize_row_blocks_transposed(
+            x,
+            first_rows,
+            row_counts,
+            dtype=dtype,
+            pow2_scales=pow2_scales,
+            config=config.heuristic_config(x.dtype, False),
+            num_sms=num_sms(),
+            interpret=interpret_params(),
+        )
+        return values_t, lax.bitcast_convert_type(scales, POW2_SCALE_DTYPE) if pow2_scales else scales
+    return reference.quantize_row_blocks_transposed(x, first_rows, row_counts, block_size, dtype, pow2_scales)

@@ -1,4 +1,4 @@
-"""Tiles, pipeline depth and reach of the sm90 quantizer kernel (sm90.py)."""
+"""Tiles, pipeline depth and reach of the sm90 quantizer kernels (sm90.py, sm90_row_blocks.py, sm90_square.py)."""
 
 import dataclasses
 
@@ -52,17 +52,54 @@ def heuristic_config(in_dtype, with_transpose: bool) -> Config:
 
 
 def refusal(shape: tuple[int, ...], in_dtype, block_shape: tuple[int, ...], dtype, with_transpose: bool) -> str | None:
-    """Why the kernel cannot quantize an array of ``shape`` and ``in_dtype`` this way; None when it can."""
+    """Why the kernels cannot quantize an array of ``shape`` and ``in_dtype`` this way; None when they can: [M, K]
+    in 1 x b blocks (sm90.py), or [G, A, B] in 1 x TILE x TILE blocks (sm90_square.py)."""
+    if len(shape) == 3:
+        return _square_refusal(shape, in_dtype, block_shape, dtype)
     if len(shape) != 2:
-        return f"takes [M, K] arrays, got rank {len(shape)}"
+        return f"takes [M, K] or [G, A, B] arrays, got rank {len(shape)}"
     if tuple(block_shape) not in [(1, block) for block in BLOCKS]:
         return f"takes block_shape (1, b) with b in {BLOCKS}, got {tuple(block_shape)}"
-    if jnp.dtype(in_dtype) not in map(jnp.dtype, INPUT_DTYPES):
-        return f"takes bfloat16, float16 or float32 inputs, got {jnp.dtype(in_dtype).name}"
-    if jnp.dtype(dtype) not in map(jnp.dtype, FP8_DTYPES):
-        return f"writes float8_e4m3fn or float8_e5m2, got {jnp.dtype(dtype).name}"
+    dtypes_refusal = _dtypes_refusal(in_dtype, dtype)
+    if dtypes_refusal is not None:
+        return dtypes_refusal
     rows, cols = shape
     if min(shape) == 0 or cols % DIM_MULTIPLE or (with_transpose and rows % DIM_MULTIPLE):
         axes = "M and K" if with_transpose else "K"
         return f"needs M > 0 and {axes} positive multiples of {DIM_MULTIPLE}, got [M, K] = {list(shape)}"
+    return None
+
+
+def _dtypes_refusal(in_dtype, dtype) -> str | None:
+    if jnp.dtype(in_dtype) not in map(jnp.dtype, INPUT_DTYPES):
+        return f"takes bfloat16, float16 or float32 inputs, got {jnp.dtype(in_dtype).name}"
+    if jnp.dtype(dtype) not in map(jnp.dtype, FP8_DTYPES):
+        return f"writes float8_e4m3fn or float8_e5m2, got {jnp.dtype(dtype).name}"
+    return None
+
+
+def _square_refusal(shape: tuple[int, int, int], in_dtype, block_shape: tuple[int, ...], dtype) -> str | None:
+    if tuple(block_shape) != (1, TILE, TILE):
+        return f"takes [G, A, B] arrays in block_shape (1, {TILE}, {TILE}), got {tuple(block_shape)}"
+    dtypes_refusal = _dtypes_refusal(in_dtype, dtype)
+    if dtypes_refusal is not None:
+        return dtypes_refusal
+    if min(shape) == 0 or shape[1] % DIM_MULTIPLE or shape[2] % DIM_MULTIPLE:
+        return f"needs G > 0 and A, B positive multiples of {DIM_MULTIPLE}, got [G, A, B] = {list(shape)}"
+    return None
+
+
+def row_blocks_refusal(shape: tuple[int, int], in_dtype, block_rows: int, dtype) -> str | None:
+    """Why sm90_row_blocks.py cannot quantize x [M, C] of ``in_dtype`` in blocks of ``block_rows`` rows; None when it
+    can."""
+    if block_rows != TILE:
+        return f"takes blocks of {TILE} rows, got {block_rows}"
+    if jnp.dtype(in_dtype).itemsize > 2:
+        # Mosaic GPU's layout inference finds no layout for a transposing read of 32-bit rows in one-row tiles.
+        return f"takes 16-bit inputs (bfloat16, float16), got {jnp.dtype(in_dtype).name}"
+    dtypes_refusal = _dtypes_refusal(in_dtype, dtype)
+    if dtypes_refusal is not None:
+        return dtypes_refusal
+    if min(shape) == 0 or shape[1] % DIM_MULTIPLE:
+        return f"needs M > 0 and C a positive multiple of {DIM_MULTIPLE}, got [M, C] = {list(shape)}"
     return None

@@ -137,3 +137,19 @@ def quantize_blockwise(x: jax.Array, block_shape: tuple[int, ...], dtype, pow2_s
     scales = scales_from_amax(amax, dtype, pow2_scales)
     values = scaled_values(x, broadcast_blocks(reciprocals(scales), block_shape, x.shape), dtype)
     return BlockScaled(values, scales.astype(scale_dtype(pow2_scales)), tuple(block_shape))
+
+
+def quantize_row_blocks_transposed(
+    x: jax.Array, first_rows: jax.Array, row_counts: jax.Array, block: int, dtype, pow2_scales: bool
+) -> tuple[jax.Array, jax.Array]:
+    """x [M, C] in blocks of rows: block b is rows [first_rows[b], first_rows[b] + row_counts[b]) (at most ``block``,
+    rows past M count as zeros), quantized along its rows per column and laid out transposed, padded with zeros to
+    ``block`` rows each -> (values_t [C, block * B] in dtype, scales [B, C] in ``scale_dtype(pow2_scales)``)."""
+    num_rows = x.shape[0]
+    offsets = jnp.arange(block, dtype=jnp.int32)
+    rows = first_rows[:, None] + offsets[None, :]  # [B, block]
+    member = (offsets[None, :] < row_counts[:, None]) & (rows < num_rows)
+    blocks = jnp.where(member[:, :, None], x.astype(jnp.float32)[jnp.clip(rows, 0, num_rows - 1)], 0.0)
+    scales = scales_from_amax(jnp.max(jnp.abs(blocks), axis=1), dtype, pow2_scales)  # [B, C]
+    values = scaled_values(blocks, reciprocals(scales)[:, None, :], dtype)
+    return values.reshape(-1, x.shape[1]).T, scales.astype(scale_dtype(pow2_scales))

@@ -42,7 +42,7 @@ _F32_FRACTION_BITS = 23
 _SWIZZLE_ROWS = 8  # rows of one swizzle pattern: 8 x 16-byte chunks
 
 
-def _swizzled(dtype, gmem_shape: tuple[int, int]) -> tuple:
+def swizzled(dtype, gmem_shape: tuple[int, int]) -> tuple:
     """Tiling + swizzle of a shared-memory tile with TILE columns of ``dtype`` that TMA copies to or from an array of
     ``gmem_shape``. Mosaic GPU wants the array's dims to be multiples of the tiling's, hence the widest swizzle (128
     bytes at most) whose columns divide the array's, and 8-row tiles where they divide its rows (8 rows of 16-byte
@@ -55,12 +55,12 @@ def _swizzled(dtype, gmem_shape: tuple[int, int]) -> tuple:
     return (tiling,) if swizzle == 16 else (tiling, plgpu.SwizzleTransform(swizzle))
 
 
-def _scale_bits_dtype(pow2_scales: bool):
+def scale_bits_dtype(pow2_scales: bool):
     """What the kernel stores per block: f32 scales, or the exponent byte of a power-of-two scale."""
     return jnp.uint8 if pow2_scales else jnp.float32
 
 
-def _quantize_rows(tile, block: int, dtype, pow2_scales: bool):
+def quantize_rows(tile, block: int, dtype, pow2_scales: bool):
     """[R, TILE] registers (wgmma layout), ``block`` | TILE -> ([R, TILE] FP8 values, the scales of the TILE / block
     column blocks as stored: [R] f32 or exponent bytes each)."""
     column_blocks = [tile[:, c : c + block] for c in range(0, TILE, block)]
@@ -70,14 +70,42 @@ def _quantize_rows(tile, block: int, dtype, pow2_scales: bool):
     per_element = plgpu.layout_cast(lax.concatenate(per_element, 1) if len(scales) > 1 else per_element[0], _LAYOUT)
     values = reference.scaled_values(tile.astype(jnp.float32), per_element, dtype)
     if pow2_scales:
-        # A power of two's f32 bits are its biased exponent, shifted; NaN's exponent byte is 0xFF, e8m0's NaN.
-        scales = [
-            lax.shift_right_logical(lax.bitcast_convert_type(s, jnp.uint32), jnp.uint32(_F32_FRACTION_BITS)).astype(
-                jnp.uint8
-            )
-            for s in scales
-        ]
+        scales = [exponent_bytes(s) for s in scales]
     return values, scales
+
+
+def exponent_bytes(scales):
+    """Power-of-two f32 scales -> their biased exponents as uint8 (float8_e8m0fnu's bits): a power of two's f32 bits
+    are its biased exponent, shifted; NaN's exponent byte is 0xFF, e8m0's NaN."""
+    bits = lax.bitcast_convert_type(scales, jnp.uint32)
+    return lax.shift_right_logical(bits, jnp.uint32(_F32_FRACTION_BITS)).astype(jnp.uint8)
+
+
+def produce_tiles(grid: tuple[int, ...], window, x_smem, loaded, consumed) -> None:
+    """The producer warpgroup of a quantizer: TMA-loads ``window(tile index)`` (a [TILE, TILE] window of the input)
+    for each tile of ``grid`` that this CTA takes (``nd_loop``'s round-robin) into the ring ``x_smem`` [stages, TILE,
+    TILE], arriving at ``loaded[slot]``; a slot is refilled once both consumers arrived at ``consumed[slot]``."""
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+    stages = x_smem.shape[0]
+
+    def load(info, carry):
+        step = info.local_index
+        slot = lax.rem(step, stages)
+
+        # The slot held the tile `stages` steps back: wait until both consumers have read it.
+        @pl.when(step >= stages)
+        def _():
+            plgpu.barrier_wait(consumed.at[slot])
+
+        plgpu.copy_gmem_to_smem(window(info.index), x_smem.at[slot], loaded.at[slot])
+        return carry + 1
+
+    steps = plgpu.nd_loop(grid, collective_axes="sm", init_carry=jnp.int32(0))(load)
+
+    # Observe the release of the last slots too, so that every barrier ends with no phase pending.
+    @pl.loop(jnp.maximum(steps - stages, 0), steps)
+    def _drain(step):
+        plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
 
 
 def quantize_tiles(
@@ -111,7 +139,7 @@ def quantize_tiles(
     grid = (pl.cdiv(rows, TILE), pl.cdiv(cols, TILE))
     blocks_per_tile = TILE // block
     stages = config.stages
-    scale_bits = _scale_bits_dtype(pow2_scales)
+    scale_bits = scale_bits_dtype(pow2_scales)
 
     def body(x_gmem, *refs):
         if with_transpose:
@@ -124,28 +152,11 @@ def quantize_tiles(
 
         @pl.when(wg == CONSUMERS)
         def _producer():
-            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+            def window(index):
+                row_tile, col_tile = index
+                return x_gmem.at[pl.ds(row_tile * TILE, TILE), pl.ds(col_tile * TILE, TILE)]
 
-            def load(info, carry):
-                row_tile, col_tile = info.index
-                step = info.local_index
-                slot = lax.rem(step, stages)
-
-                # The slot held the tile `stages` steps back: wait until both consumers have read it.
-                @pl.when(step >= stages)
-                def _():
-                    plgpu.barrier_wait(consumed.at[slot])
-
-                window = x_gmem.at[pl.ds(row_tile * TILE, TILE), pl.ds(col_tile * TILE, TILE)]
-                plgpu.copy_gmem_to_smem(window, x_smem.at[slot], loaded.at[slot])
-                return carry + 1
-
-            steps = plgpu.nd_loop(grid, collective_axes="sm", init_carry=jnp.int32(0))(load)
-
-            # Observe the release of the last slots too, so that every barrier ends with no phase pending.
-            @pl.loop(jnp.maximum(steps - stages, 0), steps)
-            def _drain(step):
-                plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
+            produce_tiles(grid, window, x_smem, loaded, consumed)
 
         @pl.when(wg < CONSUMERS)
         def _consumer():
@@ -168,12 +179,12 @@ def quantize_tiles(
                 # The buffer's previous store (two tiles back) has finished reading it.
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                 row0, col0 = row_tile * TILE + wg * _ROWS, col_tile * TILE
-                values, scales = _quantize_rows(x_rows, block, dtype, pow2_scales)
+                values, scales = quantize_rows(x_rows, block, dtype, pow2_scales)
                 out_smem[wg, buffer] = values
                 for c, scale in enumerate(scales):
                     scales_gmem[pl.ds(row0, _ROWS), col_tile * blocks_per_tile + c] = scale
                 if with_transpose:
-                    values_t, scales_t = _quantize_rows(x_cols, block, dtype, pow2_scales)
+                    values_t, scales_t = quantize_rows(x_cols, block, dtype, pow2_scales)
                     out_t_smem[wg, buffer] = values_t
                     for c, scale in enumerate(scales_t):
                         scales_t_gmem[pl.ds(col0 + wg * _ROWS, _ROWS), row_tile * blocks_per_tile + c] = scale
@@ -198,18 +209,18 @@ def quantize_tiles(
         jax.ShapeDtypeStruct((rows, cols), dtype),
         jax.ShapeDtypeStruct((grid[0] * TILE, grid[1] * blocks_per_tile), scale_bits),
     ]
-    out_buffers = [plgpu.SMEM((CONSUMERS, 2, _ROWS, TILE), dtype, transforms=_swizzled(dtype, (rows, cols)))]
+    out_buffers = [plgpu.SMEM((CONSUMERS, 2, _ROWS, TILE), dtype, transforms=swizzled(dtype, (rows, cols)))]
     if with_transpose:
         out_types += [
             jax.ShapeDtypeStruct((cols, rows), dtype),
             jax.ShapeDtypeStruct((grid[1] * TILE, grid[0] * blocks_per_tile), scale_bits),
         ]
-        out_buffers.append(plgpu.SMEM((CONSUMERS, 2, _ROWS, TILE), dtype, transforms=_swizzled(dtype, (cols, rows))))
+        out_buffers.append(plgpu.SMEM((CONSUMERS, 2, _ROWS, TILE), dtype, transforms=swizzled(dtype, (cols, rows))))
     kernel = plgpu.kernel(
         body,
         out_type=tuple(out_types),
         scratch_types=[
-            plgpu.SMEM((stages, TILE, TILE), x.dtype, transforms=_swizzled(x.dtype, x.shape)),
+            plgpu.SMEM((stages, TILE, TILE), x.dtype, transforms=swizzled(x.dtype, x.shape)),
             *out_buffers,
             plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # loaded: the slot's TMA load landed
             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # consumed: both consumers read the slot

@@ -1,0 +1,134 @@
+"""Mosaic GPU (sm90) quantizer for blocks of rows at given starts, written transposed: x [M, C] and a table of B
+blocks (first row r_b, rows n_b <= 128) -> values_t [C, 128 B] FP8, block b's rows in columns [128 b, 128 b + n_b)
+and zeros after, and scales [B, C], one per block and column.
+
+The FP8 wgrad contracts over each group's rows in 128-row blocks counted from the group's first row, with the token
+axis contiguous (grouped_matmul/token_blocks.py lays the blocks out on a group-padded axis): a block starts at any row
+of x, and its scale per column is the amax over its own rows only.
+
+One CTA per SM walks the (block, 128-column tile) pairs round-robin. A producer warpgroup TMA-loads rows
+[r_b, r_b + 128) of the column tile into a ring of ``config.stages`` buffers (rows past M read as zeros); the two
+consumer warpgroups each read 64 of its columns as rows of x^T (ldmatrix's transposing form), zero the rows past
+n_b (the next group's, or none), and quantize each row of x^T (a column of the block) as one 1 x 128 block, as
+sm90.py's transposed copy does, then TMA-store the FP8 rows and store the scales from registers.
+
+A block starts on any row, and TMA addresses a tiled buffer by whole tiles of rows: the input buffer takes one-row
+tiles (sm90.py's ``swizzled``: 2-way bank conflicts on the transposing reads, against an 8-row tiling's none).
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from moe_jax.ops.quant.config import CONSUMER_REGISTERS, CONSUMERS, TILE, Config
+from moe_jax.ops.quant.sm90 import produce_tiles, quantize_rows, scale_bits_dtype, swizzled
+
+_LAYOUT = plgpu.Layout.WGMMA
+_ROWS = TILE // CONSUMERS
+
+
+def quantize_row_blocks_transposed(
+    x: jax.Array,
+    first_rows: jax.Array,
+    row_counts: jax.Array,
+    *,
+    dtype,
+    pow2_scales: bool,
+    config: Config,
+    num_sms: int,
+    interpret=None,
+) -> tuple[jax.Array, jax.Array]:
+    """Quantizes blocks of up to 128 rows of x, each along its rows, into the transposed, block-padded layout.
+
+    Args:
+      x: [M, C] bf16 or f16; C a multiple of 64.
+      first_rows: [B] int32, each block's first row in [0, M) (any row for an empty block).
+      row_counts: [B] int32, each block's rows in [0, 128]; rows past M read as zeros.
+      dtype: float8_e4m3fn or float8_e5m2.
+      pow2_scales: scales rounded up to powers of two, stored as their exponent bytes.
+      config: see ``Config`` (``heuristic_config(x.dtype, False)``).
+      num_sms: CTAs of the persistent grid.
+      interpret: Mosaic GPU interpreter parameters, or None on a GPU.
+
+    Returns:
+      values_t [C, 128 B] in dtype (zeros past each block's rows) and scales [B, C] (f32, or uint8 exponent bytes).
+    """
+    rows, cols = x.shape
+    (num_blocks,) = first_rows.shape
+    grid = (num_blocks, pl.cdiv(cols, TILE))
+    stages = config.stages
+
+    def body(x_gmem, first_rows_gmem, row_counts_gmem, values_t_gmem, scales_gmem, *scratch):
+        x_smem, out_smem, loaded, consumed = scratch
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg == CONSUMERS)
+        def _producer():
+            def window(index):
+                block, col_tile = index
+                return x_gmem.at[pl.ds(first_rows_gmem[block], TILE), pl.ds(col_tile * TILE, TILE)]
+
+            produce_tiles(grid, window, x_smem, loaded, consumed)
+
+        @pl.when(wg < CONSUMERS)
+        def _consumer():
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+            own = pl.ds(pl.multiple_of(wg * _ROWS, _ROWS), _ROWS)
+
+            def quantize(info):
+                block, col_tile = info.index
+                step = info.local_index
+                slot = lax.rem(step, stages)
+                count = row_counts_gmem[block]
+                plgpu.barrier_wait(loaded.at[slot])
+                x_cols = plgpu.load(x_smem.at[slot, :, own].T, layout=_LAYOUT)
+                # The tile is in registers; with the reads ordered before the async proxy's next write to the slot
+                # (commit_smem's fence), the producer may refill it.
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(consumed.at[slot])
+
+                # Rows of x past the block's (columns here) belong to another group or to none: zeros, which no
+                # amax notices and which the padded layout holds there.
+                row = plgpu.broadcasted_iota(jnp.int32, x_cols.shape, 1, layout=_LAYOUT)
+                x_cols = jnp.where(row < count, x_cols, jnp.zeros_like(x_cols))
+                values, (scale,) = quantize_rows(x_cols, TILE, dtype, pow2_scales)
+
+                buffer = lax.rem(step, 2)
+                # The buffer's previous store (two tiles back) has finished reading it.
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                out_smem[wg, buffer] = values
+                col0 = col_tile * TILE + wg * _ROWS
+                scales_gmem[block, pl.ds(col0, _ROWS)] = scale
+                plgpu.commit_smem()
+                window = values_t_gmem.at[pl.ds(col0, _ROWS), pl.ds(block * TILE, TILE)]
+                plgpu.copy_smem_to_gmem(out_smem.at[wg, buffer], window)
+
+            plgpu.nd_loop(grid, collective_axes="sm")(quantize)
+            plgpu.wait_smem_to_gmem(0)
+
+    padded_cols = grid[1] * TILE
+    kernel = plgpu.kernel(
+        body,
+        out_type=(
+            jax.ShapeDtypeStruct((cols, num_blocks * TILE), dtype),
+            # Whole column tiles of scales: a partial tile's rows of x^T past C are stored too, then sliced off.
+            jax.ShapeDtypeStruct((num_blocks, padded_cols), scale_bits_dtype(pow2_scales)),
+        ),
+        scratch_types=[
+            # One-row tiles: a block starts on any row (the module docstring).
+            plgpu.SMEM((stages, TILE, TILE), x.dtype, transforms=swizzled(x.dtype, (1, cols))),
+            plgpu.SMEM((CONSUMERS, 2, _ROWS, TILE), dtype, transforms=swizzled(dtype, (cols, num_blocks * TILE))),
+            plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # loaded: the slot's TMA load landed
+            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # consumed: both consumers read the slot
+        ],
+        grid=(num_sms,),
+        grid_names=("sm",),
+        num_threads=CONSUMERS + 1,
+        thread_name="wg",
+        kernel_name="moe_quantize_row_blocks_transposed",
+        interpret=interpret,
+    )
+    values_t, scales = kernel(x, first_rows, row_counts)
+    return values_t, scales[:, :cols]
