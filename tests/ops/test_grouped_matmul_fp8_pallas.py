@@ -13,6 +13,7 @@ Races are detected and uninitialised memory is NaN, so a scale read before its c
 the kernel forgot, shows up. Shapes are small: 128 x 128 tiles on 4 simulated SMs.
 """
 
+import dataclasses
 from unittest import mock
 
 import jax
@@ -22,7 +23,7 @@ import pytest
 
 import moe_jax
 from moe_jax._core import backend as dispatch
-from moe_jax.ops.grouped_matmul import api
+from moe_jax.ops.grouped_matmul import api, config, launch
 from moe_jax.ops.grouped_matmul.packing import pack_gate_up
 from tests import oracle
 from tests.helpers import checked_interpreter, grouped_matmul_inputs
@@ -73,6 +74,31 @@ def test_forward_matches_xla(case, transpose_rhs, out_dtype):
     tol = F32_OUT_TOL if out_dtype == jnp.float32 else BF16_OUT_TOL
     assert oracle.relative_error(out, expected) < tol
     np.testing.assert_array_equal(np.asarray(out, np.float32)[sum(sizes) :], 0.0)
+
+
+@pytest.mark.parametrize("chain", [1, 3])
+@pytest.mark.usefixtures("interpret")
+def test_promotion_chains_match_xla(chain):
+    """Config.fp8_chain: 7 K blocks promoted one MMA at a time, or in chains of 3 (two whole chains and a tail of one,
+    each MMA issued before the previous block's promotion), give the XLA path's product."""
+    m, k, n, sizes = 200, 7 * 128, 128, [0, 77, 123]
+    lhs, rhs, group_sizes = _problem(9, m, k, n, sizes)
+    x = moe_jax.quantize_blockwise(lhs, (1, 128))
+    w = api.quantize_weights(rhs, transpose_rhs=True)
+    chosen = config.fp8_config(m=m, k=k, n=n, g=len(sizes), out_itemsize=4)
+    out = launch.run_fp8_forward_kernel(
+        x, w, group_sizes, None, None, jnp.float32, keep=False, config=dataclasses.replace(chosen, fp8_chain=chain)
+    )
+    expected = moe_jax.grouped_matmul(
+        x,
+        w,
+        group_sizes,
+        transpose_rhs=True,
+        quantization="fp8_block",
+        backend="xla",
+        preferred_element_type=jnp.float32,
+    )
+    assert oracle.relative_error(out[:m], expected) < F32_OUT_TOL
 
 
 @pytest.mark.parametrize("activation, packed", [("swiglu", True), ("gpt_oss", False)])

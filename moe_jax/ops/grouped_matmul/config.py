@@ -57,6 +57,8 @@ MEDIUM_D_MAX = 4096
 # The FP8 forward (sm90_fp8.py) steps through K in blocks of the fp8_block recipe's 128 and takes 128-column tiles,
 # one weight-scale block wide.
 FP8_BLOCK = 128
+# The K blocks per chain of fp8_config's MMAs overlapped with promotions (Config.fp8_chain).
+FP8_CHAIN = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +87,11 @@ class Config:
         one. Where such warpgroups skip them, tail tiles are shorter, the persistent CTAs drift apart, and CTAs that
         share a weight tile each read it from HBM instead of together from L2. wgrad ignores it (its tiles have no
         per-warpgroup rows).
+      fp8_chain: FP8 operands (sm90_fp8.py): a consumer walks a tile's K blocks in chains of this many, within which
+        it issues each block's MMA into a fresh accumulator before it promotes the previous block, so that its
+        tensor-core work runs during its own promotions (three [wg_block_m, block_n] f32 arrays in registers: 192 a
+        thread at 64 x 128). 1: it waits for each MMA, and only the other consumers' MMAs run during its
+        promotions. Other kernels ignore it.
     """
 
     block_m: int = 128
@@ -97,6 +104,7 @@ class Config:
     grid_width: int = 8
     overlap_epilogue: bool = False
     keep_ctas_in_step: bool = False
+    fp8_chain: int = 1
 
     def __post_init__(self):
         if self.num_compute_wgs not in (1, 2):
@@ -119,6 +127,8 @@ class Config:
             raise ValueError(f"grid_minor must be 'm', 'n' or 'g', got {self.grid_minor!r}")
         if self.grid_width < 1:
             raise ValueError(f"grid_width must be >= 1, got {self.grid_width}")
+        if self.fp8_chain < 1:
+            raise ValueError(f"fp8_chain must be >= 1, got {self.fp8_chain}")
 
     @property
     def wg_block_m(self) -> int:
@@ -316,7 +326,14 @@ def fp8_config(*, m: int, k: int, n: int, g: int, out_itemsize: int = 2, row_sca
     Not tuned: the tuned table holds 16-bit kernels only.
     """
     order = heuristic_config("fwd", m=m, k=k, n=n, g=g, out_itemsize=out_itemsize, row_scale=row_scale)
-    config = dataclasses.replace(order, block_n=FP8_BLOCK, block_k=FP8_BLOCK, overlap_epilogue=False, num_stages=8)
+    config = dataclasses.replace(
+        order,
+        block_n=FP8_BLOCK,
+        block_k=FP8_BLOCK,
+        overlap_epilogue=False,
+        num_stages=8,
+        fp8_chain=FP8_CHAIN,
+    )
     epilogue = dict(row_vectors=row_vector_count(row_scale, False), scale_k_blocks=fp8_scale_k_blocks(k))
     while not config.fits(1, out_itemsize, **epilogue) and config.num_stages > 2:
         config = dataclasses.replace(config, num_stages=config.num_stages - 1)

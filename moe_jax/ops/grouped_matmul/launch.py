@@ -318,10 +318,19 @@ def run_forward_kernel(
 
 
 def run_fp8_forward_kernel(
-    x: BlockScaled, w: BlockScaled, group_sizes, row_scale, activation, out_dtype, *, keep: bool
+    x: BlockScaled,
+    w: BlockScaled,
+    group_sizes,
+    row_scale,
+    activation,
+    out_dtype,
+    *,
+    keep: bool,
+    config: Config | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The FP8 kernel x[rows of g] . w[g]^T with its epilogue, as run_forward_kernel (``keep``: also the
-    pre-activation). The forward is (lhs, rhs [G, N, K]); the dgrad (d out, rhs [G, K, N]).
+    pre-activation; ``config``: None takes fp8_config's). The forward is (lhs, rhs [G, N, K]); the dgrad (d out,
+    rhs [G, K, N]).
 
     Args:
       x: [M, R] float8_e4m3fn in (1, 128) blocks; R, the contraction, a multiple of 128.
@@ -335,7 +344,8 @@ def run_fp8_forward_kernel(
     k_blocks = fp8_scale_k_blocks(k)
     w_scales = jnp.pad(w.scales, [(0, 0), (0, 0), (0, k_blocks - w.scales.shape[2])])
     itemsize = jnp.dtype(out_dtype).itemsize
-    config = fp8_config(m=m, k=k, n=n, g=num_groups, out_itemsize=itemsize, row_scale=row_scale is not None)
+    if config is None:
+        config = fp8_config(m=m, k=k, n=n, g=num_groups, out_itemsize=itemsize, row_scale=row_scale is not None)
     return run_forward_kernel(
         x.values,
         w.values,

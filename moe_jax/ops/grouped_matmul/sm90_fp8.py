@@ -72,15 +72,18 @@ def load_w_scales(w_scales_gmem, group, ni, dst_smem, barrier, steps) -> None:
         plgpu.copy_gmem_to_smem(w_scales_gmem.at[group, ni], dst_smem, barrier)
 
 
-def promoted_products(first_step, steps, stages: int, produced, consumed, wgmma, scales, shape, wg):
+def promoted_products(first_step, steps, stages: int, produced, consumed, wgmma, scales, shape, wg, *, chain, k_steps):
     """Consumer side of one FP8 tile: its ``steps`` K blocks, each multiplied into a fresh accumulator by
     ``wgmma(acc, slot)`` and added to the f32 total with its scales. Returns the total [wg_block_m, block_n] f32.
 
     Args:
-      first_step, steps: the tile's pipeline steps (counted over the CTA's tiles, as in sm90_pipeline).
+      first_step, steps: the tile's pipeline steps (counted over the CTA's tiles, as in sm90_pipeline): 0 or
+        ``k_steps`` (static).
       stages, produced, consumed: the pipeline's ring.
       scales: (x scales' ring [stages, block_m], this consumer's w scales [K blocks], its "loaded" barrier).
       shape: (wg_block_m, block_n); wg: this consumer.
+      chain: Config.fp8_chain: the steps go in chains of this many, within which each step's MMA is issued before
+        the previous step is promoted, so that it runs during that promotion; 1 waits for every MMA.
     """
     x_scales_smem, w_scales_smem, w_scales_loaded = scales
     rows = pl.ds(pl.multiple_of(wg * shape[0], shape[0]), shape[0])
@@ -89,20 +92,43 @@ def promoted_products(first_step, steps, stages: int, produced, consumed, wgmma,
     def _():
         plgpu.barrier_wait(w_scales_loaded)
 
-    def step(k, total):
+    def issue(k, acc):
         slot = lax.rem(first_step + k, stages)
         plgpu.barrier_wait(produced.at[slot])
+        wgmma(acc, slot)
 
-        def mma(acc):
-            wgmma(acc, slot)
-            # Read while the MMA runs; reading acc then waits for it.
-            scale = plgpu.load(x_scales_smem.at[slot, rows], layout=_ROW_VECTOR) * w_scales_smem[k]
-            return acc[...], scale
-
-        partial, scale = pl.run_scoped(mma, plgpu.ACC(shape, jnp.float32))
+    def promote(k, acc, total, wait_n: int):
+        """Adds step k's product (in ``acc``, read once at most ``wait_n`` MMA groups are in flight: the next step's)
+        times its scales to the total, and releases the step's slot."""
+        slot = lax.rem(first_step + k, stages)
+        scale = plgpu.load(x_scales_smem.at[slot, rows], layout=_ROW_VECTOR) * w_scales_smem[k]
+        partial = plgpu.wgmma_accumulator_load(acc, wait_n=wait_n)
+        # The partial is in registers; the fence orders the scales' generic-proxy reads before the producer's next
+        # TMA write into the slot.
         plgpu.commit_smem()
         plgpu.barrier_arrive(consumed.at[slot])
         return total + partial * lax.broadcast_in_dim(scale, shape, [0])
 
+    def run_chain(first_k, length: int, total):
+        """Steps [first_k, first_k + length): step j's accumulator is scoped inside step j - 1's (a fresh one is a
+        new scope), and step j - 1 is promoted once step j is issued."""
+
+        def link(j, total, previous):
+            def body(acc):
+                issue(first_k + j, acc)
+                promoted = total if previous is None else promote(first_k + j - 1, previous, total, 1)
+                if j + 1 < length:
+                    return link(j + 1, promoted, acc)
+                return promote(first_k + j, acc, promoted, 0)
+
+            return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+        return link(0, total, None)
+
     zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
-    return pl.loop(0, steps, init_carry=zeros)(step)
+    chains = pl.loop(0, steps // chain, init_carry=zeros)(lambda i, total: run_chain(i * chain, chain, total))
+    tail = k_steps % chain
+    if not tail:
+        return chains
+    # The steps past the last whole chain: one shorter chain, where the tile has steps.
+    return pl.loop(0, jnp.minimum(steps, 1), init_carry=chains)(lambda _, total: run_chain(k_steps - tail, tail, total))
