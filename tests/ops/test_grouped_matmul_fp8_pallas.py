@@ -1,5 +1,5 @@
-"""The FP8 kernel (``grouped_matmul(quantization="fp8_block", backend="pallas")``: the forward, and the dgrad where N
-is a multiple of 128) under the checking Mosaic GPU interpreter against the XLA implementation, on the same quantized
+"""The FP8 kernel (``grouped_matmul(quantization="fp8_block", backend="pallas")``: the forward, and the dgrad where K
+is a multiple of 64) under the checking Mosaic GPU interpreter against the XLA implementation, on the same quantized
 operands.
 
 The interpreter multiplies the e4m3 values exactly in f32 (its wgmma is a NumPy matmul), so the kernel's sum per
@@ -34,11 +34,15 @@ GLU_GRAD_TOL = 1e-3
 
 # (M, K, N, group sizes). "edges": empty, one row, and 127 / 128 / 129 rows across 128-row tiles, 35 rows past the
 # sum. "narrow": M off 8 (padded), N = 192 (a 64-column last column tile and weight-scale block), one hot group.
-# "decode": ~25 rows a group, which the config heuristic gives 64-row tiles on one consumer warpgroup.
+# "decode": ~25 rows a group, which the config heuristic gives 64-row tiles on one consumer warpgroup. "ragged": K and
+# N end in partial 128-wide blocks (a 64-wide last K block, zero-padded; the dgrad's contraction N likewise), as
+# gpt-oss's 2880 does. "odd_k": K = 200, no multiple of 64 (the dgrad, whose output columns are K, runs in XLA).
 CASES = {
     "edges": (420, 256, 256, [0, 1, 127, 128, 129]),
     "narrow": (203, 384, 192, [0, 203, 0]),
     "decode": (100, 128, 128, [25, 0, 40, 20]),
+    "ragged": (203, 320, 192, [0, 120, 83]),
+    "odd_k": (100, 200, 128, [60, 0, 40]),
 }
 
 
@@ -63,7 +67,14 @@ def _both(lhs, rhs, group_sizes, **options):
 
 @pytest.mark.parametrize(
     "case, transpose_rhs, out_dtype",
-    [("edges", True, jnp.float32), ("edges", False, jnp.bfloat16), ("narrow", True, None), ("decode", True, None)],
+    [
+        ("edges", True, jnp.float32),
+        ("edges", False, jnp.bfloat16),
+        ("narrow", True, None),
+        ("decode", True, None),
+        ("ragged", True, jnp.float32),
+        ("odd_k", False, jnp.float32),
+    ],
 )
 @pytest.mark.usefixtures("interpret")
 def test_forward_matches_xla(case, transpose_rhs, out_dtype):
@@ -128,12 +139,14 @@ def test_block_scaled_operands():
     assert oracle.relative_error(out, expected) < BF16_OUT_TOL
 
 
-@pytest.mark.parametrize("activation, case", [(None, "edges"), ("geglu", "edges"), (None, "narrow")])
+@pytest.mark.parametrize(
+    "activation, case", [(None, "edges"), ("geglu", "edges"), (None, "narrow"), (None, "ragged"), (None, "odd_k")]
+)
 @pytest.mark.usefixtures("interpret")
 def test_gradients_match_xla(activation, case):
-    """The kernel path's backward (the epilogue's VJP on the kept pre-activation, the dgrad in the FP8 kernel where N
-    is a multiple of 128, in XLA for "narrow"'s N = 192, the wgrad in the FP8 wgrad kernel) gives the XLA path's
-    gradients."""
+    """The kernel path's backward (the epilogue's VJP on the kept pre-activation, the dgrad in the FP8 kernel where K
+    is a multiple of 64, in XLA for "odd_k"'s K = 200, the wgrad in the FP8 wgrad kernel where K and N are multiples
+    of 64, else in XLA) gives the XLA path's gradients."""
     m, k, n, sizes = CASES[case]
     lhs, rhs, group_sizes = _problem(4, m, k, n, sizes, dtype=jnp.float32)
     row_scale = jnp.asarray(np.random.default_rng(5).uniform(0.5, 1.5, size=m), jnp.float32)
@@ -170,12 +183,12 @@ def _args(k=256, n=256):
     "options, match",
     [
         (dict(quantization="mxfp8"), "runs quantization='fp8_block'"),
-        (dict(quantization="fp8_block", k=192), "multiple of 128"),
+        (dict(quantization="fp8_block", n=96), "N must be a positive multiple of 64"),
         (dict(quantization="fp8_block", activation="swiglu", unpacked=True), "PackedGateUp"),
     ],
 )
 def test_calls_the_kernel_cannot_run_say_why(options, match):
-    lhs, rhs, group_sizes = _args(k=options.pop("k", 256))
+    lhs, rhs, group_sizes = _args(n=options.pop("n", 256))
     if options.pop("unpacked", False):
         rhs = api.quantize_weights(rhs, transpose_rhs=True)
     with pytest.raises(NotImplementedError, match=match):

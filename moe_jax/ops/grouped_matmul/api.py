@@ -7,7 +7,7 @@ and wgrad kernels. The fused GLU backward lives in ``moe_jax.ops.glu_mlp``, wher
 an epilogue to run in. The kernel runners below (``run_rows_kernel``, ``run_wgrad_kernel``, ``gemm_grads``) serve both.
 
 With ``quantization="fp8_block"`` the "pallas" entry runs the FP8 kernel (block-scaled e4m3 operands, the same
-epilogues) for the forward and, where N is a multiple of 128, the dgrad; the wgrad runs the FP8 wgrad kernel on
+epilogues) for the forward and, where K is a multiple of 64, the dgrad; the wgrad runs the FP8 wgrad kernel on
 copies of x and dy quantized in row blocks per group (token_blocks.py, laid out in XLA). "auto" takes them where they
 run, as for bf16.
 """
@@ -188,8 +188,8 @@ def grouped_matmul(
         K, N multiples of 64 and, with an activation, F a multiple of 64; "auto" falls back to "xla" where those do
         not hold. With an activation or a row scale the kernel applies them in its epilogue (f32) and writes only
         the result; under differentiation it also keeps the pre-activation [M, N] for the backward. Quantized
-        calls run the FP8 kernel under "auto" and "pallas" (fp8_block; K a multiple of 128, e4m3 operands, GLU
-        weights packed) for the forward and, with N a multiple of 128, the dgrad, and the FP8 wgrad kernel for the wgrad
+        calls run the FP8 kernel under "auto" and "pallas" (fp8_block; N a multiple of 64, e4m3 operands, GLU
+        weights packed) for the forward and, with K a multiple of 64, the dgrad, and the FP8 wgrad kernel for the wgrad
         (XLA for an rhs of another float dtype than f32 / bf16 / f16). The forward reads the
         weights [G, N, K] and the dgrad [G, K, N]: one transposed FP8 copy per step in either layout.
 
@@ -430,7 +430,7 @@ def _fp8_dgrad(d_pre, weights, w, group_sizes, recipe, transpose_rhs: bool, out_
     """d lhs [M, K] = dy . w[g]^T, dy = d_pre [M, N] quantized along N: the FP8 kernel with N as its contraction,
     reading the forward's quantized weights as [G, K, N] (K-major for this GEMM), where it runs; else in XLA."""
     dgrad_w = reference_fp8.dgrad_weights(weights, w, recipe, transpose_rhs)
-    if not fp8_dgrad_runs(d_pre.shape[1], out_dtype):
+    if not fp8_dgrad_runs(dgrad_w.shape[2 if transpose_rhs else 1], out_dtype):
         return reference_fp8.quantized_dgrad(dgrad_w, group_sizes, d_pre, recipe, transpose_rhs, out_dtype)
     dy = quant.quantize_blockwise(d_pre, recipe.lhs_block, pow2_scales=recipe.pow2_scales)
     w_kn = _swap_last_axes(dgrad_w) if transpose_rhs else dgrad_w

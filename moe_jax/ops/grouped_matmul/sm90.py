@@ -178,7 +178,8 @@ def grouped_matmul_rows(
     Args:
       x: [M, R] with M a multiple of 8 and R of 64; with ``row_tokens``, [T, R] rows that row r gathers from.
       w: [G, R, C], or [G, C, R] with ``w_transposed``; C a multiple of 64; same dtype as x (bf16 or f16; or
-        float8_e4m3fn with the scales below, w stored [G, C, R] and R a multiple of 128).
+        float8_e4m3fn with the scales below, w stored [G, C, R] and R a multiple of 128: a partial last K block is
+        padded with zeros by the caller, launch.run_fp8_forward_kernel).
       tiles, num_tiles: schedule.row_tiles(group_sizes, M, config.block_m).
       w_transposed: w's last axis is the contraction.
       out_dtype: dtype of every [M, .] output (accumulation is f32).
