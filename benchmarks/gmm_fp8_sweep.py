@@ -4,10 +4,11 @@ kernel (``python -m benchmarks.gmm_fp8_sweep [--out FILE] [--time-limit SECONDS]
 Per shape (SHAPES, uniform routing) the forward runs on quantized operands (x in 1 x 128 blocks, w [G, N, K] in
 128 x 128 blocks, the fp8_block recipe) with f32 outputs, through ``launch.run_fp8_forward_kernel`` with each
 variant's Config (VARIANTS): "auto" is ``config.fp8_config``'s, what ``grouped_matmul(quantization="fp8_block")``
-runs; the others change one field of it. Every variant's output is checked against the XLA implementation on three
-groups, each run alone (``grouped_matmul.QuantizedGroupOracle``), at CHECK_TOL (the GPU tests' f32 tolerance: the
-tensor cores accumulate ~14 bits within a 128-wide K block; a lost scale or block errs by O(1)); a variant past it
-is "wrong".
+runs; the others change one thing of it (the first shape runs them all, the others a few). gpt-oss-120b/down checks
+the contraction's partial last block (K = N = 2880) on the device. Every variant's output is checked against the XLA
+implementation on three groups, each run alone (``grouped_matmul.QuantizedGroupOracle``), at CHECK_TOL (the GPU
+tests' f32 tolerance: the tensor cores accumulate ~14 bits within a 128-wide K block; a lost scale or block errs by
+O(1)); a variant past it is "wrong".
 
 Times are device times (CUPTI, ``common.kernel_calls``) of the grouped-matmul kernel alone, median over CALLS calls:
 the scales' transpose and padding XLA does around it are left out. Baselines of the same FLOPs: "dense-fp8", XLA's
@@ -33,16 +34,29 @@ from benchmarks.grouped_matmul import QuantizedGroupOracle
 from benchmarks.shapes import GMM_SHAPES
 from moe_jax.ops.grouped_matmul import api, config, launch
 
-SHAPES = ("dsv3-ep8/gate_up", "dsv3-ep8/down", "mixtral/gate_up", "qwen3-30b/gate_up")
-# name -> Config change of fp8_config's, and whether it runs at every shape or at the first only.
+SHAPES = ("dsv3-ep8/gate_up", "dsv3-ep8/down", "mixtral/gate_up", "qwen3-30b/gate_up", "gpt-oss-120b/down")
+
+
+def _fp8_config(dims: dict, **choices) -> config.Config:
+    return config.fp8_config(**dims, out_itemsize=4, **choices)
+
+
+def _fewer_stages(dims: dict) -> config.Config:
+    chosen = _fp8_config(dims)
+    return dataclasses.replace(chosen, num_stages=chosen.num_stages - 1)
+
+
+# name -> (Config at the shape's dims {m, k, n, g}, whether it runs at every shape or at the first only). Each
+# changes one thing of "auto", fp8_config's choice; fp8_config re-fits the stages to a new tile.
 VARIANTS = {
-    "auto": (lambda c: c, True),
-    "serial": (lambda c: dataclasses.replace(c, fp8_chain=1), True),
-    "chain2": (lambda c: dataclasses.replace(c, fp8_chain=2), False),
-    "chain4": (lambda c: dataclasses.replace(c, fp8_chain=4), True),
-    "chain16": (lambda c: dataclasses.replace(c, fp8_chain=16), False),
-    "stages-1": (lambda c: dataclasses.replace(c, num_stages=c.num_stages - 1), False),
-    "width8": (lambda c: dataclasses.replace(c, grid_width=8), False),
+    "auto": (_fp8_config, True),
+    "serial": (functools.partial(_fp8_config, chain=1), True),
+    "chain2": (functools.partial(_fp8_config, chain=2), False),
+    "chain4": (functools.partial(_fp8_config, chain=4), False),
+    "chain16": (functools.partial(_fp8_config, chain=16), False),
+    "n256": (functools.partial(_fp8_config, block_n=256, chain=1), True),
+    "stages-1": (_fewer_stages, False),
+    "width8": (lambda dims: dataclasses.replace(_fp8_config(dims), grid_width=8), False),
 }
 CHECK_TOL = 2e-3
 PEAK_TFLOPS = 1979  # H200 (and H100 SXM) dense FP8 tensor-core peak
@@ -106,7 +120,6 @@ def sweep_shape(name: str, first: bool, deadline: float, seed: int, emit) -> Non
     inputs = _inputs(shape, seed)
     group_sizes = shape.group_sizes("uniform", seed=seed)
     oracle = QuantizedGroupOracle(inputs["x"], inputs["w"], group_sizes, "fp8_block")
-    auto = config.fp8_config(m=shape.m, k=shape.k, n=shape.n, g=shape.g, out_itemsize=4)
     runs = [
         ("dense-fp8", None, jax.jit(_dense_fp8), (inputs["dense_lhs"], inputs["dense_rhs"]), None),
         (
@@ -118,7 +131,7 @@ def sweep_shape(name: str, first: bool, deadline: float, seed: int, emit) -> Non
         ),
     ]
     for variant in variants:
-        cfg = VARIANTS[variant][0](auto)
+        cfg = VARIANTS[variant][0](dims)
         fp8 = functools.partial(
             launch.run_fp8_forward_kernel, row_scale=None, activation=None, out_dtype=jnp.float32, keep=False
         )
@@ -142,21 +155,23 @@ def sweep_shape(name: str, first: bool, deadline: float, seed: int, emit) -> Non
 def table(records: list[common.Record]) -> str:
     dense = {r.shape: r.tflops for r in records if r.impl == "dense-fp8" and r.tflops}
     rows = [
-        "| shape | impl | chain | stages | ms | TF/s | vs dense-fp8 | of peak | rel err | first call s | status |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| shape | impl | block_n | chain | stages | ms | TF/s | vs dense-fp8 | of peak | rel err | first call s "
+        "| status |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in records:
         cfg = r.config or {}
-        chain, stages = cfg.get("fp8_chain", "-"), cfg.get("num_stages", "-")
+        block_n, chain, stages = (cfg.get(key, "-") for key in ("block_n", "fp8_chain", "num_stages"))
+        head = f"| {r.shape} | {r.impl} | {block_n} | {chain} | {stages} |"
         if r.timing is None:
-            rows.append(f"| {r.shape} | {r.impl} | {chain} | {stages} | | | | | | | {r.status}: {r.note} |")
+            rows.append(f"{head} | | | | | | {r.status}: {r.note} |")
             continue
         tflops = r.tflops
         ratio = f"{tflops / dense[r.shape]:.3f}" if r.shape in dense else "-"
         err = f"{r.rel_err:.1e}" if r.rel_err is not None else "-"
         status = r.status if r.status == "ok" else f"{r.status}: {r.note}"
         rows.append(
-            f"| {r.shape} | {r.impl} | {chain} | {stages} | {r.timing.median_s * 1e3:.3f} | {tflops:.0f} | {ratio} | "
+            f"{head} {r.timing.median_s * 1e3:.3f} | {tflops:.0f} | {ratio} | "
             f"{tflops / PEAK_TFLOPS:.3f} | {err} | {r.timing.first_call_s:.1f} | {status} |"
         )
     return "\n".join(rows)
@@ -181,10 +196,8 @@ def main(argv=None) -> int:
     def emit(record: common.Record) -> None:
         records.append(record)
         writer.write(record.to_json())
-        print(
-            f"{record.shape} {record.impl}: {record.status} {record.timing and record.timing.median_s * 1e3}",
-            flush=True,
-        )
+        ms = f"{record.timing.median_s * 1e3:.3f} ms" if record.timing else record.note
+        print(f"{record.shape} {record.impl}: {record.status} {ms}", flush=True)
 
     for index, name in enumerate(args.shapes.split(",")):
         sweep_shape(name, index == 0, deadline, args.seed, emit)

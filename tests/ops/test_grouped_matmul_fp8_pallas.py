@@ -13,7 +13,6 @@ Races are detected and uninitialised memory is NaN, so a scale read before its c
 the kernel forgot, shows up. Shapes are small: 128 x 128 tiles on 4 simulated SMs.
 """
 
-import dataclasses
 from unittest import mock
 
 import jax
@@ -87,19 +86,18 @@ def test_forward_matches_xla(case, transpose_rhs, out_dtype):
     np.testing.assert_array_equal(np.asarray(out, np.float32)[sum(sizes) :], 0.0)
 
 
-@pytest.mark.parametrize("chain", [1, 3])
+@pytest.mark.parametrize("block_n, chain", [(128, 1), (128, 3), (256, 1)])
 @pytest.mark.usefixtures("interpret")
-def test_promotion_chains_match_xla(chain):
-    """Config.fp8_chain: 7 K blocks promoted one MMA at a time, or in chains of 3 (two whole chains and a tail of one,
-    each MMA issued before the previous block's promotion), give the XLA path's product."""
-    m, k, n, sizes = 200, 7 * 128, 128, [0, 77, 123]
+def test_tile_variants_match_xla(block_n, chain):
+    """Config.fp8_chain and block_n: 7 K blocks promoted one MMA at a time, in chains of 3 (two whole chains and a
+    tail of one, each MMA issued before the previous block's promotion), or on 256-column tiles (two weight-scale
+    blocks a step; N = 384 leaves the last tile half past N) give the XLA path's product."""
+    m, k, n, sizes = 200, 7 * 128, 384, [0, 77, 123]
     lhs, rhs, group_sizes = _problem(9, m, k, n, sizes)
     x = moe_jax.quantize_blockwise(lhs, (1, 128))
     w = api.quantize_weights(rhs, transpose_rhs=True)
-    chosen = config.fp8_config(m=m, k=k, n=n, g=len(sizes), out_itemsize=4)
-    out = launch.run_fp8_forward_kernel(
-        x, w, group_sizes, None, None, jnp.float32, keep=False, config=dataclasses.replace(chosen, fp8_chain=chain)
-    )
+    tiles = config.fp8_config(m=m, k=k, n=n, g=len(sizes), out_itemsize=4, block_n=block_n, chain=chain)
+    out = launch.run_fp8_forward_kernel(x, w, group_sizes, None, None, jnp.float32, keep=False, config=tiles)
     expected = moe_jax.grouped_matmul(
         x,
         w,
@@ -109,7 +107,16 @@ def test_promotion_chains_match_xla(chain):
         backend="xla",
         preferred_element_type=jnp.float32,
     )
-    assert oracle.relative_error(out[:m], expected) < F32_OUT_TOL
+    assert oracle.relative_error(out, expected) < F32_OUT_TOL
+
+
+def test_chains_need_128_column_tiles():
+    tiles = config.fp8_config(m=256, k=1024, n=512, g=2, block_n=256, chain=2)
+    lhs, rhs, group_sizes = _args()
+    x = moe_jax.quantize_blockwise(lhs, (1, 128))
+    w = api.quantize_weights(rhs, transpose_rhs=True)
+    with pytest.raises(ValueError, match="fp8_chain > 1 keeps two partials"):
+        launch.run_fp8_forward_kernel(x, w, group_sizes, None, None, jnp.float32, keep=False, config=tiles)
 
 
 @pytest.mark.parametrize("activation, packed", [("swiglu", True), ("gpt_oss", False)])

@@ -57,7 +57,9 @@ MEDIUM_D_MAX = 4096
 # The FP8 forward (sm90_fp8.py) steps through K in blocks of the fp8_block recipe's 128 and takes 128-column tiles,
 # one weight-scale block wide.
 FP8_BLOCK = 128
-# The K blocks per chain of fp8_config's MMAs overlapped with promotions (Config.fp8_chain).
+# fp8_config's tiles: 128 columns, in chains of 8 K blocks whose MMAs overlap the promotions (Config.fp8_chain; the
+# alternative, 256 columns promoted a unit at a time, must take chain 1: sm90_fp8.py).
+FP8_BLOCK_N = 128
 FP8_CHAIN = 8
 
 
@@ -152,7 +154,7 @@ class Config:
             itself (the GLU backward's packed gate/up rows, 2 * block_n, where the ring does not carry them).
           row_vectors: [wg_block_m] f32 vectors per consumer (row_scale in, partial sums out), in one buffer.
           scale_k_blocks: FP8 operands (sm90_fp8.py): ``fp8_scale_k_blocks(K)``, the f32 weight scales each
-            consumer holds; the x scales then take a [block_m] f32 ring beside the pipeline's.
+            consumer holds per 128 columns; the x scales then take a [block_m] f32 ring beside the pipeline's.
         """
         buffers = [
             self.num_stages * self.block_m * self.block_k * in_itemsize,  # x ring
@@ -161,7 +163,7 @@ class Config:
             self.block_m * operand_cols * in_itemsize,
             row_vectors * self.block_m * 4,
             (self.num_stages * self.block_m * 4) if scale_k_blocks else 0,
-            self.num_compute_wgs * scale_k_blocks * 4,
+            self.num_compute_wgs * -(-self.block_n // FP8_BLOCK) * scale_k_blocks * 4,
         ]
         # Pallas starts every scratch buffer at a SMEM_ALIGNMENT boundary.
         return sum(-(-size // SMEM_ALIGNMENT) * SMEM_ALIGNMENT for size in buffers)
@@ -319,20 +321,31 @@ def fp8_scale_k_blocks(contraction: int) -> int:
     return -(-math.ceil(contraction / FP8_BLOCK) // 32) * 32
 
 
-def fp8_config(*, m: int, k: int, n: int, g: int, out_itemsize: int = 2, row_scale: bool = False) -> Config:
-    """The FP8 forward's config: the heuristic forward's tile order and row tiles, FP8_BLOCK-square steps and column
-    tiles, the epilogue between tiles (sm90_fp8.py says why), and as many stages as fit in shared memory.
+def fp8_config(
+    *,
+    m: int,
+    k: int,
+    n: int,
+    g: int,
+    out_itemsize: int = 2,
+    row_scale: bool = False,
+    block_n: int | None = None,
+    chain: int | None = None,
+) -> Config:
+    """The FP8 forward's config: the heuristic forward's tile order and row tiles, FP8_BLOCK-wide steps, FP8_BLOCK_N
+    columns, FP8_CHAIN (both: sm90_fp8.py; ``block_n`` / ``chain`` replace them), the epilogue between tiles, and as
+    many stages as fit in shared memory.
 
     Not tuned: the tuned table holds 16-bit kernels only.
     """
     order = heuristic_config("fwd", m=m, k=k, n=n, g=g, out_itemsize=out_itemsize, row_scale=row_scale)
     config = dataclasses.replace(
         order,
-        block_n=FP8_BLOCK,
+        block_n=FP8_BLOCK_N if block_n is None else block_n,
         block_k=FP8_BLOCK,
         overlap_epilogue=False,
         num_stages=8,
-        fp8_chain=FP8_CHAIN,
+        fp8_chain=FP8_CHAIN if chain is None else chain,
     )
     epilogue = dict(row_vectors=row_vector_count(row_scale, False), scale_k_blocks=fp8_scale_k_blocks(k))
     while not config.fits(1, out_itemsize, **epilogue) and config.num_stages > 2:

@@ -339,12 +339,17 @@ def grouped_matmul_rows(
                 else:
                     prefetch()
 
-                def wgmma(acc, slot):
+                def wgmma(acc, slot, unit=None):
+                    """acc += the slot's x rows of this consumer . w; with FP8 operands only w's rows (columns of
+                    the tile) of 128-column unit ``unit`` (sm90_fp8.py)."""
+
                     @pl.when(mma_rows > 0)
                     def _():
                         x_tile = x_smem.at[slot, pl.ds(pl.multiple_of(wg * wg_m, wg_m), wg_m)]
-                        w_tile = w_smem.at[slot].transpose((1, 0)) if w_transposed else w_smem.at[slot]
-                        plgpu.wgmma(acc, x_tile, w_tile)
+                        w_block = w_smem.at[slot]
+                        if unit is not None:
+                            w_block = w_smem.at[slot, pl.ds(unit * fp8.FP8_BLOCK, fp8.FP8_BLOCK)]
+                        plgpu.wgmma(acc, x_tile, w_block.transpose((1, 0)) if w_transposed else w_block)
 
                 def mma(acc):
                     def issue(k, slot):
