@@ -46,15 +46,18 @@ def _fewer_stages(dims: dict) -> config.Config:
     return dataclasses.replace(chosen, num_stages=chosen.num_stages - 1)
 
 
-# name -> (Config at the shape's dims {m, k, n, g}, whether it runs at every shape or at the first only). Each
-# changes one thing of "auto", fp8_config's choice; fp8_config re-fits the stages to a new tile.
+# name -> (Config at the shape's dims {m, k, n, g}, whether it runs at every shape or at the first only), in the order
+# they run (a --time-limit skips the last). Each changes one thing of "auto", fp8_config's choice (128 x 128 tiles,
+# chains of 8): "serial" waits for every MMA, "n256" takes 256-column tiles, "wg3" three consumers of 64 rows (both
+# with serial promotion, which their registers allow); fp8_config re-fits the stages to a new tile.
 VARIANTS = {
     "auto": (_fp8_config, True),
     "serial": (functools.partial(_fp8_config, chain=1), True),
-    "chain2": (functools.partial(_fp8_config, chain=2), False),
-    "chain4": (functools.partial(_fp8_config, chain=4), False),
-    "chain16": (functools.partial(_fp8_config, chain=16), False),
     "n256": (functools.partial(_fp8_config, block_n=256, chain=1), True),
+    "wg3": (functools.partial(_fp8_config, consumers=3, chain=1), True),
+    "chain4": (functools.partial(_fp8_config, chain=4), False),
+    "chain2": (functools.partial(_fp8_config, chain=2), False),
+    "chain16": (functools.partial(_fp8_config, chain=16), False),
     "stages-1": (_fewer_stages, False),
     "width8": (lambda dims: dataclasses.replace(_fp8_config(dims), grid_width=8), False),
 }
@@ -155,14 +158,14 @@ def sweep_shape(name: str, first: bool, deadline: float, seed: int, emit) -> Non
 def table(records: list[common.Record]) -> str:
     dense = {r.shape: r.tflops for r in records if r.impl == "dense-fp8" and r.tflops}
     rows = [
-        "| shape | impl | block_n | chain | stages | ms | TF/s | vs dense-fp8 | of peak | rel err | first call s "
-        "| status |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| shape | impl | block_m | block_n | chain | stages | ms | TF/s | vs dense-fp8 | of peak | rel err "
+        "| first call s | status |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in records:
         cfg = r.config or {}
-        block_n, chain, stages = (cfg.get(key, "-") for key in ("block_n", "fp8_chain", "num_stages"))
-        head = f"| {r.shape} | {r.impl} | {block_n} | {chain} | {stages} |"
+        fields = ("block_m", "block_n", "fp8_chain", "num_stages")
+        head = f"| {r.shape} | {r.impl} | " + " | ".join(str(cfg.get(key, "-")) for key in fields) + " |"
         if r.timing is None:
             rows.append(f"{head} | | | | | | {r.status}: {r.note} |")
             continue

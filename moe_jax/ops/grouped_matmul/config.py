@@ -72,7 +72,8 @@ class Config:
       block_n: output columns of a CTA tile (one wgmma N: a multiple of 64, at most 256).
       block_k: contraction step of the pipeline (64 or 128).
       num_stages: shared-memory buffers of the TMA -> wgmma pipeline.
-      num_compute_wgs: consumer warpgroups; one more producer warpgroup issues every TMA load.
+      num_compute_wgs: consumer warpgroups; one more producer warpgroup issues every TMA load. Each of 1, 2 or 3
+        consumers gets 256, 232 or 152 registers a thread (sm90_pipeline.compute_registers).
       epilogue_n: columns written back per TMA store (the epilogue buffer is double-buffered per warpgroup); a
         multiple of 64.
       grid_minor: which output-tile axis varies fastest over the persistent grid ("m" or "n"); for wgrad, over
@@ -109,8 +110,8 @@ class Config:
     fp8_chain: int = 1
 
     def __post_init__(self):
-        if self.num_compute_wgs not in (1, 2):
-            raise ValueError(f"num_compute_wgs must be 1 or 2, got {self.num_compute_wgs}")
+        if self.num_compute_wgs not in (1, 2, 3):
+            raise ValueError(f"num_compute_wgs must be 1, 2 or 3, got {self.num_compute_wgs}")
         if self.block_m % (WGMMA_M * self.num_compute_wgs) or self.wg_block_m > 2 * WGMMA_M:
             raise ValueError(
                 f"block_m must be 64 or 128 rows per compute warpgroup ({self.num_compute_wgs}), got {self.block_m}"
@@ -331,10 +332,12 @@ def fp8_config(
     row_scale: bool = False,
     block_n: int | None = None,
     chain: int | None = None,
+    consumers: int | None = None,
 ) -> Config:
     """The FP8 forward's config: the heuristic forward's tile order and row tiles, FP8_BLOCK-wide steps, FP8_BLOCK_N
     columns, FP8_CHAIN (both: sm90_fp8.py; ``block_n`` / ``chain`` replace them), the epilogue between tiles, and as
-    many stages as fit in shared memory.
+    many stages as fit in shared memory. ``consumers``: that many compute warpgroups of 64 rows each, in place of the
+    heuristic's row tiles.
 
     Not tuned: the tuned table holds 16-bit kernels only.
     """
@@ -347,6 +350,8 @@ def fp8_config(
         num_stages=8,
         fp8_chain=FP8_CHAIN if chain is None else chain,
     )
+    if consumers is not None:
+        config = dataclasses.replace(config, block_m=WGMMA_M * consumers, num_compute_wgs=consumers)
     epilogue = dict(row_vectors=row_vector_count(row_scale, False), scale_k_blocks=fp8_scale_k_blocks(k))
     while not config.fits(1, out_itemsize, **epilogue) and config.num_stages > 2:
         config = dataclasses.replace(config, num_stages=config.num_stages - 1)

@@ -18,12 +18,13 @@ The scales travel beside the tiles:
     padded to a multiple of 32, so that every row of that buffer starts on the 128 bytes a TMA destination needs.
 
 The consumer reads its x scales while the unit's MMA runs, and releases the step's slot after its last unit (after a
-fence: those were generic-proxy reads of memory the producer's next TMA overwrites). Registers bound the tile: the
-total of a [64, block_n] tile takes block_n / 2 a thread, each unit's partial 64. Config.fp8_chain > 1 keeps two
-partials live (the next unit's MMA runs during this one's promotion), so a 128-column tile (192 registers);
-a 256-column tile (128 + 64) promotes each unit before issuing the next, and reads its x and w tiles from L2 for
-twice the MMAs of a 128-column one. The epilogue stores the total as the plain kernel stores its accumulator (any
-``sm90.Epilogue`` forward).
+fence: those were generic-proxy reads of memory the producer's next TMA overwrites). Registers bound the tile
+(``check``): the total of a [64, block_n] tile takes block_n / 2 a thread, each unit's partial 64, and two consumers
+get 232 registers, three 152. Config.fp8_chain > 1 keeps two partials live (the next unit's MMA runs during this
+one's promotion), so two consumers of 128-column tiles (192 registers); a 256-column tile (128 + 64) promotes each
+unit before issuing the next, and reads its x and w tiles from L2 for twice the MMAs of a 128-column one; three
+consumers (192-row tiles of 128 columns, 64 + 64) interleave three warpgroups' MMAs and promotions. The epilogue
+stores the total as the plain kernel stores its accumulator (any ``sm90.Epilogue`` forward).
 """
 
 import jax.numpy as jnp
@@ -31,9 +32,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from moe_jax.ops.grouped_matmul.config import FP8_BLOCK, Config, fp8_scale_k_blocks
+from moe_jax.ops.grouped_matmul import sm90_pipeline as pipe
+from moe_jax.ops.grouped_matmul.config import FP8_BLOCK, WGMMA_M, Config, fp8_scale_k_blocks
 
 DTYPE = jnp.float8_e4m3fn
+# Registers a consumer thread needs beside its f32 arrays (addresses, loop counters, the step's scales).
+ADDRESS_REGISTERS = 24
 _ROW_VECTOR = plgpu.Layout.WGMMA.reduce(1)
 
 
@@ -45,10 +49,11 @@ def check(config: Config, *, w_transposed: bool, gathered: bool, overlap: bool) 
         raise ValueError(
             f"FP8 operands need block_k = {FP8_BLOCK} and block_n a multiple of it (whole scale blocks), got {config}"
         )
-    if config.fp8_chain > 1 and config.block_n != FP8_BLOCK:
+    arrays = config.wg_block_m // 2 * (config.block_n + FP8_BLOCK * (1 + (config.fp8_chain > 1))) // WGMMA_M
+    if arrays > pipe.compute_registers(config.num_compute_wgs) - ADDRESS_REGISTERS:
         raise ValueError(
-            f"fp8_chain > 1 keeps two partials beside the total: block_n must be {FP8_BLOCK} to fit the registers, "
-            f"got {config}"
+            f"the total and {1 + (config.fp8_chain > 1)} partial(s) take {arrays} registers a thread, more than "
+            f"{config.num_compute_wgs} consumer(s) can hold beside the addresses: {config}"
         )
     if overlap:
         raise ValueError(
