@@ -12,7 +12,8 @@ O(1)); a variant past it is "wrong".
 
 Times are device times (CUPTI, ``common.kernel_calls``) of the grouped-matmul kernel alone, median over CALLS calls:
 the scales' transpose and padding XLA does around it are left out. Baselines of the same FLOPs: "dense-fp8", XLA's
-per-tensor FP8 matmul [M, K] . [N, K]^T (f32 out), and "bf16", our bf16 kernel on the same weights in bf16. Columns:
+per-tensor FP8 matmul [M, K] . [N, K]^T (f32 out; cuBLASLt's, unless --triton-gemm lets XLA also autotune Triton
+GEMMs, which takes minutes), and "bf16", our bf16 kernel on the same weights in bf16. Columns:
 ms, TF/s, ratio to dense-fp8, fraction of the H200's dense FP8 peak (PEAK_TFLOPS), and the first call's seconds
 (compile included). The records go to ``--out`` as JSONL (a metadata line, then one ``common.Record`` per row).
 """
@@ -20,6 +21,7 @@ ms, TF/s, ratio to dense-fp8, fraction of the H200's dense FP8 peak (PEAK_TFLOPS
 import argparse
 import dataclasses
 import functools
+import os
 import shlex
 import sys
 import time
@@ -34,7 +36,10 @@ from benchmarks.grouped_matmul import QuantizedGroupOracle
 from benchmarks.shapes import GMM_SHAPES
 from moe_jax.ops.grouped_matmul import api, config, launch
 
-SHAPES = ("dsv3-ep8/gate_up", "dsv3-ep8/down", "mixtral/gate_up", "qwen3-30b/gate_up", "gpt-oss-120b/down")
+SHAPES = ("dsv3-ep8/gate_up", "dsv3-ep8/down", "gpt-oss-120b/down", "mixtral/gate_up", "qwen3-30b/gate_up")
+# XLA autotunes its FP8 dot over Triton configs for 50-180 s a shape on an H200 (the first calls of the gmm bench's
+# dense rows); without Triton's GEMMs it picks among cuBLASLt's algorithms in seconds. Set before the backend starts.
+NO_TRITON_GEMM_FLAG = "--xla_gpu_enable_triton_gemm=false"
 
 
 def _fp8_config(dims: dict, **choices) -> config.Config:
@@ -186,14 +191,19 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated GMM_SHAPES names")
     parser.add_argument("--time-limit", type=float, default=225.0, help="seconds after which rows are skipped")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--triton-gemm", action="store_true", help=f"let XLA autotune Triton GEMMs (else {NO_TRITON_GEMM_FLAG})"
+    )
     args = parser.parse_args(argv)
+    if not args.triton_gemm and "triton_gemm" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {NO_TRITON_GEMM_FLAG}".strip()
     if jax.devices()[0].platform != "gpu":
         print("gmm_fp8_sweep times GPU kernels: no GPU here", file=sys.stderr)
         return 2
     deadline = time.perf_counter() + args.time_limit
     writer = common.JsonlWriter(args.out)
     command = "python -m benchmarks.gmm_fp8_sweep " + shlex.join(argv if argv is not None else sys.argv[1:])
-    writer.write({"meta": common.run_metadata(command, peers={})})
+    writer.write({"meta": {**common.run_metadata(command, peers={}), "xla_flags": os.environ.get("XLA_FLAGS", "")}})
     records = []
 
     def emit(record: common.Record) -> None:

@@ -2,6 +2,8 @@
 kernel takes and that fits in shared memory at every shape it runs, its table's ratios, and its refusal to run
 without a GPU. (The timings and the checks themselves need the GPU.)"""
 
+import os
+
 import pytest
 
 from benchmarks import common, gmm_fp8_sweep
@@ -35,5 +37,7 @@ def test_table_gives_the_ratio_to_the_dense_fp8_row_and_the_peak():
     assert lines[3] == ("| s | fp8:auto | 128 | 128 | 8 | 4 | 1.000 | 1000 | 0.500 | 0.505 | 1.0e-04 | 1.0 | ok |")
 
 
-def test_main_needs_a_gpu():
+def test_main_needs_a_gpu(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main adds the Triton flag: undone after
     assert gmm_fp8_sweep.main([]) == 2
+    assert gmm_fp8_sweep.NO_TRITON_GEMM_FLAG in os.environ["XLA_FLAGS"]
