@@ -163,8 +163,8 @@ def _sweep_cases(count: int, seed: int = 0):
     for index in range(count):
         g = int(rng.choice([1, 3, 8, 16]))
         m = int(rng.integers(64, 3000))  # mostly off 8 and off the 128-row tile
-        # K and N alternately multiples of 128 and 64 off one: a 64-wide last K block (zero-padded), a 64-column last
-        # tile forward, and the dgrad's contraction N ending in a 64-wide block.
+        # K and N alternately multiples of 128 and 64 off one: a 64-wide last K block (a 64-byte swizzle), a
+        # 64-column last tile forward, and the dgrad's contraction N ending in a 64-wide block.
         off = 64 * (index % 2)
         k, n = 128 * int(rng.integers(1, 12)) - off, 128 * int(rng.integers(1, 8)) - off
         kind = str(rng.choice(["uniform", "empty", "hot", "tail", "zipf"]))

@@ -34,8 +34,9 @@ GLU_GRAD_TOL = 1e-3
 # (M, K, N, group sizes). "edges": empty, one row, and 127 / 128 / 129 rows across 128-row tiles, 35 rows past the
 # sum. "narrow": M off 8 (padded), N = 192 (a 64-column last column tile and weight-scale block), one hot group.
 # "decode": ~25 rows a group, which the config heuristic gives 64-row tiles on one consumer warpgroup. "ragged": K and
-# N end in partial 128-wide blocks (a 64-wide last K block, zero-padded; the dgrad's contraction N likewise), as
-# gpt-oss's 2880 does. "odd_k": K = 200, no multiple of 64 (the dgrad, whose output columns are K, runs in XLA).
+# N end in partial 128-wide blocks (a 64-wide last K block, read with a 64-byte swizzle; the dgrad's contraction N
+# likewise), as gpt-oss's 2880 does. "odd_k": K = 200, no multiple of 64 (zero-padded to 256; the dgrad, whose output
+# columns are K, runs in XLA).
 CASES = {
     "edges": (420, 256, 256, [0, 1, 127, 128, 129]),
     "narrow": (203, 384, 192, [0, 203, 0]),

@@ -113,7 +113,7 @@ def fp8_kernel_unsupported(
     if any(jnp.dtype(dtype) != jnp.dtype(FP8_KERNEL_DTYPE) for dtype in fp8_dtypes):
         return f"the FP8 kernel takes float8_e4m3fn BlockScaled operands, got {[jnp.dtype(d).name for d in fp8_dtypes]}"
     if contraction <= 0:
-        # Any K: run_fp8_forward_kernel pads a partial last 128-wide block with zeros.
+        # Any K: the kernel reads a 64-wide last block as it is, run_fp8_forward_kernel pads other partial ones.
         return f"{names.k} must be positive for the FP8 kernel, got {contraction}"
     if num_cols <= 0 or num_cols % KERNEL_DIM_MULTIPLE:
         return f"{names.n} must be a positive multiple of {KERNEL_DIM_MULTIPLE} for the FP8 kernel, got {num_cols}"
@@ -340,15 +340,16 @@ def run_fp8_forward_kernel(
 
     The scales go to the kernel in the layouts it loads (sm90_fp8.py): x's transposed to [ceil(R / 128), M], so that
     a tile's scales of a K block are contiguous (M * R / 32 bytes: 1/32 of x's bytes), w's with the K blocks padded.
-    Where R ends in a partial block, both operands' values are padded with zeros to the next multiple of 128 (a copy
-    of each): Mosaic GPU's TMA tiles a whole operand by its 128-byte swizzle, 128 FP8 values along R, and the zeros
-    add nothing to the partial block's product, whose scales the quantizer already took over the values that exist.
+    R may end in a partial block: the kernel reads a half block (R a multiple of 64, gpt-oss's 2880) as it is
+    (sm90_fp8.ring_swizzle_columns); other R are padded with zeros to a multiple of 64 here (a copy of both
+    operands' values). TMA's zeros past R, and the padding's, add nothing to the partial block's product, whose
+    scales the quantizer took over the values that exist.
     """
     (m, k), (num_groups, n, _) = x.shape, w.shape
     k_blocks = fp8_scale_k_blocks(k)
     x_values, w_values = x.values, w.values
-    if k % FP8_BLOCK:
-        pad = FP8_BLOCK - k % FP8_BLOCK
+    if k % KERNEL_DIM_MULTIPLE:
+        pad = KERNEL_DIM_MULTIPLE - k % KERNEL_DIM_MULTIPLE
         x_values = jnp.pad(x_values, [(0, 0), (0, pad)])
         w_values = jnp.pad(w_values, [(0, 0), (0, 0), (0, pad)])
     w_scales = jnp.pad(w.scales, [(0, 0), (0, 0), (0, k_blocks - w.scales.shape[2])])

@@ -27,6 +27,8 @@ consumers (192-row tiles of 128 columns, 64 + 64) interleave three warpgroups' M
 stores the total as the plain kernel stores its accumulator (any ``sm90.Epilogue`` forward).
 """
 
+import math
+
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -59,6 +61,14 @@ def check(config: Config, *, w_transposed: bool, gathered: bool, overlap: bool) 
         raise ValueError(
             "FP8 operands run without the overlapped epilogue (the total and the partial fill the registers)"
         )
+
+
+def ring_swizzle_columns(block_k: int, contraction: int) -> int:
+    """Columns of the x and w ring buffers' swizzle: block_k (128 FP8 values, a 128-byte swizzle), or 64 (a 64-byte
+    one) where the contraction is 64 off a multiple of 128. Mosaic GPU tiles a whole operand in global memory by its
+    swizzle width for TMA, so the contraction must be a multiple of it (launch.run_fp8_forward_kernel pads other
+    ones); the last step's box then runs half past the contraction, and TMA zero-fills that half."""
+    return math.gcd(block_k, contraction)
 
 
 def scratch(config: Config, contraction: int) -> list:
