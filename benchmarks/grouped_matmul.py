@@ -234,7 +234,8 @@ def fp8_hbm_floor_bytes(shape: GroupedMatmulShape) -> int:
 class QuantizedGroupOracle:
     """The XLA implementation of ``grouped_matmul(quantization=...)`` on three groups (first non-empty, largest, last
     non-empty), each run alone on its rows and weights (a row's activation blocks and a group's weight blocks depend on
-    nothing else), in f32; rows past the sum are not compared."""
+    nothing else), in f32; rows past the sum are not compared. ``lhs``: an array, or a BlockScaled (quantized
+    already)."""
 
     def __init__(self, lhs, rhs, group_sizes, quantization: str):
         sizes = np.asarray(group_sizes)
@@ -245,7 +246,7 @@ class QuantizedGroupOracle:
         for g, rows in self.rows.items():
             weights = jax.tree.map(lambda a, g=g: a[g : g + 1], rhs)
             self.expected[g] = moe_jax.grouped_matmul(
-                lhs[rows],
+                jax.tree.map(lambda a, rows=rows: a[rows], lhs),
                 weights,
                 jnp.array([rows.stop - rows.start], jnp.int32),
                 transpose_rhs=True,

@@ -10,8 +10,8 @@ Run on the GPU machine: ``PYTHONPATH=. python3 -m pytest -m gpu tests/gpu/test_g
 - A named shape (dsv3-ep8 gate_up, uniform routing, 1/16 of the rows past the sum) against the XLA implementation
   on three groups (first non-empty, largest, last non-empty), each run alone: a row's activation blocks and a group's
   weight blocks do not depend on the other groups. Rows past the sum must be exactly zero.
-- A seeded sweep of small ragged shapes against the XLA implementation, forward and d lhs (the dgrad kernel where N
-  is a multiple of 128).
+- A seeded sweep of small ragged shapes against the XLA implementation, forward and d lhs (the dgrad kernel), with K
+  and N multiples of 128 or 64 off one (partial last blocks).
 - The wgrad (d rhs, the FP8 wgrad kernel): at a named shape against the recipe's wgrad in XLA on three groups, each
   run alone (its row blocks start at its first row either way), and in a seeded sweep of small ragged shapes in both
   weight layouts against the XLA path's d rhs. Its tensor cores accumulate 128 rows per block (~2^-14 of a block's
@@ -163,9 +163,10 @@ def _sweep_cases(count: int, seed: int = 0):
     for index in range(count):
         g = int(rng.choice([1, 3, 8, 16]))
         m = int(rng.integers(64, 3000))  # mostly off 8 and off the 128-row tile
-        # N alternately a multiple of 128 (the dgrad in the kernel) and 64 off one (a 64-column last tile forward,
-        # the dgrad in XLA).
-        k, n = 128 * int(rng.integers(1, 12)), 128 * int(rng.integers(1, 8)) - 64 * (index % 2)
+        # K and N alternately multiples of 128 and 64 off one: a 64-wide last K block (a 64-byte swizzle), a
+        # 64-column last tile forward, and the dgrad's contraction N ending in a 64-wide block.
+        off = 64 * (index % 2)
+        k, n = 128 * int(rng.integers(1, 12)) - off, 128 * int(rng.integers(1, 8)) - off
         kind = str(rng.choice(["uniform", "empty", "hot", "tail", "zipf"]))
         sizes = random_group_sizes(rng, g, m, kind)
         # f32 inputs for f32 outputs (the output dtype and d lhs's are the inputs').

@@ -1,5 +1,6 @@
 """The FP8 kernel lowers for CUDA from a CPU host at the gate_up shapes of qwen3-30b and dsv3-ep8, with every
-epilogue and weight layout, and its config takes exactly the pipeline stages that fit in shared memory.
+epilogue and weight layout, and at gpt-oss-120b's (K, N = 2880: partial 128-wide blocks), and its config takes exactly
+the pipeline stages that fit in shared memory.
 
 The abstract H200 makes ``hardware.interpret_params()`` return None (compile, don't interpret); lowering runs Mosaic
 GPU's whole pipeline, shared-memory check included, and stops before the CUDA compiler. A forward and backward hold
@@ -74,6 +75,16 @@ def test_named_shapes_lower_to_the_fp8_forward_dgrad_and_wgrad_kernels(name, opt
     # The kernels' names appear with suffixes (a counter, "_mosaic_gpu") too.
     names = {re.sub(r"(_\d+|_mosaic_gpu)$", "", found) for found in re.findall(r"moe_gmm\w*", text)}
     assert names == {kernel, "moe_gmm_fp8", "moe_gmm_wgrad_fp8"}
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-120b/gate_up", "gpt-oss-120b/down"])
+def test_contractions_with_a_partial_block_lower_to_the_fp8_kernels(name):
+    """gpt-oss's K = 2880 (gate_up and down) and down's N = 2880, the dgrad's contraction, end in a 64-wide block: the
+    forward, the dgrad and the wgrad still run the FP8 kernels."""
+    text = _fwd_bwd_text(name)
+    assert text.count(MOSAIC_CALL) == 3
+    names = {re.sub(r"(_\d+|_mosaic_gpu)$", "", found) for found in re.findall(r"moe_gmm\w*", text)}
+    assert names == {"moe_gmm_fp8", "moe_gmm_wgrad_fp8"}
 
 
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])

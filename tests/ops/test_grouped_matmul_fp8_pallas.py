@@ -1,5 +1,5 @@
-"""The FP8 kernel (``grouped_matmul(quantization="fp8_block", backend="pallas")``: the forward, and the dgrad where N
-is a multiple of 128) under the checking Mosaic GPU interpreter against the XLA implementation, on the same quantized
+"""The FP8 kernel (``grouped_matmul(quantization="fp8_block", backend="pallas")``: the forward, and the dgrad where K
+is a multiple of 64) under the checking Mosaic GPU interpreter against the XLA implementation, on the same quantized
 operands.
 
 The interpreter multiplies the e4m3 values exactly in f32 (its wgmma is a NumPy matmul), so the kernel's sum per
@@ -22,7 +22,7 @@ import pytest
 
 import moe_jax
 from moe_jax._core import backend as dispatch
-from moe_jax.ops.grouped_matmul import api
+from moe_jax.ops.grouped_matmul import api, config, launch
 from moe_jax.ops.grouped_matmul.packing import pack_gate_up
 from tests import oracle
 from tests.helpers import checked_interpreter, grouped_matmul_inputs
@@ -33,11 +33,16 @@ GLU_GRAD_TOL = 1e-3
 
 # (M, K, N, group sizes). "edges": empty, one row, and 127 / 128 / 129 rows across 128-row tiles, 35 rows past the
 # sum. "narrow": M off 8 (padded), N = 192 (a 64-column last column tile and weight-scale block), one hot group.
-# "decode": ~25 rows a group, which the config heuristic gives 64-row tiles on one consumer warpgroup.
+# "decode": ~25 rows a group, which the config heuristic gives 64-row tiles on one consumer warpgroup. "ragged": K and
+# N end in partial 128-wide blocks (a 64-wide last K block, read with a 64-byte swizzle; the dgrad's contraction N
+# likewise), as gpt-oss's 2880 does. "odd_k": K = 200, no multiple of 64 (zero-padded to 256; the dgrad, whose output
+# columns are K, runs in XLA).
 CASES = {
     "edges": (420, 256, 256, [0, 1, 127, 128, 129]),
     "narrow": (203, 384, 192, [0, 203, 0]),
     "decode": (100, 128, 128, [25, 0, 40, 20]),
+    "ragged": (203, 320, 192, [0, 120, 83]),
+    "odd_k": (100, 200, 128, [60, 0, 40]),
 }
 
 
@@ -62,7 +67,14 @@ def _both(lhs, rhs, group_sizes, **options):
 
 @pytest.mark.parametrize(
     "case, transpose_rhs, out_dtype",
-    [("edges", True, jnp.float32), ("edges", False, jnp.bfloat16), ("narrow", True, None), ("decode", True, None)],
+    [
+        ("edges", True, jnp.float32),
+        ("edges", False, jnp.bfloat16),
+        ("narrow", True, None),
+        ("decode", True, None),
+        ("ragged", True, jnp.float32),
+        ("odd_k", False, jnp.float32),
+    ],
 )
 @pytest.mark.usefixtures("interpret")
 def test_forward_matches_xla(case, transpose_rhs, out_dtype):
@@ -73,6 +85,44 @@ def test_forward_matches_xla(case, transpose_rhs, out_dtype):
     tol = F32_OUT_TOL if out_dtype == jnp.float32 else BF16_OUT_TOL
     assert oracle.relative_error(out, expected) < tol
     np.testing.assert_array_equal(np.asarray(out, np.float32)[sum(sizes) :], 0.0)
+
+
+@pytest.mark.parametrize("block_n, chain, consumers", [(128, 1, None), (128, 3, None), (256, 1, None), (128, 1, 3)])
+@pytest.mark.usefixtures("interpret")
+def test_tile_variants_match_xla(block_n, chain, consumers):
+    """Config.fp8_chain, block_n and num_compute_wgs: 7 K blocks promoted one MMA at a time, in chains of 3 (two whole
+    chains and a tail of one, each MMA issued before the previous block's promotion), on 256-column tiles (two
+    weight-scale blocks a step; N = 384 leaves the last tile half past N), or on 192-row tiles of three consumers give
+    the XLA path's product."""
+    m, k, n, sizes = 200, 7 * 128, 384, [0, 77, 123]
+    lhs, rhs, group_sizes = _problem(9, m, k, n, sizes)
+    x = moe_jax.quantize_blockwise(lhs, (1, 128))
+    w = api.quantize_weights(rhs, transpose_rhs=True)
+    dims = dict(m=m, k=k, n=n, g=len(sizes), out_itemsize=4)
+    tiles = config.fp8_config(**dims, block_n=block_n, chain=chain, consumers=consumers)
+    out = launch.run_fp8_forward_kernel(x, w, group_sizes, None, None, jnp.float32, keep=False, config=tiles)
+    expected = moe_jax.grouped_matmul(
+        x,
+        w,
+        group_sizes,
+        transpose_rhs=True,
+        quantization="fp8_block",
+        backend="xla",
+        preferred_element_type=jnp.float32,
+    )
+    assert oracle.relative_error(out, expected) < F32_OUT_TOL
+
+
+@pytest.mark.parametrize("block_n, consumers", [(256, 2), (128, 3)])
+def test_tiles_whose_arrays_overflow_the_registers_say_why(block_n, consumers):
+    """A chain keeps two partials beside the total: 256 registers a thread at 256 columns, 192 of three consumers'
+    152."""
+    tiles = config.fp8_config(m=256, k=1024, n=512, g=2, block_n=block_n, chain=2, consumers=consumers)
+    lhs, rhs, group_sizes = _args()
+    x = moe_jax.quantize_blockwise(lhs, (1, 128))
+    w = api.quantize_weights(rhs, transpose_rhs=True)
+    with pytest.raises(ValueError, match="the total and 2 partial"):
+        launch.run_fp8_forward_kernel(x, w, group_sizes, None, None, jnp.float32, keep=False, config=tiles)
 
 
 @pytest.mark.parametrize("activation, packed", [("swiglu", True), ("gpt_oss", False)])
@@ -102,12 +152,14 @@ def test_block_scaled_operands():
     assert oracle.relative_error(out, expected) < BF16_OUT_TOL
 
 
-@pytest.mark.parametrize("activation, case", [(None, "edges"), ("geglu", "edges"), (None, "narrow")])
+@pytest.mark.parametrize(
+    "activation, case", [(None, "edges"), ("geglu", "edges"), (None, "narrow"), (None, "ragged"), (None, "odd_k")]
+)
 @pytest.mark.usefixtures("interpret")
 def test_gradients_match_xla(activation, case):
-    """The kernel path's backward (the epilogue's VJP on the kept pre-activation, the dgrad in the FP8 kernel where N
-    is a multiple of 128, in XLA for "narrow"'s N = 192, the wgrad in the FP8 wgrad kernel) gives the XLA path's
-    gradients."""
+    """The kernel path's backward (the epilogue's VJP on the kept pre-activation, the dgrad in the FP8 kernel where K
+    is a multiple of 64, in XLA for "odd_k"'s K = 200, the wgrad in the FP8 wgrad kernel where K and N are multiples
+    of 64, else in XLA) gives the XLA path's gradients."""
     m, k, n, sizes = CASES[case]
     lhs, rhs, group_sizes = _problem(4, m, k, n, sizes, dtype=jnp.float32)
     row_scale = jnp.asarray(np.random.default_rng(5).uniform(0.5, 1.5, size=m), jnp.float32)
@@ -144,12 +196,12 @@ def _args(k=256, n=256):
     "options, match",
     [
         (dict(quantization="mxfp8"), "runs quantization='fp8_block'"),
-        (dict(quantization="fp8_block", k=192), "multiple of 128"),
+        (dict(quantization="fp8_block", n=96), "N must be a positive multiple of 64"),
         (dict(quantization="fp8_block", activation="swiglu", unpacked=True), "PackedGateUp"),
     ],
 )
 def test_calls_the_kernel_cannot_run_say_why(options, match):
-    lhs, rhs, group_sizes = _args(k=options.pop("k", 256))
+    lhs, rhs, group_sizes = _args(n=options.pop("n", 256))
     if options.pop("unpacked", False):
         rhs = api.quantize_weights(rhs, transpose_rhs=True)
     with pytest.raises(NotImplementedError, match=match):

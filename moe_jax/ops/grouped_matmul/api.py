@@ -7,7 +7,7 @@ and wgrad kernels. The fused GLU backward lives in ``moe_jax.ops.glu_mlp``, wher
 an epilogue to run in. The kernel runners below (``run_rows_kernel``, ``run_wgrad_kernel``, ``gemm_grads``) serve both.
 
 With ``quantization="fp8_block"`` the "pallas" entry runs the FP8 kernel (block-scaled e4m3 operands, the same
-epilogues) for the forward and, where N is a multiple of 128, the dgrad; the wgrad runs the FP8 wgrad kernel on
+epilogues) for the forward and, where K is a multiple of 64, the dgrad; the wgrad runs the FP8 wgrad kernel on
 copies of x and dy quantized in row blocks per group (token_blocks.py). "auto" takes them where they
 run, as for bf16.
 """
@@ -190,8 +190,8 @@ def grouped_matmul(
         K, N multiples of 64 and, with an activation, F a multiple of 64; "auto" falls back to "xla" where those do
         not hold. With an activation or a row scale the kernel applies them in its epilogue (f32) and writes only
         the result; under differentiation it also keeps the pre-activation [M, N] for the backward. Quantized
-        calls run the FP8 kernel under "auto" and "pallas" (fp8_block; K a multiple of 128, e4m3 operands, GLU
-        weights packed) for the forward and, with N a multiple of 128, the dgrad, and the FP8 wgrad kernel for the wgrad
+        calls run the FP8 kernel under "auto" and "pallas" (fp8_block; N a multiple of 64, e4m3 operands, GLU
+        weights packed) for the forward and, with K a multiple of 64, the dgrad, and the FP8 wgrad kernel for the wgrad
         (XLA for an rhs of another float dtype than f32 / bf16 / f16). The forward reads the
         weights [G, N, K] and the dgrad [G, K, N]: high-precision weights are quantized into both layouts in one
         pass (``quantize_square_blocks``), BlockScaled ones transposed where their layout is not the GEMM's.
@@ -446,7 +446,7 @@ def _fp8_dgrad(d_pre, w_kn: BlockScaled, group_sizes, recipe, transpose_rhs: boo
     """d lhs [M, K] = dy . w[g]^T, dy = d_pre [M, N] quantized along N: the FP8 kernel with N as its contraction,
     reading the forward's quantized weights as [G, K, N] (``w_kn``: K-major for this GEMM), where it runs; else in
     XLA."""
-    if not fp8_dgrad_runs(d_pre.shape[1], out_dtype):
+    if not fp8_dgrad_runs(w_kn.shape[1], out_dtype):
         stored = quant.swap_last_axes(w_kn) if transpose_rhs else w_kn  # the weights' own layout, as XLA's path takes
         return reference_fp8.quantized_dgrad(stored, group_sizes, d_pre, recipe, transpose_rhs, out_dtype)
     dy = quant.quantize_blockwise(d_pre, recipe.lhs_block, pow2_scales=recipe.pow2_scales)

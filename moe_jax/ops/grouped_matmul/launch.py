@@ -112,9 +112,9 @@ def fp8_kernel_unsupported(
         )
     if any(jnp.dtype(dtype) != jnp.dtype(FP8_KERNEL_DTYPE) for dtype in fp8_dtypes):
         return f"the FP8 kernel takes float8_e4m3fn BlockScaled operands, got {[jnp.dtype(d).name for d in fp8_dtypes]}"
-    if contraction <= 0 or contraction % FP8_BLOCK:
-        # A step is one 128-byte swizzle row of FP8, and TMA tiles the whole operand by it.
-        return f"{names.k} must be a positive multiple of {FP8_BLOCK} for the FP8 kernel, got {contraction}"
+    if contraction <= 0:
+        # Any K: the kernel reads a 64-wide last block as it is, run_fp8_forward_kernel pads other partial ones.
+        return f"{names.k} must be positive for the FP8 kernel, got {contraction}"
     if num_cols <= 0 or num_cols % KERNEL_DIM_MULTIPLE:
         return f"{names.n} must be a positive multiple of {KERNEL_DIM_MULTIPLE} for the FP8 kernel, got {num_cols}"
     if activation is not None and (num_cols // 2) % PACK_BLOCK:
@@ -129,10 +129,11 @@ def fp8_kernel_unsupported(
     return None
 
 
-def fp8_dgrad_runs(num_cols: int, out_dtype) -> bool:
-    """Whether the FP8 kernel runs the dgrad of a quantized call it ran forward: its contraction N (``num_cols``) a
-    multiple of the 128-wide step, and a dtype it writes (lhs's)."""
-    return num_cols % FP8_BLOCK == 0 and jnp.dtype(out_dtype) in map(jnp.dtype, FP8_KERNEL_OUT_DTYPES)
+def fp8_dgrad_runs(contraction: int, out_dtype) -> bool:
+    """Whether the FP8 kernel runs the dgrad of a quantized call it ran forward: d lhs [M, K] has K (the op's
+    ``contraction``) columns, which it stores in 64-column TMA boxes (a multiple of KERNEL_DIM_MULTIPLE), in a dtype it
+    writes (lhs's). Its own contraction, the op's N, may end in a partial block, as the forward's K may."""
+    return contraction % KERNEL_DIM_MULTIPLE == 0 and jnp.dtype(out_dtype) in map(jnp.dtype, FP8_KERNEL_OUT_DTYPES)
 
 
 def _padded_rows(x: jax.Array | None) -> jax.Array | None:
@@ -318,27 +319,46 @@ def run_forward_kernel(
 
 
 def run_fp8_forward_kernel(
-    x: BlockScaled, w: BlockScaled, group_sizes, row_scale, activation, out_dtype, *, keep: bool
+    x: BlockScaled,
+    w: BlockScaled,
+    group_sizes,
+    row_scale,
+    activation,
+    out_dtype,
+    *,
+    keep: bool,
+    config: Config | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The FP8 kernel x[rows of g] . w[g]^T with its epilogue, as run_forward_kernel (``keep``: also the
-    pre-activation). The forward is (lhs, rhs [G, N, K]); the dgrad (d out, rhs [G, K, N]).
+    pre-activation; ``config``: None takes fp8_config's). The forward is (lhs, rhs [G, N, K]); the dgrad (d out,
+    rhs [G, K, N]).
 
     Args:
-      x: [M, R] float8_e4m3fn in (1, 128) blocks; R, the contraction, a multiple of 128.
+      x: [M, R] float8_e4m3fn in (1, 128) blocks; R, the contraction, any size.
       w: [G, C, R] float8_e4m3fn in (1, 128, 128) blocks (R-major: wgmma's FP8 B operand); C a multiple of 64.
       group_sizes: [G] int32; row_scale: [M] f32 or None; activation: the GLU (w packed) or None.
 
-    The scales go to the kernel in the layouts it loads (sm90_fp8.py): x's transposed to [R / 128, M], so that a
-    tile's scales of a K block are contiguous (M * R / 32 bytes: 1/32 of x's bytes), w's with the K blocks padded.
+    The scales go to the kernel in the layouts it loads (sm90_fp8.py): x's transposed to [ceil(R / 128), M], so that
+    a tile's scales of a K block are contiguous (M * R / 32 bytes: 1/32 of x's bytes), w's with the K blocks padded.
+    R may end in a partial block: the kernel reads a half block (R a multiple of 64, gpt-oss's 2880) as it is
+    (sm90_fp8.ring_swizzle_columns); other R are padded with zeros to a multiple of 64 here (a copy of both
+    operands' values). TMA's zeros past R, and the padding's, add nothing to the partial block's product, whose
+    scales the quantizer took over the values that exist.
     """
     (m, k), (num_groups, n, _) = x.shape, w.shape
     k_blocks = fp8_scale_k_blocks(k)
+    x_values, w_values = x.values, w.values
+    if k % KERNEL_DIM_MULTIPLE:
+        pad = KERNEL_DIM_MULTIPLE - k % KERNEL_DIM_MULTIPLE
+        x_values = jnp.pad(x_values, [(0, 0), (0, pad)])
+        w_values = jnp.pad(w_values, [(0, 0), (0, 0), (0, pad)])
     w_scales = jnp.pad(w.scales, [(0, 0), (0, 0), (0, k_blocks - w.scales.shape[2])])
     itemsize = jnp.dtype(out_dtype).itemsize
-    config = fp8_config(m=m, k=k, n=n, g=num_groups, out_itemsize=itemsize, row_scale=row_scale is not None)
+    if config is None:
+        config = fp8_config(m=m, k=k, n=n, g=num_groups, out_itemsize=itemsize, row_scale=row_scale is not None)
     return run_forward_kernel(
-        x.values,
-        w.values,
+        x_values,
+        w_values,
         group_sizes,
         row_scale,
         activation,

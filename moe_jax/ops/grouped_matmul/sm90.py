@@ -178,7 +178,8 @@ def grouped_matmul_rows(
     Args:
       x: [M, R] with M a multiple of 8 and R of 64; with ``row_tokens``, [T, R] rows that row r gathers from.
       w: [G, R, C], or [G, C, R] with ``w_transposed``; C a multiple of 64; same dtype as x (bf16 or f16; or
-        float8_e4m3fn with the scales below, w stored [G, C, R] and R a multiple of 128).
+        float8_e4m3fn with the scales below, w stored [G, C, R] and R a multiple of 64: a 64-wide last K block
+        is read with a 64-byte swizzle, sm90_fp8.ring_swizzle_columns).
       tiles, num_tiles: schedule.row_tiles(group_sizes, M, config.block_m).
       w_transposed: w's last axis is the contraction.
       out_dtype: dtype of every [M, .] output (accumulation is f32).
@@ -338,12 +339,17 @@ def grouped_matmul_rows(
                 else:
                     prefetch()
 
-                def wgmma(acc, slot):
+                def wgmma(acc, slot, unit=None):
+                    """acc += the slot's x rows of this consumer . w; with FP8 operands only w's rows (columns of
+                    the tile) of 128-column unit ``unit`` (sm90_fp8.py)."""
+
                     @pl.when(mma_rows > 0)
                     def _():
                         x_tile = x_smem.at[slot, pl.ds(pl.multiple_of(wg * wg_m, wg_m), wg_m)]
-                        w_tile = w_smem.at[slot].transpose((1, 0)) if w_transposed else w_smem.at[slot]
-                        plgpu.wgmma(acc, x_tile, w_tile)
+                        w_block = w_smem.at[slot]
+                        if unit is not None:
+                            w_block = w_smem.at[slot, pl.ds(unit * fp8.FP8_BLOCK, fp8.FP8_BLOCK)]
+                        plgpu.wgmma(acc, x_tile, w_block.transpose((1, 0)) if w_transposed else w_block)
 
                 def mma(acc):
                     def issue(k, slot):
@@ -359,7 +365,17 @@ def grouped_matmul_rows(
                     scales = (x_scales_smem, w_scales_smem.at[wg], w_scales_loaded.at[wg])
                     fp8.load_w_scales(w_scales_gmem, tiles_gmem[TILE_GROUP, mi], ni, *scales[1:], steps)
                     acc = fp8.promoted_products(
-                        first_step, steps, stages, produced, consumed, wgmma, scales, (wg_m, bn), wg
+                        first_step,
+                        steps,
+                        stages,
+                        produced,
+                        consumed,
+                        wgmma,
+                        scales,
+                        (wg_m, bn),
+                        wg,
+                        chain=cfg.fp8_chain,
+                        k_steps=k_steps,
                     )
                 else:
                     acc = pl.run_scoped(mma, plgpu.ACC((wg_m, bn), jnp.float32))
@@ -374,12 +390,19 @@ def grouped_matmul_rows(
     in_dtype = x.dtype
     w_block_shape = (bn, bk) if w_transposed else (bk, bn)
     out_types = _out_types(epi, m, cols, out_dtype, x.dtype, (n_tiles, max_tiles, bm))
-    x_transforms = gather.smem_transforms(bk, in_dtype, interpret) if gathered else pipe.swizzled(bk, in_dtype)
+    # FP8 operands whose contraction ends in a half block (64 values: gpt-oss's 2880) take a 64-byte swizzle: Mosaic
+    # GPU's TMA tiles a whole operand by its swizzle width, and TMA zero-fills the last step's columns past R.
+    ring_minor = fp8.ring_swizzle_columns(bk, r) if fp8_scales else bk
+    x_transforms = gather.smem_transforms(bk, in_dtype, interpret) if gathered else pipe.swizzled(ring_minor, in_dtype)
     fp8_scratch_types = fp8.scratch(cfg, r) if fp8_scales else []
     produced_arrivals = gather.produced_arrivals(bm, interpret) if gathered else (3 if fp8_scales else 2)
     scratch = [
         plgpu.SMEM((stages, bm, bk), in_dtype, transforms=x_transforms),
-        plgpu.SMEM((stages, *w_block_shape), in_dtype, transforms=pipe.swizzled(w_block_shape[1], in_dtype)),
+        plgpu.SMEM(
+            (stages, *w_block_shape),
+            in_dtype,
+            transforms=pipe.swizzled(ring_minor if w_transposed else w_block_shape[1], in_dtype),
+        ),
         pipe.epilogue_smem(num_wgs, wg_m, epi_n, out_dtype),
         # produced: the TMA loads of a step landed (x, w and with FP8 x's scales; gathered rows: see sm90_gather.py)
         plgpu.Barrier(num_arrivals=produced_arrivals, num_barriers=stages),
