@@ -9,6 +9,7 @@ axis of more than one device the MoE layers run expert-parallel (``moe_jax.paral
 
 import dataclasses
 import functools
+import pathlib
 import time
 
 import jax
@@ -20,15 +21,19 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
+import moe_jax
 from moe_jax.nn.moe import EXPERT_AXIS
 from train import data
 from train.checkpoint import Checkpointer, Progress
-from train.compilation import abstract, compile_ahead
+from train.compilation import ExecutableStore, abstract, compile_or_load
 from train.configs import TrainConfig
 from train.metrics import JsonlWriter, MetricsBuffer, peak_flops, training_flops_per_token
 from train.model import Transformer, layer_aux, parameter_counts
 
 DATA_AXIS = "data"
+
+# The packages whose code traces the training step: a stored step is keyed by their source.
+_SOURCES = (pathlib.Path(moe_jax.__file__).parent, pathlib.Path(__file__).parent)
 
 
 @dataclasses.dataclass
@@ -246,6 +251,7 @@ def train(
     stop_after: int | None = None,
     metrics_path: str | None = None,
     progress_bar: bool = True,
+    executable_dir: str | None = None,
 ) -> RunResult:
     """Trains ``config`` for ``config.steps`` steps (or until ``stop_after`` steps are done, checkpointing there).
 
@@ -255,6 +261,9 @@ def train(
       stop_after: end this run once that many steps are done (the schedule still spans ``config.steps``); a later
         run with ``resume`` continues exactly where it stopped.
       metrics_path: JSONL file (appended to when resuming).  progress_bar: show a tqdm bar.
+      executable_dir: where compiled steps are stored (``train.compilation.ExecutableStore``): a launch whose step
+        is there loads it instead of tracing, lowering and compiling it (None: always compile; also with several
+        processes, which would each write the same files).
     """
     stop = config.steps if stop_after is None else stop_after
     if not 0 < stop <= config.steps:
@@ -302,11 +311,23 @@ def train(
         # Ahead of time, before any data is loaded: the step is traced, lowered and compiled for the batch's shape.
         graphdef, state = nnx.split((model, optimizer))
         batch = jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32, sharding=sharding)
-        train_step, times = compile_ahead(make_train_step(config, graphdef), abstract(state), batch, batch)
-        say(
-            f"train step compiled in {times.total_s:.1f} s (trace {times.trace_s:.1f} s, lower {times.lower_s:.1f} s, "
-            f"compile {times.compile_s:.1f} s)"
+        store = ExecutableStore(executable_dir) if executable_dir and jax.process_count() == 1 else None
+        train_step, times = compile_or_load(
+            make_train_step(config, graphdef),
+            abstract(state),
+            batch,
+            batch,
+            store=store,
+            description={"config": trajectory_config(config), "backend": backend, "step": "train"},
+            sources=_SOURCES,
         )
+        if times.aot == "loaded":
+            say(f"train step loaded from {executable_dir} in {times.compile_s:.1f} s")
+        else:
+            say(
+                f"train step compiled in {times.total_s:.1f} s (trace {times.trace_s:.1f} s, lower "
+                f"{times.lower_s:.1f} s, compile {times.compile_s:.1f} s)"
+            )
 
         train_data, validation_data, unigram = _load_data(config)
         validation_batches = [

@@ -294,31 +294,47 @@ def test_evaluation_in_micro_batches_matches_the_whole_batch():
     np.testing.assert_allclose(in_four, whole, rtol=1e-6)
 
 
-def test_compile_cache_flag_fills_the_cache_directory(tmp_path):
-    """Two steps of the tiny config through the command line fill the --compile-cache directory and time the
-    compilation's phases."""
+def test_compile_cache_flag_fills_the_cache_directory_and_a_second_launch_loads_the_step(tmp_path):
+    """Two steps of the tiny config through the command line fill the --compile-cache directory, time the
+    compilation's phases and store the compiled step; a second launch loads it (no tracing, no lowering) and trains
+    to bit-identical losses."""
     cache = tmp_path / "cache"
-    metrics = tmp_path / "metrics.jsonl"
     command = [sys.executable, "-m", "train", "--config", "tiny", "--steps", "2", "--no-progress"]
-    completed = subprocess.run(
-        [*command, "--metrics", str(metrics), "--compile-cache", str(cache)],
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    (compile_record,) = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "compile"]
+    records = []
+    for launch in ("cold", "warm"):
+        metrics = tmp_path / f"{launch}.jsonl"
+        completed = subprocess.run(
+            [*command, "--metrics", str(metrics), "--compile-cache", str(cache)],
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        )
+        assert completed.returncode == 0, completed.stderr[-3000:]
+        records.append([json.loads(line) for line in metrics.read_text().splitlines()])
+    (cold, warm) = ([r for r in launch if r["kind"] == "compile"][0] for launch in records)
     for name in ("trace_s", "lower_s", "compile_s", "first_step_s"):
-        assert compile_record[name] > 0, name
-    assert [p for p in cache.rglob("*") if p.is_file()], "the compilation cache stayed empty"
+        assert cold[name] > 0, name
+    assert cold["aot"] == "saved"
+    assert [p for p in cache.glob("jit_*") if p.is_file()], "the compilation cache stayed empty"
+    assert warm["aot"] == "loaded" and warm["trace_s"] == warm["lower_s"] == 0
+    cold_losses, warm_losses = ([r["step_losses"] for r in launch if r["kind"] == "train"] for launch in records)
+    assert warm_losses == cold_losses
 
 
-@pytest.mark.parametrize("flags, expected", [([], "runs/tiny/compile_cache"), (["--no-compile-cache"], None)])
-def test_the_cache_lies_beside_the_metrics_unless_turned_off(monkeypatch, flags, expected):
-    """The command line's cache choice, with the training itself stubbed out."""
-    enabled = []
+@pytest.mark.parametrize(
+    "flags, expected, executables",
+    [
+        ([], "runs/tiny/compile_cache", "runs/tiny/compile_cache/executables"),
+        (["--no-aot"], "runs/tiny/compile_cache", None),
+        (["--no-compile-cache"], None, None),
+    ],
+)
+def test_the_cache_lies_beside_the_metrics_unless_turned_off(monkeypatch, flags, expected, executables):
+    """The command line's cache and stored-step choices, with the training itself stubbed out."""
+    enabled, calls = [], []
     monkeypatch.setattr("train.compilation.enable_compile_cache", enabled.append)
-    monkeypatch.setattr("train.train.train", lambda *args, **kwargs: None)
+    monkeypatch.setattr("train.train.train", lambda *args, **kwargs: calls.append(kwargs))
     main.main(["--config", "tiny", *flags])
     assert enabled == ([] if expected is None else [expected])
+    assert calls[0]["executable_dir"] == executables
