@@ -362,6 +362,8 @@ def train(
                         **dataclasses.asdict(times),
                         "first_step_s": first_step_s,
                         "seconds": times.total_s + first_step_s,
+                        # Wall-clock time, so that a caller that launched the process can tell the launch's cost.
+                        "unix_time": time.time(),
                     }
                 )
                 buffer.restart_clock()
