@@ -166,8 +166,7 @@ def make_train_step(config: TrainConfig, graphdef: nnx.GraphDef):
     return train_step
 
 
-@functools.partial(nnx.jit, static_argnames="num_micro_batches")
-def eval_step(model: Transformer, inputs: jax.Array, targets: jax.Array, num_micro_batches: int = 1) -> jax.Array:
+def evaluation_loss(model: Transformer, inputs: jax.Array, targets: jax.Array, num_micro_batches: int = 1) -> jax.Array:
     """Mean next-byte cross-entropy (nats) of one batch, in micro-batches as the training step takes them (so that
     evaluation fits wherever training does)."""
     graphdef, state = nnx.split(model)
@@ -180,6 +179,17 @@ def eval_step(model: Transformer, inputs: jax.Array, targets: jax.Array, num_mic
         return cross_entropy((inputs, targets))
     split = functools.partial(micro_batches, num_micro_batches=num_micro_batches)
     return jax.lax.map(cross_entropy, (split(inputs), split(targets))).mean()
+
+
+def make_eval_step(config: TrainConfig, graphdef: nnx.GraphDef):
+    """``evaluate(state, inputs, targets) -> loss``, jitted over ``nnx.split(model)``'s state, in the training step's
+    micro-batches (``evaluation_loss``)."""
+
+    @jax.jit
+    def evaluate(state, inputs, targets):
+        return evaluation_loss(nnx.merge(graphdef, state), inputs, targets, config.grad_accum_steps)
+
+    return evaluate
 
 
 def _to_device(batch: data.Batch, sharding: NamedSharding, global_batch: int) -> tuple[jax.Array, jax.Array]:
@@ -308,19 +318,19 @@ def train(
             f"{counts['total'] / 1e6:.2f}M parameters ({counts['active'] / 1e6:.2f}M active per token), "
             f"{jax.device_count()} x {setup['device_kind']}, mesh {setup['mesh']}, backend {backend!r}"
         )
-        # Ahead of time, before any data is loaded: the step is traced, lowered and compiled for the batch's shape.
+        # Ahead of time, before any data is loaded: the step is traced, lowered and compiled for the batch's shape, or
+        # loaded from the store of compiled steps (train.compilation.ExecutableStore).
         graphdef, state = nnx.split((model, optimizer))
-        batch = jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32, sharding=sharding)
+        batch_shape = jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32, sharding=sharding)
         store = ExecutableStore(executable_dir) if executable_dir and jax.process_count() == 1 else None
-        train_step, times = compile_or_load(
-            make_train_step(config, graphdef),
-            abstract(state),
-            batch,
-            batch,
-            store=store,
-            description={"config": trajectory_config(config), "backend": backend, "step": "train"},
-            sources=_SOURCES,
-        )
+
+        def compile_step(jitted, kind: str, step_state):
+            """``jitted`` compiled at (``step_state``, a batch, a batch), or loaded from the store where it is."""
+            description = {"config": trajectory_config(config), "backend": backend, "step": kind}
+            args = (abstract(step_state), batch_shape, batch_shape)
+            return compile_or_load(jitted, *args, store=store, description=description, sources=_SOURCES)
+
+        train_step, times = compile_step(make_train_step(config, graphdef), "train", state)
         if times.aot == "loaded":
             say(f"train step loaded from {executable_dir} in {times.compile_s:.1f} s")
         else:
@@ -341,6 +351,7 @@ def train(
         )
         schedule = learning_rate(config)
         result = RunResult({}, {}, unigram, None)
+        evaluate = None
         bar = tqdm(total=stop, initial=start, disable=not (progress_bar and main_process), unit="step")
         for done in range(start + 1, stop + 1):
             inputs, targets = _to_device(train_data.batch(data_position), sharding, config.batch_size)
@@ -375,9 +386,14 @@ def train(
                 result.step_losses.update(losses)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s'] or 0:.0f}")
             if evaluate_now:
-                batch_losses = [eval_step(model, *batch, config.grad_accum_steps) for batch in validation_batches]
+                eval_record = {"kind": "eval", "step": done}
+                if evaluate is None:  # compiled (or loaded) at the first evaluation, which short runs may not reach
+                    model_graphdef, model_state = nnx.split(model)
+                    evaluate, eval_times = compile_step(make_eval_step(config, model_graphdef), "eval", model_state)
+                    eval_record |= {"compile_s": eval_times.total_s, "aot": eval_times.aot}
+                batch_losses = [evaluate(nnx.state(model), *batch) for batch in validation_batches]
                 result.validation_losses[done] = float(np.mean(jax.device_get(batch_losses)))
-                writer.write({"kind": "eval", "step": done, "validation_loss": result.validation_losses[done]})
+                writer.write(eval_record | {"validation_loss": result.validation_losses[done]})
                 say(f"step {done}: validation loss {result.validation_losses[done]:.4f}")
             if save_now:
                 checkpointer.save(model, optimizer, Progress(done, data_position, trajectory_config(config)))
