@@ -16,6 +16,7 @@ import json
 import os
 import pathlib
 import pickle
+import sys
 import time
 import warnings
 
@@ -102,7 +103,9 @@ def _environment() -> dict:
         "distributions": dict(sorted(distributions.items())),
         "platform": devices[0].platform,
         "platform_version": devices[0].client.platform_version,
-        "devices": [(d.id, d.device_kind) for d in devices],
+        # The SM count too: a MIG slice keeps its GPU's kind, and the persistent kernels size their grids by it.
+        "devices": [(d.id, d.device_kind, getattr(d, "core_count", None)) for d in devices],
+        "python": sys.version,
         "process_count": jax.process_count(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "jax_config": {
@@ -119,14 +122,18 @@ class ExecutableStore:
     A key covers everything that determines the program, so a change to any of it makes a new key and the old file
     is never read for it: a stored step runs only where it would have compiled to the same program. A file that
     fails to load (truncated, written by another jaxlib) counts as a miss. Files are written whole (a temporary
-    file renamed into place), so a process that dies mid-write leaves no half file under a key. Stored steps are
-    never evicted: each is about the size of its persistent-cache entry, and the directory is the user's to clear.
+    file renamed into place), so a process that dies mid-write leaves no half file under a key. Each is about the
+    size of its persistent-cache entry, and every edit to the code makes new keys, so the store keeps the ``keep``
+    most recently used and deletes the rest as it saves.
 
     Loading a file runs what it holds: use a directory only this user writes (``serialize_executable``'s warning).
     """
 
-    def __init__(self, directory: str | pathlib.Path):
+    def __init__(self, directory: str | pathlib.Path, *, keep: int = 8):
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1 (the step just saved), got {keep}")
         self.directory = pathlib.Path(directory)
+        self.keep = keep
 
     def key(self, description: dict, sources: tuple[str | pathlib.Path, ...], args) -> str:
         """The key of ``jitted`` compiled at ``args`` (arrays or ``jax.ShapeDtypeStruct``s with shardings), where
@@ -153,7 +160,9 @@ class ExecutableStore:
             return None
         try:
             payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-            return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            os.utime(path)  # recently used: kept the longest
+            return compiled
         except Exception as error:  # any failure to load is a miss: the step compiles instead
             warnings.warn(
                 f"the stored step {path} does not load ({error!r}); compiling it", RuntimeWarning, stacklevel=3
@@ -182,6 +191,9 @@ class ExecutableStore:
         temporary = self._path(key).with_suffix(f".{os.getpid()}.tmp")
         temporary.write_bytes(data)
         temporary.replace(self._path(key))
+        stored = sorted(self.directory.glob("*.executable"), key=lambda p: p.stat().st_mtime, reverse=True)
+        for stale in stored[self.keep :]:
+            stale.unlink(missing_ok=True)  # another process may have deleted it first
         return True
 
 

@@ -1,6 +1,8 @@
 """The store of compiled steps: a key moves with everything that shapes the program, a stored step computes what
 the compiled one does, and what cannot be stored or loaded falls back to compiling."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,3 +85,16 @@ def test_a_step_that_calls_back_into_python_is_not_stored(tmp_path):
     _, times = compile_or_load(jax.jit(noisy), *ARGS, store=store, description={}, sources=())
     assert times.aot == "off"
     assert not list(tmp_path.iterdir())
+
+
+def test_the_store_keeps_the_most_recently_used_steps(tmp_path):
+    store = ExecutableStore(tmp_path, keep=2)
+    for config in range(2):
+        compile_or_load(jax.jit(affine), *ARGS, store=store, description={"config": config}, sources=())
+    first = store.key({"config": 0}, (), ARGS)
+    os.utime(tmp_path / f"{first}.executable", (0, 0))  # as if used long ago: then loading it makes it the newest
+    _, times = compile_or_load(jax.jit(affine), *ARGS, store=store, description={"config": 0}, sources=())
+    assert times.aot == "loaded"
+    compile_or_load(jax.jit(affine), *ARGS, store=store, description={"config": 2}, sources=())
+    kept = {path.stem for path in tmp_path.glob("*.executable")}
+    assert kept == {first, store.key({"config": 2}, (), ARGS)}
