@@ -176,16 +176,17 @@ def compile_report(reports: list[tuple[dict, dict, str]]) -> list[str]:
             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for run in result["runs"]:
-            if run["status"] != "ok":
-                lines.append(f"| {run['run']} | {run['status']} | | | | | | | | | |")
-                continue
-            cells = [run.get("aot", "-")]  # records from before the step store have none
-            cells += [f"{run[k]:.1f}" for k in ("trace_s", "lower_s", "compile_s", "time_to_first_step_s")]
-            launch = run.get("launch_to_first_step_s")
-            cells.append("-" if launch is None else f"{launch:.1f}")
-            mfu = "-" if run["mfu"] is None else f"{run['mfu']:.3f}"  # no known peak off a GPU
-            cells += [f"{run['tokens_per_s']:.0f}", mfu, f"{run['peak_memory_gb']:.1f}"]
-            lines.append(f"| {run['run']} | ok | " + " | ".join(cells) + " |")
+            # A run that ended early (a timeout after its first step) still shows what it wrote; records from before
+            # the step store have no "aot" and no launch time.
+            cells = [run["status"], run.get("aot", "-")]
+            for key in ("trace_s", "lower_s", "compile_s", "time_to_first_step_s", "launch_to_first_step_s"):
+                cells.append(f"{run[key]:.1f}" if key in run else "-")
+            if "tokens_per_s" in run:
+                mfu = "-" if run["mfu"] is None else f"{run['mfu']:.3f}"  # no known peak off a GPU
+                cells += [f"{run['tokens_per_s']:.0f}", mfu, f"{run['peak_memory_gb']:.1f}"]
+            else:
+                cells += ["-", "-", "-"]
+            lines.append(f"| {run['run']} | " + " | ".join(cells) + " |")
         lines += ["", "| layer | jit | trace, s | lower, s | compile, s | total, s |", "|---|---|---:|---:|---:|---:|"]
         for name, layer in result["layers"].items():
             for jit, times in layer["times"].items():

@@ -56,32 +56,30 @@ def run_process(command: list[str], budget: Budget, limit: float) -> tuple[str, 
 
 
 def train_run(name: str, args: list[str], workdir: pathlib.Path, budget: Budget, limit: float) -> dict:
-    """Runs ``python -m train`` with ``args``; returns its compile and last train records, or why it failed."""
-    metrics = workdir / f"{name.replace(' ', '_')}.jsonl"
+    """Runs ``python -m train`` with ``args``; returns its compile record and its last train record, as far as the
+    run wrote them (a run stopped after its first step still says how long that took), and how it ended."""
+    metrics = workdir / f"{name.replace(' ', '_').replace(',', '')}.jsonl"
     command = [sys.executable, "-m", "train", "--no-progress", "--metrics", str(metrics), *args]
     launched = time.time()
     status, completed = run_process(command, budget, limit)
-    if status != "ok":
-        stderr = {"stderr": completed.stderr[-2000:]} if completed is not None else {}
-        return {"run": name, "args": args, "status": status, **stderr}
-    wall_s = time.time() - launched
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    compile_record = next(r for r in records if r["kind"] == "compile")
+    result = {"run": name, "args": args, "status": status}
+    if status == "ok":
+        result["wall_s"] = time.time() - launched
+    elif completed is not None:
+        result["stderr"] = completed.stderr[-2000:]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    compile_record = next((r for r in records if r["kind"] == "compile"), None)
+    if compile_record is not None:
+        result |= {k: compile_record[k] for k in ("trace_s", "lower_s", "compile_s", "first_step_s", "aot")}
+        result["time_to_first_step_s"] = compile_record["seconds"]
+        result["launch_to_first_step_s"] = compile_record["unix_time"] - launched
     # The interval with the most timed steps (the last one may hold only the steps after a log).
-    last = max((r for r in records if r["kind"] == "train"), key=lambda r: len(r["step_losses"]))
-    return {
-        "run": name,
-        "args": args,
-        "status": "ok",
-        "wall_s": wall_s,
-        **{k: compile_record[k] for k in ("trace_s", "lower_s", "compile_s", "first_step_s", "aot")},
-        "time_to_first_step_s": compile_record["seconds"],
-        "launch_to_first_step_s": compile_record["unix_time"] - launched,
-        "tokens_per_s": last["tokens_per_s"],
-        "mfu": last["mfu"],
-        "peak_memory_gb": (last["peak_memory_bytes"] or 0) / 1e9,
-        "loss": last["loss"],
-    }
+    intervals = [r for r in records if r["kind"] == "train"]
+    if intervals:
+        last = max(intervals, key=lambda r: len(r["step_losses"]))
+        result |= {"tokens_per_s": last["tokens_per_s"], "mfu": last["mfu"], "loss": last["loss"]}
+        result["peak_memory_gb"] = (last["peak_memory_bytes"] or 0) / 1e9
+    return result
 
 
 def layer_compile_times(layer: dict, backend: str) -> dict:
@@ -136,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=6, help="steps of each run (the first one is not timed)")
     parser.add_argument("--xla-steps", type=int, default=4, help="steps of the xla run")
     parser.add_argument("--xla-grad-accum", type=int, default=16, help="micro-batches a step of the xla run")
-    parser.add_argument("--budget", type=float, default=290, help="seconds for all the processes together")
+    parser.add_argument("--budget", type=float, default=270, help="seconds for all the processes together")
     parser.add_argument("--run-timeout", type=float, default=110, help="seconds before a training run is abandoned")
     parser.add_argument("--layer-timeout", type=float, default=60, help="seconds before a layer process is abandoned")
     parser.add_argument("--backend", default="pallas", help="backend of the cached runs and the layer (default pallas)")

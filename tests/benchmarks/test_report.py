@@ -192,7 +192,7 @@ def test_fp8_profile_and_compile_report_sections_print_their_records(tmp_path):
     ]
     assert "| pallas warm cache | ok | loaded | 0.0 | 0.0 | 0.5 | 3.5 | 9.0 | 5000 | 0.250 | 40.0 |" in lines
     assert "| pallas old record | ok | - | 1.0 | 2.0 | 3.0 | 7.5 | - | 5000 | 0.250 | 40.0 |" in lines
-    assert "| cold | timed out | | | | | | | | | |" in lines
+    assert "| cold | timed out | - | - | - | - | - | - | - | - | - |" in lines
     assert "| ref (T 8192, D 1024) | cold cache | 0.5 | 1.5 | 2.5 | 4.5 |" in lines
     assert "| ref (T 8192, D 1024) | warm cache | timed out after 60 s | | | |" in lines
 
