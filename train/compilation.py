@@ -172,11 +172,13 @@ class ExecutableStore:
     def save(self, key: str, compiled: jax.stages.Compiled) -> bool:
         """Stores ``compiled`` under ``key``; False where it cannot be: it calls back into Python (the Mosaic GPU
         interpreter's kernels do), or does not serialize (with a warning)."""
-        # A host callback is a pointer into this process: another process would call whatever lies there. JAX's
-        # persistent cache refuses such executables for the same reason. (serialize_executable reads the same
-        # private attribute.)
+        # A host callback is a pointer into this process: another process would call whatever lies there. (JAX's
+        # persistent cache binds the loading process's own callbacks, which it has from lowering the step; a stored
+        # step is loaded without lowering.) Keep-alives are not refused: the ones JAX makes (custom partitioning,
+        # which cuDNN attention uses) serve the compilation only. serialize_executable reads the same private
+        # attribute.
         unloaded = getattr(compiled._executable, "_unloaded_executable", None)
-        if unloaded is not None and (unloaded.host_callbacks or unloaded.keepalive):
+        if unloaded is not None and unloaded.host_callbacks:
             return False
         try:
             data = pickle.dumps(serialize_executable.serialize(compiled))
