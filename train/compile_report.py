@@ -82,13 +82,12 @@ def train_run(name: str, args: list[str], workdir: pathlib.Path, budget: Budget,
     return result
 
 
-def layer_compile_times(layer: dict, backend: str) -> dict:
-    """Trace / lower / compile seconds of one moe_ffn forward + backward, jitted in this process."""
+def layer_step(layer: dict, backend: str):
+    """(jitted forward + backward of one moe_ffn layer, its abstract arguments) at ``layer``'s shape."""
     import jax
     import jax.numpy as jnp
 
     import moe_jax
-    from train.compilation import compile_ahead
 
     t, d, f, e = layer["tokens"], layer["d_model"], layer["d_ff"], layer["num_experts"]
     shapes = [((t, d), jnp.bfloat16), ((d, e), jnp.float32), ((e, d, 2 * f), jnp.bfloat16), ((e, f, d), jnp.bfloat16)]
@@ -101,8 +100,15 @@ def layer_compile_times(layer: dict, backend: str) -> dict:
         )
         return y.astype(jnp.float32).sum() + aux.load_balancing_loss
 
-    step = jax.jit(lambda *a: jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(*a))
-    _, times = compile_ahead(step, *args)
+    return jax.jit(lambda *a: jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(*a)), args
+
+
+def layer_compile_times(layer: dict, backend: str) -> dict:
+    """Trace / lower / compile seconds of one moe_ffn forward + backward, jitted in this process."""
+    from train.compilation import compile_ahead
+
+    jitted, args = layer_step(layer, backend)
+    _, times = compile_ahead(jitted, *args)
     return {"trace_s": times.trace_s, "lower_s": times.lower_s, "compile_s": times.compile_s, "total_s": times.total_s}
 
 
