@@ -173,23 +173,31 @@ def compile_report(reports: list[tuple[dict, dict, str]]) -> list[str]:
             f"{meta['date'][:10]}, {meta['device_kind']}, git {short_revision(meta['git_revision'])}, "
             f"`--config {result['config']}`: `{meta['command']}` (`{os.path.basename(path)}`)",
             "",
-            "| run | status | trace, s | lower, s | compile, s | first step ends, s | tokens/s | MFU | peak GB |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| run | status | stored step | trace, s | lower, s | compile, s | first step ends, s | launch to first "
+            "step end, s | tokens/s | MFU | peak GB |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for run in result["runs"]:
-            if run["status"] != "ok":
-                lines.append(f"| {run['run']} | {run['status']} | | | | | | | |")
-                continue
-            cells = [f"{run[k]:.1f}" for k in ("trace_s", "lower_s", "compile_s", "time_to_first_step_s")]
-            mfu = "-" if run["mfu"] is None else f"{run['mfu']:.3f}"  # no known peak off a GPU
-            cells += [f"{run['tokens_per_s']:.0f}", mfu, f"{run['peak_memory_gb']:.1f}"]
-            lines.append(f"| {run['run']} | ok | " + " | ".join(cells) + " |")
+            # A run that ended early (a timeout after its first step) still shows what it wrote; records from before
+            # the step store have no "aot" and no launch time.
+            cells = [run["status"], run.get("aot", "-")]
+            for key in ("trace_s", "lower_s", "compile_s", "time_to_first_step_s", "launch_to_first_step_s"):
+                cells.append(f"{run[key]:.1f}" if key in run else "-")
+            if "tokens_per_s" in run:
+                mfu = "-" if run["mfu"] is None else f"{run['mfu']:.3f}"  # no known peak off a GPU
+                cells += [f"{run['tokens_per_s']:.0f}", mfu, f"{run['peak_memory_gb']:.1f}"]
+            else:
+                cells += ["-", "-", "-"]
+            lines.append(f"| {run['run']} | " + " | ".join(cells) + " |")
         lines += ["", "| layer | jit | trace, s | lower, s | compile, s | total, s |", "|---|---|---:|---:|---:|---:|"]
         for name, layer in result["layers"].items():
             for jit, times in layer["times"].items():
-                cells = [f"{times[k]:.1f}" for k in ("trace_s", "lower_s", "compile_s", "total_s")]
+                row = f"| {name} (T {layer['tokens']}, D {layer['d_model']}) | {jit} | "
+                if "total_s" not in times:  # the process did not finish
+                    lines.append(row + f"{times['status']} | | | |")
+                    continue
                 lines.append(
-                    f"| {name} (T {layer['tokens']}, D {layer['d_model']}) | {jit} | " + " | ".join(cells) + " |"
+                    row + " | ".join(f"{times[k]:.1f}" for k in ("trace_s", "lower_s", "compile_s", "total_s")) + " |"
                 )
         lines.append("")
     return lines

@@ -1,15 +1,30 @@
-"""Compilation: JAX's persistent compilation cache, and ahead-of-time compilation of a step with its phases timed.
+"""Compilation: JAX's persistent compilation cache, ahead-of-time compilation of a step with its phases timed, and
+a store of compiled steps that lets a later launch skip tracing, lowering and compiling altogether.
 
 The persistent cache keys an executable by its lowered module (Mosaic GPU kernels included, which lower to custom
-calls inside it), so a second launch skips XLA's compilation and autotuning, not the tracing and lowering that
-produce the key. Timing the phases apart says which of them a change moves.
+calls inside it), so a second launch with it skips XLA's compilation and autotuning, not the tracing and lowering
+that produce the key; with many kernels the lowering is most of what is left. ``ExecutableStore`` keys a serialized
+executable by what determines the program instead (the caller's description of it, the source of the packages that
+trace it, the library versions, the devices, the arguments' shapes and shardings), all known before tracing, and
+loads it in place of the three phases. Timing the phases apart says which of them a change moves.
 """
 
 import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import os
 import pathlib
+import pickle
+import sys
 import time
+import warnings
 
 import jax
+from jax.experimental import serialize_executable
+
+# Distributions whose code shapes a traced step (JAX and its plugins are matched by prefix).
+_TRACING_DISTRIBUTIONS = ("flax", "optax", "numpy", "ml_dtypes")
 
 
 def enable_compile_cache(directory: str | pathlib.Path) -> None:
@@ -29,11 +44,16 @@ def enable_compile_cache(directory: str | pathlib.Path) -> None:
 @dataclasses.dataclass(frozen=True)
 class CompileTimes:
     """Seconds spent tracing (Python to jaxpr), lowering (jaxpr to StableHLO, kernels included) and compiling
-    (XLA, or a persistent-cache hit)."""
+    (XLA, or a persistent-cache hit), or loading a stored executable in place of all three.
+
+    ``aot``: "loaded" (an ``ExecutableStore`` held the step: trace and lower are 0, compile_s is the load),
+    "saved" (compiled, then stored for the next launch) or "off" (no store).
+    """
 
     trace_s: float
     lower_s: float
     compile_s: float
+    aot: str = "off"
 
     @property
     def total_s(self) -> float:
@@ -55,3 +75,143 @@ def compile_ahead(jitted, *args) -> tuple[jax.stages.Compiled, CompileTimes]:
 def abstract(tree):
     """The ``jax.ShapeDtypeStruct``s (shardings included) of a tree of arrays."""
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+
+
+def source_digest(*packages: str | pathlib.Path) -> str:
+    """SHA-256 over the relative paths and bytes of every file under the ``packages`` directories (compiled
+    ``__pycache__`` files aside): any edit to the code that traces a step, or to data it reads, changes it."""
+    digest = hashlib.sha256()
+    for package in map(pathlib.Path, packages):
+        files = sorted(p for p in package.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+        for path in files:
+            digest.update(str(path.relative_to(package.parent)).encode() + b"\0")
+            digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _environment() -> dict:
+    """What outside the caller's description changes a compiled program: library versions, devices, XLA flags and
+    JAX's configuration (its cache and logging options aside, which change no program)."""
+    distributions = {
+        dist.metadata["Name"].lower(): dist.version
+        for dist in importlib.metadata.distributions()
+        if dist.metadata["Name"]
+        and (dist.metadata["Name"].lower().startswith("jax") or dist.metadata["Name"].lower() in _TRACING_DISTRIBUTIONS)
+    }
+    devices = jax.devices()
+    return {
+        "distributions": dict(sorted(distributions.items())),
+        "platform": devices[0].platform,
+        "platform_version": devices[0].client.platform_version,
+        # The SM count too: a MIG slice keeps its GPU's kind, and the persistent kernels size their grids by it.
+        "devices": [(d.id, d.device_kind, getattr(d, "core_count", None)) for d in devices],
+        "python": sys.version,
+        "process_count": jax.process_count(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "jax_config": {
+            name: repr(value)
+            for name, value in sorted(jax.config.values.items())
+            if "cache" not in name and not name.startswith(("jax_log", "jax_debug_log"))
+        },
+    }
+
+
+class ExecutableStore:
+    """Compiled steps serialized under ``directory``, one file per key (``key``'s SHA-256).
+
+    A key covers everything that determines the program, so a change to any of it makes a new key and the old file
+    is never read for it: a stored step runs only where it would have compiled to the same program. A file that
+    fails to load (truncated, written by another jaxlib) counts as a miss. Files are written whole (a temporary
+    file renamed into place), so a process that dies mid-write leaves no half file under a key. Each is about the
+    size of its persistent-cache entry, and every edit to the code makes new keys, so the store keeps the ``keep``
+    most recently used and deletes the rest as it saves.
+
+    Loading a file runs what it holds: use a directory only this user writes (``serialize_executable``'s warning).
+    """
+
+    def __init__(self, directory: str | pathlib.Path, *, keep: int = 8):
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1 (the step just saved), got {keep}")
+        self.directory = pathlib.Path(directory)
+        self.keep = keep
+
+    def key(self, description: dict, sources: tuple[str | pathlib.Path, ...], args) -> str:
+        """The key of ``jitted`` compiled at ``args`` (arrays or ``jax.ShapeDtypeStruct``s with shardings), where
+        ``description`` (JSON-serialisable) fixes the function's closure (its configuration) and ``sources`` are the
+        package directories whose code traces it."""
+        leaves, tree = jax.tree.flatten(args)
+        arguments = [(leaf.shape, str(leaf.dtype), repr(getattr(leaf, "sharding", None))) for leaf in leaves]
+        contents = {
+            "description": description,
+            "source": source_digest(*sources),
+            "environment": _environment(),
+            "tree": str(tree),
+            "arguments": arguments,
+        }
+        return hashlib.sha256(json.dumps(contents, sort_keys=True, default=repr).encode()).hexdigest()
+
+    def _path(self, key: str) -> pathlib.Path:
+        return self.directory / f"{key}.executable"
+
+    def load(self, key: str) -> jax.stages.Compiled | None:
+        """The step stored under ``key``, or None where there is none or it does not load."""
+        path = self._path(key)
+        if not path.is_file():
+            return None
+        try:
+            payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            os.utime(path)  # recently used: kept the longest
+            return compiled
+        except Exception as error:  # any failure to load is a miss: the step compiles instead
+            warnings.warn(
+                f"the stored step {path} does not load ({error!r}); compiling it", RuntimeWarning, stacklevel=3
+            )
+            return None
+
+    def save(self, key: str, compiled: jax.stages.Compiled) -> bool:
+        """Stores ``compiled`` under ``key``; False where it cannot be: it calls back into Python (the Mosaic GPU
+        interpreter's kernels do), or does not serialize (with a warning)."""
+        # A host callback is a pointer into this process: another process would call whatever lies there. (JAX's
+        # persistent cache binds the loading process's own callbacks, which it has from lowering the step; a stored
+        # step is loaded without lowering.) Keep-alives are not refused: the ones JAX makes (custom partitioning,
+        # which cuDNN attention uses) serve the compilation only. serialize_executable reads the same private
+        # attribute.
+        unloaded = getattr(compiled._executable, "_unloaded_executable", None)
+        if unloaded is not None and unloaded.host_callbacks:
+            return False
+        try:
+            data = pickle.dumps(serialize_executable.serialize(compiled))
+        except Exception as error:  # a step that does not serialize is compiled on every launch
+            warnings.warn(
+                f"the compiled step cannot be stored ({error!r}); the next launch compiles it",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return False
+        self.directory.mkdir(parents=True, exist_ok=True)
+        temporary = self._path(key).with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_bytes(data)
+        temporary.replace(self._path(key))
+        stored = sorted(self.directory.glob("*.executable"), key=lambda p: p.stat().st_mtime, reverse=True)
+        for stale in stored[self.keep :]:
+            stale.unlink(missing_ok=True)  # another process may have deleted it first
+        return True
+
+
+def compile_or_load(
+    jitted, *args, store: ExecutableStore | None, description: dict, sources: tuple[str | pathlib.Path, ...]
+) -> tuple[jax.stages.Compiled, CompileTimes]:
+    """``compile_ahead(jitted, *args)``, unless ``store`` holds the step under its key (``ExecutableStore.key`` of
+    ``description``, ``sources`` and ``args``): then that, loaded. A step compiled here is stored for the next
+    launch. Without a store it is ``compile_ahead``."""
+    if store is None:
+        return compile_ahead(jitted, *args)
+    start = time.perf_counter()
+    key = store.key(description, sources, args)
+    compiled = store.load(key)
+    if compiled is not None:
+        return compiled, CompileTimes(0.0, 0.0, time.perf_counter() - start, aot="loaded")
+    compiled, times = compile_ahead(jitted, *args)
+    saved = store.save(key, compiled)
+    return compiled, dataclasses.replace(times, aot="saved" if saved else "off")

@@ -49,6 +49,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="JAX persistent compilation cache directory (default: compile_cache/ beside the metrics file)",
     )
     parser.add_argument("--no-compile-cache", action="store_true", help="no persistent compilation cache")
+    parser.add_argument(
+        "--aot",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="store the compiled step in the compile cache's executables/ and load it on a later launch of the same "
+        "step (same config, code, versions, devices), skipping its tracing and lowering (default: on with the cache)",
+    )
     return parser.parse_args(argv)
 
 
@@ -65,10 +72,13 @@ def main(argv: list[str] | None = None) -> None:
     from train.train import train
 
     metrics_path = args.metrics or f"runs/{args.config}/metrics.jsonl"
+    executable_dir = None
     if not args.no_compile_cache:
         from train.compilation import enable_compile_cache
 
-        enable_compile_cache(args.compile_cache or os.path.join(os.path.dirname(metrics_path), "compile_cache"))
+        cache = args.compile_cache or os.path.join(os.path.dirname(metrics_path), "compile_cache")
+        enable_compile_cache(cache)
+        executable_dir = os.path.join(cache, "executables") if args.aot else None
     config = with_overrides(get_config(args.config), args)
     train(
         config,
@@ -78,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         stop_after=args.stop_after,
         metrics_path=metrics_path,
         progress_bar=not args.no_progress,
+        executable_dir=executable_dir,
     )
 
 

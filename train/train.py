@@ -9,6 +9,7 @@ axis of more than one device the MoE layers run expert-parallel (``moe_jax.paral
 
 import dataclasses
 import functools
+import pathlib
 import time
 
 import jax
@@ -20,15 +21,19 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
+import moe_jax
 from moe_jax.nn.moe import EXPERT_AXIS
 from train import data
 from train.checkpoint import Checkpointer, Progress
-from train.compilation import abstract, compile_ahead
+from train.compilation import ExecutableStore, abstract, compile_or_load
 from train.configs import TrainConfig
 from train.metrics import JsonlWriter, MetricsBuffer, peak_flops, training_flops_per_token
 from train.model import Transformer, layer_aux, parameter_counts
 
 DATA_AXIS = "data"
+
+# The packages whose code traces the training step: a stored step is keyed by their source.
+_SOURCES = (pathlib.Path(moe_jax.__file__).parent, pathlib.Path(__file__).parent)
 
 
 @dataclasses.dataclass
@@ -161,8 +166,7 @@ def make_train_step(config: TrainConfig, graphdef: nnx.GraphDef):
     return train_step
 
 
-@functools.partial(nnx.jit, static_argnames="num_micro_batches")
-def eval_step(model: Transformer, inputs: jax.Array, targets: jax.Array, num_micro_batches: int = 1) -> jax.Array:
+def evaluation_loss(model: Transformer, inputs: jax.Array, targets: jax.Array, num_micro_batches: int = 1) -> jax.Array:
     """Mean next-byte cross-entropy (nats) of one batch, in micro-batches as the training step takes them (so that
     evaluation fits wherever training does)."""
     graphdef, state = nnx.split(model)
@@ -175,6 +179,17 @@ def eval_step(model: Transformer, inputs: jax.Array, targets: jax.Array, num_mic
         return cross_entropy((inputs, targets))
     split = functools.partial(micro_batches, num_micro_batches=num_micro_batches)
     return jax.lax.map(cross_entropy, (split(inputs), split(targets))).mean()
+
+
+def make_eval_step(config: TrainConfig, graphdef: nnx.GraphDef):
+    """``evaluate(state, inputs, targets) -> loss``, jitted over ``nnx.split(model)``'s state, in the training step's
+    micro-batches (``evaluation_loss``)."""
+
+    @jax.jit
+    def evaluate(state, inputs, targets):
+        return evaluation_loss(nnx.merge(graphdef, state), inputs, targets, config.grad_accum_steps)
+
+    return evaluate
 
 
 def _to_device(batch: data.Batch, sharding: NamedSharding, global_batch: int) -> tuple[jax.Array, jax.Array]:
@@ -246,6 +261,7 @@ def train(
     stop_after: int | None = None,
     metrics_path: str | None = None,
     progress_bar: bool = True,
+    executable_dir: str | None = None,
 ) -> RunResult:
     """Trains ``config`` for ``config.steps`` steps (or until ``stop_after`` steps are done, checkpointing there).
 
@@ -255,6 +271,9 @@ def train(
       stop_after: end this run once that many steps are done (the schedule still spans ``config.steps``); a later
         run with ``resume`` continues exactly where it stopped.
       metrics_path: JSONL file (appended to when resuming).  progress_bar: show a tqdm bar.
+      executable_dir: where compiled steps are stored (``train.compilation.ExecutableStore``): a launch whose step
+        is there loads it instead of tracing, lowering and compiling it (None: always compile; also with several
+        processes, which would each write the same files).
     """
     stop = config.steps if stop_after is None else stop_after
     if not 0 < stop <= config.steps:
@@ -299,14 +318,26 @@ def train(
             f"{counts['total'] / 1e6:.2f}M parameters ({counts['active'] / 1e6:.2f}M active per token), "
             f"{jax.device_count()} x {setup['device_kind']}, mesh {setup['mesh']}, backend {backend!r}"
         )
-        # Ahead of time, before any data is loaded: the step is traced, lowered and compiled for the batch's shape.
+        # Ahead of time, before any data is loaded: the step is traced, lowered and compiled for the batch's shape, or
+        # loaded from the store of compiled steps (train.compilation.ExecutableStore).
         graphdef, state = nnx.split((model, optimizer))
-        batch = jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32, sharding=sharding)
-        train_step, times = compile_ahead(make_train_step(config, graphdef), abstract(state), batch, batch)
-        say(
-            f"train step compiled in {times.total_s:.1f} s (trace {times.trace_s:.1f} s, lower {times.lower_s:.1f} s, "
-            f"compile {times.compile_s:.1f} s)"
-        )
+        batch_shape = jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32, sharding=sharding)
+        store = ExecutableStore(executable_dir) if executable_dir and jax.process_count() == 1 else None
+
+        def compile_step(jitted, kind: str, step_state):
+            """``jitted`` compiled at (``step_state``, a batch, a batch), or loaded from the store where it is."""
+            description = {"config": trajectory_config(config), "backend": backend, "step": kind}
+            args = (abstract(step_state), batch_shape, batch_shape)
+            return compile_or_load(jitted, *args, store=store, description=description, sources=_SOURCES)
+
+        train_step, times = compile_step(make_train_step(config, graphdef), "train", state)
+        if times.aot == "loaded":
+            say(f"train step loaded from {executable_dir} in {times.compile_s:.1f} s")
+        else:
+            say(
+                f"train step compiled in {times.total_s:.1f} s (trace {times.trace_s:.1f} s, lower "
+                f"{times.lower_s:.1f} s, compile {times.compile_s:.1f} s)"
+            )
 
         train_data, validation_data, unigram = _load_data(config)
         validation_batches = [
@@ -320,6 +351,7 @@ def train(
         )
         schedule = learning_rate(config)
         result = RunResult({}, {}, unigram, None)
+        evaluate = None
         bar = tqdm(total=stop, initial=start, disable=not (progress_bar and main_process), unit="step")
         for done in range(start + 1, stop + 1):
             inputs, targets = _to_device(train_data.batch(data_position), sharding, config.batch_size)
@@ -341,6 +373,8 @@ def train(
                         **dataclasses.asdict(times),
                         "first_step_s": first_step_s,
                         "seconds": times.total_s + first_step_s,
+                        # Wall-clock time, so that a caller that launched the process can tell the launch's cost.
+                        "unix_time": time.time(),
                     }
                 )
                 buffer.restart_clock()
@@ -352,9 +386,14 @@ def train(
                 result.step_losses.update(losses)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s'] or 0:.0f}")
             if evaluate_now:
-                batch_losses = [eval_step(model, *batch, config.grad_accum_steps) for batch in validation_batches]
+                eval_record = {"kind": "eval", "step": done}
+                if evaluate is None:  # compiled (or loaded) at the first evaluation, which short runs may not reach
+                    model_graphdef, model_state = nnx.split(model)
+                    evaluate, eval_times = compile_step(make_eval_step(config, model_graphdef), "eval", model_state)
+                    eval_record |= {"compile_s": eval_times.total_s, "aot": eval_times.aot}
+                batch_losses = [evaluate(nnx.state(model), *batch) for batch in validation_batches]
                 result.validation_losses[done] = float(np.mean(jax.device_get(batch_losses)))
-                writer.write({"kind": "eval", "step": done, "validation_loss": result.validation_losses[done]})
+                writer.write(eval_record | {"validation_loss": result.validation_losses[done]})
                 say(f"step {done}: validation loss {result.validation_losses[done]:.4f}")
             if save_now:
                 checkpointer.save(model, optimizer, Progress(done, data_position, trajectory_config(config)))

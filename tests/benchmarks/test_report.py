@@ -160,13 +160,19 @@ def test_fp8_profile_and_compile_report_sections_print_their_records(tmp_path):
         "classes_us": {"gemm": 600.0, "quantize": 100.0, "layout": 200.0, "other": 100.0},
         "top_kernels_us": {},
     }
-    run = {"run": "pallas warm cache", "status": "ok", "trace_s": 1.0, "lower_s": 2.0, "compile_s": 3.0}
-    run |= {"time_to_first_step_s": 7.5, "tokens_per_s": 5000.0, "mfu": 0.25, "peak_memory_gb": 40.0}
+    old = {"run": "pallas old record", "status": "ok", "trace_s": 1.0, "lower_s": 2.0, "compile_s": 3.0}
+    old |= {"time_to_first_step_s": 7.5, "tokens_per_s": 5000.0, "mfu": 0.25, "peak_memory_gb": 40.0}
+    run = old | {"run": "pallas warm cache", "aot": "loaded", "trace_s": 0.0, "lower_s": 0.0, "compile_s": 0.5}
+    run |= {"time_to_first_step_s": 3.5, "launch_to_first_step_s": 9.0}
     times = {"trace_s": 0.5, "lower_s": 1.5, "compile_s": 2.5, "total_s": 4.5}
-    layer = {"tokens": 8192, "d_model": 1024, "times": {"first": times}}
+    layer = {
+        "tokens": 8192,
+        "d_model": 1024,
+        "times": {"cold cache": times, "warm cache": {"status": "timed out after 60 s"}},
+    }
     compile_result = {
         "config": "gpu-moe",
-        "runs": [run, {"run": "cold", "status": "timed out"}],
+        "runs": [run, old, {"run": "cold", "status": "timed out"}],
         "layers": {"ref": layer},
     }
     records = {"fp8.json": [fp8_result], "compile.json": compile_result}
@@ -184,9 +190,11 @@ def test_fp8_profile_and_compile_report_sections_print_their_records(tmp_path):
         "200",
         "100",
     ]
-    assert "| pallas warm cache | ok | 1.0 | 2.0 | 3.0 | 7.5 | 5000 | 0.250 | 40.0 |" in lines
-    assert "| cold | timed out | | | | | | | |" in lines
-    assert "| ref (T 8192, D 1024) | first | 0.5 | 1.5 | 2.5 | 4.5 |" in lines
+    assert "| pallas warm cache | ok | loaded | 0.0 | 0.0 | 0.5 | 3.5 | 9.0 | 5000 | 0.250 | 40.0 |" in lines
+    assert "| pallas old record | ok | - | 1.0 | 2.0 | 3.0 | 7.5 | - | 5000 | 0.250 | 40.0 |" in lines
+    assert "| cold | timed out | - | - | - | - | - | - | - | - | - |" in lines
+    assert "| ref (T 8192, D 1024) | cold cache | 0.5 | 1.5 | 2.5 | 4.5 |" in lines
+    assert "| ref (T 8192, D 1024) | warm cache | timed out after 60 s | | | |" in lines
 
 
 def train_records(tokens_per_s: list[float], *, device_kind: str = GPU, validation_loss=None) -> list[dict]:

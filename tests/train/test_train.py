@@ -16,7 +16,7 @@ from flax import nnx
 from train import configs, main
 from train.metrics import training_flops_per_token
 from train.model import Transformer, attention_implementation, parameter_counts
-from train.train import eval_step, make_optimizer, make_train_step, train
+from train.train import evaluation_loss, make_optimizer, make_train_step, train
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -289,36 +289,56 @@ def test_scan_remat_and_accumulation_train_like_the_plain_step(variant):
 def test_evaluation_in_micro_batches_matches_the_whole_batch():
     model = Transformer(SMALL.model, backend="xla", rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(3), (SMALL.batch_size, SMALL.seq_len + 1), 0, 256)
-    whole = eval_step(model, tokens[:, :-1], tokens[:, 1:])
-    in_four = eval_step(model, tokens[:, :-1], tokens[:, 1:], 4)
+    evaluate = nnx.jit(evaluation_loss, static_argnames="num_micro_batches")
+    whole = evaluate(model, tokens[:, :-1], tokens[:, 1:])
+    in_four = evaluate(model, tokens[:, :-1], tokens[:, 1:], 4)
     np.testing.assert_allclose(in_four, whole, rtol=1e-6)
 
 
-def test_compile_cache_flag_fills_the_cache_directory(tmp_path):
-    """Two steps of the tiny config through the command line fill the --compile-cache directory and time the
-    compilation's phases."""
+def test_compile_cache_flag_fills_the_cache_directory_and_a_second_launch_loads_the_step(tmp_path):
+    """Two steps of the tiny config through the command line fill the --compile-cache directory, time the
+    compilation's phases and store the compiled training and evaluation steps; a second launch loads them (no
+    tracing, no lowering) and reaches bit-identical training and validation losses."""
     cache = tmp_path / "cache"
-    metrics = tmp_path / "metrics.jsonl"
     command = [sys.executable, "-m", "train", "--config", "tiny", "--steps", "2", "--no-progress"]
-    completed = subprocess.run(
-        [*command, "--metrics", str(metrics), "--compile-cache", str(cache)],
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    (compile_record,) = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "compile"]
+    records = []
+    for launch in ("cold", "warm"):
+        metrics = tmp_path / f"{launch}.jsonl"
+        completed = subprocess.run(
+            [*command, "--metrics", str(metrics), "--compile-cache", str(cache)],
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        )
+        assert completed.returncode == 0, completed.stderr[-3000:]
+        records.append([json.loads(line) for line in metrics.read_text().splitlines()])
+    (cold, warm) = ([r for r in launch if r["kind"] == "compile"][0] for launch in records)
     for name in ("trace_s", "lower_s", "compile_s", "first_step_s"):
-        assert compile_record[name] > 0, name
-    assert [p for p in cache.rglob("*") if p.is_file()], "the compilation cache stayed empty"
+        assert cold[name] > 0, name
+    assert cold["aot"] == "saved"
+    assert [p for p in cache.glob("jit_*") if p.is_file()], "the compilation cache stayed empty"
+    assert warm["aot"] == "loaded" and warm["trace_s"] == warm["lower_s"] == 0
+    cold_eval, warm_eval = ([r for r in launch if r["kind"] == "eval"][0] for launch in records)
+    assert (cold_eval["aot"], warm_eval["aot"]) == ("saved", "loaded")
+    cold_losses, warm_losses = ([r["step_losses"] for r in launch if r["kind"] == "train"] for launch in records)
+    assert warm_losses == cold_losses
+    assert warm_eval["validation_loss"] == cold_eval["validation_loss"]
 
 
-@pytest.mark.parametrize("flags, expected", [([], "runs/tiny/compile_cache"), (["--no-compile-cache"], None)])
-def test_the_cache_lies_beside_the_metrics_unless_turned_off(monkeypatch, flags, expected):
-    """The command line's cache choice, with the training itself stubbed out."""
-    enabled = []
+@pytest.mark.parametrize(
+    "flags, expected, executables",
+    [
+        ([], "runs/tiny/compile_cache", "runs/tiny/compile_cache/executables"),
+        (["--no-aot"], "runs/tiny/compile_cache", None),
+        (["--no-compile-cache"], None, None),
+    ],
+)
+def test_the_cache_lies_beside_the_metrics_unless_turned_off(monkeypatch, flags, expected, executables):
+    """The command line's cache and stored-step choices, with the training itself stubbed out."""
+    enabled, calls = [], []
     monkeypatch.setattr("train.compilation.enable_compile_cache", enabled.append)
-    monkeypatch.setattr("train.train.train", lambda *args, **kwargs: None)
+    monkeypatch.setattr("train.train.train", lambda *args, **kwargs: calls.append(kwargs))
     main.main(["--config", "tiny", *flags])
     assert enabled == ([] if expected is None else [expected])
+    assert calls[0]["executable_dir"] == executables

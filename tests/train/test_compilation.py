@@ -1,0 +1,100 @@
+"""The store of compiled steps: a key moves with everything that shapes the program, a stored step computes what
+the compiled one does, and what cannot be stored or loaded falls back to compiling."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from train.compilation import ExecutableStore, compile_or_load, source_digest
+
+ARGS = (jax.ShapeDtypeStruct((4, 8), jnp.float32), jax.ShapeDtypeStruct((8,), jnp.float32))
+
+
+def affine(x, b):
+    return jnp.tanh(x) @ jnp.ones((8, 3)) + b[None, :3]
+
+
+def _package(root, text: str):
+    package = root / "pkg"
+    package.mkdir(exist_ok=True)
+    (package / "module.py").write_text(text)
+    return package
+
+
+def test_the_key_moves_with_the_description_the_source_and_the_arguments(tmp_path):
+    store = ExecutableStore(tmp_path / "store")
+    package = _package(tmp_path, "A = 1\n")
+    key = store.key({"config": 1}, (package,), ARGS)
+    assert store.key({"config": 1}, (package,), ARGS) == key
+    assert store.key({"config": 2}, (package,), ARGS) != key
+    assert store.key({"config": 1}, (package,), (ARGS[0], jax.ShapeDtypeStruct((8,), jnp.bfloat16))) != key
+    assert store.key({"config": 1}, (package,), (ARGS[1], ARGS[0])) != key
+    _package(tmp_path, "A = 2\n")
+    assert store.key({"config": 1}, (package,), ARGS) != key
+
+
+def test_the_source_digest_ignores_compiled_bytecode(tmp_path):
+    package = _package(tmp_path, "A = 1\n")
+    digest = source_digest(package)
+    (package / "__pycache__").mkdir()
+    (package / "__pycache__" / "module.cpython-312.pyc").write_bytes(b"\x00")
+    assert source_digest(package) == digest
+    (package / "table.json").write_text("{}")
+    assert source_digest(package) != digest
+
+
+def test_a_stored_step_loads_and_computes_what_the_compiled_one_does(tmp_path):
+    store = ExecutableStore(tmp_path)
+    rng = np.random.default_rng(0)
+    x, b = rng.normal(size=(4, 8)).astype(np.float32), rng.normal(size=8).astype(np.float32)
+    compiled, times = compile_or_load(jax.jit(affine), *ARGS, store=store, description={}, sources=())
+    assert times.aot == "saved" and times.trace_s > 0
+    loaded, times = compile_or_load(jax.jit(affine), *ARGS, store=store, description={}, sources=())
+    assert times.aot == "loaded" and times.trace_s == times.lower_s == 0
+    np.testing.assert_array_equal(loaded(x, b), compiled(x, b))
+    np.testing.assert_allclose(loaded(x, b), np.tanh(x) @ np.ones((8, 3)) + b[None, :3], rtol=1e-5)
+
+
+def test_another_description_compiles_anew(tmp_path):
+    store = ExecutableStore(tmp_path)
+    compile_or_load(jax.jit(affine), *ARGS, store=store, description={"config": 1}, sources=())
+    _, times = compile_or_load(jax.jit(affine), *ARGS, store=store, description={"config": 2}, sources=())
+    assert times.aot == "saved"
+    assert len(list(tmp_path.glob("*.executable"))) == 2
+
+
+def test_a_file_that_does_not_load_is_a_miss(tmp_path):
+    store = ExecutableStore(tmp_path)
+    compile_or_load(jax.jit(affine), *ARGS, store=store, description={}, sources=())
+    (path,) = tmp_path.glob("*.executable")
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.warns(RuntimeWarning, match="does not load"):
+        _, times = compile_or_load(jax.jit(affine), *ARGS, store=store, description={}, sources=())
+    assert times.aot == "saved"  # compiled, and the truncated file replaced
+
+
+def test_a_step_that_calls_back_into_python_is_not_stored(tmp_path):
+    def noisy(x, b):
+        jax.debug.callback(lambda v: None, x.sum())
+        return affine(x, b)
+
+    store = ExecutableStore(tmp_path)
+    _, times = compile_or_load(jax.jit(noisy), *ARGS, store=store, description={}, sources=())
+    assert times.aot == "off"
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_store_keeps_the_most_recently_used_steps(tmp_path):
+    store = ExecutableStore(tmp_path, keep=2)
+    for config in range(2):
+        compile_or_load(jax.jit(affine), *ARGS, store=store, description={"config": config}, sources=())
+    first = store.key({"config": 0}, (), ARGS)
+    os.utime(tmp_path / f"{first}.executable", (0, 0))  # as if used long ago: then loading it makes it the newest
+    _, times = compile_or_load(jax.jit(affine), *ARGS, store=store, description={"config": 0}, sources=())
+    assert times.aot == "loaded"
+    compile_or_load(jax.jit(affine), *ARGS, store=store, description={"config": 2}, sources=())
+    kept = {path.stem for path in tmp_path.glob("*.executable")}
+    assert kept == {first, store.key({"config": 2}, (), ARGS)}
