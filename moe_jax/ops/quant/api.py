@@ -57,21 +57,27 @@ class _QuantizeCall:
     dtype: jnp.dtype
     with_transpose: bool
     row_blocks: bool = False  # quantize_row_blocks_transposed's blocks of block_shape[0] rows at given starts
+    pow2_scales: bool = False
 
 
 def _kernel_unsupported(call: _QuantizeCall) -> str | None:
     if call.row_blocks:
         refusal = config.row_blocks_refusal(call.shape, call.in_dtype, call.block_shape[0], call.dtype)
     else:
-        refusal = config.refusal(call.shape, call.in_dtype, call.block_shape, call.dtype, call.with_transpose)
+        refusal = config.refusal(
+            call.shape, call.in_dtype, call.block_shape, call.dtype, call.with_transpose, call.pow2_scales
+        )
     return None if refusal is None else f"the Pallas kernel {refusal}"
 
 
 IMPLEMENTATIONS = (dispatch.Implementation("pallas", _kernel_unsupported), dispatch.XLA)
 
 
-def _use_kernel(op: str, x, block_shape, dtype, with_transpose: bool, backend: str, row_blocks: bool = False) -> bool:
-    call = _QuantizeCall(tuple(x.shape), jnp.dtype(x.dtype), block_shape, jnp.dtype(dtype), with_transpose, row_blocks)
+def _use_kernel(
+    op: str, x, block_shape, dtype, with_transpose: bool, backend: str, row_blocks: bool = False, pow2_scales=False
+) -> bool:
+    shape, in_dtype, dtype = tuple(x.shape), jnp.dtype(x.dtype), jnp.dtype(dtype)
+    call = _QuantizeCall(shape, in_dtype, block_shape, dtype, with_transpose, row_blocks, pow2_scales)
     return dispatch.select(op, backend, IMPLEMENTATIONS, call).is_kernel
 
 
@@ -139,15 +145,15 @@ def quantize_blockwise(
       pow2_scales: power-of-two scales, stored as float8_e8m0fnu; otherwise f32 scales.
       backend: "auto", "xla" or "pallas". The Pallas kernel (an H100/H200's default under "auto") takes
         [M, K] bf16/f16/f32 with block_shape (1, 128) or (1, 32) and K a multiple of 64; "auto" falls back to "xla"
-        elsewhere. It also takes weights [G, A, B] bf16/f16/f32 with block_shape (1, 128, 128) and A, B multiples
-        of 64 (``quantize_square_blocks`` writes their transposed copy in the same pass).
+        elsewhere. It also takes weights [G, A, B] bf16/f16/f32 with block_shape (1, 128, 128), A, B multiples
+        of 64 and f32 scales (``quantize_square_blocks`` writes their transposed copy in the same pass).
 
     Returns:
       ``BlockScaled`` with values [x.shape] in ``dtype`` and scales [ceil(x.shape / block_shape)].
     """
     _check_options(x, dtype, pow2_scales)
     block_shape = _check_block_shape(block_shape, x.ndim)
-    if _use_kernel("quantize_blockwise", x, block_shape, dtype, False, backend):
+    if _use_kernel("quantize_blockwise", x, block_shape, dtype, False, backend, pow2_scales=pow2_scales):
         if x.ndim == 3:
             return _square_kernel(x, dtype, pow2_scales, as_is=True, transposed=False)[0]
         return _kernel(x, block_shape[1], dtype, pow2_scales, with_transpose=False)[0]
@@ -224,7 +230,7 @@ def quantize_square_blocks(
     if not copies or len(set(copies)) != len(copies) or any(copy not in COPIES for copy in copies):
         raise ValueError(f"copies must name each of {COPIES} at most once (at least one), got {copies!r}")
     block_shape = (1, block_size, block_size)
-    if _use_kernel("quantize_square_blocks", w, block_shape, dtype, len(copies) == 2, backend):
+    if _use_kernel("quantize_square_blocks", w, block_shape, dtype, len(copies) == 2, backend, pow2_scales=pow2_scales):
         made = _square_kernel(w, dtype, pow2_scales, as_is="as_is" in copies, transposed="transposed" in copies)
         return tuple(made) if copies[0] == "as_is" or len(made) == 1 else tuple(reversed(made))
     quantized = reference.quantize_blockwise(w, block_shape, dtype, pow2_scales)

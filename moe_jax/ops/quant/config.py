@@ -51,10 +51,16 @@ def heuristic_config(in_dtype, with_transpose: bool) -> Config:
     return Config(stages)
 
 
-def refusal(shape: tuple[int, ...], in_dtype, block_shape: tuple[int, ...], dtype, with_transpose: bool) -> str | None:
+def refusal(
+    shape: tuple[int, ...], in_dtype, block_shape: tuple[int, ...], dtype, with_transpose: bool, pow2_scales=False
+) -> str | None:
     """Why the kernels cannot quantize an array of ``shape`` and ``in_dtype`` this way; None when they can: [M, K]
     in 1 x b blocks (sm90.py), or [G, A, B] in 1 x TILE x TILE blocks (sm90_square.py)."""
     if len(shape) == 3:
+        if pow2_scales:
+            # One scale per tile is a scalar in the kernel, and Mosaic GPU does not lower the bit arithmetic of a
+            # power-of-two scale on a scalar (sm90); the per-row scales of sm90.py are vectors and do.
+            return "takes f32 scales for [G, A, B] arrays, not power-of-two ones"
         return _square_refusal(shape, in_dtype, block_shape, dtype)
     if len(shape) != 2:
         return f"takes [M, K] or [G, A, B] arrays, got rank {len(shape)}"

@@ -84,7 +84,11 @@ def exponent_bytes(scales):
 def produce_tiles(grid: tuple[int, ...], window, x_smem, loaded, consumed) -> None:
     """The producer warpgroup of a quantizer: TMA-loads ``window(tile index)`` (a [TILE, TILE] window of the input)
     for each tile of ``grid`` that this CTA takes (``nd_loop``'s round-robin) into the ring ``x_smem`` [stages, TILE,
-    TILE], arriving at ``loaded[slot]``; a slot is refilled once both consumers arrived at ``consumed[slot]``."""
+    TILE], arriving at ``loaded[slot]``; a slot is refilled once both consumers arrived at ``consumed[slot]``.
+
+    A ring [stages, P, TILE, TILE / P] takes each window as P column pieces, one copy each (``loaded`` then counts P
+    arrivals; sm90_row_blocks.py says why).
+    """
     plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
     stages = x_smem.shape[0]
 
@@ -97,7 +101,14 @@ def produce_tiles(grid: tuple[int, ...], window, x_smem, loaded, consumed) -> No
         def _():
             plgpu.barrier_wait(consumed.at[slot])
 
-        plgpu.copy_gmem_to_smem(window(info.index), x_smem.at[slot], loaded.at[slot])
+        src = window(info.index)
+        if x_smem.ndim == 3:
+            plgpu.copy_gmem_to_smem(src, x_smem.at[slot], loaded.at[slot])
+        else:
+            width = x_smem.shape[-1]
+            for piece in range(x_smem.shape[1]):
+                columns = pl.ds(piece * width, width)
+                plgpu.copy_gmem_to_smem(src.at[:, columns], x_smem.at[slot, piece], loaded.at[slot])
         return carry + 1
 
     steps = plgpu.nd_loop(grid, collective_axes="sm", init_carry=jnp.int32(0))(load)

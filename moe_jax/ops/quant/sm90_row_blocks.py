@@ -13,7 +13,11 @@ n_b (the next group's, or none), and quantize each row of x^T (a column of the b
 sm90.py's transposed copy does, then TMA-store the FP8 rows and store the scales from registers.
 
 A block starts on any row, and TMA addresses a tiled buffer by whole tiles of rows: the input buffer takes one-row
-tiles (sm90.py's ``swizzled``: 2-way bank conflicts on the transposing reads, against an 8-row tiling's none).
+tiles (sm90.py's ``swizzled``: 2-way bank conflicts on the transposing reads, against an 8-row tiling's none). Each
+consumer's 64 columns are a buffer of their own, [TILE, 64] (two TMA copies per tile), so that a row is exactly one
+128-byte swizzle line and eight consecutive rows one swizzle pattern, as the transposing read assumes: on a [TILE,
+TILE] buffer of one-row tiles a row spans two lines and the sm90 GPU reads 16-byte chunks of the wrong columns (the
+interpreter, which does not swizzle, cannot show it; tests/gpu/test_quant_gpu.py does).
 """
 
 import jax
@@ -75,7 +79,6 @@ def quantize_row_blocks_transposed(
         @pl.when(wg < CONSUMERS)
         def _consumer():
             plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-            own = pl.ds(pl.multiple_of(wg * _ROWS, _ROWS), _ROWS)
 
             def quantize(info):
                 block, col_tile = info.index
@@ -83,7 +86,7 @@ def quantize_row_blocks_transposed(
                 slot = lax.rem(step, stages)
                 count = row_counts_gmem[block]
                 plgpu.barrier_wait(loaded.at[slot])
-                x_cols = plgpu.load(x_smem.at[slot, :, own].T, layout=_LAYOUT)
+                x_cols = plgpu.load(x_smem.at[slot, wg].T, layout=_LAYOUT)
                 # The tile is in registers; with the reads ordered before the async proxy's next write to the slot
                 # (commit_smem's fence), the producer may refill it.
                 plgpu.commit_smem()
@@ -118,9 +121,9 @@ def quantize_row_blocks_transposed(
         ),
         scratch_types=[
             # One-row tiles: a block starts on any row (the module docstring).
-            plgpu.SMEM((stages, TILE, TILE), x.dtype, transforms=swizzled(x.dtype, (1, cols))),
+            plgpu.SMEM((stages, CONSUMERS, TILE, _ROWS), x.dtype, transforms=swizzled(x.dtype, (1, cols))),
             plgpu.SMEM((CONSUMERS, 2, _ROWS, TILE), dtype, transforms=swizzled(dtype, (cols, num_blocks * TILE))),
-            plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # loaded: the slot's TMA load landed
+            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # loaded: the slot's two TMA loads landed
             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # consumed: both consumers read the slot
         ],
         grid=(num_sms,),
