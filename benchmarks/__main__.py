@@ -102,6 +102,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "with --tiny: ci/gate_up)",
     )
     parser.add_argument("--glu-activations", default="swiglu", help="comma-separated activations for glu")
+    parser.add_argument(
+        "--ep-exchanges",
+        default=",".join(expert_parallel.EXCHANGES),
+        help=f"the all-to-all exchanges ep times, comma-separated from {expert_parallel.EXCHANGES} (default: all; "
+        "the ragged ones on GPUs only)",
+    )
     parser.add_argument("--routing", default="uniform", choices=shape_registry.ROUTINGS, help="for gmm/gmm-bwd/glu")
     parser.add_argument("--backends", default="xla,pallas", help="moe_jax backends to time (default: xla,pallas)")
     parser.add_argument(
@@ -308,7 +314,8 @@ def main(argv: list[str] | None = None) -> list[common.Record]:
             ep_shapes = (
                 expert_parallel.default_shapes() if args.layer_shapes is None and tag == "bench" else layer_shapes
             )
-            records += expert_parallel.run(ep_shapes, options, emit=emit)
+            exchanges = _choices(args.ep_exchanges, expert_parallel.EXCHANGES, "exchange")
+            records += expert_parallel.run(ep_shapes, options, emit=emit, exchanges=exchanges)
         elif bench == "glu":
             records += glu.run(glu_shapes, options, activations=glu_activations, routing=args.routing, emit=emit)
         elif bench == "quant":

@@ -67,18 +67,21 @@ def mesh_of(shape, kind=AxisType.Explicit):
 
 # (mesh, E, top_k, options): E / P = 1, top_k 1 / 2 / 8, a hot expert (the bias sends every token to expert 5),
 # chunks, the all-gather dispatch on the same mesh for the per-device counts, and FP8 expert GEMMs (the (2, 4) mesh
-# with top_k 2 runs in the hot and FP8 cases).
+# with top_k 2 runs in the hot and FP8 cases). The exchange is "slots" ("auto") but where named: slot_factor 8 makes
+# a slot hold all of a device's rows, so that only the all-to-all runs; the hot expert overflows the default slots.
 CASES = {
-    "(1,8) k1 E/P=1": ((1, 8), 8, 1, {}),
+    "(1,8) k1 E/P=1 slots only": ((1, 8), 8, 1, dict(slot_factor=8.0)),
     "(8,1) k2": ((8, 1), 8, 2, {}),
     "(1,8) k8 chunks2": ((1, 8), 16, 8, dict(num_chunks=2)),
     "(2,4) k2 hot": ((2, 4), 8, 2, dict(bias=jnp.zeros(8).at[5].set(10.0))),
+    "(2,4) k2 hot padded": ((2, 4), 8, 2, dict(bias=jnp.zeros(8).at[5].set(10.0), exchange="padded")),
     "(2,4) k2 hot all_gather": ((2, 4), 8, 2, dict(bias=jnp.zeros(8).at[5].set(10.0), dispatch="all_gather")),
     "(2,4) k2 fp8": ((2, 4), 8, 2, dict(quantization="fp8_block")),
 }
 report = {}
 for name, (shape, experts, top_k, options) in CASES.items():
-    arrays = inputs(list(CASES).index(name.removesuffix(" all_gather")), 64, experts)  # one draw for both dispatches
+    # One draw for the hot expert's exchanges and dispatches.
+    arrays = inputs(list(CASES).index(name.removesuffix(" all_gather").removesuffix(" padded")), 64, experts)
     options = dict(dict(dispatch="all_to_all", top_k=top_k), **options)
     reference_options = {k: v for k, v in options.items() if k in ("top_k", "bias", "quantization")}
     expected, _ = results(moe_jax.moe_ffn, arrays, reference_options)
@@ -88,15 +91,19 @@ for name, (shape, experts, top_k, options) in CASES.items():
         errors=[error(e, a) for e, a in zip(expected, got, strict=True)],
         received=np.asarray(aux.received_rows).tolist(),
         dropped=np.asarray(aux.dropped_rows).tolist(),
+        overflowed=np.asarray(aux.overflowed_rows).tolist(),
     )
 
-# The buffer bound: 8 tokens per device, k = 2, bound ceil(0.75 * 16) = 12 rows a device; the hot expert overflows.
+# The buffer bound: 8 tokens per device, k = 2, bound ceil(0.75 * 16) = 12 rows a device; the hot expert overflows
+# it, and slots of ceil(0.5 * 16 / 4) = 2 rows a pair send the kept rows through the fallback exchange too.
 shape, experts, top_k, factor = (2, 4), 8, 2, 0.75
 arrays = inputs(100, 64, experts)
 bias = jnp.zeros(experts).at[5].set(0.5)
 with jax.set_mesh(mesh_of(shape)):
     got, aux = results(
-        moe_ffn_expert_parallel, arrays, dict(dispatch="all_to_all", top_k=top_k, buffer_factor=factor, bias=bias)
+        moe_ffn_expert_parallel,
+        arrays,
+        dict(dispatch="all_to_all", top_k=top_k, buffer_factor=factor, bias=bias, slot_factor=0.5),
     )
 keep_rule = lambda routed: oracle.buffer_keep(
     routed["experts"], routed["selected_scores"], num_devices=8, num_peers=4, experts_per_device=2, bound=12
@@ -118,6 +125,7 @@ buffer_report = dict(
             exact_aux["expert_counts"], *grads.values()], got, strict=True)],
     received=np.asarray(aux.received_rows).tolist(),
     dropped=np.asarray(aux.dropped_rows).tolist(),
+    overflowed=np.asarray(aux.overflowed_rows).tolist(),
     expected_received=kept.tolist(),
     expected_dropped=(wanted - kept).tolist(),
     fully_dropped=fully_dropped.tolist(),
@@ -174,6 +182,8 @@ with jax.set_mesh(mesh_of((2, 4))):
         "chunks": dict(num_chunks=3),
         "buffer_all_gather": dict(dispatch="all_gather", buffer_factor=1.0),
         "dispatch": dict(dispatch="ragged"),
+        "slot_factor_padded": dict(exchange="padded", slot_factor=1.5),
+        "slot_factor": dict(slot_factor=0.0),
     }.items():
         call = dict(x=arrays["x"], router_kernel=arrays["router"], w_gate_up=arrays["w_gate_up"],
                     w_down=arrays["w_down"], top_k=2, dispatch="all_to_all")
@@ -224,6 +234,7 @@ def test_received_rows_count_each_devices_experts_rows(mesh_report):
     each expert axis) computes every token of its group once."""
     cases = mesh_report["cases"]
     assert cases["(2,4) k2 hot"]["received"] == cases["(2,4) k2 hot all_gather"]["received"]
+    assert cases["(2,4) k2 hot padded"]["received"] == cases["(2,4) k2 hot all_gather"]["received"]
     received = cases["(2,4) k2 hot"]["received"]
     assert received[2] >= 32 and received[6] >= 32  # 32 tokens per expert axis, each with expert 5
     assert sum(cases["(1,8) k8 chunks2"]["received"]) == 64 * 8
@@ -267,6 +278,23 @@ def test_rejects_bad_arguments(mesh_report):
     assert "num_chunks=3 must divide the 8 tokens of each device" in messages["chunks"]
     assert "apply to dispatch='all_to_all' only" in messages["buffer_all_gather"]
     assert "dispatch" in messages["dispatch"] and "ragged" in messages["dispatch"]
+    assert "slot_factor=1.5 applies to exchange='slots'" in messages["slot_factor_padded"]
+    assert "slot_factor must be > 0, got 0.0" in messages["slot_factor"]
+
+
+def test_slots_overflow_only_where_a_pair_exceeds_its_slot(mesh_report):
+    """The "slots" exchange's fallback runs for the hot expert (8 tokens a device, k 2: a slot holds
+    ceil(1.25 * 16 / 4) = 5 rows a pair, and every device sends 8 rows to expert 5's device) and not
+    where a slot holds every row (slot_factor 8); the padded exchange and the all-gather never overflow. The results
+    of every case match moe_ffn (test_all_to_all_matches_moe_ffn_on_every_mesh)."""
+    cases = mesh_report["cases"]
+    hot = cases["(2,4) k2 hot"]["overflowed"]
+    assert hot[2] > 0 and hot[6] > 0, hot
+    assert hot[2] <= cases["(2,4) k2 hot"]["received"][2]
+    assert cases["(1,8) k1 E/P=1 slots only"]["overflowed"] == [0] * 8
+    assert cases["(2,4) k2 hot padded"]["overflowed"] == [0] * 8
+    assert cases["(2,4) k2 hot all_gather"]["overflowed"] == [0] * 8
+    assert sum(mesh_report["buffer"]["overflowed"]) > 0, "the bounded case does not exercise the fallback"
 
 
 @pytest.mark.parametrize(
