@@ -29,6 +29,8 @@ within a shape the most devices run first, so that a cut leaves out the 2-device
 
 import dataclasses
 import functools
+import glob
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -40,7 +42,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moe_jax
-from benchmarks import common
+from benchmarks import common, report
 from benchmarks.layer import make_inputs
 from benchmarks.shapes import LAYER_SHAPES, LayerShape
 from moe_jax.ops.routing.api import router_logits
@@ -339,3 +341,61 @@ def scaling_table(records: list[common.Record]) -> str:
         timing = f"{r.timing.median_s * 1e3:.3f} | {per_device:,.0f} | {ratio}"
         rows.append(f"{head} {timing} | {sent} | {skewness} | {temp} | {err} |")
     return "\n".join(rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalingPoint:
+    """One timed weak-scaling record of the ep benches: a dispatch at a GPU count."""
+
+    device_kind: str
+    run: str  # the record file's name
+    bench: str  # "ep" or "ep-bwd"
+    shape: str
+    routing: str
+    dispatch: str  # "one device", "dp", "all_gather", "all_to_all-<exchange>"
+    devices: int
+    tokens_per_s_per_device: float
+    memory_bytes: int | None  # compiled per-device temp + arguments + outputs
+
+
+def dispatch_name(impl: str) -> str:
+    """ "ep4-all_to_all-slots:pallas" -> "all_to_all-slots"; "dp4:pallas" -> "dp"; "moe_jax:pallas" -> "one device"."""
+    name = impl.split(":")[0]
+    if name == "moe_jax":
+        return "one device"
+    if name.startswith("dp"):
+        return "dp"
+    return name.split("-", 1)[1]
+
+
+def weak_scaling_points(directory: str = report.RESULTS_DIR) -> list[ScalingPoint]:
+    """The timed weak-scaling records (a fixed ``tokens_per_device``) of the GPU runs of "ep" and "ep-bwd" under
+    ``directory``: per (GPU, bench, shape) those of the run that covers the most GPU counts, the newest among
+    equals."""
+    best: dict[tuple[str, str, str], tuple[tuple[int, str], list[ScalingPoint]]] = {}
+    for path in sorted(glob.glob(os.path.join(directory, "*.json*"))):
+        for run in report.read_runs(path):
+            if run.meta.get("platform") != "gpu":
+                continue
+            by_key: dict[tuple[str, str, str], list[ScalingPoint]] = {}
+            for r in run.records:
+                if r.bench not in ("ep", "ep-bwd") or r.timing is None or "tokens_per_device" not in r.dims:
+                    continue
+                memory = r.dims.get("memory", {})
+                point = ScalingPoint(
+                    device_kind=run.meta["device_kind"],
+                    run=os.path.basename(path),
+                    bench=r.bench,
+                    shape=r.shape,
+                    routing=r.routing,
+                    dispatch=dispatch_name(r.impl),
+                    devices=r.dims["devices"],
+                    tokens_per_s_per_device=r.dims["tokens_per_device"] / r.timing.median_s,
+                    memory_bytes=sum(memory[k] for k in ("temp", "arguments", "outputs")) if "temp" in memory else None,
+                )
+                by_key.setdefault((point.device_kind, r.bench, r.shape), []).append(point)
+            for key, points in by_key.items():
+                rank = (len({p.devices for p in points}), run.meta["date"])
+                if key not in best or rank > best[key][0]:
+                    best[key] = (rank, points)
+    return [point for _, points in best.values() for point in points]
