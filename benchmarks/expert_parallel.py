@@ -24,7 +24,8 @@ output bytes. Outputs (and gradients) of the expert-parallel rows are checked ag
 same devices and inputs.
 
 A ``--time-limit`` is shared among the shapes: each shape gets an equal part of what is left when it starts, and
-within a shape the most devices run first, so that a cut leaves out the 2-device rows before the 4-device ones.
+within a shape one device and the most devices (uniform, then skewed routing) run first, so that a cut leaves out
+the smaller meshes' rows before those.
 """
 
 import dataclasses
@@ -234,49 +235,49 @@ def bench_shape(
     def differentiated(layer):
         return common.forward_backward(layer) if backward else layer
 
+    @functools.cache
+    def routed_experts(routing_name):
+        """(the layer's routing keywords, experts [T, k] of the timed inputs) for ``routing_name``."""
+        route_kwargs = dict(base_route)
+        if routing_name == "skewed":
+            route_kwargs["bias"] = skewed_bias(shape.e)
+        logits = router_logits(inputs()[0]["x"], inputs()[0]["router_kernel"])
+        bias = route_kwargs.get("bias")
+        routed = moe_jax.route(logits, shape.top_k, bias=bias, **shape.route_options(), backend="xla")
+        return route_kwargs, np.asarray(routed.experts)
+
+    # In the order a time limit should cut last: one device, the most devices (uniform, then skewed routing), then
+    # the smaller meshes; at each, data parallelism (the reference), the all-to-all exchanges, the all-gather.
+    meshes_in_order = [("uniform", counts[-1]), ("skewed", counts[-1])] + [("uniform", n) for n in counts[-2:0:-1]]
+    single = dict.fromkeys((*ARG_NAMES, "ct"), jax.sharding.SingleDeviceSharding(devices[0]))
     for backend in options.backends:
-        for routing_name in ("uniform", "skewed"):
-            route_kwargs = dict(base_route)
-            if routing_name == "skewed":
-                route_kwargs["bias"] = skewed_bias(shape.e)
-            experts = np.asarray(
-                moe_jax.route(
-                    router_logits(inputs()[0]["x"], inputs()[0]["router_kernel"]),
-                    shape.top_k,
-                    bias=route_kwargs.get("bias"),
-                    **shape.route_options(),
-                    backend="xla",
-                ).experts
-            )
-            one_device = jax.sharding.SingleDeviceSharding(devices[0])
-            single = dict.fromkeys((*ARG_NAMES, "ct"), one_device)
-            if routing_name == "uniform":
-                layer = differentiated(layer_fn(shape, backend, route_kwargs, parallel=None))
-                jitted = jax.jit(layer)
-                time_it(f"moe_jax:{backend}", jitted, single, 1, routing_name, experts[:tokens_per_device])
-            # The most devices first: a time limit cuts the smaller meshes' rows.
-            for num_devices in counts[:0:-1] if routing_name == "uniform" else counts[-1:]:
-                mesh_devices = devices[:num_devices]
-                meshes = {
-                    kind: jax.make_mesh(shape_, AXES, axis_types=(AxisType.Explicit,) * 2, devices=mesh_devices)
-                    for kind, shape_ in (("dp", (num_devices, 1)), ("ep", (1, num_devices)))
-                }
-                used = experts[: num_devices * tokens_per_device]
-                dp = differentiated(layer_fn(shape, backend, route_kwargs, parallel=dict(dispatch="all_gather")))
-                dp_impl = f"dp{num_devices}:{backend}"
-                out = time_it(dp_impl, on_mesh(dp, meshes["dp"]), placements(meshes["dp"]), num_devices,
-                              routing_name, used)  # fmt: skip
-                reference = (dp_impl, out) if out is not None else None
-                variants = {"all_gather": (dict(dispatch="all_gather"), None)}
-                for name in exchanges:
-                    if name in GPU_ONLY_EXCHANGES and not (on_gpu and num_devices == counts[-1]):
-                        continue
-                    parallel = dict(dispatch="all_to_all", exchange=name.removesuffix("-decomposed"))
-                    variants[f"all_to_all-{name}"] = (parallel, RAGGED_DECOMPOSER if "decomposed" in name else None)
-                for name, (parallel, compiler_options) in variants.items():
-                    layer = differentiated(layer_fn(shape, backend, route_kwargs, parallel=parallel))
-                    time_it(f"ep{num_devices}-{name}:{backend}", on_mesh(layer, meshes["ep"], compiler_options),
-                            placements(meshes["ep"]), num_devices, routing_name, used, reference)  # fmt: skip
+        route_kwargs, experts = routed_experts("uniform")
+        layer = differentiated(layer_fn(shape, backend, route_kwargs, parallel=None))
+        time_it(f"moe_jax:{backend}", jax.jit(layer), single, 1, "uniform", experts[:tokens_per_device])
+        for routing_name, num_devices in meshes_in_order if len(counts) > 1 else []:
+            route_kwargs, experts = routed_experts(routing_name)
+            mesh_devices = devices[:num_devices]
+            meshes = {
+                kind: jax.make_mesh(shape_, AXES, axis_types=(AxisType.Explicit,) * 2, devices=mesh_devices)
+                for kind, shape_ in (("dp", (num_devices, 1)), ("ep", (1, num_devices)))
+            }
+            used = experts[: num_devices * tokens_per_device]
+            dp = differentiated(layer_fn(shape, backend, route_kwargs, parallel=dict(dispatch="all_gather")))
+            dp_impl = f"dp{num_devices}:{backend}"
+            out = time_it(dp_impl, on_mesh(dp, meshes["dp"]), placements(meshes["dp"]), num_devices, routing_name,
+                          used)  # fmt: skip
+            reference = (dp_impl, out) if out is not None else None
+            variants = {}
+            for name in exchanges:
+                if name in GPU_ONLY_EXCHANGES and not (on_gpu and num_devices == counts[-1]):
+                    continue
+                parallel = dict(dispatch="all_to_all", exchange=name.removesuffix("-decomposed"))
+                variants[f"all_to_all-{name}"] = (parallel, RAGGED_DECOMPOSER if "decomposed" in name else None)
+            variants["all_gather"] = (dict(dispatch="all_gather"), None)
+            for name, (parallel, compiler_options) in variants.items():
+                layer = differentiated(layer_fn(shape, backend, route_kwargs, parallel=parallel))
+                time_it(f"ep{num_devices}-{name}:{backend}", on_mesh(layer, meshes["ep"], compiler_options),
+                        placements(meshes["ep"]), num_devices, routing_name, used, reference)  # fmt: skip
     return records
 
 
