@@ -8,6 +8,7 @@ Examples:
   python -m benchmarks --bench routing --routing-shapes deepseek-v3 --routing-stages glue,glue-bwd
   python -m benchmarks --bench glu --glu-activations swiglu,gpt_oss --backends pallas   # the GLU's targets
   python -m benchmarks --bench ep --backends pallas     # expert (by dispatch) vs data parallel on 1, 2, 4 GPUs
+  python -m benchmarks --bench ep --backends pallas --ep-exchanges slots --time-limit 280   # weak scaling, one exchange
   python -m benchmarks --plot benchmarks/results/<run>.jsonl   # bar charts of a recorded run (<run>.png)
   python -m benchmarks --report                                 # benchmarks/RESULTS.md from benchmarks/results/
 """

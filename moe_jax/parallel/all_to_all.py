@@ -148,12 +148,19 @@ def slot_round_trip(rows, fills, compute, counts, *, slot, capacity, axis, sync_
     in_slot = lane[None, :] < jnp.minimum(plan.send_sizes, slot)[:, None]  # [P, slot]
     source = jnp.where(in_slot, plan.send_offsets[:, None] + lane[None, :], 0)
 
-    def exchange_slots(value, fill, mask):
-        """[P, slot, ...] (peer q's slot) -> [P * slot, ...] (from peer q), ``fill`` where ``mask`` is off."""
-        value = jnp.where(mask.reshape(mask.shape + (1,) * (value.ndim - mask.ndim)), value, fill)
+    def swap_slots(value):
+        """[P, slot, ...]: peer q's slot -> [P * slot, ...]: peer q's slot for this device, in peer order."""
         return lax.all_to_all(value, axis, 0, 0).reshape(num_peers * slot, *value.shape[2:])
 
-    received = {name: exchange_slots(value[source], fills[name], in_slot) for name, value in rows.items()}
+    def trailing(mask, value):
+        return mask.reshape(mask.shape + (1,) * (value.ndim - mask.ndim))
+
+    def to_slots(value, fill):
+        """[N, ...] in send order -> [P, slot, ...]: each peer's first rows, ``fill`` past them."""
+        picked = value[source]
+        return jnp.where(trailing(in_slot, picked), picked, fill)
+
+    received = {name: swap_slots(to_slots(value, fills[name])) for name, value in rows.items()}
     # Each send-order row's output comes back in its receiver's slot, at its place among the pair's rows.
     row = jnp.arange(num_rows)
     peer = jnp.searchsorted(jnp.cumsum(plan.send_sizes), row, side="right").astype(jnp.int32)
@@ -162,8 +169,8 @@ def slot_round_trip(rows, fills, compute, counts, *, slot, capacity, axis, sync_
     back_index = jnp.where(returned, peer * slot + place, 0)
 
     def home(outputs):
-        back = exchange_slots(outputs.reshape(num_peers, slot, *outputs.shape[1:]), 0, jnp.ones_like(in_slot))
-        return jnp.where(returned.reshape((num_rows,) + (1,) * (back.ndim - 1)), back[back_index], 0)
+        back = swap_slots(outputs.reshape(num_peers, slot, *outputs.shape[1:]))[back_index]
+        return jnp.where(trailing(returned, back), back, 0)
 
     # The rows past each pair's slot: the tail of that pair's rows in the sender's order, exchanged "padded".
     overflow = jnp.maximum(counts - slot, 0)
