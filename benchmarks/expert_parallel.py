@@ -9,7 +9,7 @@ many as there are) the global batch is n * T_dev:
   collective in the layer's forward (its backward all-reduces the weights' gradients);
 - "ep<n>-all_gather:<backend>", "ep<n>-all_to_all-<exchange>:<backend>": expert parallelism on (1, n), E / n experts
   a device, ``moe_ffn_expert_parallel(dispatch=...)``, the all-to-all named by its exchange (``EXCHANGES``, chosen
-  by ``--ep-exchanges``): "slots" (what "auto" picks), "padded", and on GPUs at the most devices "ragged"
+  by ``--ep-exchanges``): "slots" (what "auto" picks), "owners", "padded", and on GPUs at the most devices "ragged"
   (``ragged_all_to_all``) and "ragged-decomposed" (the same with XLA's ragged all-to-all decomposer switched on for
   that compilation, ``RAGGED_DECOMPOSER``).
 
@@ -31,6 +31,7 @@ the smaller meshes' rows before those.
 import dataclasses
 import functools
 import glob
+import math
 import os
 import sys
 import time
@@ -53,7 +54,7 @@ ARG_NAMES = ("x", "router_kernel", "w_gate_up", "w_down")
 AXES = ("data", "expert")
 MAX_DEVICES = 4
 DEFAULT_SHAPES = ("qwen3-30b-a3b", "gpt-oss-120b")
-EXCHANGES = ("slots", "padded", "ragged", "ragged-decomposed")
+EXCHANGES = ("slots", "owners", "padded", "ragged", "ragged-decomposed")
 GPU_ONLY_EXCHANGES = ("ragged", "ragged-decomposed")
 # XLA's decomposition of the GPU ragged all-to-all into plain collectives, set per compilation (a debug option).
 RAGGED_DECOMPOSER = {"xla_gpu_unsupported_enable_ragged_all_to_all_decomposer": True}
@@ -120,12 +121,31 @@ def routed_rows(experts: np.ndarray, num_devices: int, num_experts: int) -> np.n
     return np.bincount(home * num_devices + owner, minlength=num_devices**2).reshape(num_devices, num_devices)
 
 
-def slot_overflow(experts: np.ndarray, num_devices: int, num_experts: int) -> int:
-    """Rows past the "slots" exchange's slots (default ``slot_factor``), summed over the devices."""
+def slot_overflow(experts: np.ndarray, num_devices: int, num_experts: int, exchange: str = "slots") -> int:
+    """Rows past the fast path of the "slots" or "owners" exchange (default ``slot_factor``), summed over the
+    devices: routed rows past their pair's slot; for "owners" tokens past their pair's slot plus routed rows past a
+    device's ceil(slot_factor * T_dev * k)."""
     counts = routed_rows(experts, num_devices, num_experts)
-    rows = experts.size // num_devices
-    slot = all_to_all.slot_size(rows, num_devices, all_to_all.DEFAULT_SLOT_FACTOR)
-    return int(np.maximum(counts - slot, 0).sum())
+    num_tokens, top_k = experts.shape
+    tokens_per_device = num_tokens // num_devices
+    factor = all_to_all.DEFAULT_SLOT_FACTOR
+    if exchange == "slots":
+        slot = all_to_all.slot_size(tokens_per_device * top_k, num_devices, factor)
+        return int(np.maximum(counts - slot, 0).sum())
+    slot = all_to_all.owner_slot_size(tokens_per_device, num_experts, num_devices, top_k, factor)
+    pairs = owner_pairs(experts, num_devices, num_experts)
+    fast_rows = math.ceil(factor * tokens_per_device * top_k)
+    return int(np.maximum(pairs - slot, 0).sum() + np.maximum(counts.sum(0) - fast_rows, 0).sum())
+
+
+def owner_pairs(experts: np.ndarray, num_devices: int, num_experts: int) -> np.ndarray:
+    """[P, P] tokens sender -> receiver that own one or more of the token's experts (the receiver may be the
+    sender)."""
+    num_tokens, _ = experts.shape
+    home = np.arange(num_tokens) // (num_tokens // num_devices)
+    owner = experts // (num_experts // num_devices)
+    needed = (owner[:, :, None] == np.arange(num_devices)).any(1)  # [T, P]
+    return np.stack([needed[home == device].sum(0) for device in range(num_devices)])
 
 
 def bytes_per_token(experts: np.ndarray, num_devices: int, num_experts: int, row_bytes: int, impl: str) -> dict:
@@ -136,7 +156,8 @@ def bytes_per_token(experts: np.ndarray, num_devices: int, num_experts: int, row
     a routed row carrying 8 bytes of weight and expert id beside its D elements: the ragged all-to-all each routed
     row to a remote owner and back; the padded one every peer's slot of T_dev * k rows there and back; the slots one
     P - 1 slots of ceil(slot_factor * T_dev * k / P) rows there and back, plus the padded one's bytes when any pair
-    overflows; all_gather P - 1 rows each way per token; data parallel none.
+    overflows; the owners one P - 1 slots of tokens (``owner_slot_size``), each with 8 bytes per k, there and back,
+    plus its padded fallback's when it runs; all_gather P - 1 rows each way per token; data parallel none.
     """
     num_tokens, top_k = experts.shape
     home = np.arange(num_tokens)[:, None] // (num_tokens // num_devices)
@@ -157,6 +178,15 @@ def bytes_per_token(experts: np.ndarray, num_devices: int, num_experts: int, row
         slot = all_to_all.slot_size(rows, num_devices, all_to_all.DEFAULT_SLOT_FACTOR)
         fallback = rows if slot_overflow(experts, num_devices, num_experts) else 0
         sent = routed_row * (num_devices - 1) * (slot + fallback) / tokens_per_device
+    elif "owners" in impl:
+        # A token row there with k local expert ids and weights (8 bytes each), its summed output back.
+        tokens_per_device = num_tokens // num_devices
+        factor = all_to_all.DEFAULT_SLOT_FACTOR
+        slot = all_to_all.owner_slot_size(tokens_per_device, num_experts, num_devices, top_k, factor)
+        # The fallback's padded rounds each carry every (peer, token) pair a device could send.
+        overflowed = slot_overflow(experts, num_devices, num_experts, "owners")
+        fallback = num_devices * tokens_per_device if overflowed else 0
+        sent = (2 * row_bytes + 8 * top_k) * (num_devices - 1) * (slot + fallback) / tokens_per_device
     else:
         sent = routed_row * remote.sum(1).mean()
     return {"ideal": float(ideal), "sent": float(sent)}
@@ -201,8 +231,9 @@ def bench_shape(
         dims |= {"devices": num_devices, "tokens_per_device": tokens_per_device}
         dims["bytes_per_token"] = bytes_per_token(experts, num_devices, shape.e, row_bytes, impl)
         dims["skew"] = skew(experts, num_devices, shape.e)
-        if "slots" in impl:
-            dims["overflowed_rows"] = slot_overflow(experts, num_devices, shape.e)
+        for exchange in ("slots", "owners"):
+            if exchange in impl:
+                dims["overflowed_rows"] = slot_overflow(experts, num_devices, shape.e, exchange)
         record = common.Record(bench, shape.name, routing_name, impl, flops_per_device * num_devices, dims)
         if common.past_deadline(options):
             records.append(common.skip(record))

@@ -6,13 +6,18 @@ received only and sends each output row back; the token's home device sums its k
 applied in the down projection's epilogue, on the expert's device). The row counts travel first (an all-gather of P
 counts per device), so every device knows every offset without a host sync.
 
-Rows move by one of three exchanges:
+Rows move by one of four exchanges:
 
 - "slots" (``slot_round_trip``): one ``lax.all_to_all`` of a [P, S] slot per peer, S = ceil(slot_factor * N / P)
   for N = T * k rows, carrying each pair's first S rows; on uniform routing a pair holds about N / P rows, so nothing
   overflows and the bytes are slot_factor times the routed rows'. The rows of pairs past S go in a second, "padded"
   exchange under a ``lax.cond`` whose predicate every device of the mesh computes alike, so the results stay exact
   whatever the routing and only a skewed step pays for the fallback.
+- "owners" (``owner_round_trip``): the slots exchange of tokens instead of routed rows: each token goes once to each
+  device that owns any of its experts, with its k local expert ids and weights (the other devices' marked "no
+  expert"), and that device sums the token's rows before sending one row back: the bytes of the ideal (one copy
+  per distinct owner) times slot_factor. Its fast path also bounds the routed rows a device computes, at
+  ceil(slot_factor * T * k); a device past that takes the fallback as well.
 - "ragged": ``jax.lax.ragged_all_to_all``, exact sizes: each row crosses the link once each way. Not implemented on
   CPU.
 - "padded" (``exchange``): P - 1 ``ppermute`` rounds, round s sending each device's rows for device (i + s) mod P as
@@ -36,7 +41,7 @@ from jax import lax
 from moe_jax.ops.glu_mlp import api as glu_mlp_api
 from moe_jax.ops.permute import api as permute_api
 
-EXCHANGES = ("slots", "ragged", "padded")
+EXCHANGES = ("slots", "owners", "ragged", "padded")
 DEFAULT_SLOT_FACTOR = 1.25
 
 
@@ -125,17 +130,20 @@ def slot_size(num_rows: int, num_peers: int, slot_factor: float) -> int:
     return min(num_rows, math.ceil(slot_factor * num_rows / num_peers))
 
 
-def slot_round_trip(rows, fills, compute, counts, *, slot, capacity, axis, sync_axes):
+def slot_round_trip(rows, fills, compute, counts, *, slot, capacity, axis, sync_axes, compute_overflows=None):
     """The "slots" exchange there and back: each device's rows to their receivers, ``compute`` on what arrived, the
     outputs home.
 
     Args:
       rows: {name: [N, ...]} this device's rows in send order (each receiver's rows together, receivers in order, the
         unsent past their sum); fills: {name: scalar} what an empty received row holds.
-      compute: {name: [R, ...]} received rows -> [R, ...] outputs, zero where the rows are empty; called on
-        R = P * slot rows, or P * slot + capacity when a pair overflows its slot.
+      compute: ({name: [R, ...]} received rows, fallback) -> [R, ...] outputs, zero where the rows are empty; called
+        on R = P * slot rows with fallback False, or P * slot + capacity rows with fallback True when a pair
+        overflows its slot (or ``compute_overflows``).
       counts: [P, P] int32 rows sender -> receiver; slot: static rows per pair in the all-to-all; capacity: static
         rows a device can receive in all; sync_axes: every mesh axis, so that every device takes the same branch.
+      compute_overflows: optional bool scalar: this device's ``compute`` needs the fallback's sizes even where the
+        slots hold every row.
 
     Returns:
       (outputs [N, ...] in send order, zero for unsent rows; int32 rows this device received past its slots).
@@ -177,17 +185,95 @@ def slot_round_trip(rows, fills, compute, counts, *, slot, capacity, axis, sync_
     overflow_plan = dataclasses.replace(ExchangePlan.of(overflow, me), send_offsets=plan.send_offsets + slot)
 
     def fits():
-        return home(compute(**received))
+        return home(compute(received, fallback=False))
 
     def overflows():
         rest = {name: exchange("padded", v, overflow_plan, capacity, fills[name], axis) for name, v in rows.items()}
-        outputs = compute(**{name: jnp.concatenate([received[name], rest[name]]) for name in rows})
+        outputs = compute({name: jnp.concatenate([received[name], rest[name]]) for name in rows}, fallback=True)
         in_slots = num_peers * slot
         rest_back = exchange("padded", outputs[in_slots:], overflow_plan.reversed(), num_rows, 0, axis)
         return home(outputs[:in_slots]) + rest_back
 
-    any_overflow = lax.pmax(jnp.max(overflow), sync_axes) > 0
+    overflowing = jnp.max(overflow) > 0
+    if compute_overflows is not None:
+        overflowing = overflowing | compute_overflows
+    any_overflow = lax.pmax(overflowing.astype(jnp.int32), sync_axes) > 0
     return lax.cond(any_overflow, overflows, fits), jnp.sum(overflow[:, me])
+
+
+def owner_slot_size(num_tokens: int, num_experts: int, num_peers: int, top_k: int, slot_factor: float) -> int:
+    """Tokens of one peer's slot in the "owners" exchange: slot_factor times the tokens that pick at least one of the
+    peer's E / P experts under uniform routing, T (1 - C(E - E/P, k) / C(E, k)), at most T."""
+    untouched = math.comb(num_experts - num_experts // num_peers, top_k) / math.comb(num_experts, top_k)
+    return min(num_tokens, math.ceil(slot_factor * num_tokens * (1 - untouched)))
+
+
+def owner_round_trip(
+    x, receiver, local_expert, weights, w_gate_up, w_down, *, routed_counts, slot_factor, capacity, axis, sync_axes,
+    activation, backends
+):  # fmt: skip
+    """The "owners" exchange: each token once to each device that computes any of its rows, with its k local expert
+    ids and weights; the receiver runs them and sums each token's rows before sending one row back.
+
+    Args:
+      x: [T, D]; receiver, local_expert: [T, k] int32 by assignment (receiver P: not sent); weights: [T, k] f32.
+      routed_counts: [P, P] int32 routed rows sender -> receiver; capacity: static routed rows a device computes at
+        most (the worst case, or the buffer bound).
+
+    Returns:
+      (y [T, D], int32 rows this device took past the fast path's sizes: tokens past its slots plus routed rows past
+      ceil(slot_factor * T * k)).
+    """
+    num_tokens, top_k = receiver.shape
+    num_peers = lax.axis_size(axis)
+    num_local = w_down.shape[0]
+    me = lax.axis_index(axis)
+    # [P * T] (peer, token) pairs, peer-major; the needed ones first, in that order: each peer's tokens together.
+    needed = jnp.any(receiver[None, :, :] == jnp.arange(num_peers)[:, None, None], axis=2)
+    pairs = jnp.argsort(~needed.reshape(-1), stable=True).astype(jnp.int32)
+    token, peer = pairs % num_tokens, pairs // num_tokens
+    mine = receiver[token] == peer[:, None]  # [P * T, k]: the pair's assignments
+    rows = dict(
+        x=x[token],
+        experts=jnp.where(mine, local_expert[token], num_local),
+        weights=jnp.where(mine, weights[token], 0),
+    )
+    fills = dict(x=0, experts=num_local, weights=0)
+    pair_counts = lax.all_gather(jnp.sum(needed, axis=1, dtype=jnp.int32), axis)
+    fast_rows = min(capacity, math.ceil(slot_factor * num_tokens * top_k))
+    slot = owner_slot_size(num_tokens, num_local * num_peers, num_peers, top_k, slot_factor)
+
+    def compute(received, fallback):
+        """[R] received tokens with their [R, k] local experts and weights -> [R, D]: each token's rows summed."""
+        flat_experts = received["experts"].reshape(-1)
+        rows_computed = min(flat_experts.shape[0], capacity if fallback else fast_rows)
+        order = jnp.argsort(flat_experts, stable=True)[:rows_computed].astype(jnp.int32)  # the real rows first
+        out = received_experts(
+            received["x"][order // top_k],
+            received["weights"].reshape(-1)[order],
+            flat_experts[order],
+            w_gate_up,
+            w_down,
+            activation=activation,
+            backend=backends,
+        )
+        summed = jnp.zeros((received["x"].shape[0], out.shape[1]), jnp.float32).at[order // top_k].add(out)
+        return summed.astype(out.dtype)
+
+    computed_here = jnp.sum(routed_counts[:, me])
+    back, overflowed = slot_round_trip(
+        rows,
+        fills,
+        compute,
+        pair_counts,
+        slot=slot,
+        capacity=min(num_peers * num_tokens, capacity),
+        axis=axis,
+        sync_axes=sync_axes,
+        compute_overflows=computed_here > fast_rows,
+    )
+    y = jnp.zeros(x.shape, jnp.float32).at[token].add(back).astype(x.dtype)
+    return y, overflowed + jnp.maximum(computed_here - fast_rows, 0)
 
 
 def buffer_keep(dest: jax.Array, score: jax.Array, bound: int, axis: str) -> jax.Array:
@@ -325,23 +411,42 @@ def _dispatch_chunk(
     counts = lax.all_gather(send_sizes, axis)
     plan = ExchangePlan.of(counts, lax.axis_index(axis))
     capacity = num_peers * num_rows if bound is None else min(bound, num_peers * num_rows)
-    rows = dict(x=x[ids // top_k], weights=weights[ids], experts=local_expert.astype(jnp.int32))
-    fills = dict(x=0, weights=0, experts=w_down.shape[0])
+    rows = dict(recv_x=x[ids // top_k], recv_weights=weights[ids], recv_experts=local_expert.astype(jnp.int32))
+    fills = dict(recv_x=0, recv_weights=0, recv_experts=w_down.shape[0])
 
-    def compute(x, weights, experts):
-        return received_experts(x, weights, experts, w_gate_up, w_down, activation=activation, backend=backends)
+    def compute(received, fallback=False):
+        del fallback  # the rows come in the sizes the experts take
+        return received_experts(**received, w_gate_up=w_gate_up, w_down=w_down, activation=activation, backend=backends)
 
-    if exchange_kind == "slots":
+    if exchange_kind == "owners":
+        rows_by_id = functools.partial(jnp.full, (num_rows,), num_peers, jnp.int32)
+        y, overflowed = owner_round_trip(
+            x,
+            rows_by_id().at[ids].set(receiver).reshape(-1, top_k),
+            rows_by_id().at[ids].set(local_expert).reshape(-1, top_k),
+            weights.reshape(-1, top_k),
+            w_gate_up,
+            w_down,
+            routed_counts=counts,
+            slot_factor=slot_factor,
+            capacity=capacity,
+            axis=axis,
+            sync_axes=sync_axes,
+            activation=activation,
+            backends=backends,
+        )
+    elif exchange_kind == "slots":
         slot = slot_size(num_rows, num_peers, slot_factor)
         back, overflowed = slot_round_trip(
             rows, fills, compute, counts, slot=slot, capacity=capacity, axis=axis, sync_axes=sync_axes
         )
     else:
         send = functools.partial(exchange, exchange_kind, plan=plan, out_rows=capacity, axis=axis)
-        out = compute(**{name: send(value, fill=fills[name]) for name, value in rows.items()})
+        out = compute({name: send(value, fill=fills[name]) for name, value in rows.items()})
         back = exchange(exchange_kind, out, plan.reversed(), num_rows, 0, axis)
         overflowed = jnp.zeros((), jnp.int32)
-    y = permute_api.combine(back, ids, top_k, num_rows=jnp.sum(send_sizes), backend=backends.combine)
+    if exchange_kind != "owners":
+        y = permute_api.combine(back, ids, top_k, num_rows=jnp.sum(send_sizes), backend=backends.combine)
     received = jnp.sum(plan.recv_sizes)
     wanted = jnp.sum(lax.all_gather(wanted_sizes, axis)[:, lax.axis_index(axis)])
     return y, RowCounts(received, wanted - received, overflowed)

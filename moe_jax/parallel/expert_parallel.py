@@ -120,13 +120,16 @@ def moe_ffn_expert_parallel(
       num_chunks: "all_to_all" only: the local tokens are dispatched in this many equal chunks, independent of each
         other, so that one chunk's exchange can overlap another's expert GEMMs; dropless results do not depend on it.
       exchange: "all_to_all" only: how rows move, as ``moe_jax.parallel.all_to_all`` describes them: "slots"
-        ("auto": one ``all_to_all`` of a fixed slot per peer, the overflow of a skewed routing through a fallback
-        exchange, exact either way), "padded" (``ppermute`` rounds of slots of the most one peer can take) or
-        "ragged" (``ragged_all_to_all``, GPUs only: about 44x slower than all_gather at the qwen3-30b-a3b layer on
-        two H200s, docs/design.md).
-      slot_factor: exchange "slots" only (default 1.25): each peer's slot holds ceil(slot_factor * T_local * k / P)
-        rows per chunk, so the bytes sent are slot_factor times the routed rows' when no pair overflows; rows past a
-        slot take the fallback (``MoEAux.overflowed_rows``), which sends about P times more.
+        ("auto": one ``all_to_all`` of a fixed slot of routed rows per peer, the overflow of a skewed routing through
+        a fallback exchange, exact either way), "owners" (the same of tokens: each token once to each device owning
+        any of its experts, which sums their outputs before sending one row back), "padded" (``ppermute`` rounds of
+        slots of the most one peer can take) or "ragged" (``ragged_all_to_all``, GPUs only: about 44x slower than
+        all_gather at the qwen3-30b-a3b layer on two H200s, docs/design.md).
+      slot_factor: exchange "slots" or "owners" only (default 1.25): a peer's slot holds slot_factor times what it
+        takes on uniform routing per chunk (slots: ceil(slot_factor * T_local * k / P) rows; owners: that factor of
+        the tokens with an expert on the peer, at most T_local), so the bytes sent are slot_factor times the rows'
+        (slots) or the ideal's (owners) when nothing overflows; what overflows takes the fallback
+        (``MoEAux.overflowed_rows``), which sends about P times more.
       shared_experts: optional (w_gate_up [1, D, 2F_s] or its ``PackedGateUp``, w_down [1, F_s, D]): an always-on
         gated MLP added to y, run inside the same shard_map on each device's own tokens.
       top_k, activation, routing (or its fields as keywords), bias, capacity_factor, backend, quantization: as in
@@ -183,9 +186,10 @@ def moe_ffn_expert_parallel(
     if exchange == "auto":
         exchange = "slots"
     if slot_factor is not None:
-        if exchange != "slots" or dispatch != "all_to_all":
+        if exchange not in ("slots", "owners") or dispatch != "all_to_all":
             raise ValueError(
-                f"slot_factor={slot_factor} applies to exchange='slots' of dispatch='all_to_all' only; this call "
+                f"slot_factor={slot_factor} applies to exchange='slots' or 'owners' of dispatch='all_to_all' only; "
+                f"this call "
                 f"dispatches by {dispatch} with exchange={exchange!r}"
             )
         if checks.check_static_float("slot_factor", slot_factor) <= 0:

@@ -160,8 +160,8 @@ def test_pallas_backend_is_picked_up(tmp_path):
 
 def test_expert_parallel_bench_over_two_devices(tmp_path):
     """--bench ep on two virtual CPU devices: one device, data parallel and both dispatches (the all-to-all by the
-    slots and padded exchanges), uniform and skewed routing; checked against data parallelism, with bytes per token,
-    skew, overflowed rows and memory, and tabled."""
+    slots and owners exchanges, --ep-exchanges), uniform and skewed routing; checked against data parallelism, with
+    bytes per token, skew, overflowed rows and memory, and tabled."""
     stdout, data, _ = run_cli(
         tmp_path,
         "--bench",
@@ -170,9 +170,11 @@ def test_expert_parallel_bench_over_two_devices(tmp_path):
         "xla",
         "--layer-shapes",
         "ci/layer",
+        "--ep-exchanges",
+        "slots,owners",
         env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
     )
-    parallel = ("dp2:xla", "ep2-all_gather:xla", "ep2-all_to_all-slots:xla", "ep2-all_to_all-padded:xla")
+    parallel = ("dp2:xla", "ep2-all_gather:xla", "ep2-all_to_all-slots:xla", "ep2-all_to_all-owners:xla")
     expected = [("uniform", "moe_jax:xla")] + [
         (routing, impl) for routing in ("uniform", "skewed") for impl in parallel
     ]
@@ -185,9 +187,9 @@ def test_expert_parallel_bench_over_two_devices(tmp_path):
         assert r["dims"]["memory"]["temp"] > 0, r
         traffic = r["dims"]["bytes_per_token"]
         row = 2 * 128 * 2 + 8  # a routed row there and back (D = 128, bf16) and its 8 bytes of weight and expert id
-        if r["impl"].startswith("ep2-all_to_all-padded"):
-            # The padded exchange sends every peer's whole slot: k rows a token.
-            assert traffic["ideal"] <= traffic["sent"] == row * 2, r
+        if r["impl"].startswith("ep2-all_to_all-owners"):
+            # One slot of tokens (each with 8 bytes per k) to the other device; its padded fallback's on overflow.
+            assert traffic["ideal"] <= traffic["sent"] and "overflowed_rows" in r["dims"], r
         if r["impl"].startswith("ep2-all_to_all-slots"):
             # One slot of ceil(1.25 * T_dev * k / 2) rows to the other device; the padded exchange's too on overflow.
             tokens = r["dims"]["tokens_per_device"]
