@@ -8,6 +8,7 @@ Examples:
   python -m benchmarks --bench routing --routing-shapes deepseek-v3 --routing-stages glue,glue-bwd
   python -m benchmarks --bench glu --glu-activations swiglu,gpt_oss --backends pallas   # the GLU's targets
   python -m benchmarks --bench ep --backends pallas     # expert (by dispatch) vs data parallel on 1, 2, 4 GPUs
+  python -m benchmarks --bench ep --backends pallas --ep-exchanges slots --time-limit 280   # weak scaling, one exchange
   python -m benchmarks --plot benchmarks/results/<run>.jsonl   # bar charts of a recorded run (<run>.png)
   python -m benchmarks --report                                 # benchmarks/RESULTS.md from benchmarks/results/
 """
@@ -107,6 +108,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--tiny: the 'ci' ones)",
     )
     parser.add_argument("--glu-activations", default="swiglu", help="comma-separated activations for glu")
+    parser.add_argument(
+        "--ep-exchanges",
+        default=",".join(expert_parallel.EXCHANGES),
+        help=f"the all-to-all exchanges ep times, comma-separated from {expert_parallel.EXCHANGES} (default: all; "
+        "the ragged ones on GPUs only)",
+    )
     parser.add_argument("--routing", default="uniform", choices=shape_registry.ROUTINGS, help="for gmm/gmm-bwd/glu")
     parser.add_argument("--backends", default="xla,pallas", help="moe_jax backends to time (default: xla,pallas)")
     parser.add_argument(
@@ -314,7 +321,8 @@ def main(argv: list[str] | None = None) -> list[common.Record]:
             ep_shapes = (
                 expert_parallel.default_shapes() if args.layer_shapes is None and tag == "bench" else layer_shapes
             )
-            records += expert_parallel.run(ep_shapes, options, emit=emit)
+            exchanges = _choices(args.ep_exchanges, expert_parallel.EXCHANGES, "exchange")
+            records += expert_parallel.run(ep_shapes, options, emit=emit, exchanges=exchanges)
         elif bench == "glu":
             records += glu.run(glu_shapes, options, activations=glu_activations, routing=args.routing, emit=emit)
         elif bench == "quant":

@@ -84,6 +84,7 @@ def moe_ffn_expert_parallel(
     buffer_factor: float | None = None,
     num_chunks: int = 1,
     exchange: str = "auto",
+    slot_factor: float | None = None,
     shared_experts: tuple | None = None,
     backend: str = "auto",
     quantization: str | None = None,
@@ -118,9 +119,17 @@ def moe_ffn_expert_parallel(
         expert-sorted row), contribute zero and get zero gradients, and ``MoEAux.dropped_rows`` counts them.
       num_chunks: "all_to_all" only: the local tokens are dispatched in this many equal chunks, independent of each
         other, so that one chunk's exchange can overlap another's expert GEMMs; dropless results do not depend on it.
-      exchange: "all_to_all" only: how rows move, "padded" ("auto": ``ppermute`` rounds of fixed-size slots) or
-        "ragged" (``ragged_all_to_all``, GPUs only: about 44x slower than all_gather at the qwen3-30b-a3b layer on
-        two H200s, docs/design.md), as ``moe_jax.parallel.all_to_all`` describes them.
+      exchange: "all_to_all" only: how rows move, as ``moe_jax.parallel.all_to_all`` describes them: "slots"
+        ("auto": one ``all_to_all`` of a fixed slot of routed rows per peer, the overflow of a skewed routing through
+        a fallback exchange, exact either way), "owners" (the same of tokens: each token once to each device owning
+        any of its experts, which sums their outputs before sending one row back), "padded" (``ppermute`` rounds of
+        slots of the most one peer can take) or "ragged" (``ragged_all_to_all``, GPUs only: about 44x slower than
+        all_gather at the qwen3-30b-a3b layer on two H200s, docs/design.md).
+      slot_factor: exchange "slots" or "owners" only (default 1.25): a peer's slot holds slot_factor times what it
+        takes on uniform routing per chunk (slots: ceil(slot_factor * T_local * k / P) rows; owners: that factor of
+        the tokens with an expert on the peer, at most T_local), so the bytes sent are slot_factor times the rows'
+        (slots) or the ideal's (owners) when nothing overflows; what overflows takes the fallback
+        (``MoEAux.overflowed_rows``), which sends about P times more.
       shared_experts: optional (w_gate_up [1, D, 2F_s] or its ``PackedGateUp``, w_down [1, F_s, D]): an always-on
         gated MLP added to y, run inside the same shard_map on each device's own tokens.
       top_k, activation, routing (or its fields as keywords), bias, capacity_factor, backend, quantization: as in
@@ -175,7 +184,16 @@ def moe_ffn_expert_parallel(
             f"(x.shape[0]={x.shape[0]} over {mesh.size} devices)"
         )
     if exchange == "auto":
-        exchange = "padded"
+        exchange = "slots"
+    if slot_factor is not None:
+        if exchange not in ("slots", "owners") or dispatch != "all_to_all":
+            raise ValueError(
+                f"slot_factor={slot_factor} applies to exchange='slots' or 'owners' of dispatch='all_to_all' only; "
+                f"this call "
+                f"dispatches by {dispatch} with exchange={exchange!r}"
+            )
+        if checks.check_static_float("slot_factor", slot_factor) <= 0:
+            raise ValueError(f"slot_factor must be > 0, got {slot_factor}")
     shared = _check_shared_experts(shared_experts, x)
 
     data_axes = tuple(a for a in mesh.axis_names if a != expert_axis)  # across the expert-axis groups
@@ -201,6 +219,7 @@ def moe_ffn_expert_parallel(
             buffer_factor=buffer_factor,
             num_chunks=num_chunks,
             exchange=exchange,
+            slot_factor=all_to_all.DEFAULT_SLOT_FACTOR if slot_factor is None else slot_factor,
             **common,
         )
     shared_options = dict(activation=activation, backend=backend, quantization=quantization)
@@ -262,7 +281,7 @@ def _body(x, router_kernel, w_gate_up, w_down, bias, shared, *, layer, compute_d
     return y, aux
 
 
-def _whole_batch_aux(routed, counts_axes, num_token_groups, received, dropped, all_axes) -> MoEAux:
+def _whole_batch_aux(routed, counts_axes, num_token_groups, rows: all_to_all.RowCounts, all_axes) -> MoEAux:
     """The losses and counts of the whole batch from each device's routing of its tokens (or of its group's, where
     the members of a group hold the same values: ``counts_axes`` then leaves the expert axis out)."""
 
@@ -275,8 +294,9 @@ def _whole_batch_aux(routed, counts_axes, num_token_groups, received, dropped, a
         load_balancing_loss=load_balancing_loss_from(share, over(lax.pmean, routed.mean_probs)),
         z_loss=over(lax.pmean, z_loss(routed)),
         expert_counts=counts,
-        received_rows=lax.all_gather(received, all_axes),
-        dropped_rows=lax.all_gather(dropped, all_axes),
+        received_rows=lax.all_gather(rows.received, all_axes),
+        dropped_rows=lax.all_gather(rows.dropped, all_axes),
+        overflowed_rows=lax.all_gather(rows.overflowed, all_axes),
     )
 
 
@@ -305,23 +325,22 @@ def _all_gather_body(
     )
     y = lax.psum_scatter(partial_y, expert_axis, tiled=True)
     num_token_groups = math.prod(lax.axis_size(axis) for axis in data_axes)
-    received = jnp.sum(local_sizes)
-    aux = _whole_batch_aux(
-        routed, data_axes, num_token_groups, received, jnp.zeros_like(received), (*data_axes, expert_axis)
-    )
+    rows = all_to_all.RowCounts.zero()._replace(received=jnp.sum(local_sizes))
+    aux = _whole_batch_aux(routed, data_axes, num_token_groups, rows, (*data_axes, expert_axis))
     return y, aux
 
 
 def _all_to_all_body(
     x, router_kernel, w_gate_up, w_down, bias, *, top_k, activation, routing, capacity_factor, buffer_factor,
-    num_chunks, exchange, expert_axis, data_axes, backends
+    num_chunks, exchange, slot_factor, expert_axis, data_axes, backends
 ):  # fmt: skip
     """One device: x [T_local, D] -> (y [T_local, D], the batch's MoEAux); w_* hold its E / P experts."""
     routed = route_tokens(x, router_kernel, top_k, routing, bias, backends.route)
     group_sizes, sort_indices = expert_rows(routed, capacity_factor)
     chunk_tokens = x.shape[0] // num_chunks
     bound = None if buffer_factor is None else math.ceil(buffer_factor * chunk_tokens * top_k)
-    y, received, dropped = all_to_all.dispatch(
+    all_axes = (*data_axes, expert_axis)
+    y, rows = all_to_all.dispatch(
         x,
         routed,
         group_sizes,
@@ -331,10 +350,11 @@ def _all_to_all_body(
         num_chunks=num_chunks,
         bound=bound,
         exchange_kind=exchange,
+        slot_factor=slot_factor,
         axis=expert_axis,
+        sync_axes=all_axes,
         activation=activation,
         backends=backends,
     )
-    all_axes = (*data_axes, expert_axis)
     num_devices = math.prod(lax.axis_size(axis) for axis in all_axes)
-    return y, _whole_batch_aux(routed, all_axes, num_devices, received, dropped, all_axes)
+    return y, _whole_batch_aux(routed, all_axes, num_devices, rows, all_axes)

@@ -159,8 +159,9 @@ def test_pallas_backend_is_picked_up(tmp_path):
 
 
 def test_expert_parallel_bench_over_two_devices(tmp_path):
-    """--bench ep on two virtual CPU devices: one device, data parallel and both dispatches, uniform and skewed
-    routing; checked against data parallelism, with bytes per token and memory, and tabled."""
+    """--bench ep on two virtual CPU devices: one device, data parallel and both dispatches (the all-to-all by the
+    slots and owners exchanges, --ep-exchanges), uniform and skewed routing; checked against data parallelism, with
+    bytes per token, skew, overflowed rows and memory, and tabled."""
     stdout, data, _ = run_cli(
         tmp_path,
         "--bench",
@@ -169,9 +170,11 @@ def test_expert_parallel_bench_over_two_devices(tmp_path):
         "xla",
         "--layer-shapes",
         "ci/layer",
+        "--ep-exchanges",
+        "slots,owners",
         env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
     )
-    parallel = ("dp2:xla", "ep2-all_gather:xla", "ep2-all_to_all-padded:xla")
+    parallel = ("dp2:xla", "ep2-all_gather:xla", "ep2-all_to_all-slots:xla", "ep2-all_to_all-owners:xla")
     expected = [("uniform", "moe_jax:xla")] + [
         (routing, impl) for routing in ("uniform", "skewed") for impl in parallel
     ]
@@ -183,15 +186,24 @@ def test_expert_parallel_bench_over_two_devices(tmp_path):
         assert r["dims"]["devices"] == (1 if r["impl"] == "moe_jax:xla" else 2)
         assert r["dims"]["memory"]["temp"] > 0, r
         traffic = r["dims"]["bytes_per_token"]
-        if r["impl"].startswith("ep2-all_to_all"):
-            # The padded exchange sends every peer's whole slot: k rows a token there and back, plus 8 bytes a row.
-            assert traffic["ideal"] <= traffic["sent"] == (2 * 128 * 2 + 8) * 2, r
+        row = 2 * 128 * 2 + 8  # a routed row there and back (D = 128, bf16) and its 8 bytes of weight and expert id
+        if r["impl"].startswith("ep2-all_to_all-owners"):
+            # One slot of tokens (each with 8 bytes per k) to the other device; its padded fallback's on overflow.
+            assert traffic["ideal"] <= traffic["sent"] and "overflowed_rows" in r["dims"], r
+        if r["impl"].startswith("ep2-all_to_all-slots"):
+            # One slot of ceil(1.25 * T_dev * k / 2) rows to the other device; the padded exchange's too on overflow.
+            tokens = r["dims"]["tokens_per_device"]
+            slot = -(-5 * tokens * 2 // 8)
+            fallback = tokens * 2 if r["dims"]["overflowed_rows"] else 0
+            assert traffic["sent"] == pytest.approx(row * (slot + fallback) / tokens), r
+        if r["impl"].startswith("ep2"):
+            assert r["dims"]["skew"] >= 1.0, r
         if r["impl"].startswith("ep2"):
             assert r["checked_against"] == "dp2:xla", r
             # forward + backward: y and 4 gradients, bf16 (summed in another order).
             assert len(r["rel_err_leaves"]) == (5 if r["bench"] == "ep-bwd" else 1) and r["rel_err"] < 1e-2, r
     assert "| shape | routing | devices | impl | ms | tokens/s per device | vs one device |" in stdout
-    assert "| ci/layer | uniform | 2 | ep2-all_to_all-padded:xla |" in stdout
+    assert "| ci/layer | uniform | 2 | ep2-all_to_all-slots:xla |" in stdout
 
 
 def test_routing_kernels_side_by_side_with_xla(tmp_path):

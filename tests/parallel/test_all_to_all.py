@@ -67,18 +67,24 @@ def mesh_of(shape, kind=AxisType.Explicit):
 
 # (mesh, E, top_k, options): E / P = 1, top_k 1 / 2 / 8, a hot expert (the bias sends every token to expert 5),
 # chunks, the all-gather dispatch on the same mesh for the per-device counts, and FP8 expert GEMMs (the (2, 4) mesh
-# with top_k 2 runs in the hot and FP8 cases).
+# with top_k 2 runs in the hot and FP8 cases). The exchange is "slots" ("auto") but where named: slot_factor 8 makes
+# a slot hold all of a device's rows, so that only the all-to-all runs; the hot expert overflows the default slots.
 CASES = {
-    "(1,8) k1 E/P=1": ((1, 8), 8, 1, {}),
+    "(1,8) k1 E/P=1 slots only": ((1, 8), 8, 1, dict(slot_factor=8.0)),
     "(8,1) k2": ((8, 1), 8, 2, {}),
     "(1,8) k8 chunks2": ((1, 8), 16, 8, dict(num_chunks=2)),
     "(2,4) k2 hot": ((2, 4), 8, 2, dict(bias=jnp.zeros(8).at[5].set(10.0))),
+    "(2,4) k2 hot padded": ((2, 4), 8, 2, dict(bias=jnp.zeros(8).at[5].set(10.0), exchange="padded")),
+    "(2,4) k2 hot owners": ((2, 4), 8, 2, dict(bias=jnp.zeros(8).at[5].set(10.0), exchange="owners")),
+    "(1,8) k8 chunks2 owners": ((1, 8), 16, 8, dict(num_chunks=2, exchange="owners")),
     "(2,4) k2 hot all_gather": ((2, 4), 8, 2, dict(bias=jnp.zeros(8).at[5].set(10.0), dispatch="all_gather")),
     "(2,4) k2 fp8": ((2, 4), 8, 2, dict(quantization="fp8_block")),
 }
 report = {}
 for name, (shape, experts, top_k, options) in CASES.items():
-    arrays = inputs(list(CASES).index(name.removesuffix(" all_gather")), 64, experts)  # one draw for both dispatches
+    # One draw for the hot expert's exchanges and dispatches.
+    base = name.removesuffix(" all_gather").removesuffix(" padded").removesuffix(" owners")
+    arrays = inputs(list(CASES).index(base), 64, experts)
     options = dict(dict(dispatch="all_to_all", top_k=top_k), **options)
     reference_options = {k: v for k, v in options.items() if k in ("top_k", "bias", "quantization")}
     expected, _ = results(moe_jax.moe_ffn, arrays, reference_options)
@@ -88,16 +94,24 @@ for name, (shape, experts, top_k, options) in CASES.items():
         errors=[error(e, a) for e, a in zip(expected, got, strict=True)],
         received=np.asarray(aux.received_rows).tolist(),
         dropped=np.asarray(aux.dropped_rows).tolist(),
+        overflowed=np.asarray(aux.overflowed_rows).tolist(),
     )
 
-# The buffer bound: 8 tokens per device, k = 2, bound ceil(0.75 * 16) = 12 rows a device; the hot expert overflows.
+# The buffer bound: 8 tokens per device, k = 2, bound ceil(0.75 * 16) = 12 rows a device; the hot expert overflows
+# it, and slots of ceil(0.5 * 16 / 4) = 2 rows a pair send the kept rows through the fallback exchange too. The
+# owners exchange (tokens, not rows) on the same inputs keeps and drops the same rows.
 shape, experts, top_k, factor = (2, 4), 8, 2, 0.75
 arrays = inputs(100, 64, experts)
 bias = jnp.zeros(experts).at[5].set(0.5)
+bounded = {}
 with jax.set_mesh(mesh_of(shape)):
-    got, aux = results(
-        moe_ffn_expert_parallel, arrays, dict(dispatch="all_to_all", top_k=top_k, buffer_factor=factor, bias=bias)
-    )
+    for exchange in ("slots", "owners"):
+        bounded[exchange] = results(
+            moe_ffn_expert_parallel,
+            arrays,
+            dict(dispatch="all_to_all", top_k=top_k, buffer_factor=factor, bias=bias, slot_factor=0.5,
+                 exchange=exchange),
+        )  # fmt: skip
 keep_rule = lambda routed: oracle.buffer_keep(
     routed["experts"], routed["selected_scores"], num_devices=8, num_peers=4, experts_per_device=2, bound=12
 )
@@ -113,18 +127,22 @@ owner = np.arange(64)[:, None] // 32 * 4 + routed["experts"] // 2
 wanted = np.bincount(owner.reshape(-1), minlength=8)
 kept = np.bincount(owner[keep], minlength=8)
 fully_dropped = np.flatnonzero(~keep.any(1))
-buffer_report = dict(
-    errors=[error(e, a) for e, a in zip([y, exact_aux["load_balancing_loss"], exact_aux["z_loss"],
-            exact_aux["expert_counts"], *grads.values()], got, strict=True)],
-    received=np.asarray(aux.received_rows).tolist(),
-    dropped=np.asarray(aux.dropped_rows).tolist(),
-    expected_received=kept.tolist(),
-    expected_dropped=(wanted - kept).tolist(),
-    fully_dropped=fully_dropped.tolist(),
-    fully_dropped_y=float(np.abs(np.asarray(got[0])[fully_dropped]).max()) if fully_dropped.size else None,
-    fully_dropped_dx=float(np.abs(np.asarray(got[4])[fully_dropped] - grads["x"][fully_dropped]).max())
-    if fully_dropped.size else None,
-)
+buffer_report = {
+    exchange: dict(
+        errors=[error(e, a) for e, a in zip([y, exact_aux["load_balancing_loss"], exact_aux["z_loss"],
+                exact_aux["expert_counts"], *grads.values()], got, strict=True)],
+        received=np.asarray(aux.received_rows).tolist(),
+        dropped=np.asarray(aux.dropped_rows).tolist(),
+        overflowed=np.asarray(aux.overflowed_rows).tolist(),
+        expected_received=kept.tolist(),
+        expected_dropped=(wanted - kept).tolist(),
+        fully_dropped=fully_dropped.tolist(),
+        fully_dropped_y=float(np.abs(np.asarray(got[0])[fully_dropped]).max()) if fully_dropped.size else None,
+        fully_dropped_dx=float(np.abs(np.asarray(got[4])[fully_dropped] - grads["x"][fully_dropped]).max())
+        if fully_dropped.size else None,
+    )
+    for exchange, (got, aux) in bounded.items()
+}  # fmt: skip
 
 
 # Compiled temp memory of the forward + backward at 64 tokens and 4 experts per device, P = 2 and 8.
@@ -143,6 +161,9 @@ def temp_bytes(num_shards, **options):
 
 memory = {
     "all_to_all buffer_factor=2": [temp_bytes(p, dispatch="all_to_all", buffer_factor=2.0) for p in (2, 8)],
+    "owners buffer_factor=2": [
+        temp_bytes(p, dispatch="all_to_all", buffer_factor=2.0, exchange="owners") for p in (2, 8)
+    ],
     "all_gather": [temp_bytes(p, dispatch="all_gather") for p in (2, 8)],
 }
 
@@ -174,6 +195,8 @@ with jax.set_mesh(mesh_of((2, 4))):
         "chunks": dict(num_chunks=3),
         "buffer_all_gather": dict(dispatch="all_gather", buffer_factor=1.0),
         "dispatch": dict(dispatch="ragged"),
+        "slot_factor_padded": dict(exchange="padded", slot_factor=1.5),
+        "slot_factor": dict(slot_factor=0.0),
     }.items():
         call = dict(x=arrays["x"], router_kernel=arrays["router"], w_gate_up=arrays["w_gate_up"],
                     w_down=arrays["w_down"], top_k=2, dispatch="all_to_all")
@@ -224,16 +247,19 @@ def test_received_rows_count_each_devices_experts_rows(mesh_report):
     each expert axis) computes every token of its group once."""
     cases = mesh_report["cases"]
     assert cases["(2,4) k2 hot"]["received"] == cases["(2,4) k2 hot all_gather"]["received"]
+    assert cases["(2,4) k2 hot padded"]["received"] == cases["(2,4) k2 hot all_gather"]["received"]
+    assert cases["(2,4) k2 hot owners"]["received"] == cases["(2,4) k2 hot all_gather"]["received"]
     received = cases["(2,4) k2 hot"]["received"]
     assert received[2] >= 32 and received[6] >= 32  # 32 tokens per expert axis, each with expert 5
     assert sum(cases["(1,8) k8 chunks2"]["received"]) == 64 * 8
 
 
-def test_buffer_drops_lowest_scores_and_counts_them(mesh_report):
+@pytest.mark.parametrize("exchange", ["slots", "owners"])
+def test_buffer_drops_lowest_scores_and_counts_them(mesh_report, exchange):
     """buffer_factor 0.75 with a hot expert: the received and dropped rows per device equal the oracle's
     (``oracle.buffer_keep``), y and every gradient equal the float64 oracle with those rows dropped (1e-5, f32),
     and a token whose rows were all dropped gets y = 0 and only the router's gradient."""
-    report = mesh_report["buffer"]
+    report = mesh_report["buffer"][exchange]
     assert report["received"] == report["expected_received"]
     assert report["dropped"] == report["expected_dropped"]
     assert sum(report["dropped"]) > 0, "the bound drops nothing: the test does not exercise it"
@@ -246,11 +272,12 @@ def test_buffer_drops_lowest_scores_and_counts_them(mesh_report):
 
 def test_memory_at_a_fixed_per_device_batch(mesh_report):
     """Compiled temp memory of forward + backward at 64 tokens and 4 experts per device: with a buffer bound the
-    all-to-all's does not grow from P = 2 to P = 8 (within 1.3x); the all-gather's grows with the gathered batch
-    (measured ~3.7x; asserted > 2x so that the comparison keeps meaning something)."""
-    all_to_all_2, all_to_all_8 = mesh_report["memory"]["all_to_all buffer_factor=2"]
+    all-to-all's (slots and owners exchanges) does not grow from P = 2 to P = 8 (within 1.3x); the all-gather's
+    grows with the gathered batch (measured ~3.7x; asserted > 2x so that the comparison keeps meaning something)."""
     all_gather_2, all_gather_8 = mesh_report["memory"]["all_gather"]
-    assert all_to_all_8 <= 1.3 * all_to_all_2, (all_to_all_2, all_to_all_8)
+    for exchange in ("all_to_all", "owners"):
+        all_to_all_2, all_to_all_8 = mesh_report["memory"][f"{exchange} buffer_factor=2"]
+        assert all_to_all_8 <= 1.3 * all_to_all_2, (exchange, all_to_all_2, all_to_all_8)
     assert all_gather_8 > 2 * all_gather_2, (all_gather_2, all_gather_8)
 
 
@@ -267,6 +294,25 @@ def test_rejects_bad_arguments(mesh_report):
     assert "num_chunks=3 must divide the 8 tokens of each device" in messages["chunks"]
     assert "apply to dispatch='all_to_all' only" in messages["buffer_all_gather"]
     assert "dispatch" in messages["dispatch"] and "ragged" in messages["dispatch"]
+    assert "slot_factor=1.5 applies to exchange='slots' or 'owners'" in messages["slot_factor_padded"]
+    assert "slot_factor must be > 0, got 0.0" in messages["slot_factor"]
+
+
+def test_slots_overflow_only_where_a_pair_exceeds_its_slot(mesh_report):
+    """The "slots" exchange's fallback runs for the hot expert (8 tokens a device, k 2: a slot holds
+    ceil(1.25 * 16 / 4) = 5 rows a pair, and every device sends 8 rows to expert 5's device) and not
+    where a slot holds every row (slot_factor 8); the padded exchange and the all-gather never overflow. The results
+    of every case match moe_ffn (test_all_to_all_matches_moe_ffn_on_every_mesh)."""
+    cases = mesh_report["cases"]
+    hot = cases["(2,4) k2 hot"]["overflowed"]
+    assert hot[2] > 0 and hot[6] > 0, hot
+    assert hot[2] <= cases["(2,4) k2 hot"]["received"][2]
+    assert cases["(1,8) k1 E/P=1 slots only"]["overflowed"] == [0] * 8
+    assert cases["(2,4) k2 hot padded"]["overflowed"] == [0] * 8
+    assert cases["(2,4) k2 hot all_gather"]["overflowed"] == [0] * 8
+    assert sum(mesh_report["buffer"]["slots"]["overflowed"]) > 0, "the bounded case does not exercise the fallback"
+    assert sum(mesh_report["buffer"]["owners"]["overflowed"]) > 0, "the bounded case does not exercise the fallback"
+    assert sum(cases["(2,4) k2 hot owners"]["overflowed"]) > 0
 
 
 @pytest.mark.parametrize(

@@ -190,6 +190,46 @@ def test_two_device_mesh_matches_one_device():
         np.testing.assert_allclose([losses[str(s)] for s in sorted(single)], list(single.values()), rtol=1e-5)
 
 
+EXPERT_PARALLEL_RESUME_SCRIPT = """
+import dataclasses, json, sys, tempfile
+import jax
+from train import configs
+from train.compilation import enable_compile_cache
+from train.train import train
+enable_compile_cache(sys.argv[2])  # the three runs compile one step function: the second and third load it
+config = eval(sys.argv[1], vars(configs))
+whole = train(config, backend="xla", progress_bar=False)
+first = train(config, backend="xla", ckpt_dir=sys.argv[3], stop_after=3, progress_bar=False)
+second = train(config, backend="xla", ckpt_dir=sys.argv[3], resume=True, progress_bar=False)
+print(json.dumps({"devices": jax.device_count(), "whole": whole.step_losses, "first": first.step_losses,
+                  "second": second.step_losses, "whole_validation": whole.validation_losses,
+                  "second_validation": second.validation_losses}))
+"""
+
+
+def test_expert_parallel_run_resumes_bit_exactly(tmp_path):
+    """Expert parallelism 4 on 8 virtual CPU devices (a (2, 4) mesh, the all-to-all dispatch, 2 experts a device):
+    a run stopped after 3 steps and resumed from its orbax checkpoint (the expert weights and their optimizer
+    moments sharded over the expert axis) reproduces the uninterrupted run's losses bit for bit."""
+    model = dataclasses.replace(SMALL.model, num_layers=1, num_experts=8)
+    config = dataclasses.replace(
+        SMALL, model=model, steps=6, ckpt_every=3, eval_every=6, eval_batches=1, log_every=3,
+        expert_parallelism=4, dispatch="all_to_all",
+    )  # fmt: skip
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    completed = subprocess.run(
+        [sys.executable, "-c", EXPERT_PARALLEL_RESUME_SCRIPT, repr(config), str(tmp_path / "cache"),
+         str(tmp_path / "ckpt")],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    report = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert report["devices"] == 8
+    assert sorted(report["first"], key=int) == ["1", "2", "3"] and sorted(report["second"], key=int) == ["4", "5", "6"]
+    assert {**report["first"], **report["second"]} == report["whole"]
+    assert report["second_validation"] == report["whole_validation"]
+
+
 def test_gpu_moe_config_is_the_documented_fine_grained_model():
     """gpu-moe: D 2048, 64 experts top-8 of F 768 and a shared expert, sigmoid routing balanced by the bias, >= 64k
     tokens a step; about 2.6B parameters (0.48B active). The count comes from the constructed (abstract) model."""

@@ -29,6 +29,8 @@ class MoEAux:
       received_rows: expert parallelism only (else None): [devices] int32, the routed rows each device computed.
       dropped_rows: expert parallelism only (else None): [devices] int32, the rows sent to each device past its
         receive buffer (``buffer_factor``), dropped.
+      overflowed_rows: expert parallelism only (else None): [devices] int32, the rows each device received past its
+        slots in the "slots" exchange, through its fallback exchange (zero when the fallback did not run).
     """
 
     load_balancing_loss: jax.Array
@@ -36,6 +38,7 @@ class MoEAux:
     expert_counts: jax.Array
     received_rows: jax.Array | None = None
     dropped_rows: jax.Array | None = None
+    overflowed_rows: jax.Array | None = None
 
 
 def check_moe_args(
