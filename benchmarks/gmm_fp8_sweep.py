@@ -24,6 +24,7 @@ import functools
 import os
 import shlex
 import sys
+import threading
 import time
 
 import jax
@@ -66,6 +67,9 @@ VARIANTS = {
     "stages-1": (_fewer_stages, False),
     "width8": (lambda dims: dataclasses.replace(_fp8_config(dims), grid_width=8), False),
 }
+# Seconds past --time-limit at which a watchdog prints the table of the rows done and ends the process: the limit
+# skips rows, but cannot cut a row short.
+HARD_LIMIT_MARGIN_S = 25.0
 CHECK_TOL = 2e-3
 PEAK_TFLOPS = 1979  # H200 (and H100 SXM) dense FP8 tensor-core peak
 CALLS = 10
@@ -189,7 +193,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="JSONL file for the records")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated GMM_SHAPES names")
-    parser.add_argument("--time-limit", type=float, default=225.0, help="seconds after which rows are skipped")
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=210.0,
+        help=f"seconds after which rows are skipped; at {HARD_LIMIT_MARGIN_S:.0f} more the run prints what it has "
+        "and exits (a row's compile cannot be interrupted otherwise)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--triton-gemm", action="store_true", help=f"let XLA autotune Triton GEMMs (else {NO_TRITON_GEMM_FLAG})"
@@ -212,8 +222,18 @@ def main(argv=None) -> int:
         ms = f"{record.timing.median_s * 1e3:.3f} ms" if record.timing else record.note
         print(f"{record.shape} {record.impl}: {record.status} {ms}", flush=True)
 
+    def hard_stop() -> None:
+        print(
+            table(records), f"\nstopped at the hard limit ({args.time_limit + HARD_LIMIT_MARGIN_S:.0f} s)", flush=True
+        )
+        os._exit(3)
+
+    watchdog = threading.Timer(args.time_limit + HARD_LIMIT_MARGIN_S, hard_stop)
+    watchdog.daemon = True
+    watchdog.start()
     for index, name in enumerate(args.shapes.split(",")):
         sweep_shape(name, index == 0, deadline, args.seed, emit)
+    watchdog.cancel()
     print(table(records))
     return 0 if all(r.status in ("ok", "skipped") for r in records) else 1
 
