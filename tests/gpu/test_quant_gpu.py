@@ -67,10 +67,7 @@ def test_kernel_matches_reference(rows, cols, block, x_dtype, dtype, pow2_scales
     _assert_same(jax.jit(quantize, static_argnums=1)(x, "pallas"), jax.jit(quantize, static_argnums=1)(x, "xla"))
 
 
-# 4100 rows: not a multiple of 8, so the kernel's buffers take one-row tiles.
-@pytest.mark.parametrize(
-    "rows, cols, block, pow2_scales", [(8192, 7168, 128, False), (4096, 2880, 32, True), (4100, 2048, 128, False)]
-)
+@pytest.mark.parametrize("rows, cols, block, pow2_scales", [(8192, 7168, 128, False), (4096, 2880, 32, True)])
 def test_transposed_copy_matches_reference(rows, cols, block, pow2_scales):
     x = _random(rows * cols, (rows, cols), jnp.bfloat16)
 
