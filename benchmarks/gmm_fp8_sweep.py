@@ -4,11 +4,11 @@ kernel (``python -m benchmarks.gmm_fp8_sweep [--out FILE] [--time-limit SECONDS]
 Per shape (SHAPES, uniform routing) the forward runs on quantized operands (x in 1 x 128 blocks, w [G, N, K] in
 128 x 128 blocks, the fp8_block recipe) with f32 outputs, through ``launch.run_fp8_forward_kernel`` with each
 variant's Config (VARIANTS): "auto" is ``config.fp8_config``'s, what ``grouped_matmul(quantization="fp8_block")``
-runs; the others change one thing of it (the first shape runs them all, the others a few). gpt-oss-120b/down checks
-the contraction's partial last block (K = N = 2880) on the device. Every variant's output is checked against the XLA
-implementation on three groups, each run alone (``grouped_matmul.QuantizedGroupOracle``), at CHECK_TOL (the GPU
-tests' f32 tolerance: the tensor cores accumulate ~14 bits within a 128-wide K block; a lost scale or block errs by
-O(1)); a variant past it is "wrong".
+runs; the others fix the consumer count or take a stage fewer (the first shape runs them all, the others all but
+that). gpt-oss-120b/down checks the contraction's partial last block (K = N = 2880) on the device. Every variant's
+output is checked against the XLA implementation on three groups, each run alone
+(``grouped_matmul.QuantizedGroupOracle``), at CHECK_TOL (the GPU tests' f32 tolerance: the tensor cores accumulate
+~14 bits within a 128-wide K block; a lost scale or block errs by O(1)); a variant past it is "wrong".
 
 Times are device times (CUPTI, ``common.kernel_calls``) of the grouped-matmul kernel alone, median over CALLS calls:
 the scales' transpose and padding XLA does around it are left out. Baselines of the same FLOPs: "dense-fp8", XLA's
@@ -53,19 +53,14 @@ def _fewer_stages(dims: dict) -> config.Config:
 
 
 # name -> (Config at the shape's dims {m, k, n, g}, whether it runs at every shape or at the first only), in the order
-# they run (a --time-limit skips the last). Each changes one thing of "auto", fp8_config's choice (128 x 128 tiles,
-# chains of 8): "serial" waits for every MMA, "n256" takes 256-column tiles, "wg3" three consumers of 64 rows (both
-# with serial promotion, which their registers allow); fp8_config re-fits the stages to a new tile.
+# they run (a --time-limit skips the last). "auto" is fp8_config's choice (three consumers of 64 rows where
+# N >= config.FP8_THREE_CONSUMERS_MIN_N, else two); "2 consumers" and "3 consumers" fix the count at every shape
+# (fp8_config re-fits the stages to the tile); "stages-1" takes one stage fewer than "auto".
 VARIANTS = {
     "auto": (_fp8_config, True),
-    "serial": (functools.partial(_fp8_config, chain=1), True),
-    "n256": (functools.partial(_fp8_config, block_n=256, chain=1), True),
-    "wg3": (functools.partial(_fp8_config, consumers=3, chain=1), True),
-    "chain4": (functools.partial(_fp8_config, chain=4), False),
-    "chain2": (functools.partial(_fp8_config, chain=2), False),
-    "chain16": (functools.partial(_fp8_config, chain=16), False),
+    "2 consumers": (functools.partial(_fp8_config, consumers=2), True),
+    "3 consumers": (functools.partial(_fp8_config, consumers=3), True),
     "stages-1": (_fewer_stages, False),
-    "width8": (lambda dims: dataclasses.replace(_fp8_config(dims), grid_width=8), False),
 }
 # Seconds past --time-limit at which a watchdog prints the table of the rows done and ends the process: the limit
 # skips rows, but cannot cut a row short.
@@ -167,13 +162,13 @@ def sweep_shape(name: str, first: bool, deadline: float, seed: int, emit) -> Non
 def table(records: list[common.Record]) -> str:
     dense = {r.shape: r.tflops for r in records if r.impl == "dense-fp8" and r.tflops}
     rows = [
-        "| shape | impl | block_m | block_n | chain | stages | ms | TF/s | vs dense-fp8 | of peak | rel err "
+        "| shape | impl | block_m | block_n | consumers | stages | ms | TF/s | vs dense-fp8 | of peak | rel err "
         "| first call s | status |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in records:
         cfg = r.config or {}
-        fields = ("block_m", "block_n", "fp8_chain", "num_stages")
+        fields = ("block_m", "block_n", "num_compute_wgs", "num_stages")
         head = f"| {r.shape} | {r.impl} | " + " | ".join(str(cfg.get(key, "-")) for key in fields) + " |"
         if r.timing is None:
             rows.append(f"{head} | | | | | | {r.status}: {r.note} |")

@@ -31,10 +31,10 @@ def test_table_gives_the_ratio_to_the_dense_fp8_row_and_the_peak():
         r.timing = common.Timing(seconds, seconds, seconds, seconds, 3, 1, 1.0, "device")
         return r
 
-    fp8 = record("fp8:auto", 1e-3, {"block_m": 128, "block_n": 128, "fp8_chain": 8, "num_stages": 4})
+    fp8 = record("fp8:auto", 1e-3, {"block_m": 192, "block_n": 128, "num_compute_wgs": 3, "num_stages": 4})
     fp8.set_check([1e-4], "XLA")
     lines = gmm_fp8_sweep.table([record("dense-fp8", 5e-4), fp8]).splitlines()
-    assert lines[3] == ("| s | fp8:auto | 128 | 128 | 8 | 4 | 1.000 | 1000 | 0.500 | 0.505 | 1.0e-04 | 1.0 | ok |")
+    assert lines[3] == ("| s | fp8:auto | 192 | 128 | 3 | 4 | 1.000 | 1000 | 0.500 | 0.505 | 1.0e-04 | 1.0 | ok |")
 
 
 def test_main_needs_a_gpu(monkeypatch):

@@ -13,6 +13,7 @@ Races are detected and uninitialised memory is NaN, so a scale read before its c
 the kernel forgot, shows up. Shapes are small: 128 x 128 tiles on 4 simulated SMs.
 """
 
+import dataclasses
 from unittest import mock
 
 import jax
@@ -87,19 +88,17 @@ def test_forward_matches_xla(case, transpose_rhs, out_dtype):
     np.testing.assert_array_equal(np.asarray(out, np.float32)[sum(sizes) :], 0.0)
 
 
-@pytest.mark.parametrize("block_n, chain, consumers", [(128, 1, None), (128, 3, None), (256, 1, None), (128, 1, 3)])
+@pytest.mark.parametrize("consumers", [2, 3])
 @pytest.mark.usefixtures("interpret")
-def test_tile_variants_match_xla(block_n, chain, consumers):
-    """Config.fp8_chain, block_n and num_compute_wgs: 7 K blocks promoted one MMA at a time, in chains of 3 (two whole
-    chains and a tail of one, each MMA issued before the previous block's promotion), on 256-column tiles (two
-    weight-scale blocks a step; N = 384 leaves the last tile half past N), or on 192-row tiles of three consumers give
-    the XLA path's product."""
-    m, k, n, sizes = 200, 7 * 128, 384, [0, 77, 123]
+def test_consumer_counts_match_xla(consumers):
+    """Two consumers (128-row tiles) and three (192-row tiles: N = 384 is below fp8_config's bound for them) over 3 K
+    blocks give the XLA path's product; 123 rows leave the second group's tile partly past its rows."""
+    m, k, n, sizes = 200, 3 * 128, 384, [0, 77, 123]
     lhs, rhs, group_sizes = _problem(9, m, k, n, sizes)
     x = moe_jax.quantize_blockwise(lhs, (1, 128))
     w = api.quantize_weights(rhs, transpose_rhs=True)
-    dims = dict(m=m, k=k, n=n, g=len(sizes), out_itemsize=4)
-    tiles = config.fp8_config(**dims, block_n=block_n, chain=chain, consumers=consumers)
+    tiles = config.fp8_config(m=m, k=k, n=n, g=len(sizes), out_itemsize=4, consumers=consumers)
+    assert (tiles.block_m, tiles.num_compute_wgs) == (64 * consumers, consumers)
     out = launch.run_fp8_forward_kernel(x, w, group_sizes, None, None, jnp.float32, keep=False, config=tiles)
     expected = moe_jax.grouped_matmul(
         x,
@@ -113,15 +112,14 @@ def test_tile_variants_match_xla(block_n, chain, consumers):
     assert oracle.relative_error(out, expected) < F32_OUT_TOL
 
 
-@pytest.mark.parametrize("block_n, consumers", [(256, 2), (128, 3)])
-def test_tiles_whose_arrays_overflow_the_registers_say_why(block_n, consumers):
-    """A chain keeps two partials beside the total: 256 registers a thread at 256 columns, 192 of three consumers'
+def test_tiles_whose_arrays_overflow_the_registers_say_why():
+    """The total and the partial of 128 rows a consumer take 256 registers a thread, more than three consumers'
     152."""
-    tiles = config.fp8_config(m=256, k=1024, n=512, g=2, block_n=block_n, chain=2, consumers=consumers)
+    tiles = dataclasses.replace(config.fp8_config(m=256, k=1024, n=512, g=2, consumers=3), block_m=384)
     lhs, rhs, group_sizes = _args()
     x = moe_jax.quantize_blockwise(lhs, (1, 128))
     w = api.quantize_weights(rhs, transpose_rhs=True)
-    with pytest.raises(ValueError, match="the total and 2 partial"):
+    with pytest.raises(ValueError, match="the total and the partial take 256 registers"):
         launch.run_fp8_forward_kernel(x, w, group_sizes, None, None, jnp.float32, keep=False, config=tiles)
 
 

@@ -339,16 +339,13 @@ def grouped_matmul_rows(
                 else:
                     prefetch()
 
-                def wgmma(acc, slot, unit=None):
-                    """acc += the slot's x rows of this consumer . w; with FP8 operands only w's rows (columns of
-                    the tile) of 128-column unit ``unit`` (sm90_fp8.py)."""
+                def wgmma(acc, slot):
+                    """acc += the slot's x rows of this consumer . w."""
 
                     @pl.when(mma_rows > 0)
                     def _():
                         x_tile = x_smem.at[slot, pl.ds(pl.multiple_of(wg * wg_m, wg_m), wg_m)]
                         w_block = w_smem.at[slot]
-                        if unit is not None:
-                            w_block = w_smem.at[slot, pl.ds(unit * fp8.FP8_BLOCK, fp8.FP8_BLOCK)]
                         plgpu.wgmma(acc, x_tile, w_block.transpose((1, 0)) if w_transposed else w_block)
 
                 def mma(acc):
@@ -365,17 +362,7 @@ def grouped_matmul_rows(
                     scales = (x_scales_smem, w_scales_smem.at[wg], w_scales_loaded.at[wg])
                     fp8.load_w_scales(w_scales_gmem, tiles_gmem[TILE_GROUP, mi], ni, *scales[1:], steps)
                     acc = fp8.promoted_products(
-                        first_step,
-                        steps,
-                        stages,
-                        produced,
-                        consumed,
-                        wgmma,
-                        scales,
-                        (wg_m, bn),
-                        wg,
-                        chain=cfg.fp8_chain,
-                        k_steps=k_steps,
+                        first_step, steps, stages, produced, consumed, wgmma, scales, (wg_m, bn), wg
                     )
                 else:
                     acc = pl.run_scoped(mma, plgpu.ACC((wg_m, bn), jnp.float32))
