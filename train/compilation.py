@@ -147,9 +147,9 @@ class ExecutableStore:
         self.keep = keep
 
     def key(self, description: dict, sources: tuple[str | pathlib.Path, ...], args) -> str:
-        """The key of ``jitted`` compiled at ``args`` (arrays or ``jax.ShapeDtypeStruct``s with shardings), where
-        ``description`` (JSON-serialisable) fixes the function's closure (its configuration) and ``sources`` are the
-        package directories whose code traces it."""
+        """The key of a step compiled at ``args`` (arrays or ``jax.ShapeDtypeStruct``s with shardings), where
+        ``description`` (JSON-serialisable) fixes what the step's function closes over (its configuration) and
+        ``sources`` are the package directories whose code traces it."""
         leaves, tree = jax.tree.flatten(args)
         arguments = [(leaf.shape, str(leaf.dtype), repr(getattr(leaf, "sharding", None))) for leaf in leaves]
         contents = {
@@ -204,10 +204,18 @@ class ExecutableStore:
         temporary = self._path(key).with_suffix(f".{os.getpid()}.tmp")
         temporary.write_bytes(data)
         temporary.replace(self._path(key))
-        stored = sorted(self.directory.glob("*.executable"), key=lambda p: p.stat().st_mtime, reverse=True)
+        stored = sorted(self.directory.glob("*.executable"), key=_last_used, reverse=True)
         for stale in stored[self.keep :]:
-            stale.unlink(missing_ok=True)  # another process may have deleted it first
+            stale.unlink(missing_ok=True)
         return True
+
+
+def _last_used(path: pathlib.Path) -> float:
+    """A stored step's modification time (loading touches it); 0 for one another process has just deleted."""
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
 
 
 def compile_or_load(
