@@ -23,8 +23,12 @@ import warnings
 import jax
 from jax.experimental import serialize_executable
 
-# Distributions whose code shapes a traced step (JAX and its plugins are matched by prefix).
+# Distributions whose code shapes a compiled step: these, and any whose name starts with one of the prefixes (JAX,
+# its plugins, and NVIDIA's CUDA libraries: cuDNN, cuBLAS and the compiler pick kernels and emit code).
 _TRACING_DISTRIBUTIONS = ("flax", "optax", "numpy", "ml_dtypes")
+_DISTRIBUTION_PREFIXES = ("jax", "nvidia")
+# Environment variables that change what XLA, Mosaic GPU (MOSAIC_GPU_*) or cuBLAS compile or run.
+_COMPILER_VARIABLES = ("XLA_FLAGS", "NVIDIA_TF32_OVERRIDE")
 
 
 def enable_compile_cache(directory: str | pathlib.Path) -> None:
@@ -90,13 +94,16 @@ def source_digest(*packages: str | pathlib.Path) -> str:
 
 
 def _environment() -> dict:
-    """What outside the caller's description changes a compiled program: library versions, devices, XLA flags and
-    JAX's configuration (its cache and logging options aside, which change no program)."""
+    """What outside the caller's description changes a compiled program: library versions, devices, the compilers'
+    environment variables and JAX's configuration (its cache and logging options aside, which change no program)."""
     distributions = {
         dist.metadata["Name"].lower(): dist.version
         for dist in importlib.metadata.distributions()
         if dist.metadata["Name"]
-        and (dist.metadata["Name"].lower().startswith("jax") or dist.metadata["Name"].lower() in _TRACING_DISTRIBUTIONS)
+        and (
+            dist.metadata["Name"].lower().startswith(_DISTRIBUTION_PREFIXES)
+            or dist.metadata["Name"].lower() in _TRACING_DISTRIBUTIONS
+        )
     }
     devices = jax.devices()
     return {
@@ -107,7 +114,11 @@ def _environment() -> dict:
         "devices": [(d.id, d.device_kind, getattr(d, "core_count", None)) for d in devices],
         "python": sys.version,
         "process_count": jax.process_count(),
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "variables": {
+            name: value
+            for name, value in sorted(os.environ.items())
+            if name in _COMPILER_VARIABLES or name.startswith("MOSAIC_GPU_")
+        },
         "jax_config": {
             name: repr(value)
             for name, value in sorted(jax.config.values.items())
@@ -136,9 +147,9 @@ class ExecutableStore:
         self.keep = keep
 
     def key(self, description: dict, sources: tuple[str | pathlib.Path, ...], args) -> str:
-        """The key of ``jitted`` compiled at ``args`` (arrays or ``jax.ShapeDtypeStruct``s with shardings), where
-        ``description`` (JSON-serialisable) fixes the function's closure (its configuration) and ``sources`` are the
-        package directories whose code traces it."""
+        """The key of a step compiled at ``args`` (arrays or ``jax.ShapeDtypeStruct``s with shardings), where
+        ``description`` (JSON-serialisable) fixes what the step's function closes over (its configuration) and
+        ``sources`` are the package directories whose code traces it."""
         leaves, tree = jax.tree.flatten(args)
         arguments = [(leaf.shape, str(leaf.dtype), repr(getattr(leaf, "sharding", None))) for leaf in leaves]
         contents = {
@@ -193,10 +204,18 @@ class ExecutableStore:
         temporary = self._path(key).with_suffix(f".{os.getpid()}.tmp")
         temporary.write_bytes(data)
         temporary.replace(self._path(key))
-        stored = sorted(self.directory.glob("*.executable"), key=lambda p: p.stat().st_mtime, reverse=True)
+        stored = sorted(self.directory.glob("*.executable"), key=_last_used, reverse=True)
         for stale in stored[self.keep :]:
-            stale.unlink(missing_ok=True)  # another process may have deleted it first
+            stale.unlink(missing_ok=True)
         return True
+
+
+def _last_used(path: pathlib.Path) -> float:
+    """A stored step's modification time (loading touches it); 0 for one another process has just deleted."""
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
 
 
 def compile_or_load(

@@ -36,6 +36,23 @@ def test_the_key_moves_with_the_description_the_source_and_the_arguments(tmp_pat
     assert store.key({"config": 1}, (package,), ARGS) != key
 
 
+def test_the_key_moves_with_the_environment(tmp_path, monkeypatch):
+    store = ExecutableStore(tmp_path)
+    key = store.key({}, (), ARGS)
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_fast_math=true")
+    assert store.key({}, (), ARGS) != key
+    monkeypatch.undo()
+    precision = jax.config.values["jax_default_matmul_precision"]
+    jax.config.update("jax_default_matmul_precision", "highest")
+    try:
+        assert store.key({}, (), ARGS) != key
+    finally:
+        jax.config.update("jax_default_matmul_precision", precision)
+    monkeypatch.undo()
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # memory, not the program
+    assert store.key({}, (), ARGS) == key
+
+
 def test_the_source_digest_ignores_compiled_bytecode(tmp_path):
     package = _package(tmp_path, "A = 1\n")
     digest = source_digest(package)
