@@ -90,24 +90,19 @@ def consume(first_step, num_steps, stages: int, produced, consumed, issue, overl
         # One wgmma group stays in flight; the one before it is done reading its buffer.
         plgpu.wgmma_wait(1)
 
-        @pl.when(k > 0)
-        def _release_previous():
+        def release_previous():
             plgpu.barrier_arrive(consumed.at[lax.rem(step - 1, stages)])
 
-    count = len(overlapped)
-    if not count:
-        pl.loop(0, num_steps)(step)
-    else:
-        # One loop runs the steps and, after each of the first ``count``, one piece of work chosen by a switch: the
-        # step's code is emitted once. Peeling the first steps, one per piece, would emit it ``count`` more times,
-        # which doubles the kernel's code and the time to lower and compile it.
-        @pl.loop(0, jnp.maximum(num_steps, count))
-        def _step_and_work(k):
-            pl.when(k < num_steps)(functools.partial(step, k))
+        if isinstance(k, int):  # a peeled step
+            if k > 0:
+                release_previous()
+        else:
+            pl.when(k > 0)(release_previous)
 
-            @pl.when(k < count)
-            def _work():
-                lax.switch(jnp.minimum(k, count - 1), list(overlapped))
+    for k, work in enumerate(overlapped):
+        pl.when(k < num_steps)(functools.partial(step, k))
+        work()
+    pl.loop(len(overlapped), num_steps)(step)
 
     @pl.when(num_steps > 0)
     def _last():
