@@ -189,8 +189,7 @@ def moe_ffn_expert_parallel(
         if exchange not in ("slots", "owners") or dispatch != "all_to_all":
             raise ValueError(
                 f"slot_factor={slot_factor} applies to exchange='slots' or 'owners' of dispatch='all_to_all' only; "
-                f"this call "
-                f"dispatches by {dispatch} with exchange={exchange!r}"
+                f"this call dispatches by {dispatch} with exchange={exchange!r}"
             )
         if checks.check_static_float("slot_factor", slot_factor) <= 0:
             raise ValueError(f"slot_factor must be > 0, got {slot_factor}")

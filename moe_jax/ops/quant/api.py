@@ -93,12 +93,7 @@ def _kernel(x, block: int, dtype, pow2_scales: bool, with_transpose: bool) -> li
         num_sms=num_sms(),
         interpret=interpret_params(),
     )
-    results = []
-    for values, scales in zip(outputs[::2], outputs[1::2], strict=True):
-        if pow2_scales:
-            scales = lax.bitcast_convert_type(scales, POW2_SCALE_DTYPE)
-        results.append(BlockScaled(values, scales, (1, block)))
-    return results
+    return _block_scaled(outputs, (1, block), pow2_scales)
 
 
 def _square_kernel(w, dtype, pow2_scales: bool, as_is: bool, transposed: bool) -> list[BlockScaled]:
@@ -113,12 +108,18 @@ def _square_kernel(w, dtype, pow2_scales: bool, as_is: bool, transposed: bool) -
         num_sms=num_sms(),
         interpret=interpret_params(),
     )
-    results = []
-    for values, scales in zip(outputs[::2], outputs[1::2], strict=True):
-        if pow2_scales:
-            scales = lax.bitcast_convert_type(scales, POW2_SCALE_DTYPE)
-        results.append(BlockScaled(values, scales, (1, config.TILE, config.TILE)))
-    return results
+    return _block_scaled(outputs, (1, config.TILE, config.TILE), pow2_scales)
+
+
+def _stored_scales(scales: jax.Array, pow2_scales: bool) -> jax.Array:
+    """The kernels' scales as BlockScaled holds them: f32, or their exponent bytes viewed as float8_e8m0fnu."""
+    return lax.bitcast_convert_type(scales, POW2_SCALE_DTYPE) if pow2_scales else scales
+
+
+def _block_scaled(outputs, block_shape: tuple[int, ...], pow2_scales: bool) -> list[BlockScaled]:
+    """A kernel's (values, scales, values, scales, ...) outputs as one BlockScaled per pair."""
+    pairs = zip(outputs[::2], outputs[1::2], strict=True)
+    return [BlockScaled(values, _stored_scales(scales, pow2_scales), block_shape) for values, scales in pairs]
 
 
 def quantize_blockwise(
@@ -288,5 +289,5 @@ def quantize_row_blocks_transposed(
             num_sms=num_sms(),
             interpret=interpret_params(),
         )
-        return values_t, lax.bitcast_convert_type(scales, POW2_SCALE_DTYPE) if pow2_scales else scales
+        return values_t, _stored_scales(scales, pow2_scales)
     return reference.quantize_row_blocks_transposed(x, first_rows, row_counts, block_size, dtype, pow2_scales)
