@@ -233,3 +233,48 @@ def test_fused_grouped_matmul_epilogues_against_reference(activation):
     expected = run(inputs["x"], inputs["w_gate_up"], inputs["row_scale"], "xla")
     for a, e in zip(actual, expected, strict=True):
         assert relative_error(a, e) < TOL
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "backend"))
+def _fp8_fwd_bwd(inputs, group_sizes, *, activation, backend):
+    def mlp(x, w_gate_up, w_down, row_scale):
+        return moe_jax.glu_mlp(
+            x,
+            w_gate_up,
+            w_down,
+            group_sizes,
+            activation=activation,
+            row_scale=row_scale,
+            backend=backend,
+            quantization="fp8_block",
+        )
+
+    y, pullback = jax.vjp(mlp, *(inputs[name] for name in ("x", "w_gate_up", "w_down", "row_scale")))
+    return (y, *pullback(inputs["cotangent"]))
+
+
+# The FP8 MLP (FP8 forward kernels, the GLU backward in the FP8 dgrad's epilogue, FP8 dgrad and wgrads) against the
+# XLA implementation of its recipe on the same device, at the named models' D and F (gpt-oss-120b: D = 2880, the
+# GLU backward's contraction ends in a 64-wide block) with fewer groups and rows, so that XLA's ragged_dot, which
+# multiplies every row by every group, stays cheap. FP8_TOL: both sides quantize the same operands; a rare f32 or
+# bf16 rounding flip at an e4m3 rounding boundary moves an element by a whole e4m3 step (2^-4 relative).
+FP8_TOL = 2e-2
+
+
+@pytest.mark.parametrize(
+    "model, activation, kind",
+    [("qwen3-30b", "swiglu", "tail"), ("gpt-oss-120b", "gpt_oss", "empty"), ("dsv3-ep8", "geglu", "zipf")],
+)
+def test_fp8_glu_mlp_against_the_xla_recipe(model, activation, kind):
+    shape = shapes.GMM_SHAPES[f"{model}/gate_up"]
+    g, m, d, d_ff = 8, 2048, shape.k, shape.n // 2
+    inputs = _inputs(jax.random.key(5), g, m, d, d_ff, x_scale=4.0 if activation == "gpt_oss" else 1.0)
+    group_sizes = jnp.asarray(random_group_sizes(np.random.default_rng(6), g, m, kind), jnp.int32)
+    kernel = _fp8_fwd_bwd(inputs, group_sizes, activation=activation, backend="pallas")
+    expected = _fp8_fwd_bwd(inputs, group_sizes, activation=activation, backend="xla")
+    for name, actual, exact in zip(
+        ("y", "d_x", "d_w_gate_up", "d_w_down", "d_row_scale"), kernel, expected, strict=True
+    ):
+        assert actual.shape == exact.shape and actual.dtype == exact.dtype, name
+        assert bool(jnp.all(jnp.isfinite(actual.astype(jnp.float32)))), name
+        assert relative_error(actual, exact) < FP8_TOL, name

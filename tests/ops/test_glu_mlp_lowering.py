@@ -26,7 +26,9 @@ pytestmark = pytest.mark.smoke  # lowering and config checks: no numbers (tests/
 MOSAIC_CALL = "mosaic_gpu_v2"
 
 
-def _lowered(model: str, activation: str, *, row_scale: bool, recompute: bool, backward: bool = True) -> str:
+def _lowered(
+    model: str, activation: str, *, row_scale: bool, recompute: bool, backward: bool = True, quantization=None
+) -> str:
     shape = shapes.GMM_SHAPES[f"{model}/gate_up"]
     g, m, d, d_ff = shape.g, shape.m, shape.k, shape.n // 2
     args = (
@@ -40,9 +42,21 @@ def _lowered(model: str, activation: str, *, row_scale: bool, recompute: bool, b
     def loss(x, w_gate_up, w_down, group_sizes, scale):
         packed = moe_jax.PackedGateUp(w_gate_up, 64)
         row_scales = scale if row_scale else None
-        y = glu_mlp_api._glu_mlp(
-            x, packed, w_down, group_sizes, activation, row_scales, True, "pallas", recompute_gate_up=recompute
-        )
+        if quantization is not None:
+            y = moe_jax.glu_mlp(
+                x,
+                packed,
+                w_down,
+                group_sizes,
+                activation=activation,
+                row_scale=row_scales,
+                backend="pallas",
+                quantization=quantization,
+            )
+        else:
+            y = glu_mlp_api._glu_mlp(
+                x, packed, w_down, group_sizes, activation, row_scales, True, "pallas", recompute_gate_up=recompute
+            )
         return jnp.sum(y.astype(jnp.float32))
 
     step = jax.value_and_grad(loss, argnums=(0, 1, 2, 4)) if backward else loss
@@ -60,6 +74,18 @@ def _lowered(model: str, activation: str, *, row_scale: bool, recompute: bool, b
 def test_glu_mlp_forward_and_backward_lower(model, activation, row_scale, recompute, kernels):
     text = _lowered(model, activation, row_scale=row_scale, recompute=recompute)
     assert text.count(MOSAIC_CALL) == kernels
+
+
+# FP8: the same six kernels on FP8 operands, the GLU backward in the FP8 dgrad's epilogue (gpt-oss: its contraction,
+# D = 2880, ends in a 64-wide block).
+@pytest.mark.parametrize(
+    "model, activation, row_scale",
+    [("qwen3-30b", "swiglu", True), ("gpt-oss-120b", "gpt_oss", True), ("dsv3-ep8", "geglu", False)],
+)
+def test_fp8_glu_mlp_forward_and_backward_lower(model, activation, row_scale):
+    text = _lowered(model, activation, row_scale=row_scale, recompute=False, quantization="fp8_block")
+    assert text.count(MOSAIC_CALL) == 6
+    assert "moe_gmm_fp8_glu_bwd" in text
 
 
 def test_glu_mlp_forward_alone_lowers():

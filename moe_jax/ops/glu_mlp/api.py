@@ -15,12 +15,18 @@ from gu. What the backward keeps is x and gu (M * 2F * 2 bytes in bf16). Recompu
 (``_glu_mlp(..., recompute_gate_up=True)``) costs one more GEMM, two thirds of the forward's FLOPs, to save those
 bytes; keeping gu measured faster at every named shape (docs/kernels/grouped_matmul.md).
 
-With ``quantization`` ("fp8_block" / "mxfp8") the two GEMMs run on block-scaled FP8 operands: the op is then the
-composition of two quantized ``grouped_matmul`` calls (each quantizes its activations per call and its weights once
-per call, its forward and backward sharing the quantized weights; gradients reach the high-precision operands
-straight through), on the FP8 kernels where they run ("auto", "pallas") and in XLA otherwise or under "xla". The
-hidden activations are written in x's dtype and quantized again by the down GEMM (not yet in the gate_up epilogue),
-and the backward is the two ops' backwards (not the fused glu_dgrad above).
+With ``quantization`` ("fp8_block" / "mxfp8") the GEMMs run on block-scaled FP8 operands, with the same structure
+on the FP8 kernels (fp8_block, "auto" / "pallas"):
+
+    forward   gate_up: x quantized 1 x 128; FP8 kernel, GLU epilogue, keeps gu    down: h quantized; FP8 kernel
+    backward  dy quantized 1 x 128; glu_dgrad FP8 kernel (the GLU backward in its epilogue, as above)
+              d W_d = FP8 wgrad (h*s, dy);  d x = FP8 dgrad (d_gu quantized, W_gu^T);  d W_gu = FP8 wgrad (x, d_gu)
+
+Each weight is quantized once per call into both of its layouts (the forward's and the dgrad's, the same 128 x 128
+blocks), the forward and the backward sharing them; gradients reach the high-precision weights straight through,
+and BlockScaled weights get none. reference.py defines this recipe (where it quantizes what) and is the "xla"
+implementation (mxfp8 runs there only). h is written in x's dtype and quantized by its own pass (not in the gate_up
+epilogue: a 1 x 128 block of h spans two of the FP8 kernel's 64-hidden-column tiles).
 
 ``routed_glu_mlp`` (what ``moe_ffn`` calls) takes the tokens [T, D] and the routing's sort indices instead of sorted
 rows. Its implementations, in order: "pallas_gather" (the gate_up kernel gathers its rows from the tokens, so the
@@ -39,19 +45,24 @@ from moe_jax._core import backend as dispatch
 from moe_jax._core import checks
 from moe_jax.ops.glu_mlp import reference
 from moe_jax.ops.grouped_matmul import api as grouped_matmul_api
+from moe_jax.ops.grouped_matmul import reference_fp8
 from moe_jax.ops.grouped_matmul.api import check_grouped_matmul_args
 from moe_jax.ops.grouped_matmul.glu import ACTIVATIONS
 from moe_jax.ops.grouped_matmul.launch import (
+    FP8_KERNEL_QUANTIZATION,
+    KERNEL_DTYPES,
     ArgNames,
     gemm_grads,
     kernel_unsupported,
     rows_in_groups,
     run_forward_kernel,
+    run_fp8_forward_kernel,
     run_glu_dgrad,
     run_wgrad_kernel,
 )
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp, pack_gate_up
 from moe_jax.ops.permute import api as permute_api
+from moe_jax.ops.quant import api as quant
 from moe_jax.ops.quant.reference import BlockScaled
 
 # The two GEMMs' operands and dimensions as glu_mlp's caller knows them; the down projection's lhs is the hidden
@@ -126,7 +137,14 @@ def _kernels_unsupported(call: MlpCall) -> str | None:
     if call.quantization is not None:
         w_gate_up, w_down = call.weights
         gemms = ((call.d_model, 2 * call.d_ff, call.activation, w_gate_up), (call.d_ff, call.d_model, None, w_down))
-        return grouped_matmul_api.fp8_kernels_unsupported(call.dtype, gemms, call.quantization)
+        problem = grouped_matmul_api.fp8_kernels_unsupported(call.dtype, gemms, call.quantization)
+        if problem is None and call.dtype not in map(jnp.dtype, KERNEL_DTYPES):
+            # Its tiles of 32-bit pre-activations would leave the pipeline no room in shared memory.
+            problem = (
+                "with quantization the GLU backward kernel reads the pre-activation in x's dtype, which must be "
+                f"bfloat16 or float16 for backend='pallas', got {call.dtype.name}"
+            )
+        return problem
     x = jax.ShapeDtypeStruct((0, call.d_model), call.dtype)
     gate_up = kernel_unsupported(x, call.d_model, 2 * call.d_ff, call.activation, GATE_UP_NAMES)
     return gate_up or kernel_unsupported(x, call.d_ff, call.d_model, None, DOWN_NAMES)
@@ -172,8 +190,9 @@ def glu_mlp(
     """Grouped gated MLP: ``y_r = row_scale_r * (act(x_r W_gate[g]) * (x_r W_up[g])) W_down[g]`` for rows r of group g.
 
     Equal to ``grouped_matmul(grouped_matmul(x, w_gate_up, group_sizes, activation=activation), w_down, group_sizes,
-    row_scale=row_scale)`` (the hidden activations rounded to x.dtype in between), with a fused backward (without
-    ``quantization``: with it, exactly that composition).
+    row_scale=row_scale)`` (the hidden activations rounded to x.dtype in between), with a fused backward. With
+    ``quantization`` the forward is that composition's and the backward quantizes dy before the row scale
+    (reference.py's recipe).
 
     Args:
       x: [M, D] rows sorted by group.
@@ -192,7 +211,8 @@ def glu_mlp(
       recompute_gate_up: deprecated and ignored (results are the same either way): the backward keeps the
         pre-activation.
       quantization: None, "fp8_block" or "mxfp8": both GEMMs on block-scaled FP8 operands, as
-        ``grouped_matmul(quantization=...)`` defines them (the module docstring). The weights may then also be
+        ``grouped_matmul(quantization=...)`` defines them (the backward: the module docstring; the kernels need x in
+        bf16 or f16). The weights may then also be
         ``BlockScaled`` (``quantize_weights``; w_gate_up as a PackedGateUp of one for the kernels), which get no
         gradient; x stays high precision.
 
@@ -221,9 +241,65 @@ def glu_mlp(
 
 def _quantized_glu_mlp(x, w_gate_up, w_down, group_sizes, activation, row_scale, quantization, implementation):
     """The FP8 GLU MLP (the module docstring) on checked arguments, by ``implementation`` ("pallas" or "xla")."""
-    gemm = functools.partial(grouped_matmul_api.grouped_matmul, quantization=quantization, backend=implementation)
-    hidden = gemm(x, w_gate_up, group_sizes, activation=activation)
-    return gemm(hidden, w_down, group_sizes, row_scale=row_scale)
+    if implementation == "xla":
+        return reference.quantized_glu_mlp(
+            x,
+            w_gate_up,
+            w_down,
+            group_sizes,
+            activation=activation,
+            quantization=quantization,
+            row_scale=row_scale,
+        )
+    weights, _ = reference_fp8.stored_weights(w_gate_up, activation, False)
+    scale = None if row_scale is None else row_scale.astype(jnp.float32)
+    return _pallas_fp8_glu_mlp(x, weights, w_down, jnp.maximum(group_sizes, 0), scale, activation)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _pallas_fp8_glu_mlp(x, w_gate_up, w_down, group_sizes, row_scale, activation):
+    """x [M, D] high precision, the stored weights (packed w_gate_up [G, D, 2F], w_down [G, F, D]; high precision
+    or BlockScaled), group_sizes non-negative -> [M, D] in x.dtype, on the FP8 kernels (fp8_block)."""
+    return _fp8_glu_mlp_fwd(x, w_gate_up, w_down, group_sizes, row_scale, activation)[0]
+
+
+def _quantize_rows(rows: jax.Array) -> BlockScaled:
+    """rows [M, C] in fp8_block's 1 x 128 blocks along C (what the FP8 kernels' lhs takes)."""
+    recipe = reference_fp8.RECIPES[FP8_KERNEL_QUANTIZATION]
+    return quant.quantize_blockwise(rows, recipe.lhs_block, pow2_scales=recipe.pow2_scales)
+
+
+def _fp8_glu_mlp_fwd(x, w_gate_up, w_down, group_sizes, row_scale, activation):
+    recipe = reference_fp8.RECIPES[FP8_KERNEL_QUANTIZATION]
+    # Each weight's pass writes the forward's layout and the backward's (the forward's blocks, transposed).
+    w_gate_up_nk, w_gate_up_kn = grouped_matmul_api.kernel_weights(w_gate_up, recipe, False, with_dgrad=True)
+    w_down_nk, w_down_kn = grouped_matmul_api.kernel_weights(w_down, recipe, False, with_dgrad=True)
+    gate_up_args = (group_sizes, None, activation, x.dtype)
+    hidden, gate_up = run_fp8_forward_kernel(_quantize_rows(x), w_gate_up_nk, *gate_up_args, keep=True)
+    y = run_fp8_forward_kernel(_quantize_rows(hidden), w_down_nk, group_sizes, row_scale, None, x.dtype, keep=False)
+    return y, (x, w_gate_up, w_gate_up_kn, w_down, w_down_kn, group_sizes, row_scale, gate_up)
+
+
+def _fp8_glu_mlp_bwd(activation, residuals, d_y):
+    """The recipe's backward (reference.py) on the kernels: the glu_dgrad kernel on FP8 operands, then the gate_up
+    GEMM's FP8 dgrad and both FP8 wgrads; no gradient for BlockScaled weights."""
+    x, w_gate_up, w_gate_up_kn, w_down, w_down_kn, group_sizes, row_scale, gate_up = residuals
+    recipe = reference_fp8.RECIPES[FP8_KERNEL_QUANTIZATION]
+    d_y = d_y.astype(x.dtype)
+    d_gate_up, hidden_scaled, d_row_scale = run_glu_dgrad(
+        _quantize_rows(d_y), w_down_kn, group_sizes, gate_up, row_scale, activation
+    )
+    d_x = grouped_matmul_api.fp8_dgrad(d_gate_up, w_gate_up_kn, group_sizes, recipe, False, x.dtype)
+    wgrad = functools.partial(grouped_matmul_api.fp8_wgrad, quantization=FP8_KERNEL_QUANTIZATION, transpose_rhs=False)
+    d_w_gate_up = d_w_down = None
+    if not isinstance(w_gate_up, BlockScaled):
+        d_w_gate_up = wgrad(x, group_sizes, d_gate_up, out_dtype=w_gate_up.dtype)
+    if not isinstance(w_down, BlockScaled):
+        d_w_down = wgrad(hidden_scaled, group_sizes, d_y, out_dtype=w_down.dtype)
+    return d_x, d_w_gate_up, d_w_down, None, d_row_scale
+
+
+_pallas_fp8_glu_mlp.defvjp(_fp8_glu_mlp_fwd, _fp8_glu_mlp_bwd)
 
 
 def _glu_mlp(

@@ -402,7 +402,7 @@ def _pallas_fp8_fwd(lhs, weights, group_sizes, row_scale, activation, out_dtype,
         x = quant.quantize_blockwise(lhs, recipe.lhs_block, pow2_scales=recipe.pow2_scales)
     # With keep this is a VJP's forward: where its backward runs a dgrad (lhs high precision), the weights' pass also
     # writes the dgrad's copy.
-    w_nk, w_kn = _kernel_weights(weights, recipe, transpose_rhs, with_dgrad=keep and not isinstance(lhs, BlockScaled))
+    w_nk, w_kn = kernel_weights(weights, recipe, transpose_rhs, with_dgrad=keep and not isinstance(lhs, BlockScaled))
     # The backward needs the pre-activation only where an epilogue lies between it and the output.
     keep = keep and (activation is not None or row_scale is not None)
     outs = run_fp8_forward_kernel(x, w_nk, group_sizes, row_scale, activation, out_dtype, keep=keep)
@@ -410,7 +410,7 @@ def _pallas_fp8_fwd(lhs, weights, group_sizes, row_scale, activation, out_dtype,
     return out, (lhs, weights, w_kn, group_sizes, row_scale, pre)
 
 
-def _kernel_weights(weights, recipe, transpose_rhs: bool, *, with_dgrad: bool):
+def kernel_weights(weights, recipe, transpose_rhs: bool, *, with_dgrad: bool):
     """(w [G, N, K] for the forward, w [G, K, N] for the dgrad or None) in fp8_block's 128 x 128 blocks.
 
     FP8 wgmma operands are K-major, so the forward reads the weights [G, N, K] and the dgrad, contracting over N,
@@ -429,20 +429,20 @@ def _kernel_weights(weights, recipe, transpose_rhs: bool, *, with_dgrad: bool):
 
 
 def _pallas_fp8_bwd(activation, out_dtype, transpose_rhs, quantization, residuals, d_out):
-    """The epilogue's VJP in XLA on the kept pre-activation, then the recipe's quantized dgrad (``_fp8_dgrad``) and
-    wgrad (``_fp8_wgrad``); no gradient for a BlockScaled operand."""
+    """The epilogue's VJP in XLA on the kept pre-activation, then the recipe's quantized dgrad (``fp8_dgrad``) and
+    wgrad (``fp8_wgrad``); no gradient for a BlockScaled operand."""
     lhs, weights, w_kn, group_sizes, row_scale, pre = residuals
     d_pre, d_row_scale = (d_out, None) if pre is None else _epilogue_vjp(pre, row_scale, activation, d_out)
     recipe = RECIPES[quantization]
     d_lhs = d_weights = None
     if not isinstance(lhs, BlockScaled):
-        d_lhs = _fp8_dgrad(d_pre, w_kn, group_sizes, recipe, transpose_rhs, lhs.dtype)
+        d_lhs = fp8_dgrad(d_pre, w_kn, group_sizes, recipe, transpose_rhs, lhs.dtype)
     if not isinstance(weights, BlockScaled):
-        d_weights = _fp8_wgrad(lhs, group_sizes, d_pre, quantization, transpose_rhs, weights.dtype)
+        d_weights = fp8_wgrad(lhs, group_sizes, d_pre, quantization, transpose_rhs, weights.dtype)
     return d_lhs, d_weights, None, d_row_scale
 
 
-def _fp8_dgrad(d_pre, w_kn: BlockScaled, group_sizes, recipe, transpose_rhs: bool, out_dtype) -> jax.Array:
+def fp8_dgrad(d_pre, w_kn: BlockScaled, group_sizes, recipe, transpose_rhs: bool, out_dtype) -> jax.Array:
     """d lhs [M, K] = dy . w[g]^T, dy = d_pre [M, N] quantized along N: the FP8 kernel with N as its contraction,
     reading the forward's quantized weights as [G, K, N] (``w_kn``: K-major for this GEMM), where it runs; else in
     XLA."""
@@ -453,7 +453,7 @@ def _fp8_dgrad(d_pre, w_kn: BlockScaled, group_sizes, recipe, transpose_rhs: boo
     return run_fp8_forward_kernel(dy, w_kn, group_sizes, None, None, out_dtype, keep=False)
 
 
-def _fp8_wgrad(lhs, group_sizes, d_pre, quantization: str, transpose_rhs: bool, out_dtype) -> jax.Array:
+def fp8_wgrad(lhs, group_sizes, d_pre, quantization: str, transpose_rhs: bool, out_dtype) -> jax.Array:
     """d rhs [G, K, N] (or [G, N, K]) = x_g^T . dy_g, lhs and d_pre [M, N] quantized in row blocks per group: the FP8
     wgrad kernel where it runs (``fp8_wgrad_unsupported``), else in XLA."""
     recipe = RECIPES[quantization]

@@ -144,7 +144,7 @@ class Config:
 
         Args:
           in_itemsize, out_itemsize: bytes per input / output element.
-          operand_cols: columns of the [wg_block_m, operand_cols] input-dtype tile each consumer's epilogue loads
+          operand_cols: columns of the [wg_block_m, operand_cols] output-dtype tile each consumer's epilogue loads
             itself (the GLU backward's packed gate/up rows, 2 * block_n, where the ring does not carry them).
           row_vectors: [wg_block_m] f32 vectors per consumer (row_scale in, partial sums out), in one buffer.
           scale_k_blocks: FP8 operands (sm90_fp8.py): ``fp8_scale_k_blocks(K)``, the f32 weight scales each
@@ -154,7 +154,7 @@ class Config:
             self.num_stages * self.block_m * self.block_k * in_itemsize,  # x ring
             self.num_stages * self.block_n * self.block_k * in_itemsize,  # w ring
             2 * self.block_m * self.epilogue_n * out_itemsize,
-            self.block_m * operand_cols * in_itemsize,
+            self.block_m * operand_cols * out_itemsize,
             row_vectors * self.block_m * 4,
             (self.num_stages * self.block_m * 4) if scale_k_blocks else 0,
             self.num_compute_wgs * scale_k_blocks * 4,
@@ -324,21 +324,31 @@ def fp8_config(
     out_itemsize: int = 2,
     row_scale: bool = False,
     consumers: int | None = None,
+    glu_backward: bool = False,
 ) -> Config:
     """The FP8 kernel's config (forward, and the dgrad with its own columns as ``n``): the heuristic forward's tile
     order, FP8_BLOCK-wide steps and columns (sm90_fp8.py), the epilogue between tiles, as many stages as fit in shared
     memory, and 64 rows per consumer warpgroup: three of them where n >= FP8_THREE_CONSUMERS_MIN_N, else two (one on
     the heuristic's 64-row tiles of decode-sized groups). ``consumers``: that many in their place.
 
+    ``glu_backward``: the down projection's dgrad with the GLU backward in its epilogue (n = F), whose consumers load
+    their [wg_block_m, 2 * block_n] packed gate/up rows themselves (the pipeline's ring carries them only for
+    64-wide steps) and keep two row vectors with a row scale; always two consumers, whose registers hold the GLU
+    backward's temporaries beside the f32 total.
+
     Not tuned: the tuned table holds 16-bit kernels only.
     """
     order = heuristic_config("fwd", m=m, k=k, n=n, g=g, out_itemsize=out_itemsize, row_scale=row_scale)
     config = dataclasses.replace(order, block_n=FP8_BLOCK, block_k=FP8_BLOCK, overlap_epilogue=False, num_stages=8)
     if consumers is None and order.num_compute_wgs > 1:
-        consumers = 3 if n >= FP8_THREE_CONSUMERS_MIN_N else 2
+        consumers = 2 if glu_backward or n < FP8_THREE_CONSUMERS_MIN_N else 3
     if consumers is not None:
         config = dataclasses.replace(config, block_m=WGMMA_M * consumers, num_compute_wgs=consumers)
-    epilogue = dict(row_vectors=row_vector_count(row_scale, False), scale_k_blocks=fp8_scale_k_blocks(k))
+    epilogue = dict(
+        operand_cols=2 * FP8_BLOCK if glu_backward else 0,
+        row_vectors=row_vector_count(row_scale, glu_backward),
+        scale_k_blocks=fp8_scale_k_blocks(k),
+    )
     while not config.fits(1, out_itemsize, **epilogue) and config.num_stages > 2:
         config = dataclasses.replace(config, num_stages=config.num_stages - 1)
     return config

@@ -346,16 +346,10 @@ def run_fp8_forward_kernel(
     scales the quantizer took over the values that exist.
     """
     (m, k), (num_groups, n, _) = x.shape, w.shape
-    k_blocks = fp8_scale_k_blocks(k)
-    x_values, w_values = x.values, w.values
-    if k % KERNEL_DIM_MULTIPLE:
-        pad = KERNEL_DIM_MULTIPLE - k % KERNEL_DIM_MULTIPLE
-        x_values = jnp.pad(x_values, [(0, 0), (0, pad)])
-        w_values = jnp.pad(w_values, [(0, 0), (0, 0), (0, pad)])
-    w_scales = jnp.pad(w.scales, [(0, 0), (0, 0), (0, k_blocks - w.scales.shape[2])])
     itemsize = jnp.dtype(out_dtype).itemsize
     if config is None:
         config = fp8_config(m=m, k=k, n=n, g=num_groups, out_itemsize=itemsize, row_scale=row_scale is not None)
+    x_values, w_values, x_scales, w_scales = _fp8_kernel_operands(x, w)
     return run_forward_kernel(
         x_values,
         w_values,
@@ -366,9 +360,22 @@ def run_fp8_forward_kernel(
         True,
         keep=keep,
         config=config,
-        x_scales=x.scales.T,
+        x_scales=x_scales,
         w_scales=w_scales,
     )
+
+
+def _fp8_kernel_operands(x: BlockScaled, w: BlockScaled) -> tuple:
+    """(x values, w values, x scales [ceil(R / 128), M], w scales with padded K blocks): x [M, R] and w [G, C, R]
+    as the FP8 kernel reads them (run_fp8_forward_kernel's docstring), R padded where it must be."""
+    k = x.shape[1]
+    x_values, w_values = x.values, w.values
+    if k % KERNEL_DIM_MULTIPLE:
+        pad = KERNEL_DIM_MULTIPLE - k % KERNEL_DIM_MULTIPLE
+        x_values = jnp.pad(x_values, [(0, 0), (0, pad)])
+        w_values = jnp.pad(w_values, [(0, 0), (0, 0), (0, pad)])
+    w_scales = jnp.pad(w.scales, [(0, 0), (0, 0), (0, fp8_scale_k_blocks(k) - w.scales.shape[2])])
+    return x_values, w_values, x.scales.T, w_scales
 
 
 def fp8_wgrad_unsupported(quantization: str, contraction: int, num_cols: int, out_dtype) -> str | None:
@@ -437,24 +444,45 @@ def run_glu_dgrad(d_y, w_down, group_sizes, gate_up, row_scale, activation: str,
     """The down projection's dgrad with the GLU backward in its epilogue (the "glu_dgrad" kernel).
 
     Args:
-      d_y: [M, D]; w_down: [G, F, D], read transposed (the kernel's output columns are F); group_sizes: [G] int32;
-      gate_up: [M, 2F] packed pre-activation in d_y's dtype; row_scale: [M] f32 or None; activation: the GLU's;
-      config: the tile config (None: the table's or the heuristic's); zero_tail: run_rows_kernel's.
+      d_y: [M, D] bf16 / f16, or a BlockScaled of it in (1, 128) blocks (the FP8 kernel: then w_down is a
+        BlockScaled [G, F, D] in (1, 128, 128) blocks, its stored layout, which is K-major for this GEMM).
+      w_down: [G, F, D], read transposed (the kernel's output columns are F); group_sizes: [G] int32;
+      gate_up: [M, 2F] packed pre-activation, in the outputs' dtype (d_y's, for a high-precision d_y);
+      row_scale: [M] f32 or None; activation: the GLU's;
+      config: the tile config (None: the table's or the heuristic's, fp8_config's for FP8); zero_tail:
+      run_rows_kernel's.
 
     Returns:
-      (d_gate_up [M, 2F] packed, h * row_scale [M, F], d_row_scale [M] f32 or None), in d_y's dtype. Rows past
+      (d_gate_up [M, 2F] packed, h * row_scale [M, F], d_row_scale [M] f32 or None), in gate_up's dtype. Rows past
       sum(group_sizes) have no product (it is 0 there), so their d_gate_up and d_row_scale are 0; h * row_scale is
       computed from ``gate_up`` on every row (zero in ``glu_mlp``, whose forward writes zero pre-activations there).
       With ``zero_tail=False`` the first two are left unwritten there and d_row_scale is still 0.
     """
-    if config is None:
+    num_rows, out_dtype = d_y.shape[0], gate_up.dtype
+    fp8_scales = {}
+    if isinstance(d_y, BlockScaled):
+        num_groups, d_ff, d_model = w_down.shape
+        if config is None:
+            itemsize = jnp.dtype(out_dtype).itemsize
+            config = fp8_config(
+                m=num_rows,
+                k=d_model,
+                n=d_ff,
+                g=num_groups,
+                out_itemsize=itemsize,
+                row_scale=row_scale is not None,
+                glu_backward=True,
+            )
+        d_y, w_down, x_scales, w_scales = _fp8_kernel_operands(d_y, w_down)
+        fp8_scales = dict(x_scales=x_scales, w_scales=w_scales)
+    elif config is None:
         # gpt_oss's clamps narrow the table's tiles (config.CLAMPED_GLU_MAX_BLOCK_N).
         config = rows_config(
             "glu_dgrad",
-            d_y.shape[0],
+            num_rows,
             w_down,
             w_transposed=True,
-            out_dtype=d_y.dtype,
+            out_dtype=out_dtype,
             row_scale=row_scale is not None,
             clamped=activation == "gpt_oss",
         )
@@ -470,16 +498,17 @@ def run_glu_dgrad(d_y, w_down, group_sizes, gate_up, row_scale, activation: str,
         w_down,
         group_sizes,
         w_transposed=True,
-        out_dtype=d_y.dtype,
+        out_dtype=out_dtype,
         config=config,
         epilogue=epilogue,
         row_scale=row_scale,
         gate_up=gate_up,
         zero_tail=zero_tail,
+        **fp8_scales,
     )
     if zero_tail or d_row_scale is None:
         return d_gate_up, hidden_scaled, d_row_scale
     # The row sums of rows without a tile are read from other tiles' partials: select them away.
-    rows = jnp.arange(d_y.shape[0], dtype=jnp.int32)
-    d_row_scale = jnp.where(rows < rows_in_groups(group_sizes, d_y.shape[0]), d_row_scale, 0)
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    d_row_scale = jnp.where(rows < rows_in_groups(group_sizes, num_rows), d_row_scale, 0)
     return d_gate_up, hidden_scaled, d_row_scale

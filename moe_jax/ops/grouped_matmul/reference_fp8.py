@@ -226,13 +226,18 @@ def quantized_products(lhs, rhs, group_sizes, recipe: Recipe, transpose_rhs: boo
     """lhs [M, K] . rhs[g] per group on the quantized operands, f32 [M, N] (zeros past the sum), with the recipe's
     quantized gradients. lhs and rhs (the stored weights: [G, K, N], or [G, N, K] with ``transpose_rhs``) are high
     precision or BlockScaled; group_sizes are non-negative."""
-    return _quantized_products_fwd(lhs, rhs, group_sizes, recipe, transpose_rhs)[0]
+    return quantized_forward(lhs, rhs, group_sizes, recipe, transpose_rhs)[0]
+
+
+def quantized_forward(lhs, rhs, group_sizes, recipe: Recipe, transpose_rhs: bool) -> tuple[jax.Array, BlockScaled]:
+    """(``quantized_products``'s value, the quantized rhs), without its custom gradient."""
+    x = as_quantized(lhs, recipe.lhs_block, recipe)
+    w = as_quantized(rhs, recipe.rhs_block(transpose_rhs), recipe)
+    return _products(x.dequantize(), _k_major(w.dequantize(), transpose_rhs), group_sizes), w
 
 
 def _quantized_products_fwd(lhs, rhs, group_sizes, recipe, transpose_rhs):
-    x = as_quantized(lhs, recipe.lhs_block, recipe)
-    w = as_quantized(rhs, recipe.rhs_block(transpose_rhs), recipe)
-    out = _products(x.dequantize(), _k_major(w.dequantize(), transpose_rhs), group_sizes)
+    out, w = quantized_forward(lhs, rhs, group_sizes, recipe, transpose_rhs)
     return out, (lhs, rhs, w, group_sizes)
 
 

@@ -186,7 +186,7 @@ def grouped_matmul_rows(
       config: tile shapes; num_sms: persistent CTAs; interpret: Mosaic GPU interpreter params or None.
       epilogue: see ``Epilogue``.
       row_scale: [M] f32, with ``epilogue.row_scale``.
-      gate_up: [M, 2C] packed pre-activation in x's dtype, for the GLU backward.
+      gate_up: [M, 2C] packed pre-activation in out_dtype, for the GLU backward (x's dtype for 16-bit x).
       row_tokens: [M] int32 in [0, T): row r of the product is x[row_tokens[r]] (sm90_gather.py; R a multiple of
         block_k). M a multiple of 8.
       x_scales: FP8 x's scales, MN-major: [R / 128, M] f32 (row r's scale of K block k at [k, r]).
@@ -406,7 +406,9 @@ def grouped_matmul_rows(
     gate_up_cols = epi.operand_cols(cfg)
     if gate_up_cols:
         scratch.append(
-            plgpu.SMEM((num_wgs, wg_m, gate_up_cols), in_dtype, transforms=pipe.swizzled(gate_up_cols, in_dtype))
+            plgpu.SMEM(
+                (num_wgs, wg_m, gate_up_cols), gate_up.dtype, transforms=pipe.swizzled(gate_up_cols, gate_up.dtype)
+            )
         )
     kernel = plgpu.kernel(
         body,

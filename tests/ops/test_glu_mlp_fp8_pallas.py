@@ -1,0 +1,130 @@
+"""The FP8 GLU MLP's kernels (``glu_mlp(quantization="fp8_block", backend="pallas")``) under the checking Mosaic GPU
+interpreter: the down projection's dgrad with the GLU backward in its epilogue on FP8 operands, against ``jax.vjp``
+of the reference GLU, and the whole MLP, forward and gradients, against the XLA implementation of the same recipe
+(``moe_jax.ops.glu_mlp.reference.quantized_glu_mlp``).
+
+The interpreter multiplies e4m3 values exactly in f32, so the GLU backward differs from its oracle by the bf16
+rounding of its outputs and of the kept pre-activation: ``GRAD_TOL`` as for the bf16 kernel. The MLP's two paths
+quantize the same operands the same way and differ where an f32 sum is rounded to bf16 (the hidden activations, the
+kept pre-activation, d_gate_up); a rare such flip at an e4m3 rounding boundary moves one element or a block's scale
+by a whole e4m3 step (2^-4 relative) when the operand is quantized again: ``MLP_TOL`` covers a few of those in the
+relative norm. ``MIN_QUANTIZATION_ERROR`` against the unquantized MLP shows the kernels quantized.
+
+Cases (M, D, F, group sizes): "ragged": D = 320 (the GLU backward's contraction ends in a 64-wide block), F = 192 (a
+half-empty last column tile), an empty group, sizes off 8; "edges": one-row and 129-row groups across 128-row tiles,
+70 rows past the sum.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import moe_jax
+from moe_jax.ops.grouped_matmul import glu, launch, reference
+from moe_jax.ops.grouped_matmul.api import quantize_weights
+from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, split_gate_up
+from tests import oracle
+from tests.helpers import checked_interpreter, glu_mlp_inputs, simulated_sms
+
+GRAD_TOL = 1e-2
+MLP_TOL = 2e-2
+MIN_QUANTIZATION_ERROR = 5e-3
+CASES = {
+    "ragged": (203, 320, 192, [0, 120, 83]),
+    "edges": (300, 256, 128, [1, 129, 0, 100]),
+}
+
+
+@pytest.fixture
+def interpret():
+    """Runs the test's kernels under the checking interpreter on 2 simulated SMs; fails it on a detected race."""
+    with simulated_sms(2), checked_interpreter():
+        yield
+
+
+def _inputs(case: str, seed: int) -> dict:
+    m, d, f, sizes = CASES[case]
+    rng = np.random.default_rng(seed)
+    inputs = glu_mlp_inputs(rng, m, d, f, len(sizes))
+    inputs["cotangent"] = rng.normal(size=(m, d))
+    dtypes = dict(row_scale=jnp.float32)
+    inputs = {name: jnp.asarray(value, dtypes.get(name, jnp.bfloat16)) for name, value in inputs.items()}
+    return inputs | dict(group_sizes=jnp.asarray(sizes, jnp.int32))
+
+
+@pytest.mark.parametrize(
+    "activation, case, with_row_scale",
+    [("swiglu", "ragged", True), ("gpt_oss", "edges", True), ("geglu", "edges", False)],
+)
+@pytest.mark.usefixtures("interpret")
+def test_fp8_glu_backward_epilogue(activation, case, with_row_scale):
+    inputs = _inputs(case, seed=3)
+    group_sizes, d_y = inputs["group_sizes"], inputs["cotangent"]
+    row_scale = inputs["row_scale"] if with_row_scale else None
+    d_y_fp8 = moe_jax.quantize_blockwise(d_y, (1, 128))
+    w_down_fp8 = quantize_weights(inputs["w_down"])  # [G, F, D] in 128 x 128 blocks: K-major for this GEMM
+    m, d_ff = d_y.shape[0], inputs["w_down"].shape[1]
+    gate_up = 5.0 * jax.random.normal(jax.random.key(1), (m, 2 * d_ff), jnp.float32)
+    gate, up = (half.astype(jnp.bfloat16).astype(jnp.float32) for half in jnp.split(gate_up, 2, axis=1))
+    packed_rows = moe_jax.pack_gate_up(jnp.concatenate([gate, up], axis=1)[None]).array[0].astype(jnp.bfloat16)
+
+    d_gate_up, hidden, d_row_scale = launch.run_glu_dgrad(
+        d_y_fp8, w_down_fp8, group_sizes, packed_rows, row_scale, activation
+    )
+
+    d_h = reference.grouped_matmul(
+        d_y_fp8.dequantize(),
+        w_down_fp8.dequantize(),
+        group_sizes,
+        transpose_rhs=True,
+        preferred_element_type=jnp.float32,
+    )
+    scale = 1.0 if row_scale is None else row_scale[:, None]
+    expected_hidden, pullback = jax.vjp(lambda g, u: glu.glu(g, u, activation), gate, up)
+    expected_d_gate_up = jnp.concatenate(pullback(d_h * scale), axis=1)
+    past = int(np.sum(CASES[case][3]))
+    assert d_gate_up.dtype == hidden.dtype == jnp.bfloat16
+    d_gate_up = jnp.concatenate(split_gate_up(d_gate_up, PACK_BLOCK), axis=1)
+    assert oracle.relative_error(d_gate_up[:past], expected_d_gate_up[:past]) < GRAD_TOL
+    np.testing.assert_array_equal(np.asarray(d_gate_up, np.float32)[past:], 0.0)
+    assert oracle.relative_error(hidden, expected_hidden * scale) < GRAD_TOL
+    if row_scale is None:
+        assert d_row_scale is None
+        return
+    expected_d_row_scale = jnp.sum(expected_hidden * d_h, axis=1)
+    assert oracle.relative_error(d_row_scale[:past], expected_d_row_scale[:past]) < GRAD_TOL
+    np.testing.assert_array_equal(np.asarray(d_row_scale)[past:], 0.0)
+
+
+@pytest.mark.parametrize("activation, case", [("swiglu", "ragged"), ("gpt_oss", "edges")])
+def test_fp8_glu_mlp_matches_the_xla_recipe(activation, case):
+    inputs = _inputs(case, seed=4)
+    names = ("x", "w_gate_up", "w_down", "row_scale")
+
+    def run(backend, quantization="fp8_block"):
+        def loss(x, w_gate_up, w_down, row_scale):
+            y = moe_jax.glu_mlp(
+                x,
+                w_gate_up,
+                w_down,
+                inputs["group_sizes"],
+                activation=activation,
+                row_scale=row_scale,
+                backend=backend,
+                quantization=quantization,
+            )
+            return jnp.sum(y.astype(jnp.float32) * inputs["cotangent"].astype(jnp.float32)), y
+
+        grad = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
+        return jax.jit(grad)(*(inputs[name] for name in names))
+
+    with simulated_sms(2), checked_interpreter():
+        kernel_grads, kernel_y = run("pallas")
+    xla_grads, xla_y = run("xla")
+    assert oracle.relative_error(kernel_y, xla_y) < MLP_TOL
+    assert oracle.relative_error(kernel_y, run("xla", None)[1]) > MIN_QUANTIZATION_ERROR
+    past = int(np.sum(CASES[case][3]))
+    np.testing.assert_array_equal(np.asarray(kernel_y, np.float32)[past:], 0.0)
+    for name, actual, expected in zip(names, kernel_grads, xla_grads, strict=True):
+        assert oracle.relative_error(actual, expected) < MLP_TOL, name
