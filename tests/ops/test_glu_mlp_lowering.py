@@ -88,6 +88,11 @@ def test_fp8_glu_mlp_forward_and_backward_lower(model, activation, row_scale):
     assert "moe_gmm_fp8_glu_bwd" in text
 
 
+def test_fp8_glu_mlp_forward_alone_lowers():
+    text = _lowered("qwen3-30b", "swiglu", row_scale=True, recompute=False, backward=False, quantization="fp8_block")
+    assert text.count(MOSAIC_CALL) == 2
+
+
 def test_glu_mlp_forward_alone_lowers():
     assert _lowered("mixtral", "swiglu", row_scale=True, recompute=False, backward=False).count(MOSAIC_CALL) == 2
 

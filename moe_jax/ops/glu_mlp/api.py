@@ -260,7 +260,7 @@ def _quantized_glu_mlp(x, w_gate_up, w_down, group_sizes, activation, row_scale,
 def _pallas_fp8_glu_mlp(x, w_gate_up, w_down, group_sizes, row_scale, activation):
     """x [M, D] high precision, the stored weights (packed w_gate_up [G, D, 2F], w_down [G, F, D]; high precision
     or BlockScaled), group_sizes non-negative -> [M, D] in x.dtype, on the FP8 kernels (fp8_block)."""
-    return _fp8_glu_mlp_fwd(x, w_gate_up, w_down, group_sizes, row_scale, activation)[0]
+    return _fp8_glu_mlp_fwd(x, w_gate_up, w_down, group_sizes, row_scale, activation, with_backward=False)[0]
 
 
 def _quantize_rows(rows: jax.Array) -> BlockScaled:
@@ -269,13 +269,16 @@ def _quantize_rows(rows: jax.Array) -> BlockScaled:
     return quant.quantize_blockwise(rows, recipe.lhs_block, pow2_scales=recipe.pow2_scales)
 
 
-def _fp8_glu_mlp_fwd(x, w_gate_up, w_down, group_sizes, row_scale, activation):
+def _fp8_glu_mlp_fwd(x, w_gate_up, w_down, group_sizes, row_scale, activation, *, with_backward: bool):
+    """y and, ``with_backward``, the backward's residuals: then each weight's pass also writes the dgrad's layout (the
+    forward's blocks, transposed) and the gate_up kernel keeps the pre-activation."""
     recipe = reference_fp8.RECIPES[FP8_KERNEL_QUANTIZATION]
-    # Each weight's pass writes the forward's layout and the backward's (the forward's blocks, transposed).
-    w_gate_up_nk, w_gate_up_kn = grouped_matmul_api.kernel_weights(w_gate_up, recipe, False, with_dgrad=True)
-    w_down_nk, w_down_kn = grouped_matmul_api.kernel_weights(w_down, recipe, False, with_dgrad=True)
+    layouts = functools.partial(grouped_matmul_api.kernel_weights, recipe=recipe, with_dgrad=with_backward)
+    w_gate_up_nk, w_gate_up_kn = layouts(w_gate_up, transpose_rhs=False)
+    w_down_nk, w_down_kn = layouts(w_down, transpose_rhs=False)
     gate_up_args = (group_sizes, None, activation, x.dtype)
-    hidden, gate_up = run_fp8_forward_kernel(_quantize_rows(x), w_gate_up_nk, *gate_up_args, keep=True)
+    outs = run_fp8_forward_kernel(_quantize_rows(x), w_gate_up_nk, *gate_up_args, keep=with_backward)
+    hidden, gate_up = outs if with_backward else (outs, None)
     y = run_fp8_forward_kernel(_quantize_rows(hidden), w_down_nk, group_sizes, row_scale, None, x.dtype, keep=False)
     return y, (x, w_gate_up, w_gate_up_kn, w_down, w_down_kn, group_sizes, row_scale, gate_up)
 
@@ -299,7 +302,7 @@ def _fp8_glu_mlp_bwd(activation, residuals, d_y):
     return d_x, d_w_gate_up, d_w_down, None, d_row_scale
 
 
-_pallas_fp8_glu_mlp.defvjp(_fp8_glu_mlp_fwd, _fp8_glu_mlp_bwd)
+_pallas_fp8_glu_mlp.defvjp(functools.partial(_fp8_glu_mlp_fwd, with_backward=True), _fp8_glu_mlp_bwd)
 
 
 def _glu_mlp(
