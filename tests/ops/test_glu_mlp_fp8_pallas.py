@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import moe_jax
+from moe_jax.ops.glu_mlp import api as glu_mlp_api
 from moe_jax.ops.grouped_matmul import glu, launch, reference
 from moe_jax.ops.grouped_matmul.api import quantize_weights
 from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, split_gate_up
@@ -127,4 +128,44 @@ def test_fp8_glu_mlp_matches_the_xla_recipe(activation, case):
     past = int(np.sum(CASES[case][3]))
     np.testing.assert_array_equal(np.asarray(kernel_y, np.float32)[past:], 0.0)
     for name, actual, expected in zip(names, kernel_grads, xla_grads, strict=True):
+        assert oracle.relative_error(actual, expected) < MLP_TOL, name
+
+
+def test_fp8_routed_glu_mlp_matches_the_xla_recipe():
+    """Tokens quantized once each, their FP8 rows and scales permuted into expert order (T = 67, k = 3, one empty
+    expert; ``Routing.positions`` moves the rows), against the XLA path, which permutes x first and quantizes the
+    rows: the same values."""
+    rng = np.random.default_rng(5)
+    num_tokens, top_k, d, d_ff = 67, 3, 256, 128
+    inputs = glu_mlp_inputs(rng, num_tokens * top_k, d, d_ff, 4)
+    x = jnp.asarray(rng.normal(size=(num_tokens, d)), jnp.bfloat16)
+    routing = moe_jax.route(jnp.asarray(rng.normal(size=(num_tokens, 4)) - [0, 0, 0, 1e9], jnp.float32), top_k)
+    cotangent = jnp.asarray(rng.normal(size=(num_tokens * top_k, d)), jnp.float32)
+    weights = tuple(jnp.asarray(inputs[name], jnp.bfloat16) for name in ("w_gate_up", "w_down"))
+    row_scale = jnp.asarray(inputs["row_scale"], jnp.float32)
+
+    def run(backend):
+        def loss(x, w_gate_up, w_down, row_scale):
+            y = glu_mlp_api.routed_glu_mlp(
+                x,
+                routing.sort_indices,
+                top_k,
+                w_gate_up,
+                w_down,
+                routing.group_sizes,
+                row_scale=row_scale,
+                positions=routing.positions,
+                backend=backend,
+                quantization="fp8_block",
+            )
+            return jnp.sum(y.astype(jnp.float32) * cotangent), y
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, *weights, row_scale)
+
+    with simulated_sms(2), checked_interpreter():
+        kernel_grads, kernel_y = run("pallas")
+    xla_grads, xla_y = run("xla")
+    assert int(routing.group_sizes[3]) == 0
+    assert oracle.relative_error(kernel_y, xla_y) < MLP_TOL
+    for name, actual, expected in zip(("x", "w_gate_up", "w_down", "row_scale"), kernel_grads, xla_grads, strict=True):
         assert oracle.relative_error(actual, expected) < MLP_TOL, name

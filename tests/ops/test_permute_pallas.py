@@ -54,6 +54,22 @@ def test_permute_matches_reference_exactly(num_tokens, d_model, num_experts, top
     np.testing.assert_array_equal(rows, reference.permute(x, routing.sort_indices, top_k))
 
 
+# FP8 rows move as pairs of bytes: every bit pattern (NaNs, infinities and subnormals of a 16-bit float among them)
+# must arrive as it was. D = 2880 (1440 words) overlaps its last chunk.
+@pytest.mark.parametrize("d_model", [256, 2880])
+def test_permute_moves_fp8_rows_bit_exactly(d_model):
+    rng = np.random.default_rng(d_model)
+    num_tokens, top_k = 13, 3
+    raw = rng.integers(0, 256, size=(num_tokens, d_model), dtype=np.uint8)
+    x = jax.lax.bitcast_convert_type(jnp.asarray(raw), jnp.float8_e4m3fn)
+    sort_indices = jnp.asarray(rng.permutation(num_tokens * top_k), jnp.int32)
+    moved = _interpreted(lambda x: moe_jax.permute(x, sort_indices, top_k, backend="pallas"), x)
+    assert moved.dtype == x.dtype
+    np.testing.assert_array_equal(
+        np.asarray(jax.lax.bitcast_convert_type(moved, jnp.uint8)), raw[np.asarray(sort_indices) // top_k]
+    )
+
+
 @pytest.mark.parametrize("num_tokens, d_model, num_experts, top_k, dtype", CASES)
 @pytest.mark.parametrize("weighted", [True, False])
 def test_combine_matches_reference(num_tokens, d_model, num_experts, top_k, dtype, weighted):

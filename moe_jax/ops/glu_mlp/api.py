@@ -239,9 +239,17 @@ def glu_mlp(
     return _glu_mlp(x, w_gate_up, w_down, group_sizes, activation, row_scale, zero_tail, implementation)
 
 
-def _quantized_glu_mlp(x, w_gate_up, w_down, group_sizes, activation, row_scale, quantization, implementation):
-    """The FP8 GLU MLP (the module docstring) on checked arguments, by ``implementation`` ("pallas" or "xla")."""
+def _quantized_glu_mlp(
+    x, w_gate_up, w_down, group_sizes, activation, row_scale, quantization, implementation, routed=(None, None, None)
+):
+    """The FP8 GLU MLP (the module docstring) on checked arguments, by ``implementation`` ("pallas" or "xla").
+
+    ``routed``: (sort_indices, top_k, positions) with x [T, D] tokens (the kernels quantize each token once and
+    permute its FP8 row), or Nones with x [M, D] rows."""
+    sort_indices, top_k, positions = routed
     if implementation == "xla":
+        if sort_indices is not None:
+            x = permute_api.permute(x, sort_indices, top_k, positions=positions, backend="xla")
         return reference.quantized_glu_mlp(
             x,
             w_gate_up,
@@ -253,14 +261,17 @@ def _quantized_glu_mlp(x, w_gate_up, w_down, group_sizes, activation, row_scale,
         )
     weights, _ = reference_fp8.stored_weights(w_gate_up, activation, False)
     scale = None if row_scale is None else row_scale.astype(jnp.float32)
-    return _pallas_fp8_glu_mlp(x, weights, w_down, jnp.maximum(group_sizes, 0), scale, activation)
+    args = (x, weights, w_down, jnp.maximum(group_sizes, 0), scale, sort_indices, positions)
+    return _pallas_fp8_glu_mlp(*args, top_k, activation)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _pallas_fp8_glu_mlp(x, w_gate_up, w_down, group_sizes, row_scale, activation):
-    """x [M, D] high precision, the stored weights (packed w_gate_up [G, D, 2F], w_down [G, F, D]; high precision
-    or BlockScaled), group_sizes non-negative -> [M, D] in x.dtype, on the FP8 kernels (fp8_block)."""
-    return _fp8_glu_mlp_fwd(x, w_gate_up, w_down, group_sizes, row_scale, activation, with_backward=False)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _pallas_fp8_glu_mlp(x, w_gate_up, w_down, group_sizes, row_scale, sort_indices, positions, top_k, activation):
+    """x [M, D] high precision (or [T, D] tokens whose rows sort_indices // top_k picks), the stored weights (packed
+    w_gate_up [G, D, 2F], w_down [G, F, D]; high precision or BlockScaled), group_sizes non-negative -> [M, D] in
+    x.dtype, on the FP8 kernels (fp8_block)."""
+    args = (x, w_gate_up, w_down, group_sizes, row_scale, sort_indices, positions, top_k, activation)
+    return _fp8_glu_mlp_fwd(*args, with_backward=False)[0]
 
 
 def _quantize_rows(rows: jax.Array) -> BlockScaled:
@@ -269,37 +280,61 @@ def _quantize_rows(rows: jax.Array) -> BlockScaled:
     return quant.quantize_blockwise(rows, recipe.lhs_block, pow2_scales=recipe.pow2_scales)
 
 
-def _fp8_glu_mlp_fwd(x, w_gate_up, w_down, group_sizes, row_scale, activation, *, with_backward: bool):
+def _sorted_rows(x, sort_indices, positions, top_k):
+    """x's rows in expert order (x itself when it holds the rows already)."""
+    if sort_indices is None:
+        return x
+    backend = _rows_backend(permute_api.kernel_rows(x))
+    return permute_api.permute(x, sort_indices, top_k, positions=positions, backend=backend)
+
+
+def _fp8_glu_mlp_fwd(
+    x, w_gate_up, w_down, group_sizes, row_scale, sort_indices, positions, top_k, activation, *, with_backward: bool
+):
     """y and, ``with_backward``, the backward's residuals: then each weight's pass also writes the dgrad's layout (the
-    forward's blocks, transposed) and the gate_up kernel keeps the pre-activation."""
+    forward's blocks, transposed) and the gate_up kernel keeps the pre-activation.
+
+    Tokens are quantized once each (1 x 128 blocks along D lie within a row, so a row's blocks are its token's) and
+    their FP8 values and scales permuted: half the bytes of permuting x, and a quantize pass over T rows, not T * k.
+    """
     recipe = reference_fp8.RECIPES[FP8_KERNEL_QUANTIZATION]
     layouts = functools.partial(grouped_matmul_api.kernel_weights, recipe=recipe, with_dgrad=with_backward)
     w_gate_up_nk, w_gate_up_kn = layouts(w_gate_up, transpose_rhs=False)
     w_down_nk, w_down_kn = layouts(w_down, transpose_rhs=False)
-    gate_up_args = (group_sizes, None, activation, x.dtype)
-    outs = run_fp8_forward_kernel(_quantize_rows(x), w_gate_up_nk, *gate_up_args, keep=with_backward)
+    quantized = _quantize_rows(x)
+    if sort_indices is not None:
+        values = _sorted_rows(quantized.values, sort_indices, positions, top_k)
+        quantized = BlockScaled(values, quantized.scales[sort_indices // top_k], quantized.block_shape)
+    outs = run_fp8_forward_kernel(quantized, w_gate_up_nk, group_sizes, None, activation, x.dtype, keep=with_backward)
     hidden, gate_up = outs if with_backward else (outs, None)
     y = run_fp8_forward_kernel(_quantize_rows(hidden), w_down_nk, group_sizes, row_scale, None, x.dtype, keep=False)
-    return y, (x, w_gate_up, w_gate_up_kn, w_down, w_down_kn, group_sizes, row_scale, gate_up)
+    weights = (w_gate_up, w_gate_up_kn, w_down, w_down_kn)
+    return y, (x, weights, group_sizes, row_scale, sort_indices, positions, gate_up)
 
 
-def _fp8_glu_mlp_bwd(activation, residuals, d_y):
+def _fp8_glu_mlp_bwd(top_k, activation, residuals, d_y):
     """The recipe's backward (reference.py) on the kernels: the glu_dgrad kernel on FP8 operands, then the gate_up
-    GEMM's FP8 dgrad and both FP8 wgrads; no gradient for BlockScaled weights."""
-    x, w_gate_up, w_gate_up_kn, w_down, w_down_kn, group_sizes, row_scale, gate_up = residuals
+    GEMM's FP8 dgrad and both FP8 wgrads; no gradient for BlockScaled weights. Tokens are permuted again (in x's
+    dtype) for the gate_up wgrad, and x's gradient sums each token's rows (``combine``)."""
+    x, weights, group_sizes, row_scale, sort_indices, positions, gate_up = residuals
+    w_gate_up, w_gate_up_kn, w_down, w_down_kn = weights
     recipe = reference_fp8.RECIPES[FP8_KERNEL_QUANTIZATION]
     d_y = d_y.astype(x.dtype)
     d_gate_up, hidden_scaled, d_row_scale = run_glu_dgrad(
         _quantize_rows(d_y), w_down_kn, group_sizes, gate_up, row_scale, activation
     )
-    d_x = grouped_matmul_api.fp8_dgrad(d_gate_up, w_gate_up_kn, group_sizes, recipe, False, x.dtype)
+    d_rows = grouped_matmul_api.fp8_dgrad(d_gate_up, w_gate_up_kn, group_sizes, recipe, False, x.dtype)
     wgrad = functools.partial(grouped_matmul_api.fp8_wgrad, quantization=FP8_KERNEL_QUANTIZATION, transpose_rhs=False)
     d_w_gate_up = d_w_down = None
     if not isinstance(w_gate_up, BlockScaled):
-        d_w_gate_up = wgrad(x, group_sizes, d_gate_up, out_dtype=w_gate_up.dtype)
+        rows = _sorted_rows(x, sort_indices, positions, top_k)
+        d_w_gate_up = wgrad(rows, group_sizes, d_gate_up, out_dtype=w_gate_up.dtype)
     if not isinstance(w_down, BlockScaled):
         d_w_down = wgrad(hidden_scaled, group_sizes, d_y, out_dtype=w_down.dtype)
-    return d_x, d_w_gate_up, d_w_down, None, d_row_scale
+    d_x = d_rows
+    if sort_indices is not None:
+        d_x = permute_api.combine(d_rows, sort_indices, top_k, positions=positions, backend=_rows_backend(x))
+    return d_x, d_w_gate_up, d_w_down, None, d_row_scale, None, None
 
 
 _pallas_fp8_glu_mlp.defvjp(functools.partial(_fp8_glu_mlp_fwd, with_backward=True), _fp8_glu_mlp_bwd)
@@ -370,12 +405,12 @@ def routed_glu_mlp(
         return _run_pallas(
             x, sort_indices, top_k, w_gate_up, w_down, group_sizes, row_scale, activation, False, zero_tail
         )
-    rows_backend = _rows_backend(x) if implementation == "pallas_sorted" else "xla"
-    rows = permute_api.permute(x, sort_indices, top_k, positions=positions, backend=rows_backend)
     mlp_implementation = "xla" if implementation == "xla" else "pallas"
     if quantization is not None:
-        args = (activation, row_scale, quantization, mlp_implementation)
-        return _quantized_glu_mlp(rows, w_gate_up, w_down, group_sizes, *args)
+        args = (activation, row_scale, quantization, mlp_implementation, (sort_indices, top_k, positions))
+        return _quantized_glu_mlp(x, w_gate_up, w_down, group_sizes, *args)
+    rows_backend = _rows_backend(x) if implementation == "pallas_sorted" else "xla"
+    rows = permute_api.permute(x, sort_indices, top_k, positions=positions, backend=rows_backend)
     return _glu_mlp(rows, w_gate_up, w_down, group_sizes, activation, row_scale, zero_tail, mlp_implementation)
 
 

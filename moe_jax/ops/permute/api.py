@@ -62,14 +62,26 @@ def permute(
 
     Returns:
       [T * k, D]: row p is ``x[sort_indices[p] // top_k]``.
+
+    One-byte rows (FP8 values) with an even D move on the kernel as D / 2 16-bit words (``kernel_rows``).
     """
-    num_tokens, _ = checks.check_rank("x", x, 2, "[T, D]")
+    num_tokens, d_model = checks.check_rank("x", x, 2, "[T, D]")
     checks.check_positive_int("top_k", top_k)
     _check_sort_indices(sort_indices, num_tokens * top_k, "length (T * top_k)")
     _check_positions(positions, num_tokens, top_k)
-    if select("permute", backend, x) == "pallas":
-        return sm90_vjp.permute(x, sort_indices, top_k, positions)
+    rows = kernel_rows(x)
+    if select("permute", backend, rows) == "pallas":
+        moved = sm90_vjp.permute(rows, sort_indices, top_k, positions)
+        return jax.lax.bitcast_convert_type(moved, x.dtype).reshape(num_tokens * top_k, d_model)
     return reference.permute(x, sort_indices, top_k)
+
+
+def kernel_rows(x: jax.Array) -> jax.Array:
+    """The rows [T, D'] the permute kernel moves for x [T, D]: 1-byte rows with an even D as D / 2 16-bit words (the
+    kernel copies bits, it computes nothing), other rows as they are."""
+    if jnp.dtype(x.dtype).itemsize == 1 and x.shape[1] % 2 == 0:
+        return jax.lax.bitcast_convert_type(x.reshape(x.shape[0], x.shape[1] // 2, 2), jnp.float16)
+    return x
 
 
 def combine(
