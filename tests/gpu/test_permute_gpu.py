@@ -58,6 +58,20 @@ def test_permute_combine_and_gradients(name, with_positions):
         assert relative_error(g, e) <= tol, name
 
 
+@pytest.mark.parametrize("name", [s.name for s in shapes.layer_shapes("bench")])
+def test_permute_moves_fp8_rows_bit_exactly(name):
+    # Every byte pattern (as 16-bit words: NaNs and infinities of f16 among them) arrives as it was.
+    num_tokens, d_model, top_k = 1024, shapes.LAYER_SHAPES[name].d, shapes.LAYER_SHAPES[name].top_k
+    routing = jax.jit(lambda x: moe_jax.route(x, top_k, backend="xla"))(
+        jax.random.normal(jax.random.key(7), (num_tokens, 128), jnp.float32)
+    )
+    raw = jax.random.randint(jax.random.key(8), (num_tokens, d_model), 0, 256, jnp.int32).astype(jnp.uint8)
+    x = jax.lax.bitcast_convert_type(raw, jnp.float8_e4m3fn)
+    moved = jax.jit(lambda x: moe_jax.permute(x, routing.sort_indices, top_k, backend="pallas"))(x)
+    expected = np.asarray(raw)[np.asarray(routing.sort_indices) // top_k]
+    np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(moved, jnp.uint8)), expected)
+
+
 def test_permute_combine_at_256k_tokens():
     # T * k = 2M expert-sorted rows of D = 512: [T * k, D] arrays of 2 GiB; the combine reads all but the last rows.
     num_tokens, num_experts, top_k, d_model = 262144, 128, 8, 512
