@@ -393,6 +393,61 @@ def memory_table(layer) -> str:
     return "\n".join(rows)
 
 
+def layer_kept_for_backward(layer, quantization: str | None) -> list[tuple[str, jax.core.ShapedArray]]:
+    """What ``moe_ffn(backend="pallas", quantization=...)`` keeps for the backward at ``layer`` beyond the weights:
+    (source, aval) of every per-token array (the routing's, the expert MLP's). Kept weight copies (the FP8
+    layouts: [E, ., .] values and scales, whatever their source) are parameters' bytes and left out."""
+    args = {
+        "x": jax.ShapeDtypeStruct((layer.t, layer.d), jnp.bfloat16),
+        "router_kernel": jax.ShapeDtypeStruct((layer.d, layer.e), jnp.float32),
+        "w_gate_up": moe_jax.PackedGateUp(
+            jax.ShapeDtypeStruct((layer.e, layer.d, 2 * layer.f), jnp.bfloat16), gate_up_block(layer.f)
+        ),
+        "w_down": jax.ShapeDtypeStruct((layer.e, layer.f, layer.d), jnp.bfloat16),
+    }
+
+    def layer_fn(x, router_kernel, w_gate_up, w_down):
+        routing = common.routing_kwargs(layer, seed=0)
+        y, _ = moe_jax.moe_ffn(
+            x,
+            router_kernel,
+            w_gate_up,
+            w_down,
+            activation=layer.activation,
+            backend="pallas",
+            quantization=quantization,
+            **routing,
+        )
+        return y
+
+    kept = saved_residuals(layer_fn, tuple(args.values()), tuple(args))
+    return [
+        (source, aval)
+        for source, aval in kept
+        if not source.startswith("w_") and not (aval.ndim == 3 and aval.shape[0] == layer.e)
+    ]
+
+
+def layer_memory_table(layer) -> str:
+    """``layer_kept_for_backward`` in bf16 and FP8 as a markdown table, in bytes per token."""
+    rows = [
+        f"{layer.name}: T={layer.t}, D={layer.d}, F={layer.f}, E={layer.e}, k={layer.top_k}: "
+        "moe_ffn(backend='pallas'), activations kept for the backward (weights and their FP8 copies apart)\n",
+        "| quantization | kept | MiB | bytes per token | vs bf16 |",
+        "|---|---|---:|---:|---:|",
+    ]
+    totals = {}
+    for quantization in (None, "fp8_block"):
+        kept = layer_kept_for_backward(layer, quantization)
+        totals[quantization] = total = common.nbytes([aval for _, aval in kept])
+        listed = ", ".join(f"{source} {aval.str_short(short_dtypes=True)}" for source, aval in kept)
+        ratio = total / totals[None]
+        rows.append(
+            f"| {quantization or 'bf16'} | {listed} | {total / 2**20:.1f} | {total / layer.t:.0f} | {ratio:.2f} |"
+        )
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
@@ -400,7 +455,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", default="qwen3-30b-a3b", help="comma-separated LAYER_SHAPES names")
     args = parser.parse_args(argv)
     for name in args.layers.split(","):
-        print(memory_table(shape_registry.LAYER_SHAPES[name]) + "\n")
+        layer = shape_registry.LAYER_SHAPES[name]
+        print(memory_table(layer) + "\n")
+        print(layer_memory_table(layer) + "\n")
 
 
 if __name__ == "__main__":

@@ -72,6 +72,9 @@ def permute(
     rows = kernel_rows(x)
     if select("permute", backend, rows) == "pallas":
         moved = sm90_vjp.permute(rows, sort_indices, top_k, positions)
+        if rows is x:
+            return moved
+        # (A bitcast has no gradient: only the words of FP8 values, which get none, take this way back.)
         return jax.lax.bitcast_convert_type(moved, x.dtype).reshape(num_tokens * top_k, d_model)
     return reference.permute(x, sort_indices, top_k)
 
