@@ -267,33 +267,38 @@ def training_row(backend: str, records: list[dict]) -> str:
 
 
 def training_report(runs: dict[str, dict[str, list[dict]]]) -> list[str]:
-    """The newest training pair of each GPU: tokens/s, MFU, peak memory, compile time and loss per backend."""
-    newest: dict[str, str] = {}
-    for run in sorted(runs):  # <date>_<gpu>_<git>: sorted by date
+    """Every training pair by GPU, newest date first (runs of one date, which the records do not order, by name):
+    tokens/s, MFU, peak memory, compile time and loss per backend."""
+    by_gpu: dict[str, list[str]] = {}
+    for run in sorted(runs, key=lambda run: (run[:10], run), reverse=True):  # <date>_<gpu>_<git>
         setup = next(r for r in runs[run]["pallas"] if r["kind"] == "setup")
-        newest[setup["device_kind"]] = run
-    if not newest:
+        by_gpu.setdefault(setup["device_kind"], []).append(run)
+    if not by_gpu:
         return []
     lines = ["## Toy MoE LM training throughput: `python -m train --config gpu`", ""]
-    for gpu, run in sorted(newest.items()):
-        setup = next(r for r in runs[run]["pallas"] if r["kind"] == "setup")
-        parameters = setup["parameters"]
-        lines += [
-            f"### {gpu}",
-            "",
-            f"{run[:10]}, {gpu}, git {run.split('_')[2]}; records `{run}{TRAIN_SUFFIX}{{xla,pallas}}.jsonl` (the "
-            "records hold the config, not the command line: `python -m train --config gpu --backend {xla,pallas} "
-            "--metrics FILE`, the pallas-fp8_block row with `--quantization fp8_block`, same seed and data); "
-            f"{parameters['total'] / 1e6:.1f}M parameters, {parameters['active'] / 1e6:.1f}M "
-            f"active per token, batch {setup['config']['batch_size']} x {setup['config']['seq_len']} bytes.",
-            "",
-            "| backend | tokens/s | MFU | peak GPU memory, GB | first step (compile), s | last step | its loss | "
-            "validation loss |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
-            *(training_row(name, runs[run][name]) for name in TRAIN_BACKENDS + TRAIN_VARIANTS if name in runs[run]),
-            "",
-        ]
+    for gpu, gpu_runs in sorted(by_gpu.items()):
+        lines += [f"### {gpu}", ""]
+        for run in gpu_runs:
+            lines += _training_run(gpu, run, runs[run])
     return lines
+
+
+def _training_run(gpu: str, run: str, by_backend: dict[str, list[dict]]) -> list[str]:
+    setup = next(r for r in by_backend["pallas"] if r["kind"] == "setup")
+    parameters = setup["parameters"]
+    return [
+        f"{run[:10]}, {gpu}, git {run.split('_')[2]}; records `{run}{TRAIN_SUFFIX}{{xla,pallas}}.jsonl` (the "
+        "records hold the config, not the command line: `python -m train --config gpu --backend {xla,pallas} "
+        "--metrics FILE`, the pallas-fp8_block row with `--quantization fp8_block`, same seed and data); "
+        f"{parameters['total'] / 1e6:.1f}M parameters, {parameters['active'] / 1e6:.1f}M "
+        f"active per token, batch {setup['config']['batch_size']} x {setup['config']['seq_len']} bytes.",
+        "",
+        "| backend | tokens/s | MFU | peak GPU memory, GB | first step (compile), s | last step | its loss | "
+        "validation loss |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        *(training_row(name, by_backend[name]) for name in TRAIN_BACKENDS + TRAIN_VARIANTS if name in by_backend),
+        "",
+    ]
 
 
 def build_report(results_dir: str, titles: dict[str, str], tables: dict[str, Callable], notes: list[str]) -> str:
