@@ -223,7 +223,7 @@ def train_records(tokens_per_s: list[float], *, device_kind: str = GPU, validati
     return [setup, {"kind": "compile", "step": 1, "seconds": 12.5}, *intervals, *final]
 
 
-def test_training_section_takes_medians_past_the_first_interval_of_the_newest_pair(tmp_path):
+def test_training_section_takes_medians_past_the_first_interval_of_every_pair_newest_first(tmp_path):
     for run, speed in (("2026-01-01_h100_aaaaaaa", 1.0), ("2026-01-02_h100_bbbbbbb", 2.0)):
         for backend, factor in (("xla", 1.0), ("pallas", 3.0)):
             # The first interval holds the warm-up and is left out: the median of the rest is the middle one.
@@ -238,7 +238,11 @@ def test_training_section_takes_medians_past_the_first_interval_of_the_newest_pa
         with open(tmp_path / f"2026-01-03_h100_ccccccc_train_gpu_{backend}.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in train_records([5.0, 5.0]))
     text = build(tmp_path)
-    assert "2026-01-02, " + GPU + ", git bbbbbbb" in text and "aaaaaaa" not in text and "ccccccc" not in text
+    newest, older = (
+        text.index(f"{date}, {GPU}, git {git}") for date, git in (("2026-01-02", "bbbbbbb"), ("2026-01-01", "aaaaaaa"))
+    )
+    assert newest < older and "ccccccc" not in text
+    assert table_rows(text, "2026-01-01, " + GPU)[1] == ["pallas", "600", "0.0006", "1.00", "12.5", "80", "1.5000", "-"]
     rows = table_rows(text, "2026-01-02, " + GPU)
     assert rows == [
         ["xla", "400", "0.0004", "1.00", "12.5", "80", "1.5000", "-"],
