@@ -9,8 +9,6 @@ Races are detected and uninitialised memory is NaN, so a scale read before its c
 or an output tile the kernel forgot shows up.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -97,19 +95,3 @@ def test_op_gradient_runs_the_kernel_in_either_weight_layout(transpose_rhs):
 def test_calls_the_wgrad_kernel_cannot_run_say_why(args, match):
     assert match in launch.fp8_wgrad_unsupported(*args)
     assert launch.fp8_wgrad_unsupported("fp8_block", 128, 192, jnp.bfloat16) is None
-
-
-@pytest.mark.usefixtures("interpret")
-def test_epilogue_between_tiles_gives_the_overlapped_epilogues_bits():
-    """The overlapped epilogue (fp8_wgrad_config's) moves when a tile is stored, not what: the epilogue between
-    tiles gives the same bits, empty groups and partial tiles included."""
-    m, p, q, sizes = CASES["edges"]
-    x, y = _operands(2, m, p, q, jnp.bfloat16)
-    group_sizes = jnp.asarray(sizes, jnp.int32)
-    overlapped = launch.fp8_wgrad_config(m=m, p=p, q=q, g=len(sizes), out_itemsize=4)
-    assert overlapped.overlap_epilogue
-    between = dataclasses.replace(overlapped, overlap_epilogue=False)
-    outs = [
-        launch.run_fp8_wgrad_kernel(x, y, group_sizes, out_dtype=jnp.float32, config=c) for c in (overlapped, between)
-    ]
-    np.testing.assert_array_equal(np.asarray(outs[0]), np.asarray(outs[1]))

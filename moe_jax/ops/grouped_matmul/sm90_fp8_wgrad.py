@@ -17,9 +17,7 @@ Promotion, as in the FP8 forward (sm90_fp8.py): each block is multiplied into a 
 
 x's scales are a column of the tile (wgmma's row layout), y's a row (its column layout: each thread holds the 32
 scales of its 32 columns). The total and the partial of a [64, 128] tile take 64 registers a thread each, hence
-block_n = 128. A group's tiles are short (one step per 128 of its tokens: 8 at 1024 tokens a group), so with
-``config.overlap_epilogue`` a tile's output rides the loop carry and is stored while the next tile's first MMA runs
-(its registers beside the total and the partial: ``check``); otherwise the epilogue runs between tiles.
+block_n = 128, and the epilogue runs between tiles.
 
 Work: every group owns ceil(P / block_m) * ceil(Q / block_n) output tiles, handed out round-robin over the SMs,
 largest group first (token_blocks.group_table); within a group the tiles follow the planar snake of
@@ -36,7 +34,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moe_jax.ops.grouped_matmul import sm90_pipeline as pipe
 from moe_jax.ops.grouped_matmul.config import FP8_BLOCK, SMEM_ALIGNMENT, Config
-from moe_jax.ops.grouped_matmul.sm90_fp8 import ADDRESS_REGISTERS
 from moe_jax.ops.grouped_matmul.token_blocks import GROUP_BLOCKS, GROUP_FIRST_BLOCK, GROUP_ID
 
 DTYPE = jnp.float8_e4m3fn
@@ -44,17 +41,13 @@ _ROW_VECTOR = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
 _COLUMN_VECTOR = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 
 
-def check(config: Config, out_itemsize: int) -> None:
+def check(config: Config) -> None:
     """Raises ValueError where the kernel cannot run this config."""
     if config.block_k != FP8_BLOCK or config.block_n != FP8_BLOCK:
         raise ValueError(f"the FP8 wgrad needs block_k = block_n = {FP8_BLOCK} (one scale block), got {config}")
-    # Registers a consumer thread holds: the total and the partial (f32), and with the overlapped epilogue the
-    # previous tile's output (in its dtype), each [wg_block_m, 128] over 128 threads.
-    arrays = config.wg_block_m * FP8_BLOCK // 128 * (8 + config.overlap_epilogue * out_itemsize) // 4
-    if arrays > pipe.compute_registers(config.num_compute_wgs) - ADDRESS_REGISTERS:
+    if config.overlap_epilogue:
         raise ValueError(
-            f"the total, the partial and (overlapped) the previous tile's output take {arrays} registers a thread, "
-            f"more than {config.num_compute_wgs} consumer(s) can hold beside the addresses: {config}"
+            "the FP8 wgrad runs without the overlapped epilogue (the total and the partial fill the registers)"
         )
     if config.grid_minor == "g":
         raise ValueError(f"the FP8 wgrad tiles one group's [P, Q] output: grid_minor must be 'm' or 'n', got {config}")
@@ -101,7 +94,7 @@ def grouped_matmul_wgrad_fp8(
     Returns:
       [G, P, Q], zeros for empty groups.
     """
-    check(config, jnp.dtype(out_dtype).itemsize)
+    check(config)
     p, q = x_t.shape[0], y_t.shape[0]
     num_groups = groups.shape[1]
     cfg = config
@@ -164,12 +157,8 @@ def grouped_matmul_wgrad_fp8(
                 return [functools.partial(store, c, chunk) for c, chunk in enumerate(chunks)]
 
             def tile_step(info, first_step, overlapped):
+                del overlapped  # the epilogue runs between tiles (``check``)
                 group, _, steps, pi, qi = tile_of(info.index[0])
-
-                def previous_stores():
-                    """The previous tile's stores (the overlapped epilogue's; none before the first tile)."""
-                    for store in overlapped:
-                        store()
 
                 def step(k, total):
                     slot = lax.rem(first_step + k, stages)
@@ -180,8 +169,6 @@ def grouped_matmul_wgrad_fp8(
                         # Read while the MMA runs; reading acc then waits for it.
                         x_scale = plgpu.load(x_scales_smem.at[slot, rows], layout=_ROW_VECTOR)
                         y_scale = plgpu.load(y_scales_smem.at[slot], layout=_COLUMN_VECTOR)
-                        if overlapped:
-                            pl.when(k == 0)(previous_stores)
                         return acc[...], x_scale, y_scale
 
                     partial, x_scale, y_scale = pl.run_scoped(mma, plgpu.ACC((wg_m, bn), jnp.float32))
@@ -193,12 +180,10 @@ def grouped_matmul_wgrad_fp8(
 
                 zeros = plgpu.layout_cast(jnp.zeros((wg_m, bn), jnp.float32), plgpu.Layout.WGMMA)
                 total = pl.loop(0, steps, init_carry=zeros)(step)
-                if overlapped:
-                    pl.when(steps == 0)(previous_stores)  # an empty group's tile has no first MMA
                 return steps, (pipe.column_chunks(total.astype(out_dtype), epi_n), (group, pi, qi))
 
             empty = (pipe.empty_chunks(bn // epi_n, wg_m, epi_n, out_dtype), (jnp.int32(0),) * 3)
-            pipe.consume_tiles(work, tile_step, stores, empty, overlap=cfg.overlap_epilogue)
+            pipe.consume_tiles(work, tile_step, stores, empty, overlap=False)
             plgpu.wait_smem_to_gmem(0)
 
     scratch = [
