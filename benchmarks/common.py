@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import moe_jax
 from benchmarks import shapes as shape_registry
 
 # Input sets are rotated until together they are larger than this (H100/H200 L2: 50/60 MB), so that repeated calls
@@ -225,6 +226,27 @@ def routing_kwargs(shape, seed: int) -> dict:
     one, the run's ``selection_bias``."""
     bias = selection_bias(shape.e, seed) if shape.selection_bias else None
     return dict(top_k=shape.top_k, bias=bias, **shape.route_options())
+
+
+def kernel_layer(shape, quantization: str | None, seed: int) -> Callable:
+    """``(x, router_kernel, w_gate_up, w_down) -> y``: ``moe_ffn`` at a LayerShape on the kernels (backend "pallas"),
+    with its router options and ``quantization``."""
+    route_kwargs = routing_kwargs(shape, seed)
+
+    def layer(x, router_kernel, w_gate_up, w_down):
+        y, _ = moe_jax.moe_ffn(
+            x,
+            router_kernel,
+            w_gate_up,
+            w_down,
+            activation=shape.activation,
+            backend="pallas",
+            quantization=quantization,
+            **route_kwargs,
+        )
+        return y
+
+    return layer
 
 
 @jax.jit

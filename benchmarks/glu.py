@@ -406,20 +406,7 @@ def layer_kept_for_backward(layer, quantization: str | None) -> list[tuple[str, 
         "w_down": jax.ShapeDtypeStruct((layer.e, layer.f, layer.d), jnp.bfloat16),
     }
 
-    def layer_fn(x, router_kernel, w_gate_up, w_down):
-        routing = common.routing_kwargs(layer, seed=0)
-        y, _ = moe_jax.moe_ffn(
-            x,
-            router_kernel,
-            w_gate_up,
-            w_down,
-            activation=layer.activation,
-            backend="pallas",
-            quantization=quantization,
-            **routing,
-        )
-        return y
-
+    layer_fn = common.kernel_layer(layer, quantization, seed=0)
     kept = saved_residuals(layer_fn, tuple(args.values()), tuple(args))
     return [
         (source, aval)

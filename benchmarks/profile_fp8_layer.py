@@ -26,7 +26,6 @@ import sys
 import jax
 import numpy as np
 
-import moe_jax
 from benchmarks import common, layer
 from benchmarks.shapes import LAYER_SHAPES
 
@@ -69,23 +68,9 @@ def summarize(calls: list[list[tuple[str, int, int]]]) -> dict:
 
 
 def profile(shape, quantization, *, backward: bool, calls: int, seed: int) -> dict:
-    route_kwargs = common.routing_kwargs(shape, seed)
     inputs = layer.make_inputs(shape, seed=seed)[0]
     names = ("x", "router_kernel", "w_gate_up", "w_down")
-
-    def forward(x, router_kernel, w_gate_up, w_down):
-        y, _ = moe_jax.moe_ffn(
-            x,
-            router_kernel,
-            w_gate_up,
-            w_down,
-            activation=shape.activation,
-            backend="pallas",
-            quantization=quantization,
-            **route_kwargs,
-        )
-        return y
-
+    forward = common.kernel_layer(shape, quantization, seed)
     fn = jax.jit(common.forward_backward(forward) if backward else forward)
     args = tuple(inputs[n] for n in names) + ((inputs["ct"],) if backward else ())
     return summarize(common.kernel_calls(fn, [args], calls))

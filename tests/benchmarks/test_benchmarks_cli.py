@@ -420,6 +420,24 @@ def test_glu_memory_table_counts_what_the_backward_keeps():
     assert table.count("\n| ") == len(kept) + 1 and "fused, recompute_gate_up" in table
 
 
+def test_layer_memory_table_keeps_tokens_not_rows():
+    """The layer's table at the ci layer (F doubled): bf16 and FP8 keep the same per-token arrays (x [T, D] in bf16,
+    not its k permuted rows; the packed pre-activation [M, 2F] in bf16; no f32 copy of x for the router's
+    gradient), and the FP8 weight copies are left out."""
+    from benchmarks import glu, shapes
+
+    layer = dataclasses.replace(shapes.LAYER_SHAPES["ci/layer"], f=128)  # 2F = 256 apart from D = 128
+    kept = {q: glu.layer_kept_for_backward(layer, q) for q in (None, "fp8_block")}
+    for quantization, arrays in kept.items():
+        shapes_kept = [(aval.shape, aval.dtype.name) for _, aval in arrays]
+        assert ((layer.t, layer.d), "bfloat16") in shapes_kept, quantization
+        assert ((layer.m, 2 * layer.f), "bfloat16") in shapes_kept, quantization
+        assert not any(shape == (layer.m, layer.d) for shape, _ in shapes_kept), quantization
+        assert not any(shape == (layer.t, layer.d) and dtype == "float32" for shape, dtype in shapes_kept), quantization
+    assert common.nbytes([a for _, a in kept["fp8_block"]]) <= 1.01 * common.nbytes([a for _, a in kept[None]])
+    assert "| fp8_block |" in glu.layer_memory_table(layer)
+
+
 def test_layer_composition_matches_moe_ffn_on_packed_weights():
     """The tokamax-gemms composition (here over the reference grouped matmul) computes moe_ffn's layer from the same
     packed input set, and the pallas layer reads those weights as stored: no transpose of a weight-sized array in its
