@@ -228,25 +228,29 @@ def routing_kwargs(shape, seed: int) -> dict:
     return dict(top_k=shape.top_k, bias=bias, **shape.route_options())
 
 
-def kernel_layer(shape, quantization: str | None, seed: int) -> Callable:
-    """``(x, router_kernel, w_gate_up, w_down) -> y``: ``moe_ffn`` at a LayerShape on the kernels (backend "pallas"),
-    with its router options and ``quantization``."""
-    route_kwargs = routing_kwargs(shape, seed)
+def moe_ffn_layer(shape, backend: str, route_kwargs: dict, quantization: str | None = None) -> Callable:
+    """``(x, router_kernel, w_gate_up, w_down) -> (y, (load_balancing_loss, z_loss))``: ``moe_jax.moe_ffn`` at a
+    LayerShape with its router options (``routing_kwargs``) on ``backend``, with ``quantization``."""
 
     def layer(x, router_kernel, w_gate_up, w_down):
-        y, _ = moe_jax.moe_ffn(
+        y, aux = moe_jax.moe_ffn(
             x,
             router_kernel,
             w_gate_up,
             w_down,
             activation=shape.activation,
-            backend="pallas",
+            backend=backend,
             quantization=quantization,
             **route_kwargs,
         )
-        return y
+        return y, (aux.load_balancing_loss, aux.z_loss)
 
     return layer
+
+
+def layer_output(layer: Callable) -> Callable:
+    """``moe_ffn_layer``'s function returning y alone."""
+    return lambda *arrays: layer(*arrays)[0]
 
 
 @jax.jit

@@ -406,7 +406,8 @@ def layer_kept_for_backward(layer, quantization: str | None) -> list[tuple[str, 
         "w_down": jax.ShapeDtypeStruct((layer.e, layer.f, layer.d), jnp.bfloat16),
     }
 
-    layer_fn = common.kernel_layer(layer, quantization, seed=0)
+    route_kwargs = common.routing_kwargs(layer, seed=0)
+    layer_fn = common.layer_output(common.moe_ffn_layer(layer, "pallas", route_kwargs, quantization))
     kept = saved_residuals(layer_fn, tuple(args.values()), tuple(args))
     return [
         (source, aval)

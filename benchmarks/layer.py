@@ -115,25 +115,6 @@ def gathered_expert_gemms(x, sort_indices, w_gate_up, w_down, group_sizes, row_w
     return y, ()
 
 
-def _moe_ffn(shape: LayerShape, backend: str, route_kwargs: dict, quantization: str | None = None) -> Callable:
-    """``moe_jax.moe_ffn`` returning ``(y, (load_balancing_loss, z_loss))`` like ``moe_ffn_with_gmm``."""
-
-    def layer(x, router_kernel, w_gate_up, w_down):
-        y, aux = moe_jax.moe_ffn(
-            x,
-            router_kernel,
-            w_gate_up,
-            w_down,
-            activation=shape.activation,
-            backend=backend,
-            quantization=quantization,
-            **route_kwargs,
-        )
-        return y, (aux.load_balancing_loss, aux.z_loss)
-
-    return layer
-
-
 @functools.partial(jax.jit, static_argnames="shape")
 def _input_set(key, *, shape: LayerShape) -> dict:
     keys = iter(jax.random.split(key, 9))
@@ -218,10 +199,15 @@ def bench_shape(
             time_it(
                 "router:xla", lambda x, w: (router_logits(x, w), ()), ("x", "router_kernel"), "", flops=router_flops
             )
-    layers = [(f"moe_jax:{backend}", _moe_ffn(shape, backend, route_kwargs)) for backend in options.backends]
+    layers = [
+        (f"moe_jax:{backend}", common.moe_ffn_layer(shape, backend, route_kwargs)) for backend in options.backends
+    ]
     if options.quantization:
         layers += [
-            (f"moe_jax:{backend}-{options.quantization}", _moe_ffn(shape, backend, route_kwargs, options.quantization))
+            (
+                f"moe_jax:{backend}-{options.quantization}",
+                common.moe_ffn_layer(shape, backend, route_kwargs, options.quantization),
+            )
             for backend in options.backends
         ]
     if "tokamax" in options.baselines:

@@ -70,7 +70,8 @@ def summarize(calls: list[list[tuple[str, int, int]]]) -> dict:
 def profile(shape, quantization, *, backward: bool, calls: int, seed: int) -> dict:
     inputs = layer.make_inputs(shape, seed=seed)[0]
     names = ("x", "router_kernel", "w_gate_up", "w_down")
-    forward = common.kernel_layer(shape, quantization, seed)
+    route_kwargs = common.routing_kwargs(shape, seed)
+    forward = common.layer_output(common.moe_ffn_layer(shape, "pallas", route_kwargs, quantization))
     fn = jax.jit(common.forward_backward(forward) if backward else forward)
     args = tuple(inputs[n] for n in names) + ((inputs["ct"],) if backward else ())
     return summarize(common.kernel_calls(fn, [args], calls))

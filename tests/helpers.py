@@ -16,6 +16,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import AbstractDevice, AbstractMesh
 
 import moe_jax
+from moe_jax.ops.grouped_matmul import glu
+from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, split_gate_up
+from tests import oracle
 
 # ------------------------------------------------------------------------------------------------------ interpreter
 
@@ -110,3 +113,26 @@ def normal(seed: int, shape, scale: float = 1.0) -> np.ndarray:
 def random_routing(seed: int, num_tokens: int, num_experts: int, top_k: int) -> moe_jax.Routing:
     """``moe_jax.route`` (the XLA reference) of standard normal f32 logits drawn from ``seed``."""
     return moe_jax.route(jnp.asarray(normal(seed, (num_tokens, num_experts))), top_k, backend="xla")
+
+
+def check_glu_backward(outputs, gate, up, d_h, row_scale, activation: str, routed_rows: int, *, hidden_tol, grad_tol):
+    """Asserts that the GLU-backward kernel's ``outputs`` (d_gate_up [M, 2F] packed, h * row_scale [M, F],
+    d_row_scale [M] or None) match ``jax.vjp`` of the reference GLU at the kept pre-activation (gate, up [M, F] f32)
+    for the product d_h [M, F] f32 (before the row scale): within ``grad_tol`` for the gradients and ``hidden_tol``
+    for h, over the first ``routed_rows`` rows; past them the product is 0, so d_gate_up and d_row_scale are exactly
+    0 (h depends on the pre-activation alone and is written for every row)."""
+    d_gate_up, hidden, d_row_scale = outputs
+    scale = 1.0 if row_scale is None else row_scale[:, None]
+    expected_hidden, pullback = jax.vjp(lambda g, u: glu.glu(g, u, activation), gate, up)
+    expected_d_gate_up = jnp.concatenate(pullback(d_h * scale), axis=1)
+    d_gate_up = jnp.concatenate(split_gate_up(d_gate_up, PACK_BLOCK), axis=1)
+    past = routed_rows
+    assert oracle.relative_error(d_gate_up[:past], expected_d_gate_up[:past]) < grad_tol
+    np.testing.assert_array_equal(np.asarray(d_gate_up, np.float32)[past:], 0.0)
+    assert oracle.relative_error(hidden, expected_hidden * scale) < hidden_tol
+    if row_scale is None:
+        assert d_row_scale is None
+        return
+    expected_d_row_scale = jnp.sum(expected_hidden * d_h, axis=1)
+    assert oracle.relative_error(d_row_scale[:past], expected_d_row_scale[:past]) < grad_tol
+    np.testing.assert_array_equal(np.asarray(d_row_scale)[past:], 0.0)

@@ -453,7 +453,7 @@ def test_layer_composition_matches_moe_ffn_on_packed_weights():
     composed = layer.moe_ffn_with_gmm(
         gmm_reference.grouped_matmul, *args, activation=shape.activation, route_kwargs=route_kwargs
     )
-    layer_fn = layer._moe_ffn(shape, "xla", route_kwargs)
+    layer_fn = common.moe_ffn_layer(shape, "xla", route_kwargs)
     expected = layer_fn(*args)
     for actual, exact in zip(jax.tree.leaves(composed), jax.tree.leaves(expected), strict=True):
         assert common.relative_errors(actual, exact)[0] < 1e-2
@@ -465,7 +465,7 @@ def test_layer_composition_matches_moe_ffn_on_packed_weights():
             for inner in jax.extend.core.jaxprs_in_params(eqn.params):
                 yield from transposed_sizes(inner)
 
-    pallas_layer = layer._moe_ffn(shape, "pallas", route_kwargs)
+    pallas_layer = common.moe_ffn_layer(shape, "pallas", route_kwargs)
     weight_size = inputs["w_gate_up"].array.size
     assert max(transposed_sizes(jax.make_jaxpr(pallas_layer)(*args).jaxpr), default=0) < weight_size
 
