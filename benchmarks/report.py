@@ -37,6 +37,8 @@ PROFILE_STAGES = ("router", "gating", "xla-glue", "permute", "gate_up", "down", 
 TRAIN_SUFFIX = "_train_gpu_"
 TRAIN_BACKENDS = ("xla", "pallas")
 TRAIN_VARIANTS = ("pallas-fp8_block",)  # optional rows beside a pair: same config, seed and data
+# Expert-parallel training runs: <date>_<gpus>_<git>_train_gpu_ep<N>-<dispatch>.jsonl.
+EXPERT_PARALLEL_RUN = re.compile(r"ep(\d+)-(\w+)")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -257,7 +259,10 @@ def training_row(backend: str, records: list[dict]) -> str:
     compile_s = next(r["seconds"] for r in records if r["kind"] == "compile")
     validation = next((r["validation_loss"] for r in records if r["kind"] == "final"), None)
     tokens = float(np.median([r["tokens_per_s"] for r in steady]))
-    mfu = float(np.median([r["mfu"] for r in steady]))
+    # From the setup, over every device's peak (the records' own "mfu" divided by one device's before multi-device
+    # runs were counted).
+    setup = next(r for r in records if r["kind"] == "setup")
+    mfu = tokens * setup["training_flops_per_token"] / (setup["peak_flops"] * setup["devices"])
     memory = max(r["peak_memory_bytes"] for r in intervals) / 1e9
     last = intervals[-1]
     return (
@@ -322,8 +327,43 @@ def build_report(results_dir: str, titles: dict[str, str], tables: dict[str, Cal
     lines += profile_report(read_records(json_files, "stages_us"))
     lines += fp8_profile_report(read_records(json_files, "classes_us"))
     lines += compile_report(read_records(json_files, "runs"))
-    lines += training_report(read_training([p for p in jsonl if TRAIN_SUFFIX in os.path.basename(p)]))
+    training = [p for p in jsonl if TRAIN_SUFFIX in os.path.basename(p)]
+    lines += training_report(read_training(training))
+    lines += expert_parallel_training_report(training)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def expert_parallel_training_report(paths: list[str]) -> list[str]:
+    """One row per expert-parallel run of ``python -m train --config gpu --expert-parallel N``: the same model, seed,
+    data and global batch as the single-GPU pairs above, over N GPUs."""
+    rows = []
+    for path in paths:
+        run, _, name = os.path.basename(path).removesuffix(".jsonl").rpartition(TRAIN_SUFFIX)
+        match = EXPERT_PARALLEL_RUN.fullmatch(name)
+        if match is None:
+            continue
+        with open(path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        setup = next(r for r in records if r["kind"] == "setup")
+        cells = training_row(setup["backend"], records).strip("|").split("|")[1:]
+        rows.append(
+            f"| {run[:10]} | git {run.split('_')[2]} | {setup['devices']} x {setup['device_kind']} | "
+            f"{match.group(2)} |{'|'.join(cells)}|"
+        )
+    if not rows:
+        return []
+    return [
+        "## Expert-parallel training: `python -m train --config gpu --expert-parallel N --dispatch D`",
+        "",
+        "The records `<date>_<gpus>_<git>_train_gpu_ep<N>-<dispatch>.jsonl`; the model, seed, data and global batch of "
+        "the single-GPU runs above, over a mesh of one data and N expert devices.",
+        "",
+        "| date | git | devices | dispatch | tokens/s | MFU | peak GPU memory, GB | first step (compile), s | "
+        "last step | its loss | validation loss |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        *rows,
+        "",
+    ]
 
 
 def write_report(results_dir: str, out: str, titles, tables, notes) -> str:

@@ -5,8 +5,9 @@ wastes (e.g. the dense-masked ``ragged_dot`` of the XLA reference):
   per token, forward = 2 * (matmul parameters used by the token: attention projections, router, the k routed experts
   and the shared ones, the output head) + 2 * L * S * D (causal attention scores and values: on average S / 2 keys,
   two matmuls of 2 FLOPs per multiply-add).
-MFU divides achieved model FLOP/s by the device's dense peak for the compute dtype (NVIDIA datasheet figures, no
-sparsity); it is None where the peak is unknown (CPUs, other GPUs).
+MFU divides achieved model FLOP/s by the devices' dense peak for the compute dtype (NVIDIA datasheet figures, no
+sparsity; one device's times the device count, the setup record keeping one device's); it is None where the peak is
+unknown (CPUs, other GPUs).
 """
 
 import json

@@ -347,7 +347,7 @@ def train(
             writer,
             tokens_per_step=config.tokens_per_step,
             flops_per_token=setup["training_flops_per_token"],
-            peak=setup["peak_flops"],
+            peak=None if setup["peak_flops"] is None else setup["peak_flops"] * setup["devices"],
         )
         schedule = learning_rate(config)
         result = RunResult({}, {}, unigram, None)

@@ -197,12 +197,19 @@ def test_fp8_profile_and_compile_report_sections_print_their_records(tmp_path):
     assert "| ref (T 8192, D 1024) | warm cache | timed out after 60 s | | | |" in lines
 
 
-def train_records(tokens_per_s: list[float], *, device_kind: str = GPU, validation_loss=None) -> list[dict]:
+def train_records(
+    tokens_per_s: list[float], *, device_kind: str = GPU, validation_loss=None, devices: int = 1, dispatch=None
+) -> list[dict]:
     setup = {
         "kind": "setup",
         "device_kind": device_kind,
+        "backend": "pallas",
+        "devices": devices,
         "parameters": {"total": 2_000_000, "active": 1_000_000},
-        "config": {"batch_size": 8, "seq_len": 1024},
+        "config": {"batch_size": 8, "seq_len": 1024, "dispatch": dispatch},
+        # MFU = tokens/s * 1e3 / (1e9 per device): tokens_per_s / 1e6 on one device.
+        "training_flops_per_token": 1e3,
+        "peak_flops": 1e9,
     }
     intervals = [
         {
@@ -249,6 +256,23 @@ def test_training_section_takes_medians_past_the_first_interval_of_every_pair_ne
         ["pallas", "1200", "0.0012", "1.00", "12.5", "80", "1.5000", "-"],
         ["pallas-fp8_block", "600", "0.0006", "1.00", "12.5", "80", "1.5000", "1.2500"],
     ]
+
+
+def test_expert_parallel_runs_get_their_own_table_with_mfu_over_every_device(tmp_path):
+    for name, devices in (
+        ("2026-01-02_h100_bbbbbbb_train_gpu_xla", 1),
+        ("2026-01-02_h100_bbbbbbb_train_gpu_pallas", 1),
+    ):
+        with open(tmp_path / f"{name}.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in train_records([1.0, 100.0, 100.0], devices=devices))
+    with open(tmp_path / "2026-01-03_h100x4_ccccccc_train_gpu_ep4-all_gather.jsonl", "w") as f:
+        records = train_records([1.0, 400.0, 600.0, 500.0], devices=4, validation_loss=1.5)
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    text = build(tmp_path)
+    section = text[text.index("## Expert-parallel training") :]
+    assert "ccccccc" not in text[: text.index("## Expert-parallel training")]
+    # Medians past the first interval; MFU over four devices' peak.
+    assert "| 2026-01-03 | git ccccccc | 4 x " + GPU + " | all_gather | 500 | 0.0001 |" in section
 
 
 def test_cli_writes_the_report_where_asked(tmp_path):
