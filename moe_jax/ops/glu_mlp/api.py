@@ -382,7 +382,8 @@ def routed_glu_mlp(
       w_gate_up, w_down, group_sizes, activation, row_scale, zero_tail: as ``glu_mlp``'s, for the T * k sorted rows.
       positions: optional [T, k] int32, the inverse of ``sort_indices`` (``Routing.positions``), for ``permute``.
       backend: "auto", "xla", "pallas", or one implementation by name: "pallas_gather", "pallas_sorted".
-      quantization: ``glu_mlp``'s (the FP8 kernels read sorted rows: "pallas" selects "pallas_sorted" with it).
+      quantization: ``glu_mlp``'s (the FP8 kernels read sorted rows: "pallas" selects "pallas_sorted" with it, which
+        quantizes each token once and permutes its FP8 row and scales).
 
     Returns:
       [T * k, D] in x.dtype, in expert-sorted order (what ``combine`` takes).
