@@ -4,9 +4,9 @@
 # The default run leaves out the `slow` tests, the rest of cross-products whose every pair of parts a default test
 # covers; MOE_JAX_FULL_TESTS=1 runs them too (about 2 minutes more on 2 cores).
 # pytest runs in MOE_JAX_TEST_WORKERS processes (pytest-xdist; default: the CPU count, at most 4, as each holds its
-# own jax and interpreter state), which steal queued tests from each other. On 2 cores the default run's pytest takes
-# about 14.5 minutes; a fresh clone's set-up (tools/env.sh) adds half a minute when pip has the packages cached, 2-3
-# minutes when it downloads them.
+# own jax and interpreter state), which steal queued tests from each other; the longest tests start first
+# (tests/conftest.py's LONG_TESTS). On 2 cores the default run's pytest takes about 10.5 minutes; a fresh clone's
+# set-up (tools/env.sh) adds half a minute when pip has the packages cached, 2-3 minutes when it downloads them.
 source "$(dirname "$0")/env.sh" || exit 1
 cd "$MOE_JAX_REPO" || exit 1
 ruff check . || exit 1
