@@ -2,6 +2,7 @@
 config checks, `gpu`-marked tests on a GPU, expert parallelism on virtual CPU devices."""
 
 import collections
+import os
 import pathlib
 import sys
 
@@ -24,8 +25,47 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 TIERS = ("gpu", "smoke")  # marked tiers; every other test checks numbers on the CPU
 
+# The longest tests (node-id prefixes: a module, or one test function with all its parameters), longest first.
+# pytest-xdist's worksteal hands each worker a contiguous share of the collection and lets an idle worker steal the
+# end of another's queue; these run first, dealt round-robin to the starts of the shares (the order below), so that
+# none is left for the end of the run. A module's tests that share a module fixture (a subprocess on virtual devices)
+# stay together on one worker, which runs the fixture once.
+LONG_TESTS = (
+    "tests/parallel/test_all_to_all.py",
+    "tests/ops/test_moe_ffn_pallas.py",
+    "tests/notebooks/test_notebooks.py",
+    "tests/benchmarks/test_benchmarks_cli.py",
+    "tests/train/test_train.py::test_two_device_mesh_matches_one_device",
+    "tests/parallel/test_expert_parallel.py",
+    "tests/ops/test_moe_ffn_fp8_pallas.py::test_kernel_path_matches_the_xla_path",
+    "tests/train/test_train.py::test_expert_parallel_run_resumes_bit_exactly",
+)
 
+
+def _long_tests_first(items, num_workers):
+    """Reorders ``items`` in place: each worker's share of them (as pytest-xdist splits the collection: the first
+    worker len // num_workers items, the next that share of the rest, ...) starts with its LONG_TESTS."""
+    groups = {prefix: [] for prefix in LONG_TESTS}
+    rest = []
+    for item in items:
+        prefix = next((p for p in LONG_TESTS if item.nodeid == p or item.nodeid.startswith((f"{p}::", f"{p}["))), None)
+        (groups[prefix] if prefix else rest).append(item)
+    shares = [[] for _ in range(num_workers)]
+    for index, group in enumerate(group for group in groups.values() if group):
+        shares[index % num_workers].extend(group)
+    ordered, left = [], len(items)
+    for worker, share in enumerate(shares):
+        size = left // (num_workers - worker)
+        left -= size
+        fill = max(size - len(share), 0)
+        ordered += share + rest[:fill]
+        rest = rest[fill:]
+    items[:] = ordered + rest
+
+
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected: the shares are of the tests that run
 def pytest_collection_modifyitems(config, items):
+    _long_tests_first(items, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     if has_sm90_gpu():
         return
     skip = pytest.mark.skip(reason="needs an sm90 GPU (run `pytest -m gpu tests/gpu` on the device machine)")

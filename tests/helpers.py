@@ -6,6 +6,7 @@ to the dtypes it checks (``jnp.asarray(w, jnp.bfloat16)``), so the oracle can re
 """
 
 import contextlib
+import os
 from unittest import mock
 
 import jax
@@ -53,6 +54,12 @@ def simulated_sms(num_sms: int):
     device's core count): the interpreter's time grows with them."""
     device = AbstractDevice(device_kind="cpu", num_cores=num_sms, platform="cpu")
     return jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=device))
+
+
+def virtual_devices_flags(count: int) -> str:
+    """XLA_FLAGS for a subprocess that sees ``count`` virtual CPU devices: this process's flags (tools/test.sh's
+    unoptimised code generation, ``configure_cpu_interpreter``'s scheduler option) and the device count."""
+    return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}".strip()
 
 
 # ------------------------------------------------------------------------------------------------- lowering for CUDA

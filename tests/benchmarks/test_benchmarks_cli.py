@@ -16,6 +16,7 @@ import moe_jax
 from benchmarks import common, grouped_matmul, routing
 from benchmarks.__main__ import main
 from benchmarks.shapes import GMM_SHAPES, GroupedMatmulShape
+from tests.helpers import virtual_devices_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FLOP_BENCHES = {"gmm", "gmm-bwd", "skew", "layer", "layer-bwd", "glu", "glu-bwd", "glu-mlp"}
@@ -172,7 +173,7 @@ def test_expert_parallel_bench_over_two_devices(tmp_path):
         "ci/layer",
         "--ep-exchanges",
         "slots,owners",
-        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+        env={"XLA_FLAGS": virtual_devices_flags(2)},
     )
     parallel = ("dp2:xla", "ep2-all_gather:xla", "ep2-all_to_all-slots:xla", "ep2-all_to_all-owners:xla")
     expected = [("uniform", "moe_jax:xla")] + [

@@ -18,7 +18,7 @@ import moe_jax
 from moe_jax.parallel import moe_ffn_expert_parallel
 from moe_jax.parallel.expert_parallel import choose_dispatch
 from tests import oracle
-from tests.helpers import checked_interpreter
+from tests.helpers import checked_interpreter, virtual_devices_flags
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -212,7 +212,7 @@ print(json.dumps(dict(devices=jax.device_count(), cases=report, buffer=buffer_re
 
 @pytest.fixture(scope="module")
 def mesh_report():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": virtual_devices_flags(8), "JAX_PLATFORMS": "cpu"}
     completed = subprocess.run(
         [sys.executable, "-c", MESH_SCRIPT], env=env, cwd=REPO, capture_output=True, text=True, timeout=900
     )

@@ -15,6 +15,7 @@ from jax.sharding import AxisType
 import moe_jax
 from moe_jax.parallel.expert_parallel import local_expert_rows, moe_ffn_expert_parallel
 from tests import oracle
+from tests.helpers import virtual_devices_flags
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -128,7 +129,7 @@ print(json.dumps(summary | {"copies_kept": copies_kept}))
 
 @pytest.fixture(scope="module")
 def mesh_report():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": virtual_devices_flags(4), "JAX_PLATFORMS": "cpu"}
     completed = subprocess.run(
         [sys.executable, "-c", MESH_SCRIPT, "0"], env=env, cwd=REPO, capture_output=True, text=True, timeout=600
     )

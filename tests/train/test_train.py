@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests.helpers import virtual_devices_flags
 from train import configs, main
 from train.metrics import training_flops_per_token
 from train.model import Transformer, attention_implementation, parameter_counts
@@ -172,7 +173,7 @@ def test_two_device_mesh_matches_one_device():
     runs the MoE layers expert-parallel (shard_map), by either dispatch."""
     config = dataclasses.replace(SMALL, steps=4, eval_every=4, eval_batches=1, log_every=2)
     single = train(config, backend="xla", progress_bar=False).step_losses
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": virtual_devices_flags(2), "JAX_PLATFORMS": "cpu"}
     completed = subprocess.run(
         [sys.executable, "-c", TWO_DEVICE_SCRIPT, repr(config)],
         env=env,
@@ -216,7 +217,7 @@ def test_expert_parallel_run_resumes_bit_exactly(tmp_path):
         SMALL, model=model, steps=6, ckpt_every=3, eval_every=6, eval_batches=1, log_every=3,
         expert_parallelism=4, dispatch="all_to_all",
     )  # fmt: skip
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": virtual_devices_flags(8), "JAX_PLATFORMS": "cpu"}
     completed = subprocess.run(
         [sys.executable, "-c", EXPERT_PARALLEL_RESUME_SCRIPT, repr(config), str(tmp_path / "cache"),
          str(tmp_path / "ckpt")],
