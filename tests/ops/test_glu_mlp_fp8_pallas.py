@@ -21,11 +21,12 @@ import numpy as np
 import pytest
 
 import moe_jax
+from moe_jax._core import backend as dispatch
 from moe_jax.ops.glu_mlp import api as glu_mlp_api
 from moe_jax.ops.grouped_matmul import launch, reference
 from moe_jax.ops.grouped_matmul.api import quantize_weights
 from tests import oracle
-from tests.helpers import check_glu_backward, checked_interpreter, glu_mlp_inputs, simulated_sms
+from tests.helpers import check_glu_backward, checked_interpreter, cuda_lowering, glu_mlp_inputs, simulated_sms
 
 GRAD_TOL = 1e-2
 MLP_TOL = 2e-2
@@ -159,3 +160,22 @@ def test_fp8_routed_glu_mlp_matches_the_xla_recipe():
     assert oracle.relative_error(kernel_y, xla_y) < MLP_TOL
     for name, actual, expected in zip(("x", "w_gate_up", "w_down", "row_scale"), kernel_grads, xla_grads, strict=True):
         assert oracle.relative_error(actual, expected) < MLP_TOL, name
+
+
+def test_kernels_refuse_f32_x_and_auto_takes_the_xla_recipe(monkeypatch):
+    """The FP8 GLU backward keeps its [64, 256] pre-activation tiles in x's dtype in shared memory: f32 ones leave the
+    pipeline no room, so backend="pallas" refuses f32 x by name, and "auto" on an H200 (lowered from this host, as if
+    it had one) runs the XLA recipe for f32 x and the FP8 kernels for bf16 x."""
+    inputs = _inputs("edges", seed=6)
+    names = ("x", "w_gate_up", "w_down")
+    f32_args = [inputs[name].astype(jnp.float32) for name in names] + [inputs["group_sizes"]]
+    with pytest.raises(NotImplementedError, match="pre-activation in x's dtype, which must be bfloat16 or float16"):
+        moe_jax.glu_mlp(*f32_args, backend="pallas", quantization="fp8_block")
+
+    def auto(*args):
+        return moe_jax.glu_mlp(*args, backend="auto", quantization="fp8_block")
+
+    monkeypatch.setattr(dispatch, "has_sm90_gpu", lambda: True)
+    bf16_args = [inputs[name] for name in names] + [inputs["group_sizes"]]
+    assert "moe_gmm_fp8" in cuda_lowering(auto, *bf16_args)
+    assert "moe_gmm" not in cuda_lowering(auto, *f32_args)
