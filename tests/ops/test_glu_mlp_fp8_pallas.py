@@ -1,7 +1,8 @@
 """The FP8 GLU MLP's kernels (``glu_mlp(quantization="fp8_block", backend="pallas")``) under the checking Mosaic GPU
 interpreter: the down projection's dgrad with the GLU backward in its epilogue on FP8 operands, against ``jax.vjp``
-of the reference GLU, and the whole MLP, forward and gradients, against the XLA implementation of the same recipe
-(``moe_jax.ops.glu_mlp.reference.quantized_glu_mlp``).
+of the reference GLU; the whole MLP, forward and gradients, against the XLA implementation of the same recipe
+(``moe_jax.ops.glu_mlp.reference.quantized_glu_mlp``), on sorted rows and routed from tokens (each token quantized
+once, its FP8 row permuted); and the kernels' refusal of f32 x.
 
 The interpreter multiplies e4m3 values exactly in f32, so the GLU backward differs from its oracle by the bf16
 rounding of its outputs and of the kept pre-activation: ``GRAD_TOL`` as for the bf16 kernel. The MLP's two paths
