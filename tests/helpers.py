@@ -133,13 +133,12 @@ def check_glu_backward(outputs, gate, up, d_h, row_scale, activation: str, route
     expected_hidden, pullback = jax.vjp(lambda g, u: glu.glu(g, u, activation), gate, up)
     expected_d_gate_up = jnp.concatenate(pullback(d_h * scale), axis=1)
     d_gate_up = jnp.concatenate(split_gate_up(d_gate_up, PACK_BLOCK), axis=1)
-    past = routed_rows
-    assert oracle.relative_error(d_gate_up[:past], expected_d_gate_up[:past]) < grad_tol
-    np.testing.assert_array_equal(np.asarray(d_gate_up, np.float32)[past:], 0.0)
+    assert oracle.relative_error(d_gate_up[:routed_rows], expected_d_gate_up[:routed_rows]) < grad_tol
+    np.testing.assert_array_equal(np.asarray(d_gate_up, np.float32)[routed_rows:], 0.0)
     assert oracle.relative_error(hidden, expected_hidden * scale) < hidden_tol
     if row_scale is None:
         assert d_row_scale is None
         return
     expected_d_row_scale = jnp.sum(expected_hidden * d_h, axis=1)
-    assert oracle.relative_error(d_row_scale[:past], expected_d_row_scale[:past]) < grad_tol
-    np.testing.assert_array_equal(np.asarray(d_row_scale)[past:], 0.0)
+    assert oracle.relative_error(d_row_scale[:routed_rows], expected_d_row_scale[:routed_rows]) < grad_tol
+    np.testing.assert_array_equal(np.asarray(d_row_scale)[routed_rows:], 0.0)
