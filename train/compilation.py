@@ -27,6 +27,8 @@ from jax.experimental import serialize_executable
 # its plugins, and NVIDIA's CUDA libraries: cuDNN, cuBLAS and the compiler pick kernels and emit code).
 _TRACING_DISTRIBUTIONS = ("flax", "optax", "numpy", "ml_dtypes")
 _DISTRIBUTION_PREFIXES = ("jax", "nvidia")
+# What jax.monitoring records when a compilation is answered by the persistent cache.
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 # Environment variables that change what XLA, Mosaic GPU (MOSAIC_GPU_*) or cuBLAS compile or run.
 _COMPILER_VARIABLES = ("XLA_FLAGS", "NVIDIA_TF32_OVERRIDE")
 
@@ -51,7 +53,8 @@ class CompileTimes:
     (XLA, or a persistent-cache hit), or loading a stored executable in place of all three.
 
     ``aot``: "loaded" (an ``ExecutableStore`` held the step: trace and lower are 0, compile_s is the load),
-    "saved" (compiled, then stored for the next launch) or "off" (no store).
+    "saved" (compiled, then stored for the next launch) or "off" (no store, or a step the persistent cache gave
+    back, which ``compile_or_load`` does not store).
     """
 
     trace_s: float
@@ -231,6 +234,19 @@ def compile_or_load(
     compiled = store.load(key)
     if compiled is not None:
         return compiled, CompileTimes(0.0, 0.0, time.perf_counter() - start, aot="loaded")
-    compiled, times = compile_ahead(jitted, *args)
-    saved = store.save(key, compiled)
+    hits = []
+
+    def count_cache_hits(event: str, **_):
+        if event == CACHE_HIT_EVENT:
+            hits.append(event)
+
+    jax.monitoring.register_event_listener(count_cache_hits)
+    try:
+        compiled, times = compile_ahead(jitted, *args)
+    finally:
+        jax.monitoring.unregister_event_listener(count_cache_hits)
+    # An executable the persistent cache gave back does not always serialize into one that runs: on the CPU the
+    # stored copy loads, then fails on its first call ("Function ... not found"). Only fresh compilations are stored;
+    # the next launch hits the cache again.
+    saved = not hits and store.save(key, compiled)
     return compiled, dataclasses.replace(times, aot="saved" if saved else "off")

@@ -7,10 +7,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
 
-from train.compilation import ExecutableStore, compile_or_load, source_digest
+from train.compilation import CACHE_HIT_EVENT, ExecutableStore, compile_or_load, source_digest
 
 ARGS = (jax.ShapeDtypeStruct((4, 8), jnp.float32), jax.ShapeDtypeStruct((8,), jnp.float32))
+
+
+@pytest.fixture(autouse=True)
+def fresh_compilations():
+    """These tests count what is compiled and stored: the suite's persistent cache (tools/test.sh sets one for the
+    run) would answer some compilations, which are not stored. It is off for them; JAX checks it once per process,
+    so the check is reset both ways."""
+    enabled = jax.config.values["jax_enable_compilation_cache"]
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    yield
+    jax.config.update("jax_enable_compilation_cache", enabled)
+    compilation_cache.reset_cache()
 
 
 def affine(x, b):
@@ -73,6 +87,21 @@ def test_a_stored_step_loads_and_computes_what_the_compiled_one_does(tmp_path):
     assert times.aot == "loaded" and times.trace_s == times.lower_s == 0
     np.testing.assert_array_equal(loaded(x, b), compiled(x, b))
     np.testing.assert_allclose(loaded(x, b), np.tanh(x) @ np.ones((8, 3)) + b[None, :3], rtol=1e-5)
+
+
+def test_a_step_the_persistent_cache_answers_is_not_stored(tmp_path):
+    """The stored copy of an executable the cache gave back does not always run (``compile_or_load``'s comment):
+    such a step is compiled, not stored. The cache's hit is the event it records."""
+
+    def answered_by_the_cache(x, b):
+        jax.monitoring.record_event(CACHE_HIT_EVENT)  # while compile_or_load compiles: as a hit would
+        return affine(x, b)
+
+    store = ExecutableStore(tmp_path)
+    compiled, times = compile_or_load(jax.jit(answered_by_the_cache), *ARGS, store=store, description={}, sources=())
+    assert times.aot == "off" and not list(tmp_path.glob("*.executable"))
+    x, b = np.ones((4, 8), np.float32), np.ones(8, np.float32)
+    np.testing.assert_allclose(compiled(x, b), np.tanh(x) @ np.ones((8, 3)) + b[None, :3], rtol=1e-5)
 
 
 def test_another_description_compiles_anew(tmp_path):
