@@ -5,7 +5,7 @@
 # covers; MOE_JAX_FULL_TESTS=1 runs them too (about 2 minutes more on 2 cores).
 # pytest runs in MOE_JAX_TEST_WORKERS processes (pytest-xdist; default: the CPU count, at most 4, as each holds its
 # own jax and interpreter state), which steal queued tests from each other; the longest tests start first
-# (tests/conftest.py's LONG_TESTS). On 2 cores the default run's pytest takes 10.5-12 minutes; a fresh clone's
+# (tests/conftest.py's LONG_TESTS). On 2 cores the default run's pytest takes 10.5-13 minutes; a fresh clone's
 # set-up (tools/env.sh) adds half a minute when pip has the packages cached, 2-3 minutes when it downloads them.
 source "$(dirname "$0")/env.sh" || exit 1
 cd "$MOE_JAX_REPO" || exit 1
