@@ -119,6 +119,30 @@ def produce_tiles(grid: tuple[int, ...], window, x_smem, loaded, consumed) -> No
         plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
 
 
+def persistent_kernel(body, *, out_type, scratch_types, kernel_name: str, num_sms: int, interpret):
+    """``plgpu.kernel`` of a quantizer: one persistent CTA per SM, CONSUMERS warpgroups and the producer (the last
+    "wg"), the scratch ending in its ring's "loaded" and "consumed" barriers (``ring_barriers``)."""
+    return plgpu.kernel(
+        body,
+        out_type=out_type,
+        scratch_types=scratch_types,
+        grid=(num_sms,),
+        grid_names=("sm",),
+        num_threads=CONSUMERS + 1,
+        thread_name="wg",
+        kernel_name=kernel_name,
+        interpret=interpret,
+    )
+
+
+def ring_barriers(stages: int, loads: int) -> list:
+    """[loaded: a slot's ``loads`` TMA copies landed, consumed: both consumers read the slot], per ring slot."""
+    return [
+        plgpu.Barrier(num_arrivals=loads, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+    ]
+
+
 def quantize_tiles(
     x: jax.Array,
     *,
@@ -227,20 +251,16 @@ def quantize_tiles(
             jax.ShapeDtypeStruct((grid[1] * TILE, grid[0] * blocks_per_tile), scale_bits),
         ]
         out_buffers.append(plgpu.SMEM((CONSUMERS, 2, _ROWS, TILE), dtype, transforms=swizzled(dtype, (cols, rows))))
-    kernel = plgpu.kernel(
+    kernel = persistent_kernel(
         body,
         out_type=tuple(out_types),
         scratch_types=[
             plgpu.SMEM((stages, TILE, TILE), x.dtype, transforms=swizzled(x.dtype, x.shape)),
             *out_buffers,
-            plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # loaded: the slot's TMA load landed
-            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # consumed: both consumers read the slot
+            *ring_barriers(stages, loads=1),
         ],
-        grid=(num_sms,),
-        grid_names=("sm",),
-        num_threads=CONSUMERS + 1,
-        thread_name="wg",
         kernel_name="moe_quantize_blockwise",
+        num_sms=num_sms,
         interpret=interpret,
     )
     outputs = kernel(x)

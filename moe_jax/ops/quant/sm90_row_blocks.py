@@ -27,7 +27,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moe_jax.ops.quant.config import CONSUMER_REGISTERS, CONSUMERS, TILE, Config
-from moe_jax.ops.quant.sm90 import produce_tiles, quantize_rows, scale_bits_dtype, swizzled
+from moe_jax.ops.quant.sm90 import (
+    persistent_kernel,
+    produce_tiles,
+    quantize_rows,
+    ring_barriers,
+    scale_bits_dtype,
+    swizzled,
+)
 
 _LAYOUT = plgpu.Layout.WGMMA
 _ROWS = TILE // CONSUMERS
@@ -112,7 +119,7 @@ def quantize_row_blocks_transposed(
             plgpu.wait_smem_to_gmem(0)
 
     padded_cols = grid[1] * TILE
-    kernel = plgpu.kernel(
+    kernel = persistent_kernel(
         body,
         out_type=(
             jax.ShapeDtypeStruct((cols, num_blocks * TILE), dtype),
@@ -123,14 +130,10 @@ def quantize_row_blocks_transposed(
             # One-row tiles: a block starts on any row (the module docstring).
             plgpu.SMEM((stages, CONSUMERS, TILE, _ROWS), x.dtype, transforms=swizzled(x.dtype, (1, cols))),
             plgpu.SMEM((CONSUMERS, 2, _ROWS, TILE), dtype, transforms=swizzled(dtype, (cols, num_blocks * TILE))),
-            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # loaded: the slot's two TMA loads landed
-            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # consumed: both consumers read the slot
+            *ring_barriers(stages, loads=CONSUMERS),  # a slot's loads: one [128, 64] box per consumer
         ],
-        grid=(num_sms,),
-        grid_names=("sm",),
-        num_threads=CONSUMERS + 1,
-        thread_name="wg",
         kernel_name="moe_quantize_row_blocks_transposed",
+        num_sms=num_sms,
         interpret=interpret,
     )
     values_t, scales = kernel(x, first_rows, row_counts)

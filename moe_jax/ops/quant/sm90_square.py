@@ -34,7 +34,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moe_jax.ops.quant import reference
 from moe_jax.ops.quant.config import CONSUMER_REGISTERS, CONSUMERS, TILE, Config
-from moe_jax.ops.quant.sm90 import exponent_bytes, produce_tiles, scale_bits_dtype, swizzled
+from moe_jax.ops.quant.sm90 import (
+    exponent_bytes,
+    persistent_kernel,
+    produce_tiles,
+    ring_barriers,
+    scale_bits_dtype,
+    swizzled,
+)
 
 _LAYOUT = plgpu.Layout.WGMMA
 _COLUMN_VECTOR = plgpu.Layout.WGMMA.reduce(0)  # [TILE] spread over a quad's lanes, each thread 32 of them
@@ -158,22 +165,18 @@ def quantize_square_tiles(
         ]
         transforms = swizzled(dtype, shapes[copy])
         out_buffers.append(plgpu.SMEM((CONSUMERS, 2, _ROWS, TILE), dtype, transforms=transforms))
-    kernel = plgpu.kernel(
+    kernel = persistent_kernel(
         body,
         out_type=tuple(out_types),
         scratch_types=[
             *out_buffers,
             plgpu.SMEM((stages, TILE, TILE), w.dtype, transforms=swizzled(w.dtype, (rows, cols))),
             plgpu.SMEM((2, TILE), jnp.float32),  # amax: each consumer's row maxima, by step parity
-            plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # loaded: the slot's TMA load landed
-            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # consumed: both consumers read the slot
+            *ring_barriers(stages, loads=1),
             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=2),  # exchanged: both halves' maxima are in amax
         ],
-        grid=(num_sms,),
-        grid_names=("sm",),
-        num_threads=CONSUMERS + 1,
-        thread_name="wg",
         kernel_name="moe_quantize_square_blocks",
+        num_sms=num_sms,
         interpret=interpret,
     )
     return tuple(kernel(w))
