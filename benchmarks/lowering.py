@@ -66,16 +66,10 @@ def lower_for_cuda(make) -> dict:
 def train_step(config_name: str):
     """(the training step of ``config_name`` with backend "pallas", abstract (state, batch, batch))."""
     from train.configs import get_config
-    from train.model import Transformer
-    from train.train import make_optimizer, make_train_step
+    from train.train import create_model, make_train_step
 
     config = get_config(config_name)
-
-    def build():
-        model = Transformer(config.model, backend="pallas", rngs=nnx.Rngs(config.seed))
-        return model, nnx.Optimizer(model, make_optimizer(config), wrt=nnx.Param)
-
-    graphdef, state = nnx.split(nnx.eval_shape(build))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: create_model(config, "pallas")))
     batch = jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32)
     return make_train_step(config, graphdef), (state, batch, batch)
 

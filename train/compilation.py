@@ -23,6 +23,8 @@ import warnings
 import jax
 from jax.experimental import serialize_executable
 
+from moe_jax.compilation import compile_lowered
+
 # Distributions whose code shapes a compiled step: these, and any whose name starts with one of the prefixes (JAX,
 # its plugins, and NVIDIA's CUDA libraries: cuDNN, cuBLAS and the compiler pick kernels and emit code).
 _TRACING_DISTRIBUTIONS = ("flax", "optax", "numpy", "ml_dtypes")
@@ -67,14 +69,16 @@ class CompileTimes:
         return self.trace_s + self.lower_s + self.compile_s
 
 
-def compile_ahead(jitted, *args) -> tuple[jax.stages.Compiled, CompileTimes]:
-    """``jitted.trace(*args).lower().compile()`` with each phase timed; ``args`` may be ``jax.ShapeDtypeStruct``s."""
+def compile_ahead(jitted, *args, parallel_kernels: bool = True) -> tuple[jax.stages.Compiled, CompileTimes]:
+    """``jitted.trace(*args).lower().compile()`` with each phase timed; ``args`` may be ``jax.ShapeDtypeStruct``s.
+    With ``parallel_kernels`` the Mosaic GPU kernels compile in parallel (``moe_jax.compile_lowered``), else one after
+    another inside XLA's compilation."""
     start = time.perf_counter()
     traced = jitted.trace(*args)
     traced_at = time.perf_counter()
     lowered = traced.lower()
     lowered_at = time.perf_counter()
-    compiled = lowered.compile()
+    compiled = compile_lowered(lowered) if parallel_kernels else lowered.compile()
     compiled_at = time.perf_counter()
     return compiled, CompileTimes(traced_at - start, lowered_at - traced_at, compiled_at - lowered_at)
 

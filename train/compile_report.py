@@ -5,7 +5,9 @@ Measures, each in a process of its own (so that each finds what a new launch fin
   - one ``moe_ffn`` layer's jitted forward + backward at the ``gpu`` config's coarse layer (T 8192, D 1024, F 2048,
     E 8, k 2; ``--config-layer`` adds ``--config``'s layer at one micro-batch's tokens): trace, lower and compile
     seconds (``train.compilation.compile_ahead``) from an empty persistent cache (cold), then from the cache that
-    run filled (warm: XLA's compilation is a cache hit, the tracing and lowering that make its key are not);
+    run filled (warm: XLA's compilation is a cache hit, the tracing and lowering that make its key are not), then
+    cold with the Mosaic GPU kernels compiled one after another inside XLA's compilation (without
+    ``moe_jax.compile_lowered``);
   - the first step of ``--config`` with ``--backend``: the trace / lower / compile seconds and the time from the
     process's launch to the first step's end, from an empty cache (cold), from the cache and the stored step that
     run left (warm: the step loads from ``train.compilation.ExecutableStore``, nothing is traced or lowered), and
@@ -103,23 +105,28 @@ def layer_step(layer: dict, backend: str):
     return jax.jit(lambda *a: jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(*a)), args
 
 
-def layer_compile_times(layer: dict, backend: str) -> dict:
+def layer_compile_times(layer: dict, backend: str, parallel_kernels: bool = True) -> dict:
     """Trace / lower / compile seconds of one moe_ffn forward + backward, jitted in this process."""
     from train.compilation import compile_ahead
 
     jitted, args = layer_step(layer, backend)
-    _, times = compile_ahead(jitted, *args)
+    _, times = compile_ahead(jitted, *args, parallel_kernels=parallel_kernels)
     return {"trace_s": times.trace_s, "lower_s": times.lower_s, "compile_s": times.compile_s, "total_s": times.total_s}
 
 
 def layer_runs(layer: dict, backend: str, workdir: pathlib.Path, budget: Budget, limit: float) -> dict:
-    """``layer_compile_times`` in a fresh process on an empty persistent cache, then in another on the filled one."""
+    """``layer_compile_times`` in a fresh process on an empty persistent cache, then in another on the filled one, then
+    on another empty cache with the kernels compiled one after another (what ``moe_jax.compile_lowered`` saves)."""
     cache = workdir / f"layer_cache_{layer['tokens']}_{layer['d_model']}_{layer['num_experts']}"
-    probe = [sys.executable, "-m", "train.compile_report", "--layer-probe", json.dumps(layer)]
-    probe += ["--backend", backend, "--probe-cache", str(cache)]
+    probe = [sys.executable, "-m", "train.compile_report", "--layer-probe", json.dumps(layer), "--backend", backend]
+    runs = {
+        "cold cache": ["--probe-cache", str(cache)],
+        "warm cache": ["--probe-cache", str(cache)],
+        "cold cache, serial kernels": ["--probe-cache", f"{cache}_serial", "--probe-serial-kernels"],
+    }
     times = {}
-    for name in ("cold cache", "warm cache"):
-        status, completed = run_process(probe, budget, limit)
+    for name, extra in runs.items():
+        status, completed = run_process([*probe, *extra], budget, limit)
         if status == "ok":
             times[name] = json.loads(completed.stdout.strip().splitlines()[-1])
         else:
@@ -153,13 +160,15 @@ def main(argv: list[str] | None = None) -> None:
     # The layer processes' entry point: one layer (JSON) timed in this process on --probe-cache; prints its times.
     parser.add_argument("--layer-probe", help=argparse.SUPPRESS)
     parser.add_argument("--probe-cache", help=argparse.SUPPRESS)
+    parser.add_argument("--probe-serial-kernels", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.layer_probe:
         from train.compilation import enable_compile_cache
 
         enable_compile_cache(args.probe_cache)
-        print(json.dumps(layer_compile_times(json.loads(args.layer_probe), args.backend)))
+        layer = json.loads(args.layer_probe)
+        print(json.dumps(layer_compile_times(layer, args.backend, parallel_kernels=not args.probe_serial_kernels)))
         return
 
     from train.configs import get_config

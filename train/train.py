@@ -192,6 +192,26 @@ def make_eval_step(config: TrainConfig, graphdef: nnx.GraphDef):
     return evaluate
 
 
+def create_model(config: TrainConfig, backend: str) -> tuple[Transformer, nnx.Optimizer]:
+    """The model of ``config`` at initialisation (seeded by ``config.seed``) and its optimizer, built under the current
+    mesh by one jitted function: built eagerly, each parameter's initialiser is a program of its own, and on a cold
+    compilation cache each of them (about 50 at gpu-moe) is compiled before the first step can be."""
+
+    @nnx.jit
+    def create():
+        model = Transformer(
+            config.model,
+            backend=backend,
+            # With an expert axis the MoE layers run expert-parallel (moe_jax.parallel), not as one partitioned op.
+            expert_parallel=config.expert_parallelism > 1,
+            dispatch=config.dispatch,
+            rngs=nnx.Rngs(config.seed),
+        )
+        return model, nnx.Optimizer(model, make_optimizer(config), wrt=nnx.Param)
+
+    return create()
+
+
 def _to_device(batch: data.Batch, sharding: NamedSharding, global_batch: int) -> tuple[jax.Array, jax.Array]:
     shape = (global_batch, batch.inputs.shape[1])
     return tuple(jax.make_array_from_process_local_data(sharding, x, shape) for x in (batch.inputs, batch.targets))
@@ -292,16 +312,7 @@ def train(
     sharding = batch_sharding(mesh)
 
     with jax.set_mesh(mesh):
-        # With an expert axis the MoE layers run expert-parallel (moe_jax.parallel), not as one XLA-partitioned op.
-        expert_parallel = config.expert_parallelism > 1
-        model = Transformer(
-            config.model,
-            backend=backend,
-            expert_parallel=expert_parallel,
-            dispatch=config.dispatch,
-            rngs=nnx.Rngs(config.seed),
-        )
-        optimizer = nnx.Optimizer(model, make_optimizer(config), wrt=nnx.Param)
+        model, optimizer = create_model(config, backend)
         checkpointer = Checkpointer(ckpt_dir) if ckpt_dir else None
         start = data_position = 0
         if resume:

@@ -1,0 +1,71 @@
+"""moe_jax.compilation: the Mosaic GPU kernels lifted out of a program lowered for CUDA (on this CPU host) are one
+program per distinct kernel, each the kernel's custom call unchanged; without kernels, compile_lowered is
+lowered.compile()."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.interpreters import mlir as jax_mlir
+from jax.extend.mlir import ir
+
+import moe_jax
+from moe_jax.compilation import MOSAIC_GPU_TARGET, compile_lowered, kernel_programs
+from tests.helpers import on_abstract_h200
+
+T, D, F, E, K = 256, 128, 128, 4, 2
+# The kernel hash as a custom call's backend config prints it (escaped bytes).
+_KERNEL_HASH = re.compile(r'kernel_hash = "((?:[^"\\]|\\.)*)"')
+
+
+def _layer_loss(x, router_kernel, w_gate_up, w_down, backend="pallas"):
+    y, aux = moe_jax.moe_ffn(x, router_kernel, moe_jax.pack_gate_up(w_gate_up), w_down, top_k=K, backend=backend)
+    return y.astype(jnp.float32).sum() + aux.load_balancing_loss
+
+
+def _abstract_layer_args():
+    shapes = [((T, D), jnp.bfloat16), ((D, E), jnp.float32), ((E, D, 2 * F), jnp.bfloat16), ((E, F, D), jnp.bfloat16)]
+    return [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+
+
+def _lowered_for_cuda(fn, *args):
+    with on_abstract_h200():
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def _parse(program: bytes) -> str:
+    with jax_mlir.make_ir_context():
+        return str(ir.Module.parse(program))
+
+
+def test_each_distinct_kernel_becomes_one_program_holding_its_custom_call_unchanged():
+    lowered = _lowered_for_cuda(jax.value_and_grad(_layer_loss, argnums=(0, 1, 2, 3)), *_abstract_layer_args())
+    text = lowered.as_text()
+    hashes = list(dict.fromkeys(_KERNEL_HASH.findall(text)))  # distinct, in program order
+    assert len(hashes) >= 8  # the layer's gating, permutes, GEMMs and their backward
+    programs = [_parse(program) for program in kernel_programs(lowered)]
+    assert [_KERNEL_HASH.findall(program) for program in programs] == [[h] for h in hashes]
+    for program in programs:
+        assert program.count("stablehlo.custom_call") == 1 and f"@{MOSAIC_GPU_TARGET}" in program
+        call = next(line for line in program.splitlines() if "stablehlo.custom_call" in line)
+        # The call is the original's, attributes and types included: only its operand names differ.
+        kernel_hash = _KERNEL_HASH.search(call)[1]
+        original = next(line for line in text.splitlines() if f'kernel_hash = "{kernel_hash}"' in line)
+        assert re.sub(r"%[\w#]+", "%", call.split("=", 1)[1]) == re.sub(r"%[\w#]+", "%", original.split("=", 1)[1])
+        assert "func.func public @main" in program
+
+
+def test_without_kernels_it_compiles_the_program_as_is():
+    rng = np.random.default_rng(0)
+    args = [jnp.asarray(rng.normal(size=a.shape), a.dtype) for a in _abstract_layer_args()]
+    lowered = jax.jit(lambda *a: _layer_loss(*a, backend="xla")).trace(*args).lower()
+    assert kernel_programs(lowered) == []
+    assert compile_lowered(lowered)(*args) == lowered.compile()(*args)
+
+
+def test_max_workers_must_be_positive():
+    lowered = jax.jit(jnp.sin).trace(jnp.ones(3)).lower()
+    with pytest.raises(ValueError, match="max_workers"):
+        compile_lowered(lowered, max_workers=0)
