@@ -172,10 +172,20 @@ def kernel_calls(
     so that no two calls' kernels interleave."""
     for call in range(warmup):
         jax.block_until_ready(fn(*arg_sets[call % len(arg_sets)]))
-    trace_dir = tempfile.mkdtemp(prefix="moe_jax_profile_")
-    with jax.profiler.trace(trace_dir):
+
+    def run():
         for call in range(calls):
             jax.block_until_ready(fn(*arg_sets[call % len(arg_sets)]))
+
+    return split_calls([event[:3] for event in profiled_kernels(run)], calls)
+
+
+def profiled_kernels(run: Callable[[], object]) -> list[tuple[str, int, int, str]]:
+    """The GPU kernels that ``run()`` launched, as (name, start_ns, duration_ns, the HLO op that launched it or "")
+    from a ``jax.profiler`` (CUPTI) trace of the call."""
+    trace_dir = tempfile.mkdtemp(prefix="moe_jax_profile_")
+    with jax.profiler.trace(trace_dir):
+        run()
     [path] = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
     events = []
     for plane in jax.profiler.ProfileData.from_file(path).planes:
@@ -183,8 +193,10 @@ def kernel_calls(
             continue
         for line in plane.lines:
             if "stream" in line.name.lower():  # CUPTI's kernel lines; the others are XLA's op and module spans
-                events += [(event.name, event.start_ns, event.duration_ns) for event in line.events]
-    return split_calls(events, calls)
+                for event in line.events:
+                    hlo_op = next((str(value) for key, value in event.stats if key == "hlo_op"), "")
+                    events.append((event.name, event.start_ns, event.duration_ns, hlo_op))
+    return events
 
 
 def split_calls(events: list[tuple[str, int, int]], calls: int) -> list[list[tuple[str, int, int]]]:

@@ -140,10 +140,14 @@ class Block(nnx.Module):
         self.remat_moe = config.remat == "moe"
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEAux]:
-        """x: [B, S, D] -> (x' [B, S, D], the MoE layer's ``MoEAux``)."""
-        x = x + self.attention(self.attention_norm(x))
+        """x: [B, S, D] -> (x' [B, S, D], the MoE layer's ``MoEAux``).
+
+        The sublayers trace under the name scopes "attention" and "moe", which ``train.profile_step`` reads."""
+        with jax.named_scope("attention"):
+            x = x + self.attention(self.attention_norm(x))
         moe = _moe_with_aux_remat if self.remat_moe else moe_with_aux
-        y, aux = moe(self.moe, self.moe_norm(x))
+        with jax.named_scope("moe"):
+            y, aux = moe(self.moe, self.moe_norm(x))
         return x + y, aux
 
 

@@ -1,0 +1,165 @@
+"""Where a training step's GPU time goes, kernel by kernel: ``python -m train.profile_step --config gpu-moe``.
+
+Builds the model and compiles the step as ``python -m train`` does (random byte batches: the step's kernels and
+shapes do not depend on the data), runs ``--warmup`` steps, then profiles ``--steps`` with ``jax.profiler`` (CUPTI)
+and puts every GPU kernel in one part of the step by the JAX name scope of the HLO op that launched it
+(``train/model.py`` scopes "attention" and "moe", ``train/train.py`` "optimizer"):
+
+  attention            the attention sublayer's kernels (cuDNN's fused attention, its projections' GEMMs, RoPE,
+                       the norm), forward and backward
+  moe: <kernel>        our Mosaic GPU kernels, by kernel name (``moe_gmm*``, ``moe_gating``, the permutes)
+  moe: XLA             XLA's work inside the MoE sublayer (router matmul, routing glue, aux losses, norm)
+  optimizer            the AdamW update and the balancing-bias update
+  other                the rest: embedding, LM head and loss, gradient accumulation
+
+It prints each part's µs per step and share of the step's kernel time, the share in our kernels, the heaviest
+kernels, and the step's wall time and MFU (``train.metrics``); ``--out`` writes the ``{meta, results}`` record.
+"""
+
+import argparse
+import collections
+import dataclasses
+import json
+import re
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from benchmarks.common import profiled_kernels, run_metadata, split_calls
+from train.compilation import abstract, compile_ahead
+from train.configs import ATTENTIONS, REMATS, get_config
+from train.main import with_overrides
+from train.metrics import peak_flops, training_flops_per_token
+from train.train import batch_sharding, create_model, make_mesh, make_train_step
+
+SCOPES = ("attention", "moe", "optimizer")
+TOP_KERNELS = 15
+# An HLO instruction's name and the JAX name stack it was traced under, from the compiled module's text.
+_HLO_OP_NAME = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?metadata=\{op_name="([^"]*)"', re.MULTILINE)
+
+
+def op_names(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> its ``op_name`` metadata (the JAX name stack) in an HLO module's text."""
+    return dict(_HLO_OP_NAME.findall(hlo_text))
+
+
+def scope_of(op_name: str) -> str | None:
+    """The first of ``SCOPES`` that is a component of the name stack ``op_name`` (a transposed op's stack wraps its
+    components, "transpose(jvp(moe))"), else None."""
+    for scope in SCOPES:
+        if re.search(rf"(^|[/(]){scope}([/)]|$)", op_name):
+            return scope
+    return None
+
+
+def part_of(kernel: str, hlo_op: str, names: dict[str, str]) -> str:
+    """The part of the step (module docstring) that launched ``kernel`` from HLO op ``hlo_op``."""
+    if kernel.startswith("moe_"):
+        return f"moe: {kernel}"
+    # The kernel of a fusion carries the fusion's name where the trace has no HLO op for it.
+    scope = scope_of(names.get(hlo_op) or names.get(kernel, ""))
+    if scope == "moe":
+        return "moe: XLA"
+    return scope or "other"
+
+
+def summarize(steps: list[list[tuple[str, int, int, str]]], names: dict[str, str]) -> dict:
+    """Median µs per step of each part and of the heaviest kernels over the profiled steps."""
+    per_part, per_kernel = [], []
+    for step in steps:
+        parts, kernels = collections.defaultdict(float), collections.defaultdict(float)
+        for kernel, _, duration_ns, hlo_op in step:
+            parts[part_of(kernel, hlo_op, names)] += duration_ns / 1e3
+            kernels[kernel[:90]] += duration_ns / 1e3
+        per_part.append(parts)
+        per_kernel.append(kernels)
+
+    def medians(rows: list[dict]) -> dict[str, float]:
+        keys = sorted({key for row in rows for key in row})
+        return {key: float(np.median([row.get(key, 0.0) for row in rows])) for key in keys}
+
+    parts = dict(sorted(medians(per_part).items(), key=lambda item: -item[1]))
+    kernels = dict(sorted(medians(per_kernel).items(), key=lambda item: -item[1])[:TOP_KERNELS])
+    total = float(np.median([sum(row.values()) for row in per_part]))
+    ours = sum(us for part, us in parts.items() if part.startswith("moe: moe_"))
+    return {"kernel_us": total, "parts_us": parts, "our_kernels_share": ours / total, "top_kernels_us": kernels}
+
+
+def profile(config, *, backend: str, warmup: int, steps: int, seed: int) -> dict:
+    """Compiles ``config``'s step, runs ``warmup`` steps and profiles ``steps`` more; the summary with wall time."""
+
+    mesh = make_mesh(config.expert_parallelism)
+    with jax.set_mesh(mesh):
+        model, optimizer = create_model(config, backend)
+        graphdef, state = nnx.split((model, optimizer))
+        sharding = batch_sharding(mesh)
+        batch = jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32, sharding=sharding)
+        step, times = compile_ahead(make_train_step(config, graphdef), abstract(state), batch, batch)
+        names = op_names(step.as_text())
+        tokens = jax.random.randint(jax.random.key(seed), (config.batch_size, config.seq_len + 1), 0, 256)
+        inputs, targets = (jax.device_put(t, sharding) for t in (tokens[:, :-1], tokens[:, 1:]))
+
+        def run(count: int):
+            nonlocal state
+            for _ in range(count):
+                state, metrics = step(state, inputs, targets)
+            jax.block_until_ready(metrics)
+
+        run(warmup)
+        started = time.perf_counter()
+        run(steps)
+        wall_s = (time.perf_counter() - started) / steps
+        events = profiled_kernels(lambda: run(steps))
+    summary = summarize(split_calls(events, steps), names)
+    flops = training_flops_per_token(config.model, config.seq_len) * config.tokens_per_step
+    peak = peak_flops(jax.devices()[0], "bfloat16")
+    mfu = None if peak is None else flops / wall_s / (peak * jax.device_count())
+    return {"step_ms": wall_s * 1e3, "mfu": mfu, "compile": dataclasses.asdict(times), **summary}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m train.profile_step", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default="gpu-moe", help="the named TrainConfig (default gpu-moe)")
+    parser.add_argument("--backend", default="pallas", choices=("xla", "pallas"))
+    parser.add_argument("--quantization", choices=("fp8_block", "mxfp8"), help="the MoE layers' FP8 recipe")
+    parser.add_argument("--remat", choices=REMATS, help="what the backward recomputes (default: the config's)")
+    parser.add_argument("--attention", choices=ATTENTIONS, help="attention implementation (default: the config's)")
+    parser.add_argument("--grad-accum", type=int, help="micro-batches a step (default: the config's)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", help="write the {meta, results} JSON record here")
+    # What train.main.with_overrides reads and this tool leaves at the config's.
+    parser.set_defaults(steps=None, scan_layers=None, expert_parallel=None, dispatch=None)
+    args = parser.parse_args(argv)
+
+    config = with_overrides(get_config(args.config), args)
+    result = {"config": args.config, "backend": args.backend, "quantization": args.quantization}
+    result |= profile(config, backend=args.backend, warmup=args.warmup, steps=args.profile_steps, seed=args.seed)
+    print_summary(result)
+    if args.out:
+        command = " ".join(["python -m train.profile_step", *(sys.argv[1:] if argv is None else argv)])
+        with open(args.out, "w") as f:
+            json.dump({"meta": run_metadata(command, {}), "results": result}, f, indent=1)
+
+
+def print_summary(result: dict) -> None:
+    total = result["kernel_us"]
+    mfu = "-" if result["mfu"] is None else f"{result['mfu']:.1%}"
+    print(
+        f"{result['config']} {result['backend']} quantization={result['quantization']}: step {result['step_ms']:.1f} "
+        f"ms wall, {total / 1e3:.1f} ms of kernels, MFU {mfu}, our kernels {result['our_kernels_share']:.1%}"
+    )
+    for part, us in result["parts_us"].items():
+        print(f"  {part:32s} {us / 1e3:8.2f} ms  {us / total:6.1%}")
+    print("  heaviest kernels:")
+    for name, us in result["top_kernels_us"].items():
+        print(f"    {us / 1e3:8.2f} ms  {name}")
+
+
+if __name__ == "__main__":
+    main()
