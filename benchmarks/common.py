@@ -193,10 +193,21 @@ def profiled_kernels(run: Callable[[], object]) -> list[tuple[str, int, int, str
             continue
         for line in plane.lines:
             if "stream" in line.name.lower():  # CUPTI's kernel lines; the others are XLA's op and module spans
-                for event in line.events:
-                    hlo_op = next((str(value) for key, value in event.stats if key == "hlo_op"), "")
-                    events.append((event.name, event.start_ns, event.duration_ns, hlo_op))
+                events += [(event.name, event.start_ns, event.duration_ns, _hlo_op(event)) for event in line.events]
     return events
+
+
+# XLA's annotation of a launch, as the trace may carry it in a string stat: "...#hlo_op=fusion.3,hlo_module=...#".
+_ANNOTATED_HLO_OP = re.compile(r"hlo_op=([^,#\s]+)")
+
+
+def _hlo_op(event) -> str:
+    """The HLO op that launched a trace's kernel event: its "hlo_op" stat, or the one its annotation names, or ""."""
+    stats = [(key, str(value)) for key, value in event.stats]
+    for key, value in stats:
+        if key == "hlo_op":
+            return value
+    return next((match[1] for _, value in stats if (match := _ANNOTATED_HLO_OP.search(value))), "")
 
 
 def split_calls(events: list[tuple[str, int, int]], calls: int) -> list[list[tuple[str, int, int]]]:

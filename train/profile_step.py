@@ -1,7 +1,8 @@
 """Where a training step's GPU time goes, kernel by kernel: ``python -m train.profile_step --config gpu-moe``.
 
-Builds the model and compiles the step as ``python -m train`` does (random byte batches: the step's kernels and
-shapes do not depend on the data), runs ``--warmup`` steps, then profiles ``--steps`` with ``jax.profiler`` (CUPTI)
+Builds the model and compiles the step as ``python -m train`` does, runs ``--warmup`` steps on the training data's
+first batches (the routing, and with it the experts' row counts, follows the data), then times and profiles
+``--profile-steps`` more with ``jax.profiler`` (CUPTI)
 and puts every GPU kernel in one part of the step by the JAX name scope of the HLO op that launched it
 (``train/model.py`` scopes "attention" and "moe", ``train/train.py`` "optimizer"):
 
@@ -12,8 +13,10 @@ and puts every GPU kernel in one part of the step by the JAX name scope of the H
   optimizer            the AdamW update and the balancing-bias update
   other                the rest: embedding, LM head and loss, gradient accumulation
 
-It prints each part's µs per step and share of the step's kernel time, the share in our kernels, the heaviest
-kernels, and the step's wall time and MFU (``train.metrics``); ``--out`` writes the ``{meta, results}`` record.
+A kernel whose trace names no HLO op, and whose name is no fusion's, counts as "other" and is reported as
+unattributed. It prints each part's ms per step and share of the step's kernel time, the share in our kernels, the
+heaviest kernels, and the step's wall time and MFU (``train.metrics``); ``--out`` writes the ``{meta, results}``
+record.
 """
 
 import argparse
@@ -34,7 +37,7 @@ from train.compilation import abstract, compile_ahead
 from train.configs import ATTENTIONS, REMATS, get_config
 from train.main import with_overrides
 from train.metrics import peak_flops, training_flops_per_token
-from train.train import batch_sharding, create_model, make_mesh, make_train_step
+from train.train import batch_sharding, create_model, load_data, make_mesh, make_train_step, to_device
 
 SCOPES = ("attention", "moe", "optimizer")
 TOP_KERNELS = 15
@@ -43,8 +46,12 @@ _HLO_OP_NAME = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?metadata=\{op_name
 
 
 def op_names(hlo_text: str) -> dict[str, str]:
-    """HLO instruction name -> its ``op_name`` metadata (the JAX name stack) in an HLO module's text."""
-    return dict(_HLO_OP_NAME.findall(hlo_text))
+    """HLO instruction name -> its ``op_name`` metadata (the JAX name stack) in an HLO module's text; each name also
+    as its kernel is called ("loop_add_fusion.9" launches "loop_add_fusion_9")."""
+    names = {}
+    for name, op_name in _HLO_OP_NAME.findall(hlo_text):
+        names[name] = names[re.sub(r"[.\-]", "_", name)] = op_name
+    return names
 
 
 def scope_of(op_name: str) -> str | None:
@@ -56,12 +63,16 @@ def scope_of(op_name: str) -> str | None:
     return None
 
 
-def part_of(kernel: str, hlo_op: str, names: dict[str, str]) -> str:
-    """The part of the step (module docstring) that launched ``kernel`` from HLO op ``hlo_op``."""
+def part_of(kernel: str, hlo_op: str, names: dict[str, str]) -> str | None:
+    """The part of the step (module docstring) that launched ``kernel`` from HLO op ``hlo_op``; None where neither
+    names an op of the step."""
     if kernel.startswith("moe_"):
         return f"moe: {kernel}"
     # The kernel of a fusion carries the fusion's name where the trace has no HLO op for it.
-    scope = scope_of(names.get(hlo_op) or names.get(kernel, ""))
+    op_name = names.get(hlo_op) or names.get(kernel)
+    if op_name is None:
+        return None
+    scope = scope_of(op_name)
     if scope == "moe":
         return "moe: XLA"
     return scope or "other"
@@ -69,11 +80,14 @@ def part_of(kernel: str, hlo_op: str, names: dict[str, str]) -> str:
 
 def summarize(steps: list[list[tuple[str, int, int, str]]], names: dict[str, str]) -> dict:
     """Median µs per step of each part and of the heaviest kernels over the profiled steps."""
-    per_part, per_kernel = [], []
+    per_part, per_kernel, unattributed = [], [], []
     for step in steps:
+        unattributed.append(0.0)
         parts, kernels = collections.defaultdict(float), collections.defaultdict(float)
         for kernel, _, duration_ns, hlo_op in step:
-            parts[part_of(kernel, hlo_op, names)] += duration_ns / 1e3
+            part = part_of(kernel, hlo_op, names)
+            parts[part or "other"] += duration_ns / 1e3
+            unattributed[-1] += 0 if part else duration_ns / 1e3
             kernels[kernel[:90]] += duration_ns / 1e3
         per_part.append(parts)
         per_kernel.append(kernels)
@@ -86,10 +100,16 @@ def summarize(steps: list[list[tuple[str, int, int, str]]], names: dict[str, str
     kernels = dict(sorted(medians(per_kernel).items(), key=lambda item: -item[1])[:TOP_KERNELS])
     total = float(np.median([sum(row.values()) for row in per_part]))
     ours = sum(us for part, us in parts.items() if part.startswith("moe: moe_"))
-    return {"kernel_us": total, "parts_us": parts, "our_kernels_share": ours / total, "top_kernels_us": kernels}
+    return {
+        "kernel_us": total,
+        "parts_us": parts,
+        "our_kernels_share": ours / total,
+        "unattributed_us": float(np.median(unattributed)),
+        "top_kernels_us": kernels,
+    }
 
 
-def profile(config, *, backend: str, warmup: int, steps: int, seed: int) -> dict:
+def profile(config, *, backend: str, warmup: int, steps: int) -> dict:
     """Compiles ``config``'s step, runs ``warmup`` steps and profiles ``steps`` more; the summary with wall time."""
 
     mesh = make_mesh(config.expert_parallelism)
@@ -100,13 +120,13 @@ def profile(config, *, backend: str, warmup: int, steps: int, seed: int) -> dict
         batch = jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32, sharding=sharding)
         step, times = compile_ahead(make_train_step(config, graphdef), abstract(state), batch, batch)
         names = op_names(step.as_text())
-        tokens = jax.random.randint(jax.random.key(seed), (config.batch_size, config.seq_len + 1), 0, 256)
-        inputs, targets = (jax.device_put(t, sharding) for t in (tokens[:, :-1], tokens[:, 1:]))
+        train_data = load_data(config)[0]
+        batches = iter(to_device(train_data.batch(i), sharding, config.batch_size) for i in range(warmup + 2 * steps))
 
         def run(count: int):
             nonlocal state
             for _ in range(count):
-                state, metrics = step(state, inputs, targets)
+                state, metrics = step(state, *next(batches))
             jax.block_until_ready(metrics)
 
         run(warmup)
@@ -131,7 +151,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--grad-accum", type=int, help="micro-batches a step (default: the config's)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the {meta, results} JSON record here")
     # What train.main.with_overrides reads and this tool leaves at the config's.
     parser.set_defaults(steps=None, scan_layers=None, expert_parallel=None, dispatch=None)
@@ -139,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
 
     config = with_overrides(get_config(args.config), args)
     result = {"config": args.config, "backend": args.backend, "quantization": args.quantization}
-    result |= profile(config, backend=args.backend, warmup=args.warmup, steps=args.profile_steps, seed=args.seed)
+    result |= profile(config, backend=args.backend, warmup=args.warmup, steps=args.profile_steps)
     print_summary(result)
     if args.out:
         command = " ".join(["python -m train.profile_step", *(sys.argv[1:] if argv is None else argv)])
@@ -152,7 +171,8 @@ def print_summary(result: dict) -> None:
     mfu = "-" if result["mfu"] is None else f"{result['mfu']:.1%}"
     print(
         f"{result['config']} {result['backend']} quantization={result['quantization']}: step {result['step_ms']:.1f} "
-        f"ms wall, {total / 1e3:.1f} ms of kernels, MFU {mfu}, our kernels {result['our_kernels_share']:.1%}"
+        f"ms wall, {total / 1e3:.1f} ms of kernels, MFU {mfu}, our kernels {result['our_kernels_share']:.1%}, "
+        f"unattributed {result['unattributed_us'] / total:.1%}"
     )
     for part, us in result["parts_us"].items():
         print(f"  {part:32s} {us / 1e3:8.2f} ms  {us / total:6.1%}")

@@ -213,12 +213,12 @@ def create_model(config: TrainConfig, backend: str) -> tuple[Transformer, nnx.Op
     return create()
 
 
-def _to_device(batch: data.Batch, sharding: NamedSharding, global_batch: int) -> tuple[jax.Array, jax.Array]:
+def to_device(batch: data.Batch, sharding: NamedSharding, global_batch: int) -> tuple[jax.Array, jax.Array]:
     shape = (global_batch, batch.inputs.shape[1])
     return tuple(jax.make_array_from_process_local_data(sharding, x, shape) for x in (batch.inputs, batch.targets))
 
 
-def _load_data(config: TrainConfig) -> tuple[data.WindowSampler, data.WindowSampler, float]:
+def load_data(config: TrainConfig) -> tuple[data.WindowSampler, data.WindowSampler, float]:
     """Training and validation samplers (this process's rows) and the validation bytes' unigram entropy."""
     train_data = data.WindowSampler(
         data.load_corpus("train", config.validation_percent),
@@ -351,9 +351,9 @@ def train(
                 f"{times.lower_s:.1f} s, compile {times.compile_s:.1f} s)"
             )
 
-        train_data, validation_data, unigram = _load_data(config)
+        train_data, validation_data, unigram = load_data(config)
         validation_batches = [
-            _to_device(validation_data.batch(i), sharding, config.batch_size) for i in range(config.eval_batches)
+            to_device(validation_data.batch(i), sharding, config.batch_size) for i in range(config.eval_batches)
         ]
         buffer = MetricsBuffer(
             writer,
@@ -366,7 +366,7 @@ def train(
         evaluate = None
         bar = tqdm(total=stop, initial=start, disable=not (progress_bar and main_process), unit="step")
         for done in range(start + 1, stop + 1):
-            inputs, targets = _to_device(train_data.batch(data_position), sharding, config.batch_size)
+            inputs, targets = to_device(train_data.batch(data_position), sharding, config.batch_size)
             data_position += 1
             state, metrics = train_step(state, inputs, targets)
             # The passed-in state was donated: the model and optimizer take the new one.

@@ -35,6 +35,8 @@ def test_the_compiled_step_names_every_scope_in_forward_and_backward():
         ("loop_fusion_9", "", "attention"),  # no HLO op in the trace: the kernel is named after its fusion
         ("nvjet_tst_128x256", "dot.2", "optimizer"),
         ("input_reduce_fusion", "reduce.1", "other"),
+        ("loop_add_fusion_4", "", "moe: XLA"),  # the fusion "loop_add_fusion.4" launches the kernel of that name
+        ("nvjet_tst_64x64", "", None),  # neither an HLO op nor a fusion's name: unattributed
     ],
 )
 def test_a_kernel_goes_to_the_part_its_op_scope_names(kernel, hlo_op, part):
@@ -45,7 +47,14 @@ def test_a_kernel_goes_to_the_part_its_op_scope_names(kernel, hlo_op, part):
         "reduce.1": "jit(train_step)/while/body/reduce_sum",
         "custom-call.3": "jit(train_step)/moe/pallas_call",
     }
+    names["loop_add_fusion_4"] = "jit(train_step)/moe/add"  # as op_names also keys "loop_add_fusion.4"
     assert part_of(kernel, hlo_op, names) == part
+
+
+def test_op_names_key_each_instruction_also_by_its_kernel_name():
+    text = '%loop_add_fusion.9 = f32[8]{0} fusion(%p), kind=kLoop, metadata={op_name="jit(f)/moe/add" source_line=3}'
+    names = op_names(text)
+    assert names["loop_add_fusion.9"] == names["loop_add_fusion_9"] == "jit(f)/moe/add"
 
 
 def test_a_scope_is_a_whole_component_of_the_name_stack():
@@ -58,11 +67,12 @@ def test_the_summary_is_the_median_over_steps():
     names = {"fusion.1": "jit(train_step)/moe/add", "fusion.2": "jit(train_step)/optimizer/add"}
     steps = [
         [("moe_gmm", 0, 3000, ""), ("f1", 1, 1000, "fusion.1"), ("f2", 2, 1000, "fusion.2")],
-        [("moe_gmm", 0, 5000, ""), ("f1", 1, 1000, "fusion.1"), ("f2", 2, 2000, "fusion.2")],
+        [("moe_gmm", 0, 5000, ""), ("f1", 1, 1000, "fusion.1"), ("f2", 2, 2000, "fusion.2"), ("nvjet", 3, 500, "")],
         [("moe_gmm", 0, 4000, ""), ("f1", 1, 3000, "fusion.1"), ("f2", 2, 3000, "fusion.2")],
     ]
     summary = summarize(steps, names)
-    assert summary["parts_us"] == {"moe: moe_gmm": 4.0, "optimizer": 2.0, "moe: XLA": 1.0}
-    assert summary["kernel_us"] == 8.0  # the median step's total, not the sum of the medians (7)
-    assert summary["our_kernels_share"] == pytest.approx(4.0 / 8.0)
-    assert list(summary["top_kernels_us"]) == ["moe_gmm", "f2", "f1"]
+    assert summary["parts_us"] == {"moe: moe_gmm": 4.0, "optimizer": 2.0, "moe: XLA": 1.0, "other": 0.0}
+    assert summary["kernel_us"] == 8.5  # the median step's total, not the sum of the medians (7)
+    assert summary["our_kernels_share"] == pytest.approx(4.0 / 8.5)
+    assert summary["unattributed_us"] == 0.0  # the one unattributed kernel ran in one step of three
+    assert list(summary["top_kernels_us"]) == ["moe_gmm", "f2", "f1", "nvjet"]
