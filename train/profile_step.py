@@ -22,6 +22,7 @@ record.
 import argparse
 import collections
 import dataclasses
+import gzip
 import json
 import re
 import sys
@@ -109,8 +110,9 @@ def summarize(steps: list[list[tuple[str, int, int, str]]], names: dict[str, str
     }
 
 
-def profile(config, *, backend: str, warmup: int, steps: int) -> dict:
-    """Compiles ``config``'s step, runs ``warmup`` steps and profiles ``steps`` more; the summary with wall time."""
+def profile(config, *, backend: str, warmup: int, steps: int, hlo_out: str | None = None) -> dict:
+    """Compiles ``config``'s step, runs ``warmup`` steps and profiles ``steps`` more; the summary with wall time.
+    ``hlo_out``: where to write the compiled step's HLO text, gzipped (to look up what a kernel belongs to)."""
 
     mesh = make_mesh(config.expert_parallelism)
     with jax.set_mesh(mesh):
@@ -119,7 +121,11 @@ def profile(config, *, backend: str, warmup: int, steps: int) -> dict:
         sharding = batch_sharding(mesh)
         batch = jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32, sharding=sharding)
         step, times = compile_ahead(make_train_step(config, graphdef), abstract(state), batch, batch)
-        names = op_names(step.as_text())
+        hlo_text = step.as_text()
+        names = op_names(hlo_text)
+        if hlo_out:
+            with gzip.open(hlo_out, "wt") as f:
+                f.write(hlo_text)
         train_data = load_data(config)[0]
         batches = iter(to_device(train_data.batch(i), sharding, config.batch_size) for i in range(warmup + 2 * steps))
 
@@ -152,13 +158,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps")
     parser.add_argument("--out", help="write the {meta, results} JSON record here")
+    parser.add_argument("--hlo-out", help="write the compiled step's HLO text here, gzipped")
     # What train.main.with_overrides reads and this tool leaves at the config's.
     parser.set_defaults(steps=None, scan_layers=None, expert_parallel=None, dispatch=None)
     args = parser.parse_args(argv)
 
     config = with_overrides(get_config(args.config), args)
     result = {"config": args.config, "backend": args.backend, "quantization": args.quantization}
-    result |= profile(config, backend=args.backend, warmup=args.warmup, steps=args.profile_steps)
+    result |= profile(config, backend=args.backend, warmup=args.warmup, steps=args.profile_steps, hlo_out=args.hlo_out)
     print_summary(result)
     if args.out:
         command = " ".join(["python -m train.profile_step", *(sys.argv[1:] if argv is None else argv)])
