@@ -13,6 +13,8 @@ Record files, by what their lines or keys hold:
   ``*.jsonl`` with ``{"meta"}`` lines   ``python -m benchmarks --jsonl``: each meta line starts a run, records follow
   ``*.json`` ``{meta, records}``        ``python -m benchmarks --out``
   ``*.json`` ``{meta, results}``        ``python -m benchmarks.profile_layer --out``
+  ``*.json`` ``{meta, results}``        ``python -m train.compile_report`` and ``python -m train.profile_step``
+  ``*_train_gpu-moe*.jsonl``            ``python -m train --config gpu-moe --metrics``: one row per file
   ``*_train_gpu_<backend>.jsonl``       ``python -m train --metrics``: a run is a pair of files, xla and pallas, named
                                         ``<date>_<gpu>_<git>``; the records hold no date, so it comes from the name;
                                         ``pallas-fp8_block`` (``--quantization fp8_block``) joins a pair as a third row
@@ -131,7 +133,7 @@ def bench_report(runs: list[Run], titles: dict[str, str], tables: dict[str, Call
 def read_records(paths: list[str], result_key: str) -> list[tuple[dict, dict, str]]:
     """(meta, result, path) of every result holding ``result_key`` in the ``{meta, results}`` records at ``paths``
     (``results`` a list of results, or one result): "stages_us" picks ``profile_layer``'s, "classes_us"
-    ``profile_fp8_layer``'s, "runs" ``train.compile_report``'s."""
+    ``profile_fp8_layer``'s, "runs" ``train.compile_report``'s, "parts_us" ``train.profile_step``'s."""
     found = []
     for path in paths:
         with open(path) as f:
@@ -239,6 +241,59 @@ def profile_report(profiles: list[tuple[dict, dict, str]]) -> list[str]:
     return lines
 
 
+def step_profile_report(profiles: list[tuple[dict, dict, str]]) -> list[str]:
+    """Every training-step profile (``train.profile_step``): the step's wall time and MFU, the share in our kernels,
+    and its kernel time by part."""
+    if not profiles:
+        return []
+    lines = ["## A training step, kernel by kernel: `python -m train.profile_step`", ""]
+    for meta, result, path in profiles:
+        total = result["kernel_us"]
+        mfu = "-" if result["mfu"] is None else f"{result['mfu']:.1%}"
+        lines += [
+            f"{meta['date'][:10]}, {meta['device_kind']}, git {short_revision(meta['git_revision'])}: "
+            f"`{meta['command']}` (`{os.path.basename(path)}`): `--config {result['config']}`, backend "
+            f"{result['backend']}, quantization {result['quantization']}; step {result['step_ms']:.1f} ms wall, "
+            f"{total / 1e3:.1f} ms of kernels, MFU {mfu}; our kernels {result['our_kernels_share']:.1%} of the "
+            f"kernel time, unattributed (no HLO op in the trace: cuBLAS GEMMs, copies) "
+            f"{result['unattributed_us'] / total:.1%}.",
+            "",
+            "| part | ms per step | share |",
+            "|---|---:|---:|",
+            *(f"| {part} | {us / 1e3:.2f} | {us / total:.1%} |" for part, us in result["parts_us"].items()),
+            "",
+        ]
+    return lines
+
+
+FINE_GRAINED_TRAINING = "_train_gpu-moe"
+
+
+def fine_grained_training_report(paths: list[str]) -> list[str]:
+    """Every training record of the fine-grained config (``python -m train --config gpu-moe``), one row each."""
+    paths = [p for p in paths if FINE_GRAINED_TRAINING in os.path.basename(p)]
+    if not paths:
+        return []
+    lines = [
+        "## Fine-grained MoE training: `python -m train --config gpu-moe`",
+        "",
+        "The records `<date>_<gpu>_<git>_train_gpu-moe[-<variant>]_<backend>[-<quantization>].jsonl` (the command: "
+        "`python -m train --config gpu-moe --backend B [--quantization Q] --steps N --metrics FILE`); tokens/s is the "
+        "median over the intervals after the first.",
+        "",
+        "| record | GPU | tokens/s | MFU | peak GPU memory, GB | first step (compile), s | last step | its loss |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for path in paths:
+        with open(path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        setup = next(r for r in records if r["kind"] == "setup")
+        row = training_row(os.path.basename(path).removesuffix(".jsonl"), records).split(" | ")
+        # training_row's cells without validation loss, and with the GPU after the name.
+        lines.append(" | ".join([row[0], setup["device_kind"], *row[1:-1]]) + " |")
+    return [*lines, ""]
+
+
 def read_training(paths: list[str]) -> dict[str, dict[str, list[dict]]]:
     """{run name: {backend: records}} of the training records that come as an xla / pallas pair (and the variants
     recorded beside it)."""
@@ -311,7 +366,9 @@ def build_report(results_dir: str, titles: dict[str, str], tables: dict[str, Cal
     CLI's bench titles, table functions and the notes that explain the tables."""
     jsonl = sorted(glob.glob(os.path.join(results_dir, "*.jsonl")))
     json_files = sorted(glob.glob(os.path.join(results_dir, "*.json")))
-    bench_files = [p for p in jsonl if TRAIN_SUFFIX not in os.path.basename(p)] + json_files
+    bench_files = [
+        p for p in jsonl if TRAIN_SUFFIX not in os.path.basename(p) and FINE_GRAINED_TRAINING not in os.path.basename(p)
+    ] + json_files
     runs = [run for path in bench_files for run in read_runs(path)]
     lines = [
         "# Benchmark results",
@@ -327,9 +384,11 @@ def build_report(results_dir: str, titles: dict[str, str], tables: dict[str, Cal
     lines += profile_report(read_records(json_files, "stages_us"))
     lines += fp8_profile_report(read_records(json_files, "classes_us"))
     lines += compile_report(read_records(json_files, "runs"))
+    lines += step_profile_report(read_records(json_files, "parts_us"))
     training = [p for p in jsonl if TRAIN_SUFFIX in os.path.basename(p)]
     lines += training_report(read_training(training))
     lines += expert_parallel_training_report(training)
+    lines += fine_grained_training_report(jsonl)
     return "\n".join(lines).rstrip() + "\n"
 
 
