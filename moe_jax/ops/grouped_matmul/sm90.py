@@ -422,9 +422,12 @@ def grouped_matmul_rows(
         # Approximate exp / division in the GLU epilogues only: far inside bf16 rounding, and the plain kernels keep
         # their exact code. No shared memory for cross-warp reductions: the only reduction, the GLU backward's row
         # sums over a chunk's columns, stays within each warp in the wgmma layout (a cross-warp one would not lower),
-        # and the 2 KB the lowering reserves by default would cost the pipeline a stage (config.Config.fits).
+        # and the 2 KB the lowering reserves by default would cost the pipeline a stage (config.Config.fits). Lanes
+        # lower in half the time of warpgroups (no layout inference pass) and run the same.
         compiler_params=plgpu.CompilerParams(
-            approx_math=epi.activation is not None or epi.backward, reduction_scratch_bytes=0
+            approx_math=epi.activation is not None or epi.backward,
+            reduction_scratch_bytes=0,
+            lowering_semantics=plgpu.LoweringSemantics.Lane,
         ),
         interpret=interpret,
     )
