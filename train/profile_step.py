@@ -2,9 +2,9 @@
 
 Builds the model and compiles the step as ``python -m train`` does, runs ``--warmup`` steps on the training data's
 first batches (the routing, and with it the experts' row counts, follows the data), then times and profiles
-``--profile-steps`` more with ``jax.profiler`` (CUPTI)
-and puts every GPU kernel in one part of the step by the JAX name scope of the HLO op that launched it
-(``train/model.py`` scopes "attention" and "moe", ``train/train.py`` "optimizer"):
+``--profile-steps`` more with ``jax.profiler`` (CUPTI), and puts every GPU kernel in one part of the step by the JAX
+name scope of the HLO op that launched it (``train/model.py`` scopes "attention" and "moe", ``train/train.py``
+"optimizer"):
 
   attention            the attention sublayer's kernels (cuDNN's fused attention, its projections' GEMMs, RoPE,
                        the norm), forward and backward
@@ -113,7 +113,6 @@ def summarize(steps: list[list[tuple[str, int, int, str]]], names: dict[str, str
 def profile(config, *, backend: str, warmup: int, steps: int, hlo_out: str | None = None) -> dict:
     """Compiles ``config``'s step, runs ``warmup`` steps and profiles ``steps`` more; the summary with wall time.
     ``hlo_out``: where to write the compiled step's HLO text, gzipped (to look up what a kernel belongs to)."""
-
     mesh = make_mesh(config.expert_parallelism)
     with jax.set_mesh(mesh):
         model, optimizer = create_model(config, backend)
