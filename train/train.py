@@ -7,6 +7,7 @@ The mesh is (data, expert). The expert axis (``TrainConfig.expert_parallelism``)
 axis of more than one device the MoE layers run expert-parallel (``moe_jax.parallel``, under ``jax.shard_map``).
 """
 
+import concurrent.futures
 import dataclasses
 import functools
 import pathlib
@@ -330,8 +331,12 @@ def train(
             f"{counts['total'] / 1e6:.2f}M parameters ({counts['active'] / 1e6:.2f}M active per token), "
             f"{jax.device_count()} x {setup['device_kind']}, mesh {setup['mesh']}, backend {backend!r}"
         )
-        # Ahead of time, before any data is loaded: the step is traced, lowered and compiled for the batch's shape, or
-        # loaded from the store of compiled steps (train.compilation.ExecutableStore).
+        # The corpus loads on a thread of its own (plain Python and NumPy) while the step is traced, lowered and
+        # compiled ahead of time for the batch's shape, or loaded from the store of compiled steps
+        # (train.compilation.ExecutableStore): XLA's compilation leaves the interpreter free.
+        loading = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="load-data")
+        corpus = loading.submit(load_data, config)
+        loading.shutdown(wait=False)
         graphdef, state = nnx.split((model, optimizer))
         batch_shape = jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32, sharding=sharding)
         store = ExecutableStore(executable_dir) if executable_dir and jax.process_count() == 1 else None
@@ -351,7 +356,7 @@ def train(
                 f"{times.lower_s:.1f} s, compile {times.compile_s:.1f} s)"
             )
 
-        train_data, validation_data, unigram = load_data(config)
+        train_data, validation_data, unigram = corpus.result()
         validation_batches = [
             to_device(validation_data.batch(i), sharding, config.batch_size) for i in range(config.eval_batches)
         ]
