@@ -28,9 +28,8 @@ import os
 import re
 from collections.abc import Callable
 
-import numpy as np
-
 from benchmarks import common
+from train.metrics import steady_state
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 REPORT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
@@ -285,12 +284,10 @@ def fine_grained_training_report(paths: list[str]) -> list[str]:
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for path in paths:
-        with open(path) as f:
-            records = [json.loads(line) for line in f if line.strip()]
+        records = read_jsonl(path)
         setup = next(r for r in records if r["kind"] == "setup")
-        row = training_row(os.path.basename(path).removesuffix(".jsonl"), records).split(" | ")
-        # training_row's cells without validation loss, and with the GPU after the name.
-        lines.append(" | ".join([row[0], setup["device_kind"], *row[1:-1]]) + " |")
+        name = os.path.basename(path).removesuffix(".jsonl")
+        lines.append(table_row([name, setup["device_kind"], *training_cells(records)[:-1]]))  # no validation loss
     return [*lines, ""]
 
 
@@ -302,28 +299,36 @@ def read_training(paths: list[str]) -> dict[str, dict[str, list[dict]]]:
         name = os.path.basename(path)
         run, _, backend = name.removesuffix(".jsonl").rpartition(TRAIN_SUFFIX)
         if backend in TRAIN_BACKENDS + TRAIN_VARIANTS:
-            with open(path) as f:
-                runs.setdefault(run, {})[backend] = [json.loads(line) for line in f if line.strip()]
+            runs.setdefault(run, {})[backend] = read_jsonl(path)
     return {run: pair for run, pair in runs.items() if set(TRAIN_BACKENDS) <= set(pair)}
 
 
-def training_row(backend: str, records: list[dict]) -> str:
-    """One backend's row: medians over the 20-step intervals after the first (the first holds the warm-up)."""
-    intervals = [r for r in records if r["kind"] == "train"]
-    steady = intervals[1:] or intervals
+def read_jsonl(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def training_cells(records: list[dict]) -> list[str]:
+    """A training run's cells: tokens/s, MFU and peak memory (``train.metrics.steady_state``: the MFU from the setup,
+    over every device's peak, as the records' own "mfu" counted one device's before multi-device runs), the time to
+    the first step's end, the last step, its loss and the validation loss."""
+    steady = steady_state(records)
     compile_s = next(r["seconds"] for r in records if r["kind"] == "compile")
     validation = next((r["validation_loss"] for r in records if r["kind"] == "final"), None)
-    tokens = float(np.median([r["tokens_per_s"] for r in steady]))
-    # From the setup, over every device's peak (the records' own "mfu" divided by one device's before multi-device
-    # runs were counted).
-    setup = next(r for r in records if r["kind"] == "setup")
-    mfu = tokens * setup["training_flops_per_token"] / (setup["peak_flops"] * setup["devices"])
-    memory = max(r["peak_memory_bytes"] for r in intervals) / 1e9
-    last = intervals[-1]
-    return (
-        f"| {backend} | {tokens:.0f} | {mfu:.4f} | {memory:.2f} | {compile_s:.1f} | {last['step']} | "
-        f"{last['loss']:.4f} | {'-' if validation is None else f'{validation:.4f}'} |"
-    )
+    last = [r for r in records if r["kind"] == "train"][-1]
+    return [
+        f"{steady['tokens_per_s']:.0f}",
+        f"{steady['mfu']:.4f}",
+        f"{steady['peak_memory_gb']:.2f}",
+        f"{compile_s:.1f}",
+        f"{last['step']}",
+        f"{last['loss']:.4f}",
+        "-" if validation is None else f"{validation:.4f}",
+    ]
+
+
+def table_row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
 
 
 def training_report(runs: dict[str, dict[str, list[dict]]]) -> list[str]:
@@ -356,7 +361,11 @@ def _training_run(gpu: str, run: str, by_backend: dict[str, list[dict]]) -> list
         "| backend | tokens/s | MFU | peak GPU memory, GB | first step (compile), s | last step | its loss | "
         "validation loss |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
-        *(training_row(name, by_backend[name]) for name in TRAIN_BACKENDS + TRAIN_VARIANTS if name in by_backend),
+        *(
+            table_row([name, *training_cells(by_backend[name])])
+            for name in TRAIN_BACKENDS + TRAIN_VARIANTS
+            if name in by_backend
+        ),
         "",
     ]
 
@@ -401,14 +410,10 @@ def expert_parallel_training_report(paths: list[str]) -> list[str]:
         match = EXPERT_PARALLEL_RUN.fullmatch(name)
         if match is None:
             continue
-        with open(path) as f:
-            records = [json.loads(line) for line in f if line.strip()]
+        records = read_jsonl(path)
         setup = next(r for r in records if r["kind"] == "setup")
-        cells = training_row(setup["backend"], records).strip("|").split("|")[1:]
-        rows.append(
-            f"| {run[:10]} | git {run.split('_')[2]} | {setup['devices']} x {setup['device_kind']} | "
-            f"{match.group(2)} |{'|'.join(cells)}|"
-        )
+        cells = [run[:10], f"git {run.split('_')[2]}", f"{setup['devices']} x {setup['device_kind']}", match.group(2)]
+        rows.append(table_row([*cells, *training_cells(records)]))
     if not rows:
         return []
     return [

@@ -50,6 +50,24 @@ def peak_flops(device: jax.Device, dtype: str) -> float | None:
     return None
 
 
+def mfu(tokens_per_s: float, flops_per_token: float, peak: float | None, devices: int = 1) -> float | None:
+    """Model FLOP/s over ``devices`` devices' dense peak (``peak`` is one device's); None where it is unknown."""
+    return None if peak is None else tokens_per_s * flops_per_token / (peak * devices)
+
+
+def steady_state(records: list[dict]) -> dict:
+    """A run's throughput from its metrics records (``python -m train --metrics``): tokens/s, the median over the
+    intervals after the first (which holds the warm-up), its MFU from the setup record, and the peak memory in GB."""
+    intervals = [r for r in records if r["kind"] == "train"]
+    setup = next(r for r in records if r["kind"] == "setup")
+    tokens_per_s = float(np.median([r["tokens_per_s"] for r in intervals[1:] or intervals]))
+    return {
+        "tokens_per_s": tokens_per_s,
+        "mfu": mfu(tokens_per_s, setup["training_flops_per_token"], setup["peak_flops"], setup["devices"]),
+        "peak_memory_gb": max(r["peak_memory_bytes"] for r in intervals) / 1e9,
+    }
+
+
 class JsonlWriter:
     """Appends one JSON object per line (only on process 0 of a multi-process run)."""
 
@@ -111,7 +129,7 @@ class MetricsBuffer:
         tokens_per_s = self.timed_steps * self.tokens_per_step / elapsed if self.timed_steps else None
         record = {"kind": "train", "step": self.pending[-1][0], **summarise(fetched), **extra}
         record["tokens_per_s"] = tokens_per_s
-        record["mfu"] = tokens_per_s * self.flops_per_token / self.peak if tokens_per_s and self.peak else None
+        record["mfu"] = mfu(tokens_per_s, self.flops_per_token, self.peak) if tokens_per_s else None
         # The allocator's high-water mark on GPUs (CPUs keep no statistics).
         stats = jax.local_devices()[0].memory_stats() or {}
         record["peak_memory_bytes"] = stats.get("peak_bytes_in_use")

@@ -37,7 +37,7 @@ from benchmarks.common import profiled_kernels, run_metadata, split_calls
 from train.compilation import abstract, compile_ahead
 from train.configs import ATTENTIONS, REMATS, get_config
 from train.main import with_overrides
-from train.metrics import peak_flops, training_flops_per_token
+from train.metrics import mfu, peak_flops, training_flops_per_token
 from train.train import batch_sharding, create_model, load_data, make_mesh, make_train_step, to_device
 
 SCOPES = ("attention", "moe", "optimizer")
@@ -140,10 +140,10 @@ def profile(config, *, backend: str, warmup: int, steps: int, hlo_out: str | Non
         wall_s = (time.perf_counter() - started) / steps
         events = profiled_kernels(lambda: run(steps))
     summary = summarize(split_calls(events, steps), names)
-    flops = training_flops_per_token(config.model, config.seq_len) * config.tokens_per_step
-    peak = peak_flops(jax.devices()[0], "bfloat16")
-    mfu = None if peak is None else flops / wall_s / (peak * jax.device_count())
-    return {"step_ms": wall_s * 1e3, "mfu": mfu, "compile": dataclasses.asdict(times), **summary}
+    peak = peak_flops(jax.devices()[0], config.model.dtype)
+    tokens_per_s = config.tokens_per_step / wall_s
+    step_mfu = mfu(tokens_per_s, training_flops_per_token(config.model, config.seq_len), peak, jax.device_count())
+    return {"step_ms": wall_s * 1e3, "mfu": step_mfu, "compile": dataclasses.asdict(times), **summary}
 
 
 def main(argv: list[str] | None = None) -> None:
