@@ -309,9 +309,9 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 def training_cells(records: list[dict]) -> list[str]:
-    """A training run's cells: tokens/s, MFU and peak memory (``train.metrics.steady_state``: the MFU from the setup,
-    over every device's peak, as the records' own "mfu" counted one device's before multi-device runs), the time to
-    the first step's end, the last step, its loss and the validation loss."""
+    """A training run's cells: tokens/s, MFU and peak memory (``train.metrics.steady_state``: the MFU from the setup
+    record, over all its devices' peak), the time to the first step's end, the last step, its loss and the validation
+    loss."""
     steady = steady_state(records)
     compile_s = next(r["seconds"] for r in records if r["kind"] == "compile")
     validation = next((r["validation_loss"] for r in records if r["kind"] == "final"), None)

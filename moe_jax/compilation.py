@@ -12,8 +12,8 @@ lowerings of one kernel are two kernels to that cache.)
 between the entry's arguments and results, with the same attributes, so the same hash), compiles those on a thread
 pool (XLA's compilation releases the GIL) while the whole program compiles, and so the whole program's thunk
 emission finds the kernels compiled. Two compilations of one kernel at the same time are harmless (the cache keeps
-the first), so nothing waits on the pool: a kernel the pool has not reached yet is compiled by the program as
-before. Where nothing is a Mosaic GPU kernel (the XLA backend, kernels under the CPU interpreter), it is
+the first), so nothing waits on the pool: a kernel the pool has not reached yet is compiled by the program
+itself. Where nothing is a Mosaic GPU kernel (the XLA backend, kernels under the CPU interpreter), it is
 ``lowered.compile()``.
 
 jax 0.11.2 has no public way to compile a StableHLO module, so the pool calls the device's PJRT client with
