@@ -5,6 +5,7 @@ import os
 import warnings
 
 import jax
+from jax.experimental.mosaic.gpu import fragmented_array
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 # XLA:CPU's concurrency-optimised scheduler runs independent custom calls of one program at the same time, but the
@@ -96,8 +97,30 @@ def compiles_for_gpu() -> bool:
 
 
 def interpret_params():
-    """None when compiling for a GPU; elsewhere the Mosaic GPU interpreter (``force_gpu_interpret_mode`` wins)."""
+    """None when compiling for a GPU; elsewhere the Mosaic GPU interpreter (``force_gpu_interpret_mode`` wins).
+
+    Every kernel launch asks this before its kernel is lowered, so for a GPU it also makes the lowering's ``ptxas``
+    query cheap (``cache_ptxas_isa_version``).
+    """
     if compiles_for_gpu():
+        cache_ptxas_isa_version()
         return None
     _warn_if_the_interpreter_may_deadlock()
     return plgpu.InterpretGPUParams()
+
+
+def cache_ptxas_isa_version() -> None:
+    """Answers Mosaic GPU's query for the newest PTX ISA that ``ptxas`` supports from a per-process cache.
+
+    jax 0.11.2's ``FragmentedArray.astype`` asks jaxlib for that version on every conversion that involves a type of 8
+    bits or fewer, and each bool -> int32 conversion is one (every ``pl.when`` and ``lax.cond`` in a kernel makes
+    one: about 40 a grouped-matmul kernel). jaxlib does not cache the answer and asks ``ptxas`` each time, which on
+    a GPU host makes it most of a kernel's lowering time (docs/kernels/grouped_matmul.md, "Lowering and compile
+    time"). The answer cannot change within a process. A no-op where jaxlib has no Mosaic GPU extension (CPU-only
+    installs) and when already cached.
+    """
+    extension = getattr(fragmented_array.mgpu_lib, "_mosaic_gpu_ext", None)
+    query = getattr(extension, "_get_ptxas_isa_version", None)
+    if query is None or getattr(query, "cache_info", None) is not None:
+        return
+    extension._get_ptxas_isa_version = functools.cache(query)

@@ -1,16 +1,58 @@
-"""Hardware helpers: the SM count on CPU, and the XLA:CPU settings the Mosaic GPU interpreter needs."""
+"""Hardware helpers: the SM count on CPU, the XLA:CPU settings the Mosaic GPU interpreter needs, and the cached
+``ptxas`` query of kernels lowered for a GPU."""
 
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import types
+
+import jax
+from jax.sharding import AbstractDevice, AbstractMesh
 
 from moe_jax._core import hardware
 
 
 def test_cpu_has_a_fallback_sm_count():
     assert hardware.num_sms() == hardware.CPU_FALLBACK_NUM_SMS
+
+
+def _fake_mosaic_gpu_library(monkeypatch) -> list:
+    """Stands in a Mosaic GPU extension whose ptxas query records each call; returns the record."""
+    calls = []
+
+    def query():
+        calls.append(len(calls))
+        return 87
+
+    library = types.SimpleNamespace(_mosaic_gpu_ext=types.SimpleNamespace(_get_ptxas_isa_version=query))
+    monkeypatch.setattr(hardware.fragmented_array, "mgpu_lib", library)
+    return calls
+
+
+def test_lowering_for_a_gpu_asks_ptxas_once(monkeypatch):
+    calls = _fake_mosaic_gpu_library(monkeypatch)
+    h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=h200)):
+        assert hardware.interpret_params() is None
+        assert hardware.interpret_params() is None
+    extension = hardware.fragmented_array.mgpu_lib._mosaic_gpu_ext
+    assert [extension._get_ptxas_isa_version() for _ in range(3)] == [87, 87, 87]
+    assert calls == [0]
+
+
+def test_the_interpreter_leaves_the_ptxas_query_alone(monkeypatch):
+    calls = _fake_mosaic_gpu_library(monkeypatch)
+    assert hardware.interpret_params() is not None
+    extension = hardware.fragmented_array.mgpu_lib._mosaic_gpu_ext
+    assert [extension._get_ptxas_isa_version() for _ in range(2)] == [87, 87]
+    assert calls == [0, 1]
+
+
+def test_caching_the_ptxas_query_is_a_no_op_without_the_extension(monkeypatch):
+    monkeypatch.setattr(hardware.fragmented_array, "mgpu_lib", None)
+    hardware.cache_ptxas_isa_version()
 
 
 def _run(script: str, env: dict) -> subprocess.CompletedProcess:
