@@ -194,10 +194,11 @@ def make_eval_step(config: TrainConfig, graphdef: nnx.GraphDef):
     return evaluate
 
 
-def create_model(config: TrainConfig, backend: str) -> tuple[Transformer, nnx.Optimizer]:
-    """The model of ``config`` at initialisation (seeded by ``config.seed``) and its optimizer, built under the current
-    mesh by one jitted function: built eagerly, each parameter's initialiser is a program of its own, and on a cold
-    compilation cache each of them (about 50 at gpu-moe) is compiled before the first step can be."""
+def model_creator(config: TrainConfig, backend: str):
+    """``create()`` -> (model, optimizer) of ``config`` at initialisation (seeded by ``config.seed``), built under the
+    current mesh by one jitted function (``create.eval_shape()`` gives their shapes without building them). Built
+    eagerly, each parameter's initialiser would be a program of its own, and on a cold compilation cache each of them
+    (about 50 at gpu-moe) would be compiled before the first step could be."""
 
     @nnx.jit
     def create():
@@ -211,7 +212,18 @@ def create_model(config: TrainConfig, backend: str) -> tuple[Transformer, nnx.Op
         )
         return model, nnx.Optimizer(model, make_optimizer(config), wrt=nnx.Param)
 
-    return create()
+    return create
+
+
+def create_model(config: TrainConfig, backend: str) -> tuple[Transformer, nnx.Optimizer]:
+    """The model of ``config`` at initialisation and its optimizer (``model_creator``)."""
+    return model_creator(config, backend)()
+
+
+def _under_mesh(mesh: jax.sharding.Mesh, function):
+    """``function()`` with ``mesh`` set (the mesh a thread runs under is its own)."""
+    with jax.set_mesh(mesh):
+        return function()
 
 
 def to_device(batch: data.Batch, sharding: NamedSharding, global_batch: int) -> tuple[jax.Array, jax.Array]:
@@ -244,8 +256,8 @@ def trajectory_config(config: TrainConfig) -> dict:
     return {name: value for name, value in fields.items() if name not in _CADENCE_FIELDS}
 
 
-def _resume(config: TrainConfig, checkpointer: Checkpointer, model, optimizer, stop: int) -> Progress:
-    """Loads the latest checkpoint into model and optimizer after checking that it belongs to this run."""
+def _resume_progress(config: TrainConfig, checkpointer: Checkpointer, stop: int) -> Progress:
+    """The latest checkpoint's progress, checked to belong to this run and to leave steps before ``stop``."""
     progress = checkpointer.progress()
     expected = trajectory_config(config)
     differing = sorted(name for name in expected if progress.run_config.get(name) != expected[name])
@@ -255,7 +267,6 @@ def _resume(config: TrainConfig, checkpointer: Checkpointer, model, optimizer, s
         )
     if progress.step >= stop:
         raise ValueError(f"the checkpoint is at step {progress.step}: nothing left to do before step {stop}")
-    checkpointer.restore(model, optimizer, progress.step)
     return progress
 
 
@@ -314,30 +325,26 @@ def train(
     sharding = batch_sharding(mesh)
 
     with jax.set_mesh(mesh):
-        model, optimizer = create_model(config, backend)
         checkpointer = Checkpointer(ckpt_dir) if ckpt_dir else None
-        start = data_position = 0
-        if resume:
-            progress = _resume(config, checkpointer, model, optimizer, stop)
-            start, data_position = progress.step, progress.data_position
-        elif checkpointer is not None and checkpointer.latest_step() is not None:
+        progress = _resume_progress(config, checkpointer, stop) if resume else None
+        if not resume and checkpointer is not None and checkpointer.latest_step() is not None:
             raise ValueError(f"{ckpt_dir} already holds checkpoints: pass --resume, or choose another --ckpt-dir")
-
-        writer = JsonlWriter(metrics_path, append=resume)
-        setup = _setup_record(config, backend, mesh, start)
-        writer.write(setup)
-        counts = setup["parameters"]
+        counts = parameter_counts(config.model)
         say(
             f"{counts['total'] / 1e6:.2f}M parameters ({counts['active'] / 1e6:.2f}M active per token), "
-            f"{jax.device_count()} x {setup['device_kind']}, mesh {setup['mesh']}, backend {backend!r}"
+            f"{jax.device_count()} x {jax.devices()[0].device_kind}, mesh {dict(mesh.shape)}, backend {backend!r}"
         )
-        # The corpus loads on a thread of its own (plain Python and NumPy) while the step is traced, lowered and
-        # compiled ahead of time for the batch's shape, or loaded from the store of compiled steps
-        # (train.compilation.ExecutableStore): XLA's compilation leaves the interpreter free.
-        loading = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="load-data")
-        corpus = loading.submit(load_data, config)
-        loading.shutdown(wait=False)
-        graphdef, state = nnx.split((model, optimizer))
+        # Two threads work while the step is traced, lowered and compiled ahead of time for the batch's shape, or
+        # loaded from the store of compiled steps (train.compilation.ExecutableStore), since XLA's compilation leaves
+        # the interpreter free: one loads the corpus (plain Python and NumPy), the other creates the model (its
+        # initialisers compiled, then run). On one device the step compiles for the state's shapes alone, every
+        # placement being the same; on several it waits for the created state, whose shardings it compiles for.
+        workers = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="train-setup")
+        corpus = workers.submit(load_data, config)
+        creator = model_creator(config, backend)
+        creating = workers.submit(_under_mesh, mesh, creator)
+        workers.shutdown(wait=False)
+        graphdef, state_shapes = nnx.split(creator.eval_shape() if mesh.size == 1 else creating.result())
         batch_shape = jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32, sharding=sharding)
         store = ExecutableStore(executable_dir) if executable_dir and jax.process_count() == 1 else None
 
@@ -347,7 +354,7 @@ def train(
             args = (abstract(step_state), batch_shape, batch_shape)
             return compile_or_load(jitted, *args, store=store, description=description, sources=_SOURCES)
 
-        train_step, times = compile_step(make_train_step(config, graphdef), "train", state)
+        train_step, times = compile_step(make_train_step(config, graphdef), "train", state_shapes)
         if times.aot == "loaded":
             say(f"train step loaded from {executable_dir} in {times.compile_s:.1f} s")
         else:
@@ -356,6 +363,15 @@ def train(
                 f"{times.lower_s:.1f} s, compile {times.compile_s:.1f} s)"
             )
 
+        model, optimizer = creating.result()
+        start = data_position = 0
+        if progress is not None:
+            checkpointer.restore(model, optimizer, progress.step)
+            start, data_position = progress.step, progress.data_position
+        state = nnx.state((model, optimizer))
+        writer = JsonlWriter(metrics_path, append=resume)
+        setup = _setup_record(config, backend, mesh, start)
+        writer.write(setup)
         train_data, validation_data, unigram = corpus.result()
         validation_batches = [
             to_device(validation_data.batch(i), sharding, config.batch_size) for i in range(config.eval_batches)
