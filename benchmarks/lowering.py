@@ -19,6 +19,7 @@ import collections
 import contextlib
 import json
 import statistics
+import sys
 import time
 
 import jax
@@ -26,6 +27,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax._src.pallas.mosaic_gpu import pallas_call_registration
 from jax.sharding import AbstractDevice, AbstractMesh
+
+from benchmarks.common import run_metadata
 
 H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
 
@@ -108,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2, help="lowerings of each function (default 2)")
     parser.add_argument("--out", help="also write the measurements as JSON here")
     args = parser.parse_args(argv)
+    command = " ".join(["python -m benchmarks.lowering", *(sys.argv[1:] if argv is None else argv)])
 
     measured = {"reference layer": lambda: layer_step(REFERENCE_LAYER, "pallas")}
     if args.train_step:
@@ -117,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
         print("\n".join(summary(name, runs)))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"jax": jax.__version__, "results": results}, f, indent=1)
+            json.dump({"meta": run_metadata(command, {}), "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":
