@@ -5,14 +5,16 @@ The public surface (re-exports only): ``route`` (with ``Routing``, ``RoutingOpti
 ``PackedGateUp`` for the GLU weight layout), ``glu_mlp``, ``permute``, ``combine``, ``moe_ffn`` (with ``MoEAux``),
 ``quantize_blockwise`` (block-scaled FP8, ``BlockScaled``; ``from_qarray`` / ``to_qarray`` convert to and from qwix's
 ``QArray``), the Flax NNX modules in ``moe_jax.nn`` and expert parallelism in ``moe_jax.parallel``;
-``compile_lowered`` compiles a lowered program with its Mosaic GPU kernels in parallel (``moe_jax.compilation``);
+``compile_lowered`` compiles a lowered program with its Mosaic GPU kernels in parallel, and
+``compiling_kernels_while_lowering`` starts each kernel's compilation as soon as it is lowered
+(``moe_jax.compilation``);
 ``configure_cpu_interpreter`` prepares a CPU host's XLA for kernels run under the Mosaic GPU interpreter (importing
 moe_jax changes no environment variable).
 """
 
 from moe_jax import nn, parallel
 from moe_jax._core.hardware import configure_cpu_interpreter
-from moe_jax.compilation import compile_lowered
+from moe_jax.compilation import compile_lowered, compiling_kernels_while_lowering
 from moe_jax.ops.glu_mlp.api import glu_mlp
 from moe_jax.ops.grouped_matmul.api import grouped_matmul
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp, pack_gate_up, unpack_gate_up
@@ -31,6 +33,7 @@ __all__ = [
     "apply_capacity",
     "combine",
     "compile_lowered",
+    "compiling_kernels_while_lowering",
     "configure_cpu_interpreter",
     "from_qarray",
     "glu_mlp",

@@ -1,4 +1,5 @@
-"""Compiling a program's Mosaic GPU kernels in parallel: ``compile_lowered(jax.jit(f).lower(...))``.
+"""Compiling a program's Mosaic GPU kernels in parallel: ``compile_lowered(jax.jit(f).lower(...))``, or as they are
+lowered: ``compiling_kernels_while_lowering()``.
 
 XLA compiles the Mosaic GPU kernels of a program (its ``mosaic_gpu_v2`` custom calls) one after another, while it
 emits the program's thunks: each kernel's module goes MLIR -> LLVM -> PTX -> cubin on one thread, about a second for
@@ -16,18 +17,26 @@ the first), so nothing waits on the pool: a kernel the pool has not reached yet 
 itself. Where nothing is a Mosaic GPU kernel (the XLA backend, kernels under the CPU interpreter), it is
 ``lowered.compile()``.
 
+``compiling_kernels_while_lowering`` starts each kernel's compilation earlier still, the moment the kernel is lowered:
+inside it, Mosaic GPU's custom-call lowering rule (a module attribute of ``jax.experimental.mosaic.gpu.core``, which
+Pallas looks up on every call) is wrapped to hand each new custom call to the thread's ``KernelPool``.
+
 jax 0.11.2 has no public way to compile a StableHLO module, so the pool calls the device's PJRT client with
 ``jax._src`` helpers; the kernels' programs are built with ``jax.extend.mlir``.
 """
 
 import concurrent.futures
+import contextlib
 import os
+import threading
 import warnings
+from collections.abc import Iterator
 
 import jax
 from jax._src import compiler
 from jax._src.interpreters import mlir as jax_mlir
 from jax._src.lib import xla_client
+from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import func
 
@@ -90,38 +99,135 @@ def _compile_kernel(program: bytes, device: jax.Device) -> None:
     device.client.compile_and_load(program, xla_client.DeviceList((device,)), options)
 
 
+class KernelPool:
+    """Compiles one program per distinct Mosaic GPU kernel on a thread pool, each kernel once (by its hash).
+
+    Kernels arrive from a lowered program (``compile``) or, inside ``compiling_kernels_while_lowering``, one by one as
+    they are lowered; each is compiled as a one-kernel program, which leaves it in jaxlib's kernel cache.
+    """
+
+    def __init__(self, max_workers: int | None = None):
+        if max_workers is not None and max_workers < 1:
+            raise ValueError(f"max_workers must be at least 1, got {max_workers}")
+        self._max_workers = max_workers or os.cpu_count() or 1
+        self._executor = None
+        self._closed = False
+        self._hashes: set[bytes] = set()
+        self.futures: list[concurrent.futures.Future] = []
+
+    def submit(self, call) -> bool:
+        """Starts compiling ``call``'s kernel unless it is no Mosaic GPU kernel or already started; says whether
+        it started."""
+        kernel_hash = _kernel_hash(call)
+        if self._closed or kernel_hash is None or kernel_hash in self._hashes:
+            return False
+        self._hashes.add(kernel_hash)
+        program = jax_mlir.module_to_bytecode(_kernel_program(call))
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                self._max_workers, thread_name_prefix="mosaic-gpu-kernel"
+            )
+        self.futures.append(self._executor.submit(_compile_kernel, program, jax.local_devices()[0]))
+        return True
+
+    def compile(self, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+        """``lowered.compile()``, with the kernels of ``lowered`` not started yet started first."""
+        for call in _custom_calls(lowered.compiler_ir("stablehlo").operation, []):
+            self.submit(call)
+        if not self.futures:
+            return lowered.compile()
+        try:
+            return lowered.compile()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Drops the kernels not started yet (the program compiles what it needs itself); those running finish on
+        their own threads. Warns once if a kernel failed to compile on its own."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        for future in self.futures:
+            if future.done() and not future.cancelled() and future.exception() is not None:
+                warnings.warn(
+                    f"a Mosaic GPU kernel did not compile on its own ({future.exception()!r}); the program compiled it",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                break
+
+
 def compile_lowered(lowered: jax.stages.Lowered, *, max_workers: int | None = None) -> jax.stages.Compiled:
     """``lowered.compile()``, with its distinct Mosaic GPU kernels compiled meanwhile on ``max_workers`` threads.
 
     Args:
       lowered: a lowered program (``jax.jit(f).trace(*args).lower()``), for the devices of this process.
-      max_workers: threads for the kernels (default: one per kernel, at most one per CPU core).
+      max_workers: threads for the kernels (default: one per CPU core).
 
     Returns:
       the compiled program, the same executable ``lowered.compile()`` returns (the persistent compilation cache
       answers it as it would). A kernel whose own compilation fails is compiled by the program's, which reports any
       real error; the failure is warned about.
     """
-    if max_workers is not None and max_workers < 1:
-        raise ValueError(f"max_workers must be at least 1, got {max_workers}")
-    programs = kernel_programs(lowered)
-    if not programs:
-        return lowered.compile()
-    workers = max_workers or min(len(programs), os.cpu_count() or 1)
-    device = jax.local_devices()[0]
-    pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="mosaic-gpu-kernel")
-    futures = [pool.submit(_compile_kernel, program, device) for program in programs]
+    return KernelPool(max_workers).compile(lowered)
+
+
+class _LoweringHook:
+    """Wraps Mosaic GPU's custom-call lowering rule while any thread is inside ``compiling_kernels_while_lowering``,
+    so that each kernel lowered by such a thread goes to that thread's pool as soon as its custom call exists."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._users = 0
+        self._rule = None
+        self.pools = threading.local()
+
+    def __enter__(self):
+        with self._lock:
+            if self._users == 0:
+                self._rule = mosaic_gpu_core._mosaic_gpu_lowering_rule
+                mosaic_gpu_core._mosaic_gpu_lowering_rule = self._lower_and_submit
+            self._users += 1
+
+    def __exit__(self, *exc_info):
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                mosaic_gpu_core._mosaic_gpu_lowering_rule = self._rule
+
+    def _lower_and_submit(self, ctx, *args, **kwargs):
+        results = self._rule(ctx, *args, **kwargs)
+        pool = getattr(self.pools, "current", None)
+        if pool is not None and results:
+            owner = results[0].owner
+            pool.submit(getattr(owner, "operation", owner))  # the custom call
+        return results
+
+
+_HOOK = _LoweringHook()
+
+
+@contextlib.contextmanager
+def compiling_kernels_while_lowering(*, max_workers: int | None = None) -> Iterator[KernelPool]:
+    """A ``KernelPool`` that starts compiling each Mosaic GPU kernel this thread lowers inside the context as soon as
+    it is lowered, while Python lowers the rest of the program::
+
+        with moe_jax.compiling_kernels_while_lowering() as kernels:
+            compiled = kernels.compile(jax.jit(step).trace(*args).lower())
+
+    ``compile`` then compiles the program while the kernels still running finish. Lowering is Python (about 0.4 s a
+    grouped-matmul kernel on an H200 host) and a kernel's compilation is XLA's (about a second, the GIL released), so
+    by the end of the lowering most kernels are compiled. Other threads' lowerings are left alone. Leaving the
+    context drops the kernels not started yet.
+    """
+    pool = KernelPool(max_workers)
+    outer = getattr(_HOOK.pools, "current", None)
+    _HOOK.pools.current = pool
     try:
-        compiled = lowered.compile()
+        with _HOOK:
+            yield pool
     finally:
-        # Kernels not started yet are not needed any more; those running finish on their own threads.
-        pool.shutdown(wait=False, cancel_futures=True)
-    for future in futures:
-        if future.done() and not future.cancelled() and future.exception() is not None:
-            warnings.warn(
-                f"a Mosaic GPU kernel did not compile on its own ({future.exception()!r}); the program compiled it",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            break
-    return compiled
+        _HOOK.pools.current = outer
+        pool.close()

@@ -9,6 +9,7 @@ trace it, the library versions, the devices, the arguments' shapes and shardings
 loads it in place of the three phases. Timing the phases apart says which of them a change moves.
 """
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.metadata
@@ -23,7 +24,7 @@ import warnings
 import jax
 from jax.experimental import serialize_executable
 
-from moe_jax.compilation import compile_lowered
+from moe_jax.compilation import compiling_kernels_while_lowering
 
 # Distributions whose code shapes a compiled step: these, and any whose name starts with one of the prefixes (JAX,
 # its plugins, and NVIDIA's CUDA libraries: cuDNN, cuBLAS and the compiler pick kernels and emit code).
@@ -71,15 +72,17 @@ class CompileTimes:
 
 def compile_ahead(jitted, *args, parallel_kernels: bool = True) -> tuple[jax.stages.Compiled, CompileTimes]:
     """``jitted.trace(*args).lower().compile()`` with each phase timed; ``args`` may be ``jax.ShapeDtypeStruct``s.
-    With ``parallel_kernels`` the Mosaic GPU kernels compile in parallel (``moe_jax.compile_lowered``), else one after
-    another inside XLA's compilation."""
-    start = time.perf_counter()
-    traced = jitted.trace(*args)
-    traced_at = time.perf_counter()
-    lowered = traced.lower()
-    lowered_at = time.perf_counter()
-    compiled = compile_lowered(lowered) if parallel_kernels else lowered.compile()
-    compiled_at = time.perf_counter()
+    With ``parallel_kernels`` each Mosaic GPU kernel starts compiling on a thread pool as soon as it is lowered
+    (``moe_jax.compiling_kernels_while_lowering``), else they compile one after another inside XLA's compilation."""
+    kernels = compiling_kernels_while_lowering() if parallel_kernels else contextlib.nullcontext()
+    with kernels as pool:
+        start = time.perf_counter()
+        traced = jitted.trace(*args)
+        traced_at = time.perf_counter()
+        lowered = traced.lower()
+        lowered_at = time.perf_counter()
+        compiled = pool.compile(lowered) if parallel_kernels else lowered.compile()
+        compiled_at = time.perf_counter()
     return compiled, CompileTimes(traced_at - start, lowered_at - traced_at, compiled_at - lowered_at)
 
 

@@ -1,5 +1,6 @@
 """moe_jax.compilation: the Mosaic GPU kernels lifted out of a program lowered for CUDA (on this CPU host) are one
-program per distinct kernel, each the kernel's custom call unchanged; without kernels, compile_lowered is
+program per distinct kernel, each the kernel's custom call unchanged; inside compiling_kernels_while_lowering the same
+programs start compiling while the program is lowered, each once; without kernels, compile_lowered is
 lowered.compile()."""
 
 import re
@@ -12,6 +13,7 @@ from jax._src.interpreters import mlir as jax_mlir
 from jax.extend.mlir import ir
 
 import moe_jax
+from moe_jax import compilation
 from moe_jax.compilation import MOSAIC_GPU_TARGET, compile_lowered, kernel_programs
 from tests.helpers import on_abstract_h200
 
@@ -69,3 +71,34 @@ def test_max_workers_must_be_positive():
     lowered = jax.jit(jnp.sin).trace(jnp.ones(3)).lower()
     with pytest.raises(ValueError, match="max_workers"):
         compile_lowered(lowered, max_workers=0)
+
+
+def _recorded_kernel_compiles(monkeypatch) -> list[bytes]:
+    """Replaces the one-kernel compilation with a recorder of the programs it is given (this host has no GPU)."""
+    programs = []
+    monkeypatch.setattr(compilation, "_compile_kernel", lambda program, device: programs.append(program))
+    return programs
+
+
+def test_kernels_start_compiling_while_the_program_is_lowered(monkeypatch):
+    programs = _recorded_kernel_compiles(monkeypatch)
+    original_rule = compilation.mosaic_gpu_core._mosaic_gpu_lowering_rule
+    with moe_jax.compiling_kernels_while_lowering(max_workers=1) as pool:
+        lowered = _lowered_for_cuda(jax.value_and_grad(_layer_loss, argnums=(0, 1, 2, 3)), *_abstract_layer_args())
+        for future in pool.futures:
+            future.result()
+        submitted_while_lowering = list(programs)
+        for call in compilation._custom_calls(lowered.compiler_ir("stablehlo").operation, []):
+            assert not pool.submit(call)  # each kernel once
+    assert compilation.mosaic_gpu_core._mosaic_gpu_lowering_rule is original_rule
+    expected = [_KERNEL_HASH.findall(_parse(program)) for program in kernel_programs(lowered)]
+    assert len(expected) >= 8
+    assert [_KERNEL_HASH.findall(_parse(program)) for program in submitted_while_lowering] == expected
+
+
+def test_lowering_outside_the_context_submits_nothing(monkeypatch):
+    programs = _recorded_kernel_compiles(monkeypatch)
+    with moe_jax.compiling_kernels_while_lowering() as pool:
+        pass
+    _lowered_for_cuda(jax.value_and_grad(_layer_loss, argnums=(0, 1, 2, 3)), *_abstract_layer_args())
+    assert programs == [] and pool.futures == []
