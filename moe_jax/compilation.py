@@ -218,8 +218,8 @@ def compiling_kernels_while_lowering(*, max_workers: int | None = None) -> Itera
             compiled = kernels.compile(jax.jit(step).trace(*args).lower())
 
     ``compile`` then compiles the program while the kernels still running finish. Lowering is Python (about 0.4 s a
-    grouped-matmul kernel on an H200 host) and a kernel's compilation is XLA's (about a second, the GIL released), so
-    by the end of the lowering most kernels are compiled. Other threads' lowerings are left alone. Leaving the
+    grouped-matmul kernel on an H200 host) and a kernel's compilation is XLA's (seconds, the GIL released), so the
+    kernels compile while Python lowers the rest of the program. Other threads' lowerings are left alone. Leaving the
     context drops the kernels not started yet.
     """
     pool = KernelPool(max_workers)
