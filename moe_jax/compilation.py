@@ -202,7 +202,12 @@ class _LoweringHook:
         pool = getattr(self.pools, "current", None)
         if pool is not None and results:
             owner = results[0].owner
-            pool.submit(getattr(owner, "operation", owner))  # the custom call
+            try:
+                pool.submit(getattr(owner, "operation", owner))  # the custom call
+            except Exception as error:  # the program's own compilation compiles the kernel
+                warnings.warn(
+                    f"a Mosaic GPU kernel could not be handed to the pool ({error!r})", RuntimeWarning, stacklevel=2
+                )
         return results
 
 

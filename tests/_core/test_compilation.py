@@ -102,3 +102,13 @@ def test_lowering_outside_the_context_submits_nothing(monkeypatch):
         pass
     _lowered_for_cuda(jax.value_and_grad(_layer_loss, argnums=(0, 1, 2, 3)), *_abstract_layer_args())
     assert programs == [] and pool.futures == []
+
+
+def test_a_kernel_the_pool_cannot_take_leaves_the_lowering_whole(monkeypatch):
+    def refuse(pool, call):
+        raise RuntimeError("no room")
+
+    monkeypatch.setattr(compilation.KernelPool, "submit", refuse)
+    with moe_jax.compiling_kernels_while_lowering(), pytest.warns(RuntimeWarning, match="no room"):
+        lowered = _lowered_for_cuda(jax.value_and_grad(_layer_loss, argnums=(0, 1, 2, 3)), *_abstract_layer_args())
+    assert len(kernel_programs(lowered)) >= 8
