@@ -7,7 +7,7 @@ Measures, each in a process of its own (so that each finds what a new launch fin
     seconds (``train.compilation.compile_ahead``) from an empty persistent cache (cold), then from the cache that
     run filled (warm: XLA's compilation is a cache hit, the tracing and lowering that make its key are not), then
     cold with the Mosaic GPU kernels compiled one after another inside XLA's compilation (without
-    ``moe_jax.compile_lowered``);
+    ``moe_jax.compiling_kernels_while_lowering``);
   - the first step of ``--config`` with ``--backend``: the trace / lower / compile seconds and the time from the
     process's launch to the first step's end, from an empty cache (cold), from the cache and the stored step that
     run left (warm: the step loads from ``train.compilation.ExecutableStore``, nothing is traced or lowered), and
@@ -116,7 +116,7 @@ def layer_compile_times(layer: dict, backend: str, parallel_kernels: bool = True
 
 def layer_runs(layer: dict, backend: str, workdir: pathlib.Path, budget: Budget, limit: float) -> dict:
     """``layer_compile_times`` in a fresh process on an empty persistent cache, then in another on the filled one, then
-    on another empty cache with the kernels compiled one after another (what ``moe_jax.compile_lowered`` saves)."""
+    on another empty cache with the kernels compiled one after another (what compiling them on a thread pool saves)."""
     cache = workdir / f"layer_cache_{layer['tokens']}_{layer['d_model']}_{layer['num_experts']}"
     probe = [sys.executable, "-m", "train.compile_report", "--layer-probe", json.dumps(layer), "--backend", backend]
     runs = {
