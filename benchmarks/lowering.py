@@ -69,10 +69,10 @@ def lower_for_cuda(make) -> dict:
 def train_step(config_name: str):
     """(the training step of ``config_name`` with backend "pallas", abstract (state, batch, batch))."""
     from train.configs import get_config
-    from train.train import create_model, make_train_step
+    from train.train import make_train_step, model_creator
 
     config = get_config(config_name)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: create_model(config, "pallas")))
+    graphdef, state = nnx.split(model_creator(config, "pallas").eval_shape())
     batch = jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32)
     return make_train_step(config, graphdef), (state, batch, batch)
 

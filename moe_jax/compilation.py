@@ -134,8 +134,6 @@ class KernelPool:
         """``lowered.compile()``, with the kernels of ``lowered`` not started yet started first."""
         for call in _custom_calls(lowered.compiler_ir("stablehlo").operation, []):
             self.submit(call)
-        if not self.futures:
-            return lowered.compile()
         try:
             return lowered.compile()
         finally:

@@ -174,10 +174,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def print_summary(result: dict) -> None:
     total = result["kernel_us"]
-    mfu = "-" if result["mfu"] is None else f"{result['mfu']:.1%}"
+    step_mfu = "-" if result["mfu"] is None else f"{result['mfu']:.1%}"
     print(
         f"{result['config']} {result['backend']} quantization={result['quantization']}: step {result['step_ms']:.1f} "
-        f"ms wall, {total / 1e3:.1f} ms of kernels, MFU {mfu}, our kernels {result['our_kernels_share']:.1%}, "
+        f"ms wall, {total / 1e3:.1f} ms of kernels, MFU {step_mfu}, our kernels {result['our_kernels_share']:.1%}, "
         f"unattributed {result['unattributed_us'] / total:.1%}"
     )
     for part, us in result["parts_us"].items():

@@ -329,10 +329,14 @@ def train(
         progress = _resume_progress(config, checkpointer, stop) if resume else None
         if not resume and checkpointer is not None and checkpointer.latest_step() is not None:
             raise ValueError(f"{ckpt_dir} already holds checkpoints: pass --resume, or choose another --ckpt-dir")
-        counts = parameter_counts(config.model)
+        start, data_position = (progress.step, progress.data_position) if progress is not None else (0, 0)
+        writer = JsonlWriter(metrics_path, append=resume)
+        setup = _setup_record(config, backend, mesh, start)
+        writer.write(setup)
+        counts = setup["parameters"]
         say(
             f"{counts['total'] / 1e6:.2f}M parameters ({counts['active'] / 1e6:.2f}M active per token), "
-            f"{jax.device_count()} x {jax.devices()[0].device_kind}, mesh {dict(mesh.shape)}, backend {backend!r}"
+            f"{jax.device_count()} x {setup['device_kind']}, mesh {setup['mesh']}, backend {backend!r}"
         )
         # Two threads work while the step is traced, lowered and compiled ahead of time for the batch's shape, or
         # loaded from the store of compiled steps (train.compilation.ExecutableStore), since XLA's compilation leaves
@@ -364,14 +368,9 @@ def train(
             )
 
         model, optimizer = creating.result()
-        start = data_position = 0
         if progress is not None:
             checkpointer.restore(model, optimizer, progress.step)
-            start, data_position = progress.step, progress.data_position
         state = nnx.state((model, optimizer))
-        writer = JsonlWriter(metrics_path, append=resume)
-        setup = _setup_record(config, backend, mesh, start)
-        writer.write(setup)
         train_data, validation_data, unigram = corpus.result()
         validation_batches = [
             to_device(validation_data.batch(i), sharding, config.batch_size) for i in range(config.eval_batches)
