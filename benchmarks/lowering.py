@@ -8,16 +8,19 @@ by kernel, the seconds Pallas spends lowering each Mosaic GPU kernel instance (i
 the Pallas lowering, Mosaic GPU's layout inference and dialect lowering, the module's serialization), over
 ``--repeats`` lowerings of new functions (as a new process, or a second jit, would do).
 
-What it cannot see: the compilation of those modules to GPU code, which happens in XLA's compile on a GPU
-(``python -m train.compile_report`` times that). The per-kernel times come from wrapping Pallas's private
-``lower_unpipelined_jaxpr_to_module``: a JAX upgrade that renames it stops this tool with an AttributeError, not
-with wrong numbers.
+With ``--compile`` (on a GPU) it then lowers each function for the local GPU and compiles its distinct kernels one
+at a time, each alone, then the whole program with every kernel already compiled: the seconds of each kernel's
+compilation (the longest one bounds compiling them in parallel) and of XLA's own compilation of the rest.
+
+The per-kernel lowering times come from wrapping Pallas's private ``lower_unpipelined_jaxpr_to_module``: a JAX
+upgrade that renames it stops this tool with an AttributeError, not with wrong numbers.
 """
 
 import argparse
 import collections
 import contextlib
 import json
+import re
 import statistics
 import sys
 import time
@@ -25,10 +28,12 @@ import time
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax._src.interpreters import mlir as jax_mlir
 from jax._src.pallas.mosaic_gpu import pallas_call_registration
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from benchmarks.common import run_metadata
+from moe_jax.compilation import _compile_kernel, _custom_calls, _kernel_hash, _kernel_program
 
 H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
 
@@ -64,6 +69,48 @@ def lower_for_cuda(make) -> dict:
         traced.lower(lowering_platforms=("cuda",))
         lowered_at = time.perf_counter()
     return {"trace_s": traced_at - start, "lower_s": lowered_at - traced_at, "kernels": kernels}
+
+
+# A Mosaic GPU custom call's location names its kernel: ".../moe_gmm_wgrad/mpmd_map".
+_KERNEL_NAME = re.compile(r"/(\w+)/mpmd_map")
+
+
+def compile_on_gpu(make) -> dict:
+    """Lowers ``make()``'s (jitted, args) for the local GPU, compiles each distinct Mosaic GPU kernel alone, one after
+    another, then the program with all of them compiled; the seconds of each."""
+    device = jax.local_devices()[0]
+    if device.platform != "gpu":
+        raise RuntimeError(f"--compile needs a GPU; the local device is a {device.platform}")
+    jitted, args = make()
+    lowered = jitted.trace(*args).lower()
+    kernels, seen = [], set()
+    for call in _custom_calls(lowered.compiler_ir("stablehlo").operation, []):
+        kernel_hash = _kernel_hash(call)
+        if kernel_hash is None or kernel_hash in seen:
+            continue
+        seen.add(kernel_hash)
+        name = _KERNEL_NAME.search(str(call.location))
+        program = jax_mlir.module_to_bytecode(_kernel_program(call))
+        start = time.perf_counter()
+        _compile_kernel(program, device)
+        kernels.append((name.group(1) if name else "?", time.perf_counter() - start))
+    start = time.perf_counter()
+    lowered.compile()
+    return {"kernels": kernels, "program_s": time.perf_counter() - start}
+
+
+def compile_summary(name: str, result: dict) -> list[str]:
+    """A table per compiled function: each kernel's compile seconds, longest first, then their sum and the rest."""
+    lines = [f"## {name}: compilation on the GPU", "", "| kernel | compile, s |", "|---|---:|"]
+    for kernel, seconds in sorted(result["kernels"], key=lambda item: -item[1]):
+        lines.append(f"| {kernel} | {seconds:.2f} |")
+    total = sum(seconds for _, seconds in result["kernels"])
+    lines += [
+        f"| all {len(result['kernels'])} kernels, one after another | {total:.2f} |",
+        f"| the program, its kernels compiled (XLA's own compilation) | {result['program_s']:.2f} |",
+        "",
+    ]
+    return lines
 
 
 def train_step(config_name: str):
@@ -109,6 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.lowering", description=__doc__.split("\n")[0])
     parser.add_argument("--train-step", metavar="CONFIG", help="also lower this config's training step (e.g. gpu-moe)")
     parser.add_argument("--repeats", type=int, default=2, help="lowerings of each function (default 2)")
+    parser.add_argument("--compile", action="store_true", help="also time the kernels' and XLA's compilation (GPU)")
     parser.add_argument("--out", help="also write the measurements as JSON here")
     args = parser.parse_args(argv)
     command = " ".join(["python -m benchmarks.lowering", *(sys.argv[1:] if argv is None else argv)])
@@ -119,9 +167,13 @@ def main(argv: list[str] | None = None) -> None:
     results = {name: [lower_for_cuda(make) for _ in range(args.repeats)] for name, make in measured.items()}
     for name, runs in results.items():
         print("\n".join(summary(name, runs)))
+    compiled = {name: compile_on_gpu(make) for name, make in measured.items()} if args.compile else {}
+    for name, result in compiled.items():
+        print("\n".join(compile_summary(name, result)))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"meta": run_metadata(command, {}), "results": results}, f, indent=1)
+            record = {"meta": run_metadata(command, {}), "results": results, "compiled": compiled}
+            json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":
