@@ -130,12 +130,12 @@ class KernelPool:
         self.futures.append(self._executor.submit(_compile_kernel, program, jax.local_devices()[0]))
         return True
 
-    def compile(self, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
-        """``lowered.compile()``, with the kernels of ``lowered`` not started yet started first."""
+    def compile(self, lowered: jax.stages.Lowered, compiler_options: dict | None = None) -> jax.stages.Compiled:
+        """``lowered.compile(compiler_options)``, with the kernels of ``lowered`` not started yet started first."""
         for call in _custom_calls(lowered.compiler_ir("stablehlo").operation, []):
             self.submit(call)
         try:
-            return lowered.compile()
+            return lowered.compile(compiler_options)
         finally:
             self.close()
 

@@ -70,10 +70,20 @@ class CompileTimes:
         return self.trace_s + self.lower_s + self.compile_s
 
 
-def compile_ahead(jitted, *args, parallel_kernels: bool = True) -> tuple[jax.stages.Compiled, CompileTimes]:
-    """``jitted.trace(*args).lower().compile()`` with each phase timed; ``args`` may be ``jax.ShapeDtypeStruct``s.
-    With ``parallel_kernels`` each Mosaic GPU kernel starts compiling on a thread pool as soon as it is lowered
-    (``moe_jax.compiling_kernels_while_lowering``), else they compile one after another inside XLA's compilation."""
+def compiler_options(*, xla_autotune: bool) -> dict:
+    """XLA compiler options of a step: without ``xla_autotune`` XLA takes its GEMM and fusion kernels' configurations
+    from its heuristics instead of timing candidates on the device for each, which is most of its compilation of a
+    step whose expert GEMMs are Mosaic GPU kernels (XLA leaves them alone)."""
+    return {} if xla_autotune else {"xla_gpu_autotune_level": 0}
+
+
+def compile_ahead(
+    jitted, *args, parallel_kernels: bool = True, options: dict | None = None
+) -> tuple[jax.stages.Compiled, CompileTimes]:
+    """``jitted.trace(*args).lower().compile(options)`` with each phase timed; ``args`` may be
+    ``jax.ShapeDtypeStruct``s. With ``parallel_kernels`` each Mosaic GPU kernel starts compiling on a thread pool as
+    soon as it is lowered (``moe_jax.compiling_kernels_while_lowering``), else they compile one after another inside
+    XLA's compilation. ``options``: XLA compiler options (``compiler_options``)."""
     kernels = compiling_kernels_while_lowering() if parallel_kernels else contextlib.nullcontext()
     with kernels as pool:
         start = time.perf_counter()
@@ -81,7 +91,7 @@ def compile_ahead(jitted, *args, parallel_kernels: bool = True) -> tuple[jax.sta
         traced_at = time.perf_counter()
         lowered = traced.lower()
         lowered_at = time.perf_counter()
-        compiled = pool.compile(lowered) if parallel_kernels else lowered.compile()
+        compiled = pool.compile(lowered, options) if parallel_kernels else lowered.compile(options)
         compiled_at = time.perf_counter()
     return compiled, CompileTimes(traced_at - start, lowered_at - traced_at, compiled_at - lowered_at)
 
@@ -156,10 +166,12 @@ class ExecutableStore:
         self.directory = pathlib.Path(directory)
         self.keep = keep
 
-    def key(self, description: dict, sources: tuple[str | pathlib.Path, ...], args) -> str:
-        """The key of a step compiled at ``args`` (arrays or ``jax.ShapeDtypeStruct``s with shardings), where
-        ``description`` (JSON-serialisable) fixes what the step's function closes over (its configuration) and
-        ``sources`` are the package directories whose code traces it."""
+    def key(
+        self, description: dict, sources: tuple[str | pathlib.Path, ...], args, options: dict | None = None
+    ) -> str:
+        """The key of a step compiled at ``args`` (arrays or ``jax.ShapeDtypeStruct``s with shardings) with the XLA
+        compiler ``options``, where ``description`` (JSON-serialisable) fixes what the step's function closes over
+        (its configuration) and ``sources`` are the package directories whose code traces it."""
         leaves, tree = jax.tree.flatten(args)
         arguments = [(leaf.shape, str(leaf.dtype), repr(getattr(leaf, "sharding", None))) for leaf in leaves]
         contents = {
@@ -168,6 +180,7 @@ class ExecutableStore:
             "environment": _environment(),
             "tree": str(tree),
             "arguments": arguments,
+            "compiler_options": options or {},
         }
         return hashlib.sha256(json.dumps(contents, sort_keys=True, default=repr).encode()).hexdigest()
 
@@ -229,15 +242,20 @@ def _last_used(path: pathlib.Path) -> float:
 
 
 def compile_or_load(
-    jitted, *args, store: ExecutableStore | None, description: dict, sources: tuple[str | pathlib.Path, ...]
+    jitted,
+    *args,
+    store: ExecutableStore | None,
+    description: dict,
+    sources: tuple[str | pathlib.Path, ...],
+    options: dict | None = None,
 ) -> tuple[jax.stages.Compiled, CompileTimes]:
-    """``compile_ahead(jitted, *args)``, unless ``store`` holds the step under its key (``ExecutableStore.key`` of
-    ``description``, ``sources`` and ``args``): then that, loaded. A step compiled here is stored for the next
-    launch. Without a store it is ``compile_ahead``."""
+    """``compile_ahead(jitted, *args, options=options)``, unless ``store`` holds the step under its key
+    (``ExecutableStore.key`` of ``description``, ``sources``, ``args`` and ``options``): then that, loaded. A step
+    compiled here is stored for the next launch. Without a store it is ``compile_ahead``."""
     if store is None:
-        return compile_ahead(jitted, *args)
+        return compile_ahead(jitted, *args, options=options)
     start = time.perf_counter()
-    key = store.key(description, sources, args)
+    key = store.key(description, sources, args, options)
     compiled = store.load(key)
     if compiled is not None:
         return compiled, CompileTimes(0.0, 0.0, time.perf_counter() - start, aot="loaded")
@@ -249,7 +267,7 @@ def compile_or_load(
 
     jax.monitoring.register_event_listener(count_cache_hits)
     try:
-        compiled, times = compile_ahead(jitted, *args)
+        compiled, times = compile_ahead(jitted, *args, options=options)
     finally:
         jax.monitoring.unregister_event_listener(count_cache_hits)
     # An executable the persistent cache gave back does not always serialize into one that runs: on the CPU the

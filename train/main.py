@@ -56,6 +56,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="store the compiled step in the compile cache's executables/ and load it on a later launch of the same "
         "step (same config, code, versions, devices), skipping its tracing and lowering (default: on with the cache)",
     )
+    parser.add_argument(
+        "--xla-autotune",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="let XLA time candidate configurations of its own GEMMs and fusions while compiling (default: off, its "
+        "heuristics' picks; on costs seconds of every cold start)",
+    )
     return parser.parse_args(argv)
 
 
@@ -89,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         metrics_path=metrics_path,
         progress_bar=not args.no_progress,
         executable_dir=executable_dir,
+        xla_autotune=args.xla_autotune,
     )
 
 

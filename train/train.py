@@ -26,7 +26,7 @@ import moe_jax
 from moe_jax.nn.moe import EXPERT_AXIS
 from train import data
 from train.checkpoint import Checkpointer, Progress
-from train.compilation import ExecutableStore, abstract, compile_or_load
+from train.compilation import ExecutableStore, abstract, compile_or_load, compiler_options
 from train.configs import TrainConfig
 from train.metrics import JsonlWriter, MetricsBuffer, peak_flops, training_flops_per_token
 from train.model import Transformer, layer_aux, parameter_counts
@@ -270,12 +270,13 @@ def _resume_progress(config: TrainConfig, checkpointer: Checkpointer, stop: int)
     return progress
 
 
-def _setup_record(config: TrainConfig, backend: str, mesh, step: int) -> dict:
+def _setup_record(config: TrainConfig, backend: str, mesh, step: int, options: dict) -> dict:
     return {
         "kind": "setup",
         "step": step,
         "config": dataclasses.asdict(config),
         "backend": backend,
+        "compiler_options": options,
         "devices": jax.device_count(),
         "device_kind": jax.devices()[0].device_kind,
         "mesh": dict(mesh.shape),
@@ -295,6 +296,7 @@ def train(
     metrics_path: str | None = None,
     progress_bar: bool = True,
     executable_dir: str | None = None,
+    xla_autotune: bool = False,
 ) -> RunResult:
     """Trains ``config`` for ``config.steps`` steps (or until ``stop_after`` steps are done, checkpointing there).
 
@@ -307,6 +309,8 @@ def train(
       executable_dir: where compiled steps are stored (``train.compilation.ExecutableStore``): a launch whose step
         is there loads it instead of tracing, lowering and compiling it (None: always compile; also with several
         processes, which would each write the same files).
+      xla_autotune: let XLA time candidate configurations of its own GEMMs and fusions while compiling the steps
+        (``train.compilation.compiler_options``): seconds of compilation for what its heuristics mostly pick anyway.
     """
     stop = config.steps if stop_after is None else stop_after
     if not 0 < stop <= config.steps:
@@ -331,7 +335,8 @@ def train(
             raise ValueError(f"{ckpt_dir} already holds checkpoints: pass --resume, or choose another --ckpt-dir")
         start, data_position = (progress.step, progress.data_position) if progress is not None else (0, 0)
         writer = JsonlWriter(metrics_path, append=resume)
-        setup = _setup_record(config, backend, mesh, start)
+        options = compiler_options(xla_autotune=xla_autotune)
+        setup = _setup_record(config, backend, mesh, start, options)
         writer.write(setup)
         counts = setup["parameters"]
         say(
@@ -356,7 +361,9 @@ def train(
             """``jitted`` compiled at (``step_state``, a batch, a batch), or loaded from the store where it is."""
             description = {"config": trajectory_config(config), "backend": backend, "step": kind}
             args = (abstract(step_state), batch_shape, batch_shape)
-            return compile_or_load(jitted, *args, store=store, description=description, sources=_SOURCES)
+            return compile_or_load(
+                jitted, *args, store=store, description=description, sources=_SOURCES, options=options
+            )
 
         train_step, times = compile_step(make_train_step(config, graphdef), "train", state_shapes)
         if times.aot == "loaded":

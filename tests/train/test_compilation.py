@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
-from train.compilation import CACHE_HIT_EVENT, ExecutableStore, compile_or_load, source_digest
+from train.compilation import CACHE_HIT_EVENT, ExecutableStore, compile_or_load, compiler_options, source_digest
 
 ARGS = (jax.ShapeDtypeStruct((4, 8), jnp.float32), jax.ShapeDtypeStruct((8,), jnp.float32))
 
@@ -110,6 +110,22 @@ def test_another_description_compiles_anew(tmp_path):
     _, times = compile_or_load(jax.jit(affine), *ARGS, store=store, description={"config": 2}, sources=())
     assert times.aot == "saved"
     assert len(list(tmp_path.glob("*.executable"))) == 2
+
+
+def test_compiler_options_reach_xla_and_key_the_stored_step(tmp_path):
+    """An option XLA acts on visibly (dumping the program) shows the options reach the compilation; a step compiled
+    with other options is another program, stored under another key."""
+    store = ExecutableStore(tmp_path / "store")
+    dumped = {"xla_dump_to": str(tmp_path / "dump")}
+    _, times = compile_or_load(jax.jit(affine), *ARGS, store=store, description={}, sources=(), options=dumped)
+    assert times.aot == "saved" and list((tmp_path / "dump").iterdir())
+    untuned = compiler_options(xla_autotune=False)
+    _, times = compile_or_load(jax.jit(affine), *ARGS, store=store, description={}, sources=(), options=untuned)
+    assert times.aot == "saved"
+    _, times = compile_or_load(jax.jit(affine), *ARGS, store=store, description={}, sources=(), options=dumped)
+    assert times.aot == "loaded"
+    assert len(list((tmp_path / "store").glob("*.executable"))) == 2
+    assert compiler_options(xla_autotune=True) == {}
 
 
 def test_a_file_that_does_not_load_is_a_miss(tmp_path):
