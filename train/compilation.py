@@ -166,9 +166,7 @@ class ExecutableStore:
         self.directory = pathlib.Path(directory)
         self.keep = keep
 
-    def key(
-        self, description: dict, sources: tuple[str | pathlib.Path, ...], args, options: dict | None = None
-    ) -> str:
+    def key(self, description: dict, sources: tuple[str | pathlib.Path, ...], args, options: dict | None = None) -> str:
         """The key of a step compiled at ``args`` (arrays or ``jax.ShapeDtypeStruct``s with shardings) with the XLA
         compiler ``options``, where ``description`` (JSON-serialisable) fixes what the step's function closes over
         (its configuration) and ``sources`` are the package directories whose code traces it."""
