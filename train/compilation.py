@@ -70,11 +70,17 @@ class CompileTimes:
         return self.trace_s + self.lower_s + self.compile_s
 
 
-def compiler_options(*, xla_autotune: bool) -> dict:
-    """XLA compiler options of a step: without ``xla_autotune`` XLA takes its GEMM and fusion kernels' configurations
-    from its heuristics instead of timing candidates on the device for each, which is most of its compilation of a
-    step whose expert GEMMs are Mosaic GPU kernels (XLA leaves them alone)."""
-    return {} if xla_autotune else {"xla_gpu_autotune_level": 0}
+# XLA's own compilation of a step trades seconds for speed in two places: it compiles and times Triton candidates
+# for every GEMM fusion of its own (the attention projections, the router, the LM head), and it unrolls each loop
+# (the scanned layers, the gradient-accumulation loop) twice to overlap one iteration's asynchronous work with the
+# next's. Off, its GEMMs are cuBLAS calls with the producing fusions apart, and the loops stay rolled.
+QUICK_COMPILE_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_while_loop_double_buffering": False}
+
+
+def compiler_options(*, quick: bool) -> dict:
+    """XLA compiler options of a step: XLA's defaults, or with ``quick`` ``QUICK_COMPILE_OPTIONS`` (docs/design.md
+    gives what they save and cost on an H200)."""
+    return dict(QUICK_COMPILE_OPTIONS) if quick else {}
 
 
 def compile_ahead(

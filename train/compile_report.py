@@ -7,16 +7,16 @@ Measures, each in a process of its own (so that each finds what a new launch fin
     seconds (``train.compilation.compile_ahead``) from an empty persistent cache (cold), then from the cache that
     run filled (warm: XLA's compilation is a cache hit, the tracing and lowering that make its key are not), then
     cold with the Mosaic GPU kernels compiled one after another inside XLA's compilation (without
-    ``moe_jax.compiling_kernels_while_lowering``), then cold with XLA's autotuning on;
+    ``moe_jax.compiling_kernels_while_lowering``), then cold with ``--quick-compile``'s options;
   - the first step of ``--config`` with ``--backend``: the trace / lower / compile seconds and the time from the
     process's launch to the first step's end, from an empty cache (cold), from the cache and the stored step that
     run left (warm: the step loads from ``train.compilation.ExecutableStore``, nothing is traced or lowered), from
-    the cache alone (``--no-aot``: what the persistent cache saves by itself), and cold with ``--xla-autotune``
-    (what XLA's autotuning costs at the start and gains per step);
+    the cache alone (``--no-aot``: what the persistent cache saves by itself), and cold with ``--quick-compile``
+    (what it saves at the start and costs per step);
   - tokens/s, MFU (model FLOPs / bf16 dense peak, ``train.metrics``) and peak memory over the same runs' timed steps,
-    over a run with ``--remat`` where asked (the recomputation's cost and saving), and over runs with
-    ``--backend xla`` without and with ``--xla-autotune`` unless ``--skip-xla`` (its dense-masked ``ragged_dot``
-    needs more micro-batches to fit: ``--xla-grad-accum``, the same tokens a step).
+    over a run with ``--remat`` where asked (the recomputation's cost and saving), and over a run with
+    ``--backend xla`` unless ``--skip-xla`` (its dense-masked ``ragged_dot`` needs more micro-batches to fit:
+    ``--xla-grad-accum``, the same tokens a step).
 
 Every process has a hard timeout, and all of them together stay within ``--budget`` seconds: a run that the budget
 no longer covers is recorded as skipped. The record ``{meta, results}`` goes to ``--out`` (default:
@@ -106,12 +106,12 @@ def layer_step(layer: dict, backend: str):
     return jax.jit(lambda *a: jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(*a)), args
 
 
-def layer_compile_times(layer: dict, backend: str, parallel_kernels: bool = True, xla_autotune: bool = False) -> dict:
+def layer_compile_times(layer: dict, backend: str, parallel_kernels: bool = True, quick: bool = False) -> dict:
     """Trace / lower / compile seconds of one moe_ffn forward + backward, jitted in this process."""
     from train.compilation import compile_ahead, compiler_options
 
     jitted, args = layer_step(layer, backend)
-    options = compiler_options(xla_autotune=xla_autotune)
+    options = compiler_options(quick=quick)
     _, times = compile_ahead(jitted, *args, parallel_kernels=parallel_kernels, options=options)
     return {"trace_s": times.trace_s, "lower_s": times.lower_s, "compile_s": times.compile_s, "total_s": times.total_s}
 
@@ -119,14 +119,14 @@ def layer_compile_times(layer: dict, backend: str, parallel_kernels: bool = True
 def layer_runs(layer: dict, backend: str, workdir: pathlib.Path, budget: Budget, limit: float) -> dict:
     """``layer_compile_times`` in a fresh process on an empty persistent cache, then in another on the filled one, then
     on other empty caches with the kernels compiled one after another (what compiling them on a thread pool saves)
-    and with XLA's autotuning on (what turning it off saves)."""
+    and with ``--quick-compile``'s options."""
     cache = workdir / f"layer_cache_{layer['tokens']}_{layer['d_model']}_{layer['num_experts']}"
     probe = [sys.executable, "-m", "train.compile_report", "--layer-probe", json.dumps(layer), "--backend", backend]
     runs = {
         "cold cache": ["--probe-cache", str(cache)],
         "warm cache": ["--probe-cache", str(cache)],
         "cold cache, serial kernels": ["--probe-cache", f"{cache}_serial", "--probe-serial-kernels"],
-        "cold cache, xla autotune": ["--probe-cache", f"{cache}_autotune", "--probe-xla-autotune"],
+        "cold cache, quick compile": ["--probe-cache", f"{cache}_quick", "--probe-quick-compile"],
     }
     times = {}
     for name, extra in runs.items():
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layer-probe", help=argparse.SUPPRESS)
     parser.add_argument("--probe-cache", help=argparse.SUPPRESS)
     parser.add_argument("--probe-serial-kernels", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--probe-xla-autotune", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--probe-quick-compile", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.layer_probe:
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
         enable_compile_cache(args.probe_cache)
         layer = json.loads(args.layer_probe)
         times = layer_compile_times(
-            layer, args.backend, parallel_kernels=not args.probe_serial_kernels, xla_autotune=args.probe_xla_autotune
+            layer, args.backend, parallel_kernels=not args.probe_serial_kernels, quick=args.probe_quick_compile
         )
         print(json.dumps(times))
         return
@@ -200,9 +200,9 @@ def main(argv: list[str] | None = None) -> None:
 
         cache = ["--compile-cache", str(workdir / "cache")]
         common = ["--config", args.config, "--steps", str(args.steps), "--backend", args.backend, *cache]
-        autotuned = ["--xla-autotune", "--compile-cache", str(workdir / "cache_autotune")]
+        quick = ["--quick-compile", "--compile-cache", str(workdir / "cache_quick")]
         cached_runs = [("cold cache", []), ("warm cache", []), ("warm cache, no stored step", ["--no-aot"])]
-        cached_runs.append(("cold cache, xla autotune", autotuned))
+        cached_runs.append(("cold cache, quick compile", quick))
         if args.remat:
             cached_runs.append((f"remat {args.remat}", ["--remat", args.remat]))
         for name, extra in cached_runs:
@@ -211,9 +211,8 @@ def main(argv: list[str] | None = None) -> None:
         if not args.skip_xla:
             xla = ["--config", args.config, "--steps", str(args.xla_steps), "--backend", "xla"]
             xla += ["--grad-accum", str(args.xla_grad_accum), "--no-compile-cache"]
-            for name, extra in (("xla", []), ("xla, xla autotune", ["--xla-autotune"])):
-                runs.append(train_run(name, [*xla, *extra], workdir, budget, args.run_timeout))
-                print(json.dumps(runs[-1]), flush=True)
+            runs.append(train_run("xla", xla, workdir, budget, args.run_timeout))
+            print(json.dumps(runs[-1]), flush=True)
 
     # Only now does this process touch the device: the processes above had it to themselves.
     from benchmarks import report

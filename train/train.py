@@ -296,7 +296,7 @@ def train(
     metrics_path: str | None = None,
     progress_bar: bool = True,
     executable_dir: str | None = None,
-    xla_autotune: bool = False,
+    quick_compile: bool = False,
 ) -> RunResult:
     """Trains ``config`` for ``config.steps`` steps (or until ``stop_after`` steps are done, checkpointing there).
 
@@ -309,8 +309,8 @@ def train(
       executable_dir: where compiled steps are stored (``train.compilation.ExecutableStore``): a launch whose step
         is there loads it instead of tracing, lowering and compiling it (None: always compile; also with several
         processes, which would each write the same files).
-      xla_autotune: let XLA time candidate configurations of its own GEMMs and fusions while compiling the steps
-        (``train.compilation.compiler_options``): seconds of compilation for what its heuristics mostly pick anyway.
+      quick_compile: compile the steps with ``train.compilation.QUICK_COMPILE_OPTIONS``: seconds less to the first
+        step, slightly slower steps.
     """
     stop = config.steps if stop_after is None else stop_after
     if not 0 < stop <= config.steps:
@@ -335,7 +335,7 @@ def train(
             raise ValueError(f"{ckpt_dir} already holds checkpoints: pass --resume, or choose another --ckpt-dir")
         start, data_position = (progress.step, progress.data_position) if progress is not None else (0, 0)
         writer = JsonlWriter(metrics_path, append=resume)
-        options = compiler_options(xla_autotune=xla_autotune)
+        options = compiler_options(quick=quick_compile)
         setup = _setup_record(config, backend, mesh, start, options)
         writer.write(setup)
         counts = setup["parameters"]

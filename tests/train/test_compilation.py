@@ -119,13 +119,13 @@ def test_compiler_options_reach_xla_and_key_the_stored_step(tmp_path):
     dumped = {"xla_dump_to": str(tmp_path / "dump")}
     _, times = compile_or_load(jax.jit(affine), *ARGS, store=store, description={}, sources=(), options=dumped)
     assert times.aot == "saved" and list((tmp_path / "dump").iterdir())
-    untuned = compiler_options(xla_autotune=False)
-    _, times = compile_or_load(jax.jit(affine), *ARGS, store=store, description={}, sources=(), options=untuned)
+    quick = compiler_options(quick=True)
+    _, times = compile_or_load(jax.jit(affine), *ARGS, store=store, description={}, sources=(), options=quick)
     assert times.aot == "saved"
     _, times = compile_or_load(jax.jit(affine), *ARGS, store=store, description={}, sources=(), options=dumped)
     assert times.aot == "loaded"
     assert len(list((tmp_path / "store").glob("*.executable"))) == 2
-    assert compiler_options(xla_autotune=True) == {}
+    assert compiler_options(quick=False) == {}
 
 
 def test_a_file_that_does_not_load_is_a_miss(tmp_path):

@@ -48,6 +48,7 @@ def test_smoke_loss_decreases_and_metrics_are_written(tmp_path):
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     kinds = [r["kind"] for r in records]
     assert kinds[0] == "setup" and kinds[-1] == "final" and "eval" in kinds
+    assert records[0]["compiler_options"] == {}  # XLA's defaults unless quick_compile
     train_records = [r for r in records if r["kind"] == "train"]
     assert sum(len(r["step_losses"]) for r in train_records) == SMALL.steps
     last = train_records[-1]
@@ -383,3 +384,12 @@ def test_the_cache_lies_beside_the_metrics_unless_turned_off(monkeypatch, flags,
     main.main(["--config", "tiny", *flags])
     assert enabled == ([] if expected is None else [expected])
     assert calls[0]["executable_dir"] == executables
+
+
+@pytest.mark.parametrize("flags, quick", [([], False), (["--quick-compile"], True)])
+def test_quick_compile_reaches_train(monkeypatch, flags, quick):
+    calls = []
+    monkeypatch.setattr("train.compilation.enable_compile_cache", lambda directory: None)
+    monkeypatch.setattr("train.train.train", lambda *args, **kwargs: calls.append(kwargs))
+    main.main(["--config", "tiny", *flags])
+    assert calls[0]["quick_compile"] is quick
