@@ -26,6 +26,8 @@ from moe_jax.ops.grouped_matmul.config import OVERLAP_REGISTERS
 
 PRODUCER_REGISTERS = 40  # the producer warpgroup only computes addresses
 THREADS = 128  # per warpgroup
+# Rows of the boxes a partial tile's store loops over before its last rows go one at a time (store_rows).
+_PARTIAL_BOX_ROWS = 8
 
 
 def overlaps_epilogue(config, kept_bytes: int) -> bool:
@@ -147,34 +149,30 @@ def consume_tiles(work, tile, stores, empty, overlap: bool) -> None:
 def store_rows(src_smem, index, dst_gmem, row0, start, rows, col) -> None:
     """TMA-stores rows [start, start + rows) of ``src_smem.at[*index]`` [R, C] to ``dst_gmem`` rows row0 + start...
 
-    TMA boxes have static shapes, so a partial tile goes out as one box per set bit of ``rows`` (32, 16, ... rows),
-    each starting where the previous one ended (hence the 1-row tiling of the buffer). The copies join the caller's
-    bulk-async group.
+    TMA boxes have static shapes, so a partial tile goes out as a loop of 8-row boxes and then a loop of 1-row boxes
+    for the rest (hence the 1-row tiling of the buffer). Two loops instead of one branch per power of two keep the
+    kernels' code short: the partial store is most of an epilogue's branches, each traced, lowered and compiled for
+    every chunk (docs/kernels/grouped_matmul.md). The copies join the caller's bulk-async group.
     """
     *_, full, cols = src_smem.shape
 
+    def copy(offset, size):
+        plgpu.copy_smem_to_gmem(
+            src_smem.at[*index, pl.ds(offset, size)],
+            dst_gmem.at[pl.ds(row0 + offset, size), pl.ds(col, cols)],
+            commit_group=False,
+        )
+
     @pl.when(rows == full)
     def _full():
-        plgpu.copy_smem_to_gmem(
-            src_smem.at[*index], dst_gmem.at[pl.ds(row0, full), pl.ds(col, cols)], commit_group=False
-        )
+        copy(0, full)
 
     @pl.when((rows > 0) & (rows < full))
     def _partial():
-        offset = start
-        size = full // 2
-        while size:
-
-            @pl.when(rows & size != 0)
-            def _box(offset=offset, size=size):
-                plgpu.copy_smem_to_gmem(
-                    src_smem.at[*index, pl.ds(offset, size)],
-                    dst_gmem.at[pl.ds(row0 + offset, size), pl.ds(col, cols)],
-                    commit_group=False,
-                )
-
-            offset = offset + (rows & size)
-            size //= 2
+        boxes = rows // _PARTIAL_BOX_ROWS
+        pl.loop(0, boxes)(lambda box: copy(start + box * _PARTIAL_BOX_ROWS, _PARTIAL_BOX_ROWS))
+        first = start + boxes * _PARTIAL_BOX_ROWS
+        pl.loop(0, rows - boxes * _PARTIAL_BOX_ROWS)(lambda row: copy(first + row, 1))
 
 
 def epilogue_smem(num_compute_wgs: int, rows: int, epilogue_n: int, dtype):
