@@ -78,7 +78,7 @@ QUICK_COMPILE_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_wh
 
 
 def compiler_options(*, quick: bool) -> dict:
-    """XLA compiler options of a step: XLA's defaults, or with ``quick`` ``QUICK_COMPILE_OPTIONS`` (docs/design.md
+    """XLA compiler options of a step: XLA's defaults, or with ``quick`` ``QUICK_COMPILE_OPTIONS`` (train/README.md
     gives what they save and cost on an H200)."""
     return dict(QUICK_COMPILE_OPTIONS) if quick else {}
 
