@@ -14,6 +14,7 @@ Record files, by what their lines or keys hold:
   ``*.json`` ``{meta, records}``        ``python -m benchmarks --out``
   ``*.json`` ``{meta, results}``        ``python -m benchmarks.profile_layer --out``
   ``*.json`` ``{meta, results}``        ``python -m train.compile_report`` and ``python -m train.profile_step``
+  ``*.json`` ``{meta, results[, compiled]}`` ``python -m benchmarks.lowering --out``, told by its command
   ``*_train_gpu-moe*.jsonl``            ``python -m train --config gpu-moe --metrics``: one row per file
   ``*_train_gpu_<backend>.jsonl``       ``python -m train --metrics``: a run is a pair of files, xla and pallas, named
                                         ``<date>_<gpu>_<git>``; the records hold no date, so it comes from the name;
@@ -28,7 +29,7 @@ import os
 import re
 from collections.abc import Callable
 
-from benchmarks import common
+from benchmarks import common, lowering
 from train.metrics import steady_state
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -36,6 +37,7 @@ REPORT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.
 TIMER_WORDS = {"device": "GPU kernel time (CUPTI)", "wall": "wall clock"}
 PROFILE_STAGES = ("router", "gating", "xla-glue", "permute", "gate_up", "down", "combine")
 TRAIN_SUFFIX = "_train_gpu_"
+LOWERING_COMMAND = "python -m benchmarks.lowering"
 TRAIN_BACKENDS = ("xla", "pallas")
 TRAIN_VARIANTS = ("pallas-fp8_block",)  # optional rows beside a pair: same config, seed and data
 # Expert-parallel training runs: <date>_<gpus>_<git>_train_gpu_ep<N>-<dispatch>.jsonl.
@@ -203,6 +205,32 @@ def compile_report(reports: list[tuple[dict, dict, str]]) -> list[str]:
                     row + " | ".join(f"{times[k]:.1f}" for k in ("trace_s", "lower_s", "compile_s", "total_s")) + " |"
                 )
         lines.append("")
+    return lines
+
+
+def lowering_report(paths: list[str]) -> list[str]:
+    """Every kernel lowering record (``python -m benchmarks.lowering --out``), oldest first: per lowered function,
+    each kernel's lowering seconds and, from a record made with ``--compile``, each kernel's compile seconds."""
+    records = []
+    for path in paths:
+        with open(path) as f:
+            content = json.load(f)
+        if isinstance(content, dict) and content.get("meta", {}).get("command", "").startswith(LOWERING_COMMAND):
+            records.append((content, path))
+    if not records:
+        return []
+    lines = [f"## Kernel lowering and compile time: `{LOWERING_COMMAND}`", ""]
+    for content, path in sorted(records, key=lambda item: item[0]["meta"]["date"]):
+        meta = content["meta"]
+        lines += [
+            f"{meta['date'][:10]}, {meta['device_kind']}, git {short_revision(meta['git_revision'])}: "
+            f"`{meta['command']}` (`{os.path.basename(path)}`)",
+            "",
+        ]
+        tables = [lowering.summary(name, runs) for name, runs in content["results"].items()]
+        tables += [lowering.compile_summary(name, result) for name, result in content.get("compiled", {}).items()]
+        # The bench's tables head their own sections; here they sit one level down, under the record.
+        lines += [f"#{line}" if line.startswith("## ") else line for table in tables for line in table]
     return lines
 
 
@@ -393,6 +421,7 @@ def build_report(results_dir: str, titles: dict[str, str], tables: dict[str, Cal
     lines += profile_report(read_records(json_files, "stages_us"))
     lines += fp8_profile_report(read_records(json_files, "classes_us"))
     lines += compile_report(read_records(json_files, "runs"))
+    lines += lowering_report(json_files)
     lines += step_profile_report(read_records(json_files, "parts_us"))
     training = [p for p in jsonl if TRAIN_SUFFIX in os.path.basename(p)]
     lines += training_report(read_training(training))

@@ -197,6 +197,30 @@ def test_fp8_profile_and_compile_report_sections_print_their_records(tmp_path):
     assert "| ref (T 8192, D 1024) | warm cache | timed out after 60 s | | | |" in lines
 
 
+def test_lowering_records_get_their_tables_oldest_first(tmp_path):
+    """A lowering record's tables sit under its provenance line, a level below the section; the compile tables come
+    only from a record made with --compile."""
+    runs = [{"trace_s": 1.0, "lower_s": 3.0, "kernels": [["moe_gmm", 1.25], ["moe_gating", 0.5]]}]
+    compiled = {"layer": {"kernels": [["moe_gmm", 2.5], ["moe_gating", 0.75]], "program_s": 1.5}}
+    records = {
+        "newer.json": ("2026-01-04", {"results": {"layer": runs}, "compiled": compiled}),
+        "older.json": ("2026-01-03", {"results": {"layer": runs}}),
+        "other.json": ("2026-01-05", {"results": {"layer": runs}}),
+    }
+    for name, (date, content) in records.items():
+        command = "python -m benchmarks.lowering --compile" if name != "other.json" else "python -m something.else"
+        with open(tmp_path / name, "w") as f:
+            json.dump({"meta": meta(date, "5555555", command), **content}, f)
+    lines = build(tmp_path).splitlines()
+    section = lines[lines.index("## Kernel lowering and compile time: `python -m benchmarks.lowering`") :]
+    provenance = [line for line in section if "`python -m" in line and line.startswith("2026")]
+    assert [line.split(",")[0] for line in provenance] == ["2026-01-03", "2026-01-04"]  # not the other command's
+    assert section.count("### layer") == 2 and section.count("### layer: compilation on the GPU") == 1
+    assert "| moe_gmm | 1 | 1.25 |" in section and "| all 2 kernels | | 1.75 |" in section
+    assert "| moe_gmm | 2.50 |" in section
+    assert "| the program, its kernels compiled (XLA's own compilation) | 1.50 |" in section
+
+
 def train_records(
     tokens_per_s: list[float], *, device_kind: str = GPU, validation_loss=None, devices: int = 1, dispatch=None
 ) -> list[dict]:
