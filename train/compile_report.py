@@ -15,8 +15,9 @@ Measures, each in a process of its own (so that each finds what a new launch fin
     (what it saves at the start and costs per step);
   - tokens/s, MFU (model FLOPs / bf16 dense peak, ``train.metrics``) and peak memory over the same runs' timed steps,
     over a run with ``--remat`` where asked (the recomputation's cost and saving), and over a run with
-    ``--backend xla`` unless ``--skip-xla`` (its dense-masked ``ragged_dot`` needs more micro-batches to fit:
-    ``--xla-grad-accum``, the same tokens a step).
+    ``--backend xla`` unless ``--skip-xla``, at ``--xla-config`` (default ``gpu``: the XLA backend's dense-masked
+    ``ragged_dot`` computes every expert for every row, which at ``gpu-moe`` does not fit one H200 even at one
+    sequence a micro-batch).
 
 Every process has a hard timeout, and all of them together stay within ``--budget`` seconds: a run that the budget
 no longer covers is recorded as skipped. The record ``{meta, results}`` goes to ``--out`` (default:
@@ -150,7 +151,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", default="gpu-moe", help="the named TrainConfig to train (default gpu-moe)")
     parser.add_argument("--steps", type=int, default=6, help="steps of each run (the first one is not timed)")
     parser.add_argument("--xla-steps", type=int, default=4, help="steps of the xla run")
-    parser.add_argument("--xla-grad-accum", type=int, default=16, help="micro-batches a step of the xla run")
+    parser.add_argument("--xla-config", default="gpu", help="the named TrainConfig of the xla run (default gpu)")
+    parser.add_argument("--xla-grad-accum", type=int, help="micro-batches a step of the xla run (default: config's)")
     parser.add_argument("--budget", type=float, default=270, help="seconds for all the processes together")
     parser.add_argument("--run-timeout", type=float, default=110, help="seconds before a training run is abandoned")
     parser.add_argument("--layer-timeout", type=float, default=60, help="seconds before a layer process is abandoned")
@@ -209,9 +211,11 @@ def main(argv: list[str] | None = None) -> None:
             runs.append(train_run(f"{args.backend} {name}", [*common, *extra], workdir, budget, args.run_timeout))
             print(json.dumps(runs[-1]), flush=True)
         if not args.skip_xla:
-            xla = ["--config", args.config, "--steps", str(args.xla_steps), "--backend", "xla"]
-            xla += ["--grad-accum", str(args.xla_grad_accum), "--no-compile-cache"]
-            runs.append(train_run("xla", xla, workdir, budget, args.run_timeout))
+            xla = ["--config", args.xla_config, "--steps", str(args.xla_steps), "--backend", "xla"]
+            xla.append("--no-compile-cache")
+            if args.xla_grad_accum is not None:
+                xla += ["--grad-accum", str(args.xla_grad_accum)]
+            runs.append(train_run(f"xla, --config {args.xla_config}", xla, workdir, budget, args.run_timeout))
             print(json.dumps(runs[-1]), flush=True)
 
     # Only now does this process touch the device: the processes above had it to themselves.

@@ -29,3 +29,24 @@ def test_the_layer_probe_times_each_phase():
     times = layer_compile_times(layer, "xla")
     assert all(times[k] > 0 for k in ("trace_s", "lower_s", "compile_s"))
     assert times["total_s"] == times["trace_s"] + times["lower_s"] + times["compile_s"]
+
+
+def test_the_xla_run_trains_its_own_config(tmp_path, monkeypatch):
+    """The XLA backend's run takes --xla-config (gpu by default, where it fits one GPU), its config's micro-batches
+    unless --xla-grad-accum says otherwise, and names its config in the report."""
+    commands = []
+
+    def run_process(command, *args):
+        commands.append(command)
+        return "failed", None
+
+    monkeypatch.setattr(compile_report, "run_process", run_process)
+    compile_report.main(["--out", str(tmp_path / "report.json")])
+    xla = commands[-1]
+    assert xla[xla.index("--config") + 1] == "gpu" and xla[xla.index("--backend") + 1] == "xla"
+    assert "--grad-accum" not in xla
+    record = json.loads((tmp_path / "report.json").read_text())
+    assert record["results"]["runs"][-1]["run"] == "xla, --config gpu"
+    compile_report.main(["--out", str(tmp_path / "again.json"), "--xla-config", "tiny", "--xla-grad-accum", "2"])
+    xla = commands[-1]
+    assert xla[xla.index("--config") + 1] == "tiny" and xla[xla.index("--grad-accum") + 1] == "2"
