@@ -37,11 +37,12 @@ REPORT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.
 TIMER_WORDS = {"device": "GPU kernel time (CUPTI)", "wall": "wall clock"}
 PROFILE_STAGES = ("router", "gating", "xla-glue", "permute", "gate_up", "down", "combine")
 TRAIN_SUFFIX = "_train_gpu_"
-LOWERING_COMMAND = "python -m benchmarks.lowering"
 TRAIN_BACKENDS = ("xla", "pallas")
 TRAIN_VARIANTS = ("pallas-fp8_block",)  # optional rows beside a pair: same config, seed and data
 # Expert-parallel training runs: <date>_<gpus>_<git>_train_gpu_ep<N>-<dispatch>.jsonl.
 EXPERT_PARALLEL_RUN = re.compile(r"ep(\d+)-(\w+)")
+# The kernel lowering bench's records are told apart from the other {meta, results} records by their command.
+LOWERING_COMMAND = "python -m benchmarks.lowering"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
