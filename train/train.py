@@ -113,6 +113,10 @@ def loss_fn(model: Transformer, inputs: jax.Array, targets: jax.Array, config: T
     }
 
 
+# The routed and shared experts' weights (moe_jax.nn.MoE, SharedExperts), which their layers cast to the compute dtype.
+EXPERT_WEIGHTS = nnx.All(nnx.Param, nnx.Any(nnx.PathContains("w_gate_up"), nnx.PathContains("w_down")))
+
+
 def micro_batches(batch: jax.Array, num_micro_batches: int) -> jax.Array:
     """[B, S] -> [A, B / A, S]: micro-batch i holds rows i, i + A, i + 2A, ..., so each keeps the batch's split over
     the devices."""
@@ -124,22 +128,33 @@ def gradients(model: Transformer, inputs: jax.Array, targets: jax.Array, config:
 
     Micro-batches as ``micro_batches`` cuts them. Gradients and scalar metrics are means over the micro-batches;
     expert counts are their sums.
+
+    The expert weights (``EXPERT_WEIGHTS``), most of the parameters, are cast to the compute dtype once per step, not
+    by every micro-batch's layers: there each layer's cast copy is also saved for its backward. The gradients are
+    the same, the cast's transpose being the same cast back, here as in the layer.
     """
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, experts, params, rest = nnx.split(model, EXPERT_WEIGHTS, nnx.Param, ...)
+    dtype = jnp.dtype(config.model.dtype)
+    trainable = (jax.tree.map(lambda w: w.astype(dtype), experts), params)
 
-    def micro_batch(params, inputs, targets):
-        return loss_fn(nnx.merge(graphdef, params, rest), inputs, targets, config)
+    def micro_batch(trainable, inputs, targets):
+        return loss_fn(nnx.merge(graphdef, *trainable, rest), inputs, targets, config)
 
-    grad_fn = jax.grad(micro_batch, has_aux=True)
+    def grad_fn(inputs, targets):
+        """The micro-batch's gradients in the parameters' dtypes, one State as nnx.Param filters them."""
+        (expert_grads, param_grads), metrics = jax.grad(micro_batch, has_aux=True)(trainable, inputs, targets)
+        expert_grads = jax.tree.map(lambda g, w: g.astype(w.dtype), expert_grads, experts)
+        return nnx.merge_state(expert_grads, param_grads), metrics
+
     accum = config.grad_accum_steps
     if accum == 1:
-        return grad_fn(params, inputs, targets)
+        return grad_fn(inputs, targets)
 
     def accumulate(grad_sum, batch):
-        grads, metrics = grad_fn(params, *batch)
+        grads, metrics = grad_fn(*batch)
         return jax.tree.map(jnp.add, grad_sum, grads), metrics
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
+    zeros = jax.tree.map(jnp.zeros_like, nnx.merge_state(experts, params))
     split = functools.partial(micro_batches, num_micro_batches=accum)
     grad_sum, per_micro_batch = jax.lax.scan(accumulate, zeros, (split(inputs), split(targets)))
     metrics = {name: value.mean(0) for name, value in per_micro_batch.items()}

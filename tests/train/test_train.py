@@ -17,7 +17,7 @@ from tests.helpers import virtual_devices_flags
 from train import configs, main
 from train.metrics import training_flops_per_token
 from train.model import Transformer, attention_implementation, parameter_counts
-from train.train import evaluation_loss, make_optimizer, make_train_step, train
+from train.train import EXPERT_WEIGHTS, evaluation_loss, gradients, loss_fn, make_optimizer, make_train_step, train
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -326,6 +326,33 @@ def test_scan_remat_and_accumulation_train_like_the_plain_step(variant):
             np.testing.assert_allclose(got[name], want[name], rtol=2e-5, err_msg=name)
         # The bias step moves the routing of the next steps; equal counts show that every layer's bias moved alike.
         np.testing.assert_array_equal(got["expert_counts"], want["expert_counts"])
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_expert_weights_cast_once_give_the_gradients_of_casting_in_every_layer(scan_layers):
+    """``gradients`` casts the expert weights to bf16 once per step; the oracle differentiates each micro-batch's loss
+    with respect to the f32 parameters, which the layers cast themselves, and averages. Both round alike, so they
+    agree to f32 summation order, and every expert weight (routed and shared) is among the cast ones."""
+    model_config = dataclasses.replace(SMALL.model, dtype="bfloat16", num_shared_experts=1, scan_layers=scan_layers)
+    config = dataclasses.replace(SMALL, model=model_config, grad_accum_steps=2)
+    model = Transformer(config.model, backend="xla", rngs=nnx.Rngs(3))
+    tokens = jax.random.randint(jax.random.key(4), (config.batch_size, config.seq_len + 1), 0, 256)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    grads, _ = nnx.jit(gradients, static_argnums=3)(model, inputs, targets, config)
+
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def micro_batch_grads(i):
+        loss = lambda p: loss_fn(nnx.merge(graphdef, p, rest), inputs[i::2], targets[i::2], config)[0]
+        return jax.grad(loss)(params)
+
+    expected = jax.tree.map(lambda a, b: (a + b) / 2, *map(jax.jit(micro_batch_grads, static_argnums=0), (0, 1)))
+    experts = nnx.state(model, EXPERT_WEIGHTS)
+    # w_gate_up and w_down, routed and shared: of each layer, or stacked over the layers.
+    assert len(jax.tree.leaves(experts)) == 4 * (1 if scan_layers else config.model.num_layers)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected), strict=True):
+        assert got.dtype == want.dtype == jnp.float32
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-8)
 
 
 def test_evaluation_in_micro_batches_matches_the_whole_batch():
