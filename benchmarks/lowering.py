@@ -20,7 +20,6 @@ import argparse
 import collections
 import contextlib
 import json
-import re
 import statistics
 import sys
 import time
@@ -28,12 +27,11 @@ import time
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax._src.interpreters import mlir as jax_mlir
 from jax._src.pallas.mosaic_gpu import pallas_call_registration
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from benchmarks.common import run_metadata
-from moe_jax.compilation import _compile_kernel, _custom_calls, _kernel_hash, _kernel_program
+from moe_jax.compilation import _compile_kernel, named_kernel_programs
 
 H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
 
@@ -71,10 +69,6 @@ def lower_for_cuda(make) -> dict:
     return {"trace_s": traced_at - start, "lower_s": lowered_at - traced_at, "kernels": kernels}
 
 
-# A Mosaic GPU custom call's location names its kernel: ".../moe_gmm_wgrad/mpmd_map".
-_KERNEL_NAME = re.compile(r"/(\w+)/mpmd_map")
-
-
 def compile_on_gpu(make) -> dict:
     """Lowers ``make()``'s (jitted, args) for the local GPU, compiles each distinct Mosaic GPU kernel alone, one after
     another, then the program with all of them compiled; the seconds of each."""
@@ -83,17 +77,11 @@ def compile_on_gpu(make) -> dict:
         raise RuntimeError(f"--compile needs a GPU; the local device is a {device.platform}")
     jitted, args = make()
     lowered = jitted.trace(*args).lower()
-    kernels, seen = [], set()
-    for call in _custom_calls(lowered.compiler_ir("stablehlo").operation, []):
-        kernel_hash = _kernel_hash(call)
-        if kernel_hash is None or kernel_hash in seen:
-            continue
-        seen.add(kernel_hash)
-        name = _KERNEL_NAME.search(str(call.location))
-        program = jax_mlir.module_to_bytecode(_kernel_program(call))
+    kernels = []
+    for name, program in named_kernel_programs(lowered):
         start = time.perf_counter()
         _compile_kernel(program, device)
-        kernels.append((name.group(1) if name else "?", time.perf_counter() - start))
+        kernels.append((name, time.perf_counter() - start))
     start = time.perf_counter()
     lowered.compile()
     return {"kernels": kernels, "program_s": time.perf_counter() - start}

@@ -28,6 +28,7 @@ jax 0.11.2 has no public way to compile a StableHLO module, so the pool calls th
 import concurrent.futures
 import contextlib
 import os
+import re
 import threading
 import warnings
 from collections.abc import Iterator
@@ -83,14 +84,26 @@ def _kernel_program(call) -> ir.Module:
     return module
 
 
-def kernel_programs(lowered: jax.stages.Lowered) -> list[bytes]:
-    """One program (MLIR bytecode) per distinct Mosaic GPU kernel of ``lowered``, in the order they first appear."""
+# A Mosaic GPU custom call's location names its kernel: ".../moe_gmm_wgrad/mpmd_map".
+_KERNEL_NAME = re.compile(r"/(\w+)/mpmd_map")
+
+
+def named_kernel_programs(lowered: jax.stages.Lowered) -> list[tuple[str, bytes]]:
+    """(the kernel's name, "?" where its call's location has none; one program (MLIR bytecode) of it alone) per
+    distinct Mosaic GPU kernel of ``lowered``, in the order they first appear."""
     programs = {}
     for call in _custom_calls(lowered.compiler_ir("stablehlo").operation, []):
         kernel_hash = _kernel_hash(call)
         if kernel_hash is not None and kernel_hash not in programs:
-            programs[kernel_hash] = jax_mlir.module_to_bytecode(_kernel_program(call))
+            name = _KERNEL_NAME.search(str(call.location))
+            program = jax_mlir.module_to_bytecode(_kernel_program(call))
+            programs[kernel_hash] = (name.group(1) if name else "?", program)
     return list(programs.values())
+
+
+def kernel_programs(lowered: jax.stages.Lowered) -> list[bytes]:
+    """One program (MLIR bytecode) per distinct Mosaic GPU kernel of ``lowered``, in the order they first appear."""
+    return [program for _, program in named_kernel_programs(lowered)]
 
 
 def _compile_kernel(program: bytes, device: jax.Device) -> None:

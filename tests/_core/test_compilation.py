@@ -14,7 +14,7 @@ from jax.extend.mlir import ir
 
 import moe_jax
 from moe_jax import compilation
-from moe_jax.compilation import MOSAIC_GPU_TARGET, compile_lowered, kernel_programs
+from moe_jax.compilation import MOSAIC_GPU_TARGET, compile_lowered, kernel_programs, named_kernel_programs
 from tests.helpers import on_abstract_h200
 
 T, D, F, E, K = 256, 128, 128, 4, 2
@@ -57,6 +57,11 @@ def test_each_distinct_kernel_becomes_one_program_holding_its_custom_call_unchan
         original = next(line for line in text.splitlines() if f'kernel_hash = "{kernel_hash}"' in line)
         assert re.sub(r"%[\w#]+", "%", call.split("=", 1)[1]) == re.sub(r"%[\w#]+", "%", original.split("=", 1)[1])
         assert "func.func public @main" in program
+    # Each program goes with its kernel's name (the one its pallas_call gives), the same programs in the same order.
+    named = named_kernel_programs(lowered)
+    assert [program for _, program in named] == kernel_programs(lowered)
+    names = {name for name, _ in named}
+    assert {"moe_gating", "moe_gmm_gather_glu", "moe_gmm_row_scale", "moe_gmm_wgrad"} <= names and "?" not in names
 
 
 def test_without_kernels_it_compiles_the_program_as_is():
