@@ -5,9 +5,8 @@ shape: for each (bench, GPU, shape) the run that timed it last wins, runs in GPU
 before wall-clock ones, since their numbers leave out the host's dispatch. A winning run's records of that shape are
 shown as the run printed them (``TABLES`` of ``python -m benchmarks``), so every ratio in a table (vs dense, vs xla,
 speed-up over one device) compares numbers of one run. Each table says which run it comes from: date, GPU, jax
-version, git revision, timer and the command. The other two kinds of record get a section each: the layer's forward
-kernel by kernel (``python -m benchmarks.profile_layer --out``) and the toy LM's training throughput
-(``python -m train --config gpu --metrics``).
+version, git revision, timer and the command. The other kinds of record (kernel-by-kernel profiles, training
+throughput, compile and lowering reports, step profiles) get a section each, in ``build_report``'s order.
 
 Record files, by what their lines or keys hold:
   ``*.jsonl`` with ``{"meta"}`` lines   ``python -m benchmarks --jsonl``: each meta line starts a run, records follow
@@ -170,7 +169,7 @@ def fp8_profile_report(profiles: list[tuple[dict, dict, str]]) -> list[str]:
 
 
 def compile_report(reports: list[tuple[dict, dict, str]]) -> list[str]:
-    """Every training compile report (``train.compile_report``): its runs and one layer's compile times."""
+    """Every training compile report (``train.compile_report``): its runs and each measured layer's compile times."""
     if not reports:
         return []
     lines = ["## Training compile time and throughput: `python -m train.compile_report`", ""]
@@ -184,8 +183,8 @@ def compile_report(reports: list[tuple[dict, dict, str]]) -> list[str]:
             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for run in result["runs"]:
-            # A run that ended early (a timeout after its first step) still shows what it wrote; records from before
-            # the step store have no "aot" and no launch time.
+            # A run that ended early (a timeout after its first step) still shows what it wrote; one that stopped before
+            # its compile record has no "aot" and no launch time.
             cells = [run["status"], run.get("aot", "-")]
             for key in ("trace_s", "lower_s", "compile_s", "time_to_first_step_s", "launch_to_first_step_s"):
                 cells.append(f"{run[key]:.1f}" if key in run else "-")

@@ -9,6 +9,8 @@ Races are detected and uninitialised memory is NaN, so a scale read before its c
 or an output tile the kernel forgot shows up.
 """
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,18 +19,20 @@ import pytest
 import moe_jax
 from moe_jax.ops.grouped_matmul import launch, reference_fp8
 from tests import oracle
-from tests.helpers import checked_interpreter
+from tests.helpers import checked_interpreter, simulated_sms
 
 F32_OUT_TOL = 1e-5
 BF16_OUT_TOL = 2e-3
 RECIPE = reference_fp8.RECIPES["fp8_block"]
 
-# (M, P, Q, group sizes). "edges": empty, one row, one short of / exactly / one past a 128-row block, 35 rows past
-# the sum, Q = 192 (a last column tile of 64). "hot": one group takes every row, P = 192 (a last row tile whose second
-# warpgroup stores nothing), sizes past M.
+# (M, P, Q, group sizes, SMs). "edges": empty, one row, one short of / exactly / one past a 128-row block, 35 rows
+# past the sum, Q = 192 (a last column tile of 64). "hot": one group takes every row, P = 192 (a last row tile whose
+# second warpgroup stores nothing), sizes past M. "wraps": nine blocks on one SM, more steps than the ring has slots,
+# so the producer refills slots whose scales the consumers read (a missing fence before their release races).
 CASES = {
-    "edges": (420, 128, 192, [0, 1, 127, 128, 129]),
-    "hot": (300, 192, 128, [0, 300, 0, 40]),
+    "edges": (420, 128, 192, [0, 1, 127, 128, 129], None),
+    "hot": (300, 192, 128, [0, 300, 0, 40], None),
+    "wraps": (1100, 128, 128, [1100, 0], 1),
 }
 
 
@@ -46,14 +50,19 @@ def _operands(seed, m, p, q, dtype):
 
 @pytest.mark.parametrize(
     "case, in_dtype, out_dtype, tol",
-    [("edges", jnp.float32, jnp.float32, F32_OUT_TOL), ("hot", jnp.bfloat16, jnp.bfloat16, BF16_OUT_TOL)],
+    [
+        ("edges", jnp.float32, jnp.float32, F32_OUT_TOL),
+        ("hot", jnp.bfloat16, jnp.bfloat16, BF16_OUT_TOL),
+        ("wraps", jnp.bfloat16, jnp.bfloat16, BF16_OUT_TOL),
+    ],
 )
 @pytest.mark.usefixtures("interpret")
 def test_kernel_matches_the_recipes_wgrad(case, in_dtype, out_dtype, tol):
-    m, p, q, sizes = CASES[case]
+    m, p, q, sizes, num_sms = CASES[case]
     x, y = _operands(0, m, p, q, in_dtype)
     group_sizes = jnp.asarray(sizes, jnp.int32)
-    out = launch.run_fp8_wgrad_kernel(x, y, group_sizes, out_dtype=out_dtype)
+    with simulated_sms(num_sms) if num_sms else contextlib.nullcontext():
+        out = launch.run_fp8_wgrad_kernel(x, y, group_sizes, out_dtype=out_dtype)
     expected = reference_fp8.quantized_wgrad(x, group_sizes, y, RECIPE, False, out_dtype)
     assert out.shape == (len(sizes), p, q) and out.dtype == out_dtype
     assert oracle.relative_error(out, expected) < tol

@@ -172,10 +172,9 @@ def grouped_matmul_wgrad_fp8(
                         return acc[...], x_scale, y_scale
 
                     partial, x_scale, y_scale = pl.run_scoped(mma, plgpu.ACC((wg_m, bn), jnp.float32))
-                    # Every thread arrives after its own (generic-proxy) reads of the slot's scales, and the arrive
-                    # releases them: the producer's wait acquires them before it issues the slot's next TMA (the
-                    # consumer release of CUTLASS's TMA pipelines). A fence and a warpgroup barrier here
-                    # (commit_smem) cost 12 % of the kernel's time.
+                    # The slot's scales were generic-proxy reads: a proxy fence orders them before the producer's next
+                    # TMA write, which the barrier alone does not (docs/kernels/grouped_matmul.md, "FP8 wgrad").
+                    plgpu.commit_smem()
                     plgpu.barrier_arrive(consumed.at[slot])
                     x_scale = lax.broadcast_in_dim(x_scale, (wg_m, bn), [0])
                     return total + partial * x_scale * lax.broadcast_in_dim(y_scale, (wg_m, bn), [1])

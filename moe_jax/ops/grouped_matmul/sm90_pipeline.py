@@ -1,4 +1,4 @@
-"""The warp-specialised TMA -> wgmma pipeline shared by the sm90 grouped-matmul kernels (sm90.py, sm90_wgrad.py).
+"""The warp-specialised TMA -> wgmma pipeline shared by every sm90 grouped-matmul kernel.
 
 One CTA per SM runs ``num_compute_wgs`` consumer warpgroups and one producer warpgroup over a persistent list of
 output tiles. Both sides count pipeline steps globally over the CTA's tiles (the loop carry), so buffer
