@@ -154,7 +154,7 @@ class KernelPool:
 
     def close(self) -> None:
         """Drops the kernels not started yet (the program compiles what it needs itself); those running finish on
-        their own threads. Warns once if a kernel failed to compile on its own."""
+        their own threads. Warns once if a kernel had failed to compile on its own by then."""
         if self._closed:
             return
         self._closed = True
@@ -180,7 +180,7 @@ def compile_lowered(lowered: jax.stages.Lowered, *, max_workers: int | None = No
     Returns:
       the compiled program, the same executable ``lowered.compile()`` returns (the persistent compilation cache
       answers it as it would). A kernel whose own compilation fails is compiled by the program's, which reports any
-      real error; the failure is warned about.
+      real error; a failure known when the program is compiled is warned about.
     """
     return KernelPool(max_workers).compile(lowered)
 
@@ -233,10 +233,10 @@ def compiling_kernels_while_lowering(*, max_workers: int | None = None) -> Itera
         with moe_jax.compiling_kernels_while_lowering() as kernels:
             compiled = kernels.compile(jax.jit(step).trace(*args).lower())
 
-    ``compile`` then compiles the program while the kernels still running finish. Lowering is Python (about 0.4 s a
-    grouped-matmul kernel on an H200 host) and a kernel's compilation is XLA's (seconds, the GIL released), so the
-    kernels compile while Python lowers the rest of the program. Other threads' lowerings are left alone. Leaving the
-    context drops the kernels not started yet.
+    ``compile`` then compiles the program while the kernels still running finish. Lowering is Python and a
+    kernel's compilation is XLA's (seconds, the GIL released; docs/kernels/grouped_matmul.md, "Lowering and compile
+    time"), so the kernels compile while Python lowers the rest of the program. Other threads' lowerings are left
+    alone. Leaving the context drops the kernels not started yet.
     """
     pool = KernelPool(max_workers)
     outer = getattr(_HOOK.pools, "current", None)

@@ -56,8 +56,8 @@ class CompileTimes:
     (XLA, or a persistent-cache hit), or loading a stored executable in place of all three.
 
     ``aot``: "loaded" (an ``ExecutableStore`` held the step: trace and lower are 0, compile_s is the load),
-    "saved" (compiled, then stored for the next launch) or "off" (no store, or a step the persistent cache gave
-    back, which ``compile_or_load`` does not store).
+    "saved" (compiled, then stored for the next launch) or "off" (no store, a step the persistent cache gave
+    back, which ``compile_or_load`` does not store, or one that cannot be stored).
     """
 
     trace_s: float
@@ -255,7 +255,8 @@ def compile_or_load(
 ) -> tuple[jax.stages.Compiled, CompileTimes]:
     """``compile_ahead(jitted, *args, options=options)``, unless ``store`` holds the step under its key
     (``ExecutableStore.key`` of ``description``, ``sources``, ``args`` and ``options``): then that, loaded. A step
-    compiled here is stored for the next launch. Without a store it is ``compile_ahead``."""
+    compiled here is stored for the next launch where it can be (``CompileTimes.aot`` says). Without a store it is
+    ``compile_ahead``."""
     if store is None:
         return compile_ahead(jitted, *args, options=options)
     start = time.perf_counter()

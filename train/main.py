@@ -4,6 +4,8 @@ import argparse
 import dataclasses
 import os
 
+import jax
+
 from moe_jax._core.backend import BACKENDS
 from moe_jax._core.hardware import configure_cpu_interpreter
 from moe_jax.ops.grouped_matmul.reference_fp8 import QUANTIZATIONS
@@ -70,9 +72,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.backend == "pallas":
         # Off a GPU the kernels run under the Mosaic GPU interpreter, which needs XLA:CPU set up before it starts.
         configure_cpu_interpreter()
-    # Imported here so that jax.distributed.initialize() runs before anything touches a device.
-    import jax
-
     if args.distributed:
         jax.distributed.initialize()
     from train.train import train
