@@ -8,10 +8,8 @@ import sys
 import textwrap
 import types
 
-import jax
-from jax.sharding import AbstractDevice, AbstractMesh
-
 from moe_jax._core import hardware
+from tests.helpers import on_abstract_h200
 
 
 def test_cpu_has_a_fallback_sm_count():
@@ -33,8 +31,7 @@ def _fake_mosaic_gpu_library(monkeypatch) -> list:
 
 def test_lowering_for_a_gpu_asks_ptxas_once(monkeypatch):
     calls = _fake_mosaic_gpu_library(monkeypatch)
-    h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    with jax.sharding.use_abstract_mesh(AbstractMesh((), (), abstract_device=h200)):
+    with on_abstract_h200():
         assert hardware.interpret_params() is None
         assert hardware.interpret_params() is None
     extension = hardware.fragmented_array.mgpu_lib._mosaic_gpu_ext
