@@ -85,7 +85,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--skew-shapes", help=f"shapes for skew (default: {DEFAULT_SKEW_SHAPE['bench']})")
     parser.add_argument(
         "--layer-shapes",
-        help="layer shapes for layer and ep (default: every 'bench' layer shape; ep: qwen3-30b-a3b and gpt-oss-120b)",
+        help="layer shapes for layer and ep (default: every 'bench' layer shape; ep: expert_parallel.DEFAULT_SHAPES)",
     )
     parser.add_argument(
         "--routing-shapes",

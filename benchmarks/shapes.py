@@ -205,6 +205,9 @@ LAYER_SHAPES: dict[str, LayerShape] = {
         # gpt-oss-120b's MoE layer: its router takes the top 4 logits and a softmax over them (= softmax, then
         # renormalised); D = 2880 is no multiple of 128.
         LayerShape("gpt-oss-120b", t=16384, d=2880, f=2880, e=128, top_k=4, activation="gpt_oss", tag="bench"),
+        # Mixtral 8x7B's MoE layer: coarse experts, top-2 (fewer than the expert-parallel devices: where an
+        # all-to-all sends less than an all-gather).
+        LayerShape("mixtral-8x7b", t=16384, d=4096, f=14336, e=8, top_k=2, activation="swiglu", tag="bench"),
         # DeepSeek-V3's MoE layer (256 routed experts of width 2048; its shared expert is not part of this layer):
         # sigmoid scores, 8 groups of which the best 4 are eligible, an aux-loss-free selection bias, weights x 2.5.
         LayerShape(

@@ -91,7 +91,11 @@ def test_model_layers_are_registered_with_their_routers():
     gpt_oss = shapes.LAYER_SHAPES["gpt-oss-120b"]
     assert (gpt_oss.t, gpt_oss.d, gpt_oss.f, gpt_oss.e, gpt_oss.top_k) == (16384, 2880, 2880, 128, 4)
     assert (gpt_oss.activation, gpt_oss.score, gpt_oss.renormalize) == ("gpt_oss", "softmax", True)
-    assert {s.name for s in shapes.layer_shapes("bench")} == {"qwen3-30b-a3b", "gpt-oss-120b", "deepseek-v3"}
+    mixtral = shapes.LAYER_SHAPES["mixtral-8x7b"]
+    assert (mixtral.t, mixtral.d, mixtral.f, mixtral.e, mixtral.top_k) == (16384, 4096, 14336, 8, 2)
+    assert (mixtral.activation, mixtral.score) == ("swiglu", "softmax")
+    bench = {"qwen3-30b-a3b", "gpt-oss-120b", "mixtral-8x7b", "deepseek-v3"}
+    assert {s.name for s in shapes.layer_shapes("bench")} == bench
     assert all(s.tag == "ci" for s in shapes.layer_shapes("ci"))
 
 
