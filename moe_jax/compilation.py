@@ -106,7 +106,7 @@ def kernel_programs(lowered: jax.stages.Lowered) -> list[bytes]:
     return [program for _, program in named_kernel_programs(lowered)]
 
 
-def _compile_kernel(program: bytes, device: jax.Device) -> None:
+def compile_kernel_program(program: bytes, device: jax.Device) -> None:
     """Compiles a one-kernel program on ``device``'s client, which leaves the kernel in jaxlib's kernel cache."""
     options = compiler.get_compile_options(num_replicas=1, num_partitions=1)
     device.client.compile_and_load(program, xla_client.DeviceList((device,)), options)
@@ -140,7 +140,7 @@ class KernelPool:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 self._max_workers, thread_name_prefix="mosaic-gpu-kernel"
             )
-        self.futures.append(self._executor.submit(_compile_kernel, program, jax.local_devices()[0]))
+        self.futures.append(self._executor.submit(compile_kernel_program, program, jax.local_devices()[0]))
         return True
 
     def compile(self, lowered: jax.stages.Lowered, compiler_options: dict | None = None) -> jax.stages.Compiled:

@@ -81,7 +81,7 @@ def test_max_workers_must_be_positive():
 def _recorded_kernel_compiles(monkeypatch) -> list[bytes]:
     """Replaces the one-kernel compilation with a recorder of the programs it is given (this host has no GPU)."""
     programs = []
-    monkeypatch.setattr(compilation, "_compile_kernel", lambda program, device: programs.append(program))
+    monkeypatch.setattr(compilation, "compile_kernel_program", lambda program, device: programs.append(program))
     return programs
 
 
