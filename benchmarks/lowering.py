@@ -6,8 +6,8 @@ k 2; ``train.compile_report.REFERENCE_LAYER``) and, with ``--train-step CONFIG``
 (abstract parameters and optimizer state, backend "pallas"). For each it prints the trace and lower seconds and, kernel
 by kernel, the seconds Pallas spends lowering each Mosaic GPU kernel instance (its jaxpr to a Mosaic GPU module:
 the Pallas lowering, for warpgroup-semantics kernels Mosaic GPU's layout inference and dialect lowering, the
-module's serialization), over
-``--repeats`` lowerings of new functions (as a new process, or a second jit, would do).
+module's serialization), over ``--repeats`` lowerings of new functions (as a new process, or a second jit, would
+do).
 
 With ``--compile`` (on a GPU) it then lowers each function for the local GPU and compiles its distinct kernels one
 at a time, each alone, then the whole program with every kernel already compiled: the seconds of each kernel's
