@@ -101,11 +101,6 @@ def named_kernel_programs(lowered: jax.stages.Lowered) -> list[tuple[str, bytes]
     return list(programs.values())
 
 
-def kernel_programs(lowered: jax.stages.Lowered) -> list[bytes]:
-    """One program (MLIR bytecode) per distinct Mosaic GPU kernel of ``lowered``, in the order they first appear."""
-    return [program for _, program in named_kernel_programs(lowered)]
-
-
 def compile_kernel_program(program: bytes, device: jax.Device) -> None:
     """Compiles a one-kernel program on ``device``'s client, which leaves the kernel in jaxlib's kernel cache."""
     options = compiler.get_compile_options(num_replicas=1, num_partitions=1)

@@ -14,7 +14,7 @@ from jax.extend.mlir import ir
 
 import moe_jax
 from moe_jax import compilation
-from moe_jax.compilation import MOSAIC_GPU_TARGET, compile_lowered, kernel_programs, named_kernel_programs
+from moe_jax.compilation import MOSAIC_GPU_TARGET, compile_lowered, named_kernel_programs
 from tests.helpers import on_abstract_h200
 
 T, D, F, E, K = 256, 128, 128, 4, 2
@@ -47,7 +47,8 @@ def test_each_distinct_kernel_becomes_one_program_holding_its_custom_call_unchan
     text = lowered.as_text()
     hashes = list(dict.fromkeys(_KERNEL_HASH.findall(text)))  # distinct, in program order
     assert len(hashes) >= 8  # the layer's gating, permutes, GEMMs and their backward
-    programs = [_parse(program) for program in kernel_programs(lowered)]
+    named = named_kernel_programs(lowered)
+    programs = [_parse(program) for _, program in named]
     assert [_KERNEL_HASH.findall(program) for program in programs] == [[h] for h in hashes]
     for program in programs:
         assert program.count("stablehlo.custom_call") == 1 and f"@{MOSAIC_GPU_TARGET}" in program
@@ -57,9 +58,7 @@ def test_each_distinct_kernel_becomes_one_program_holding_its_custom_call_unchan
         original = next(line for line in text.splitlines() if f'kernel_hash = "{kernel_hash}"' in line)
         assert re.sub(r"%[\w#]+", "%", call.split("=", 1)[1]) == re.sub(r"%[\w#]+", "%", original.split("=", 1)[1])
         assert "func.func public @main" in program
-    # Each program goes with its kernel's name (the one its pallas_call gives), the same programs in the same order.
-    named = named_kernel_programs(lowered)
-    assert [program for _, program in named] == kernel_programs(lowered)
+    # Each program goes with its kernel's name (the one its pallas_call gives).
     names = {name for name, _ in named}
     assert {"moe_gating", "moe_gmm_gather_glu", "moe_gmm_row_scale", "moe_gmm_wgrad"} <= names and "?" not in names
 
@@ -68,7 +67,7 @@ def test_without_kernels_it_compiles_the_program_as_is():
     rng = np.random.default_rng(0)
     args = [jnp.asarray(rng.normal(size=a.shape), a.dtype) for a in _abstract_layer_args()]
     lowered = jax.jit(lambda *a: _layer_loss(*a, backend="xla")).trace(*args).lower()
-    assert kernel_programs(lowered) == []
+    assert named_kernel_programs(lowered) == []
     assert compile_lowered(lowered)(*args) == lowered.compile()(*args)
 
 
@@ -96,7 +95,7 @@ def test_kernels_start_compiling_while_the_program_is_lowered(monkeypatch):
         for call in compilation._custom_calls(lowered.compiler_ir("stablehlo").operation, []):
             assert not pool.submit(call)  # each kernel once
     assert compilation.mosaic_gpu_core._mosaic_gpu_lowering_rule is original_rule
-    expected = [_KERNEL_HASH.findall(_parse(program)) for program in kernel_programs(lowered)]
+    expected = [_KERNEL_HASH.findall(_parse(program)) for _, program in named_kernel_programs(lowered)]
     assert len(expected) >= 8
     assert [_KERNEL_HASH.findall(_parse(program)) for program in submitted_while_lowering] == expected
 
@@ -116,4 +115,4 @@ def test_a_kernel_the_pool_cannot_take_leaves_the_lowering_whole(monkeypatch):
     monkeypatch.setattr(compilation.KernelPool, "submit", refuse)
     with moe_jax.compiling_kernels_while_lowering(), pytest.warns(RuntimeWarning, match="no room"):
         lowered = _lowered_for_cuda(jax.value_and_grad(_layer_loss, argnums=(0, 1, 2, 3)), *_abstract_layer_args())
-    assert len(kernel_programs(lowered)) >= 8
+    assert len(named_kernel_programs(lowered)) >= 8

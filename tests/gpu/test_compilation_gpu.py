@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import moe_jax
-from moe_jax.compilation import kernel_programs
+from moe_jax.compilation import named_kernel_programs
 from tests.oracle import relative_error
 
 pytestmark = pytest.mark.gpu
@@ -44,7 +44,7 @@ def test_a_layer_compiled_with_parallel_kernels_matches_the_plain_compilation():
     args = _layer_args()
     step = jax.value_and_grad(_loss, argnums=(0, 1, 2, 3))
     lowered = jax.jit(step).trace(*args).lower()
-    assert len(kernel_programs(lowered)) >= 8
+    assert len(named_kernel_programs(lowered)) >= 8
     _assert_matches_the_plain_compilation(moe_jax.compile_lowered(lowered)(*args), step, args)
 
 
