@@ -131,16 +131,23 @@ def bench_report(runs: list[Run], titles: dict[str, str], tables: dict[str, Call
     return lines
 
 
+def read_result_files(paths: list[str]) -> list[tuple[dict, str]]:
+    """(content, path) of every ``{meta, results}`` record among the JSON files at ``paths``."""
+    found = []
+    for path in paths:
+        with open(path) as f:
+            content = json.load(f)
+        if isinstance(content, dict) and "meta" in content and "results" in content:
+            found.append((content, path))
+    return found
+
+
 def read_records(paths: list[str], result_key: str) -> list[tuple[dict, dict, str]]:
     """(meta, result, path) of every result holding ``result_key`` in the ``{meta, results}`` records at ``paths``
     (``results`` a list of results, or one result): "stages_us" picks ``profile_layer``'s, "classes_us"
     ``profile_fp8_layer``'s, "runs" ``train.compile_report``'s, "parts_us" ``train.profile_step``'s."""
     found = []
-    for path in paths:
-        with open(path) as f:
-            content = json.load(f)
-        if not (isinstance(content, dict) and "meta" in content and "results" in content):
-            continue
+    for content, path in read_result_files(paths):
         results = content["results"] if isinstance(content["results"], list) else [content["results"]]
         found += [(content["meta"], result, path) for result in results if result_key in result]
     return found
@@ -211,12 +218,9 @@ def compile_report(reports: list[tuple[dict, dict, str]]) -> list[str]:
 def lowering_report(paths: list[str]) -> list[str]:
     """Every kernel lowering record (``python -m benchmarks.lowering --out``), oldest first: per lowered function,
     each kernel's lowering seconds and, from a record made with ``--compile``, each kernel's compile seconds."""
-    records = []
-    for path in paths:
-        with open(path) as f:
-            content = json.load(f)
-        if isinstance(content, dict) and content.get("meta", {}).get("command", "").startswith(LOWERING_COMMAND):
-            records.append((content, path))
+    records = [
+        (c, path) for c, path in read_result_files(paths) if c["meta"].get("command", "").startswith(LOWERING_COMMAND)
+    ]
     if not records:
         return []
     lines = [f"## Kernel lowering and compile time: `{LOWERING_COMMAND}`", ""]
