@@ -165,21 +165,3 @@ def test_wgrad_config_takes_the_stages_that_fit(out_dtype):
             lowers = False
         fits = sm90_fp8_wgrad.smem_bytes(c, itemsize) <= config.SMEM_BYTES - 2048
         assert lowers == expected == fits, stages
-
-
-@pytest.mark.parametrize("release_every", [2, 4])
-def test_wgrad_releasing_slots_together_lowers(release_every):
-    """The wgrad's grouped slot releases (one fence, then a loop of arrivals) lower for CUDA at dsv3-ep8 gate_up."""
-    s = shapes.GMM_SHAPES["dsv3-ep8/gate_up"]
-    x = jax.ShapeDtypeStruct((s.m, s.k), jnp.bfloat16)
-    y = jax.ShapeDtypeStruct((s.m, s.n), jnp.bfloat16)
-    group_sizes = jax.ShapeDtypeStruct((s.g,), jnp.int32)
-    text = _lowered(
-        lambda x, y, group_sizes: launch.run_fp8_wgrad_kernel(
-            x, y, group_sizes, out_dtype=jnp.bfloat16, release_every=release_every
-        ),
-        x,
-        y,
-        group_sizes,
-    )
-    assert "moe_gmm_wgrad_fp8" in text

@@ -407,13 +407,13 @@ def fp8_wgrad_config(*, m: int, p: int, q: int, g: int, out_itemsize: int) -> Co
     return config
 
 
-def run_fp8_wgrad_kernel(x, y, group_sizes, *, out_dtype, config=None, release_every: int = 1) -> jax.Array:
+def run_fp8_wgrad_kernel(x, y, group_sizes, *, out_dtype, config=None) -> jax.Array:
     """The FP8 wgrad: out[g] = x_g^T . y_g -> [G, P, Q] with x [M, P] and y [M, Q] (high precision) quantized as the
     fp8_block recipe's wgrad does, in 128-row blocks from each group's first row.
 
     token_blocks.py lays both out for the kernel (transposed, group-padded; in XLA); group_sizes [G] int32 stay on
-    the device. ``config=None`` takes ``fp8_wgrad_config``'s; ``release_every``: the kernel's (sm90_fp8_wgrad). The
-    op's d rhs [G, K, N] is (lhs, d out); [G, N, K] is (d out, lhs).
+    the device. ``config=None`` takes ``fp8_wgrad_config``'s. The op's d rhs [G, K, N] is (lhs, d out); [G, N, K] is
+    (d out, lhs).
     """
     recipe = RECIPES[FP8_KERNEL_QUANTIZATION]
     (m, p), q = x.shape, y.shape[1]
@@ -431,7 +431,6 @@ def run_fp8_wgrad_kernel(x, y, group_sizes, *, out_dtype, config=None, release_e
         out_dtype=out_dtype,
         config=config,
         num_sms=hardware.num_sms(),
-        release_every=release_every,
         interpret=hardware.interpret_params(),
     )
 

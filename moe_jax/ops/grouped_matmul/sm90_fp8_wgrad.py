@@ -19,11 +19,6 @@ x's scales are a column of the tile (wgmma's row layout), y's a row (its column 
 scales of its 32 columns). The total and the partial of a [64, 128] tile take 64 registers a thread each, hence
 block_n = 128, and the epilogue runs between tiles.
 
-The scales are generic-proxy reads of the ring, so a slot goes back to the producer, whose next TMA write is an
-async-proxy access, only after a proxy fence (``commit_smem``, which adds a warpgroup barrier). ``release_every``
-steps share one: a consumer releases the slots of its last ``release_every`` steps together (and its pending ones
-at the tile's last step), which keeps the producer up to ``release_every - 1`` steps further behind.
-
 Work: every group owns ceil(P / block_m) * ceil(Q / block_n) output tiles, handed out round-robin over the SMs,
 largest group first (token_blocks.group_table); within a group the tiles follow the planar snake of
 ``config.grid_minor`` / ``grid_width``. An empty group does no MMA and writes zeros.
@@ -46,14 +41,8 @@ _ROW_VECTOR = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
 _COLUMN_VECTOR = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 
 
-def check(config: Config, release_every: int = 1) -> None:
-    """Raises ValueError where the kernel cannot run this config (with slots released every ``release_every``
-    steps)."""
-    if not 1 <= release_every < config.num_stages:
-        raise ValueError(
-            f"release_every must be at least 1 and below the stages ({config.num_stages}), got {release_every}: "
-            "the producer waits for a slot the consumers release only after it is refilled"
-        )
+def check(config: Config) -> None:
+    """Raises ValueError where the kernel cannot run this config."""
     if config.block_k != FP8_BLOCK or config.block_n != FP8_BLOCK:
         raise ValueError(f"the FP8 wgrad needs block_k = block_n = {FP8_BLOCK} (one scale block), got {config}")
     if config.overlap_epilogue:
@@ -88,7 +77,6 @@ def grouped_matmul_wgrad_fp8(
     out_dtype,
     config: Config,
     num_sms: int,
-    release_every: int = 1,
     interpret=None,
 ) -> jax.Array:
     """out[g][p, q] = sum over group g's blocks b and their tokens t of x_t[p, t] y_t[q, t] x_scales[b, p]
@@ -101,13 +89,12 @@ def grouped_matmul_wgrad_fp8(
       groups: token_blocks.group_table(group_sizes, M, 128), [3, G] int32.
       out_dtype: f32, bf16 or f16 (accumulation is f32).
       config: block_m over P, block_n = block_k = 128, the tile order within a group (``check``); num_sms:
-        persistent CTAs; release_every: steps whose slots one proxy fence releases (module docstring);
-        interpret: Mosaic GPU interpreter params or None.
+        persistent CTAs; interpret: Mosaic GPU interpreter params or None.
 
     Returns:
       [G, P, Q], zeros for empty groups.
     """
-    check(config, release_every)
+    check(config)
     p, q = x_t.shape[0], y_t.shape[0]
     num_groups = groups.shape[1]
     cfg = config
@@ -169,24 +156,6 @@ def grouped_matmul_wgrad_fp8(
 
                 return [functools.partial(store, c, chunk) for c, chunk in enumerate(chunks)]
 
-            def release(k, steps, first_step):
-                """After step k: every release_every-th step of the tile, and at its last, one proxy fence orders the
-                scale reads of the steps since the last release before the producer's next TMA writes (the barrier
-                alone does not cross proxies), then their slots go back."""
-                if release_every == 1:
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(consumed.at[lax.rem(first_step + k, stages)])
-                    return
-                pending = lax.rem(k, release_every) + 1
-
-                @pl.when((pending == release_every) | (k == steps - 1))
-                def _():
-                    plgpu.commit_smem()
-
-                    @pl.loop(0, pending)
-                    def _(j):
-                        plgpu.barrier_arrive(consumed.at[lax.rem(first_step + k - j, stages)])
-
             def tile_step(info, first_step, overlapped):
                 del overlapped  # the epilogue runs between tiles (``check``)
                 group, _, steps, pi, qi = tile_of(info.index[0])
@@ -203,7 +172,10 @@ def grouped_matmul_wgrad_fp8(
                         return acc[...], x_scale, y_scale
 
                     partial, x_scale, y_scale = pl.run_scoped(mma, plgpu.ACC((wg_m, bn), jnp.float32))
-                    release(k, steps, first_step)
+                    # The slot's scales were generic-proxy reads: a proxy fence orders them before the producer's next
+                    # TMA write, which the barrier alone does not (docs/kernels/grouped_matmul.md, "FP8 wgrad").
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(consumed.at[slot])
                     x_scale = lax.broadcast_in_dim(x_scale, (wg_m, bn), [0])
                     return total + partial * x_scale * lax.broadcast_in_dim(y_scale, (wg_m, bn), [1])
 
