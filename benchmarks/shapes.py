@@ -169,6 +169,9 @@ GMM_SHAPES: dict[str, GroupedMatmulShape] = {
         GroupedMatmulShape("phi3.5-moe/down", g=16, m=16384, k=6400, n=4096, tag="heuristic"),
         GroupedMatmulShape("granite-3b/gate_up", g=40, m=32768, k=1536, n=1024, tag="heuristic"),
         GroupedMatmulShape("granite-3b/down", g=40, m=32768, k=512, n=1536, tag="heuristic"),
+        # train's gpu-moe shared expert: one group of a micro-batch's 16k tokens.
+        GroupedMatmulShape("gpu-moe-shared/gate_up", g=1, m=16384, k=2048, n=1536, tag="heuristic"),
+        GroupedMatmulShape("gpu-moe-shared/down", g=1, m=16384, k=768, n=2048, tag="heuristic"),
         # qwen3-30b's and gpt-oss-120b's projections at T = 128 tokens (a decode step's batch: 8 / 4 rows an expert)
         # and qwen3-30b's at T = 1024 (64): reading the weights is the whole cost, so the benches' hbm-floor row is
         # the bar.

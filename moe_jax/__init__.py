@@ -2,7 +2,8 @@
 
 The public surface (re-exports only): ``route`` (with ``Routing``, ``RoutingOptions``, ``apply_capacity``,
 ``load_balancing_loss`` and ``z_loss``), ``grouped_matmul`` (with ``pack_gate_up`` / ``unpack_gate_up`` /
-``PackedGateUp`` for the GLU weight layout), ``glu_mlp``, ``permute``, ``combine``, ``moe_ffn`` (with ``MoEAux``),
+``PackedGateUp`` for the GLU weight layout), ``glu_mlp`` (``dense_glu_mlp``: its one-group form, the shared
+experts'), ``permute``, ``combine``, ``moe_ffn`` (with ``MoEAux``),
 ``quantize_blockwise`` and ``quantize_blockwise_with_transpose`` (block-scaled FP8, ``BlockScaled``; ``from_qarray`` /
 ``to_qarray`` convert to and from qwix's ``QArray``), the Flax NNX modules in ``moe_jax.nn`` and expert parallelism in
 ``moe_jax.parallel``; ``compile_lowered`` compiles a lowered program with its Mosaic GPU kernels in parallel, and
@@ -14,7 +15,7 @@ GPU interpreter (importing moe_jax changes no environment variable).
 from moe_jax import nn, parallel
 from moe_jax._core.hardware import configure_cpu_interpreter
 from moe_jax.compilation import compile_lowered, compiling_kernels_while_lowering
-from moe_jax.ops.glu_mlp.api import glu_mlp
+from moe_jax.ops.glu_mlp.api import dense_glu_mlp, glu_mlp
 from moe_jax.ops.grouped_matmul.api import grouped_matmul
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp, pack_gate_up, unpack_gate_up
 from moe_jax.ops.moe_ffn.api import MoEAux, moe_ffn
@@ -34,6 +35,7 @@ __all__ = [
     "compile_lowered",
     "compiling_kernels_while_lowering",
     "configure_cpu_interpreter",
+    "dense_glu_mlp",
     "from_qarray",
     "glu_mlp",
     "grouped_matmul",

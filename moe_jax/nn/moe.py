@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moe_jax.ops.glu_mlp.api import glu_mlp
+from moe_jax.ops.glu_mlp.api import dense_glu_mlp
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp, gate_up_block, pack_gate_up
 from moe_jax.ops.moe_ffn.api import MoEAux, moe_ffn
 from moe_jax.ops.routing.api import Routing, RoutingOptions, balancing_bias_update, route, router_logits
@@ -112,8 +112,8 @@ class Router(nnx.Module):
 class SharedExperts(nnx.Module):
     """Always-on gated MLP ``act(x W_gate) * (x W_up) W_down`` added to the routed output (DeepSeek-style).
 
-    Runs as a one-group ``glu_mlp``, so it shares the routed experts' kernels, epilogues and backward.
-    ``w_gate_up`` [1, D, 2F] is stored packed, as ``MoE.w_gate_up`` is.
+    Runs as ``dense_glu_mlp``, the one-group ``glu_mlp``: unquantized on XLA's dense matmuls, with ``quantization``
+    on the FP8 kernels of the routed experts. ``w_gate_up`` [1, D, 2F] is stored packed, as ``MoE.w_gate_up`` is.
     """
 
     def __init__(
@@ -135,10 +135,9 @@ class SharedExperts(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [T, D] in the compute dtype -> [T, D]."""
-        all_rows = jnp.full((1,), x.shape[0], jnp.int32)
         w_gate_up, w_down = _gate_up(self.w_gate_up, x.dtype), self.w_down[...].astype(x.dtype)
         options = dict(activation=self.activation, backend=self.backend, quantization=self.quantization)
-        return glu_mlp(x, w_gate_up, w_down, all_rows, **options)
+        return dense_glu_mlp(x, w_gate_up, w_down, **options)
 
 
 class MoE(nnx.Module):

@@ -26,7 +26,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from moe_jax._core import checks
-from moe_jax.ops.glu_mlp.api import glu_mlp
+from moe_jax.ops.glu_mlp.api import dense_glu_mlp
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp, stored_array
 from moe_jax.ops.moe_ffn.api import LayerBackends, MoEAux, check_moe_args, expert_rows, route_tokens, routed_experts
 from moe_jax.ops.quant.reference import BlockScaled
@@ -131,7 +131,7 @@ def moe_ffn_expert_parallel(
         (slots) or the ideal's (owners) when nothing overflows; what overflows takes the fallback
         (``MoEAux.overflowed_rows``), which sends about P times more.
       shared_experts: optional (w_gate_up [1, D, 2F_s] or its ``PackedGateUp``, w_down [1, F_s, D]): an always-on
-        gated MLP added to y, run inside the same shard_map on each device's own tokens.
+        gated MLP added to y (``moe_jax.dense_glu_mlp``), run inside the same shard_map on each device's own tokens.
       top_k, activation, routing (or its fields as keywords), bias, capacity_factor, backend, quantization: as in
         ``moe_jax.moe_ffn`` (the shared experts quantized too); the weights come in high precision.
 
@@ -270,13 +270,12 @@ def _check_shared_experts(shared_experts, x):
 
 
 def _body(x, router_kernel, w_gate_up, w_down, bias, shared, *, layer, compute_dtype, shared_options):
-    """One device: the routed layer, plus the shared experts on the same tokens (``glu_mlp`` with
+    """One device: the routed layer, plus the shared experts on the same tokens (``dense_glu_mlp`` with
     ``shared_options``)."""
     y, aux = layer(x, router_kernel, w_gate_up.astype(compute_dtype), w_down.astype(compute_dtype), bias)
     if shared is not None:
         shared_gate_up, shared_down = (w.astype(compute_dtype) for w in shared)
-        all_rows = jnp.full((1,), x.shape[0], jnp.int32)
-        y = y + glu_mlp(x, shared_gate_up, shared_down, all_rows, **shared_options)
+        y = y + dense_glu_mlp(x, shared_gate_up, shared_down, **shared_options)
     return y, aux
 
 

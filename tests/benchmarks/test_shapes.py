@@ -41,7 +41,7 @@ def test_heuristic_shapes_are_other_models_off_the_tuned_table():
     for shape in shapes.gmm_shapes("heuristic"):
         model, projection = shape.name.split("/")
         models.setdefault(model, {})[projection] = shape
-    assert len(models) == 5 and all(set(projections) == {"gate_up", "down"} for projections in models.values())
+    assert len(models) == 6 and all(set(projections) == {"gate_up", "down"} for projections in models.values())
     for model, projections in models.items():
         gate_up, down = projections["gate_up"], projections["down"]
         assert (gate_up.g, gate_up.m) == (down.g, down.m), model

@@ -5,6 +5,8 @@ the hand-derived GLU gradient, ``check_grads`` (float64) for the reference op's 
 where used.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -185,6 +187,61 @@ def test_glu_mlp_rejects_bad_arguments(overrides, error, match):
     )
     with pytest.raises(error, match=match):
         moe_jax.glu_mlp(**(args | overrides))
+
+
+# --------------------------------------------------------------------------------- dense_glu_mlp: one group, all rows
+
+BF16_DENSE_TOL = 2e-2  # bf16 operands, the pre-activation and hidden rows rounded to bf16 (a few bf16 epsilons)
+
+
+@pytest.mark.parametrize("activation", glu.ACTIVATIONS)
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, F32_TOL), (jnp.bfloat16, BF16_DENSE_TOL)])
+@pytest.mark.parametrize("packed", [False, True])
+def test_dense_glu_mlp_matches_the_oracle_and_its_gradients(activation, dtype, tol, packed):
+    """Values and gradients against float64 NumPy (the gradients through ``oracle.moe_ffn_gradients`` as a layer of one
+    expert that every token picks with weight 1, as the module test of the shared experts does)."""
+    t, d, f = 24, 16, PACK_BLOCK
+    x, w_gate_up, w_down, _, _ = _mlp_problem(7, t, d, f, [t], x_scale=2.0)
+    weights = jnp.asarray(w_gate_up, dtype)
+    w_gate_up_arg = moe_jax.pack_gate_up(weights) if packed else weights
+    args = (jnp.asarray(x, dtype), w_gate_up_arg, jnp.asarray(w_down, dtype))
+    exact = [np.asarray(a, np.float64) for a in (args[0], weights, args[2])]
+    y, vjp = jax.vjp(functools.partial(moe_jax.dense_glu_mlp, activation=activation, backend="pallas"), *args)
+    hidden = oracle.grouped_matmul(exact[0], exact[1], [t], activation=activation)
+    assert y.shape == (t, d) and y.dtype == dtype
+    assert oracle.relative_error(y, oracle.grouped_matmul(hidden, exact[2], [t])) < tol
+
+    cotangent = np.random.default_rng(8).normal(size=(t, d))
+    d_x, d_w_gate_up, d_w_down = vjp(jnp.asarray(cotangent, dtype))
+    one_expert_router = np.zeros((d, 1))
+    expected = oracle.moe_ffn_gradients(
+        exact[0], one_expert_router, *exact[1:], cotangent, top_k=1, activation=activation, load_balancing_weight=0.0
+    )
+    if packed:
+        d_w_gate_up = moe_jax.unpack_gate_up(d_w_gate_up)
+    for actual, name in ((d_x, "x"), (d_w_gate_up, "w_gate_up"), (d_w_down, "w_down")):
+        assert oracle.relative_error(actual, expected[name]) < 2 * tol, name
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(w_gate_up=jnp.ones((2, 16, 16), jnp.bfloat16)), r"w_gate_up must hold one group, \[1, D, 2F\]"),
+        (dict(w_down=jnp.ones((2, 8, 16), jnp.bfloat16)), r"w_down must hold one group, \[1, F, D\]"),
+        (dict(w_down=jnp.ones((8, 16), jnp.bfloat16)), r"w_down must have shape \[1, F, D\] \(rank 3\)"),
+        (dict(activation="relu"), "activation"),
+        (dict(backend="cuda"), "backend"),
+    ],
+)
+def test_dense_glu_mlp_rejects_bad_arguments(overrides, match):
+    args = dict(
+        x=jnp.ones((6, 16), jnp.bfloat16),
+        w_gate_up=jnp.ones((1, 16, 16), jnp.bfloat16),
+        w_down=jnp.ones((1, 8, 16), jnp.bfloat16),
+        activation="swiglu",
+    )
+    with pytest.raises(ValueError, match=match):
+        moe_jax.dense_glu_mlp(**(args | overrides))
 
 
 # ------------------------------------------------------------------------------------------- the partial-sum gather

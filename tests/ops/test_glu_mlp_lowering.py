@@ -120,6 +120,26 @@ def test_standalone_epilogues_lower_with_their_gradients():
     assert text.count(MOSAIC_CALL) == 6
 
 
+@pytest.mark.parametrize("quantization, kernels", [(None, 0), ("fp8_block", 6)])
+def test_dense_glu_mlp_lowers_kernels_only_quantized(quantization, kernels):
+    """The shared experts' one-group MLP at gpu-moe's shape, forward and backward with backend="pallas": unquantized
+    two dense matmuls each way and no Mosaic GPU kernel; with fp8_block the FP8 glu_mlp's six grouped matmuls."""
+    shape = shapes.GMM_SHAPES["gpu-moe-shared/gate_up"]
+    args = (
+        jax.ShapeDtypeStruct((shape.m, shape.k), jnp.bfloat16),
+        jax.ShapeDtypeStruct((1, shape.k, shape.n), jnp.bfloat16),
+        jax.ShapeDtypeStruct((1, shape.n // 2, shape.k), jnp.bfloat16),
+    )
+
+    def loss(x, w_gate_up, w_down):
+        y = moe_jax.dense_glu_mlp(x, w_gate_up, w_down, backend="pallas", quantization=quantization)
+        return jnp.sum(y.astype(jnp.float32))
+
+    text = cuda_lowering(jax.value_and_grad(loss, argnums=(0, 1, 2)), *args)
+    assert text.count(MOSAIC_CALL) == kernels
+    assert quantization or text.count("stablehlo.dot_general") == 6
+
+
 # routed_glu_mlp gathers the gate_up kernel's rows from the tokens (cp.async in the producer: only a real lowering
 # builds it) with each model's tuned gate_up config, in group bands (the gather forced: by default only
 # F <= 2048 fuses). Its backward adds a permute (the sorted rows for the gate_up wgrad) and a combine (d_x) to

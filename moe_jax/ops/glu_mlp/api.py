@@ -239,6 +239,41 @@ def glu_mlp(
     return _glu_mlp(x, w_gate_up, w_down, group_sizes, activation, row_scale, zero_tail, implementation)
 
 
+def dense_glu_mlp(
+    x: jax.Array,
+    w_gate_up: jax.Array | PackedGateUp,
+    w_down: jax.Array,
+    *,
+    activation: str = "swiglu",
+    backend: str = "auto",
+    quantization: str | None = None,
+) -> jax.Array:
+    """``glu_mlp`` over one group that holds every row: an always-on (shared) expert.
+
+    Unquantized, one group is a dense MLP, and it runs as two XLA matmuls whatever ``backend`` names
+    (``reference.dense_glu_mlp``): they ran it as fast as the grouped kernels or faster at the shared experts of the
+    named models (benchmarks/RESULTS.md, "glu-mlp" at the "*-shared" shapes), and a program then holds no kernel of
+    it to lower and compile. With ``quantization`` it is ``glu_mlp``'s (on "pallas", the FP8 kernels: XLA has no
+    block-scaled FP8 matmul).
+
+    Args:
+      x: [T, D].  w_gate_up: [1, D, 2F] ``[gate | up]``, or its ``PackedGateUp``.  w_down: [1, F, D].
+      activation, backend, quantization: as in ``glu_mlp``.
+
+    Returns:
+      [T, D] in x.dtype.
+    """
+    for name, weights, layout in (("w_gate_up", w_gate_up, "[1, D, 2F]"), ("w_down", w_down, "[1, F, D]")):
+        if checks.check_rank(name, weights, 3, layout)[0] != 1:
+            raise ValueError(f"{name} must hold one group, {layout}, got shape {tuple(weights.shape)}")
+    all_rows = jnp.full((1,), x.shape[0], jnp.int32)
+    check_glu_mlp_args(x, w_gate_up, w_down, all_rows, activation=activation, row_scale=None, quantization=quantization)
+    if quantization is not None:
+        return glu_mlp(x, w_gate_up, w_down, all_rows, activation=activation, backend=backend, quantization=quantization)
+    checks.check_choice("backend", backend, dispatch.BACKENDS)
+    return reference.dense_glu_mlp(x, w_gate_up, w_down, activation=activation)
+
+
 def _quantized_glu_mlp(
     x, w_gate_up, w_down, group_sizes, activation, row_scale, quantization, implementation, routed=(None, None, None)
 ):
