@@ -267,9 +267,10 @@ def dense_glu_mlp(
         if checks.check_rank(name, weights, 3, layout)[0] != 1:
             raise ValueError(f"{name} must hold one group, {layout}, got shape {tuple(weights.shape)}")
     all_rows = jnp.full((1,), x.shape[0], jnp.int32)
-    check_glu_mlp_args(x, w_gate_up, w_down, all_rows, activation=activation, row_scale=None, quantization=quantization)
+    options = dict(activation=activation, quantization=quantization)
+    check_glu_mlp_args(x, w_gate_up, w_down, all_rows, row_scale=None, **options)
     if quantization is not None:
-        return glu_mlp(x, w_gate_up, w_down, all_rows, activation=activation, backend=backend, quantization=quantization)
+        return glu_mlp(x, w_gate_up, w_down, all_rows, backend=backend, **options)
     checks.check_choice("backend", backend, dispatch.BACKENDS)
     return reference.dense_glu_mlp(x, w_gate_up, w_down, activation=activation)
 
