@@ -47,7 +47,7 @@ from moe_jax.ops.glu_mlp import reference
 from moe_jax.ops.grouped_matmul import api as grouped_matmul_api
 from moe_jax.ops.grouped_matmul import reference_fp8
 from moe_jax.ops.grouped_matmul.api import check_grouped_matmul_args
-from moe_jax.ops.grouped_matmul.glu import ACTIVATIONS
+from moe_jax.ops.grouped_matmul.glu import ACTIVATIONS, glu
 from moe_jax.ops.grouped_matmul.launch import (
     FP8_KERNEL_QUANTIZATION,
     KERNEL_DTYPES,
@@ -60,7 +60,7 @@ from moe_jax.ops.grouped_matmul.launch import (
     run_glu_dgrad,
     run_wgrad_kernel,
 )
-from moe_jax.ops.grouped_matmul.packing import PackedGateUp, pack_gate_up
+from moe_jax.ops.grouped_matmul.packing import PackedGateUp, pack_gate_up, split_gate_up
 from moe_jax.ops.permute import api as permute_api
 from moe_jax.ops.quant import api as quant
 from moe_jax.ops.quant.reference import BlockScaled
@@ -250,10 +250,11 @@ def dense_glu_mlp(
 ) -> jax.Array:
     """``glu_mlp`` over one group that holds every row: an always-on (shared) expert.
 
-    Unquantized, one group is a dense MLP, and it runs as two XLA matmuls whatever ``backend`` names
-    (``reference.dense_glu_mlp``): they ran it as fast as the grouped kernels or faster at the shared experts of the
-    named models (benchmarks/RESULTS.md, "glu-mlp" at the "*-shared" shapes), and a program then holds no kernel of
-    it to lower and compile. With ``quantization`` it is ``glu_mlp``'s (on "pallas", the FP8 kernels: XLA has no
+    Unquantized, one group is a dense MLP, and it runs as XLA matmuls whatever ``backend`` names: two forward, four
+    backward, the GLU and its gradient in XLA elementwise passes between them, and the backward keeping x and the
+    pre-activation (in x's dtype, as the kernels keep it). At train's gpu-moe shared expert they ran as fast as the
+    grouped kernels, and a program then holds no kernel of it to lower and compile (docs/kernels/grouped_matmul.md,
+    "Lowering and compile time"). With ``quantization`` it is ``glu_mlp``'s (on "pallas", the FP8 kernels: XLA has no
     block-scaled FP8 matmul).
 
     Args:
@@ -272,7 +273,42 @@ def dense_glu_mlp(
     if quantization is not None:
         return glu_mlp(x, w_gate_up, w_down, all_rows, backend=backend, **options)
     checks.check_choice("backend", backend, dispatch.BACKENDS)
-    return reference.dense_glu_mlp(x, w_gate_up, w_down, activation=activation)
+    block = None
+    if isinstance(w_gate_up, PackedGateUp):
+        block, w_gate_up = w_gate_up.block, w_gate_up.array
+    return _dense_glu_mlp(x, w_gate_up[0], w_down[0], block, activation)
+
+
+def _dense_glu(pre: jax.Array, block: int | None, activation: str) -> jax.Array:
+    """The hidden activations [T, F] (f32) of the pre-activation [T, 2F] (packed in blocks of ``block``)."""
+    return glu(*split_gate_up(pre.astype(jnp.float32), block or pre.shape[1] // 2), activation)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _dense_glu_mlp(x, w_gate_up, w_down, block, activation):
+    """x [T, D], w_gate_up [D, 2F], w_down [F, D] -> [T, D]: the products rounded to x.dtype (XLA accumulates in f32),
+    the GLU in f32 on the rounded pre-activation."""
+    return _dense_glu_mlp_fwd(x, w_gate_up, w_down, block, activation)[0]
+
+
+def _dense_glu_mlp_fwd(x, w_gate_up, w_down, block, activation):
+    pre = jnp.dot(x, w_gate_up)
+    y = jnp.dot(_dense_glu(pre, block, activation).astype(x.dtype), w_down)
+    return y, (x, w_gate_up, w_down, pre)
+
+
+def _dense_glu_mlp_bwd(block, activation, residuals, d_y):
+    """The hidden activations recomputed from the kept pre-activation, in the pass that takes the GLU's gradient."""
+    x, w_gate_up, w_down, pre = residuals
+    hidden, glu_vjp = jax.vjp(lambda p: _dense_glu(p, block, activation), pre)
+    d_hidden = jnp.dot(d_y, w_down.T)
+    (d_pre,) = glu_vjp(d_hidden.astype(jnp.float32))
+    d_pre = d_pre.astype(x.dtype)
+    d_w_down = jnp.dot(hidden.astype(x.dtype).T, d_y)
+    return jnp.dot(d_pre, w_gate_up.T), jnp.dot(x.T, d_pre), d_w_down
+
+
+_dense_glu_mlp.defvjp(_dense_glu_mlp_fwd, _dense_glu_mlp_bwd)
 
 
 def _quantized_glu_mlp(

@@ -1,6 +1,5 @@
 """The GLU MLP in pure JAX: the unfused MLP (two reference grouped matmuls, differentiated by JAX: the XLA path,
-baseline and oracle), its one-group form as two dense matmuls (what ``dense_glu_mlp`` runs unquantized), and the
-block-scaled FP8 MLP with the recipe of ``glu_mlp(quantization=...)``'s backward.
+baseline and oracle), and the block-scaled FP8 MLP with the recipe of ``glu_mlp(quantization=...)``'s backward.
 
 The FP8 recipe. The forward is the two quantized grouped matmuls (reference_fp8.py): x and the hidden activations
 quantized along their rows, the weights per the recipe, the GLU and the row scale on the f32 products. The backward
@@ -40,20 +39,6 @@ def glu_mlp(
     """Reference for ``moe_jax.glu_mlp``: x [M, D] -> hidden [M, F] in x.dtype -> [M, D] in x.dtype."""
     hidden = reference.grouped_matmul(x, w_gate_up, group_sizes, activation=activation)
     return reference.grouped_matmul(hidden, w_down, group_sizes, row_scale=row_scale)
-
-
-def dense_glu_mlp(
-    x: jax.Array, w_gate_up: jax.Array | PackedGateUp, w_down: jax.Array, *, activation: str
-) -> jax.Array:
-    """``glu_mlp`` over one group that holds every row, as two dense matmuls: x [T, D], w_gate_up [1, D, 2F] (or its
-    PackedGateUp), w_down [1, F, D] -> [T, D] in x.dtype. The products are rounded to x.dtype (XLA accumulates in
-    f32), so that the backward's matmuls run in x.dtype too; the GLU runs in f32 on the rounded pre-activation."""
-    block = None
-    if isinstance(w_gate_up, PackedGateUp):
-        block, w_gate_up = w_gate_up.block, w_gate_up.array
-    pre = jnp.dot(x, w_gate_up[0]).astype(jnp.float32)
-    hidden = reference.epilogue(pre, block, activation, None, x.dtype)
-    return jnp.dot(hidden, w_down[0])
 
 
 def quantized_glu_mlp(
