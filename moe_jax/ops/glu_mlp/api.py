@@ -280,8 +280,10 @@ def dense_glu_mlp(
 
 
 def _dense_glu(pre: jax.Array, block: int | None, activation: str) -> jax.Array:
-    """The hidden activations [T, F] (f32) of the pre-activation [T, 2F] (packed in blocks of ``block``)."""
-    return glu(*split_gate_up(pre.astype(jnp.float32), block or pre.shape[1] // 2), activation)
+    """The hidden activations [T, F] of the pre-activation [T, 2F] (packed in blocks of ``block``): the GLU in f32,
+    rounded to the pre-activation's dtype."""
+    gate, up = split_gate_up(pre.astype(jnp.float32), block or pre.shape[1] // 2)
+    return glu(gate, up, activation).astype(pre.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -293,19 +295,15 @@ def _dense_glu_mlp(x, w_gate_up, w_down, block, activation):
 
 def _dense_glu_mlp_fwd(x, w_gate_up, w_down, block, activation):
     pre = jnp.dot(x, w_gate_up)
-    y = jnp.dot(_dense_glu(pre, block, activation).astype(x.dtype), w_down)
-    return y, (x, w_gate_up, w_down, pre)
+    return jnp.dot(_dense_glu(pre, block, activation), w_down), (x, w_gate_up, w_down, pre)
 
 
 def _dense_glu_mlp_bwd(block, activation, residuals, d_y):
     """The hidden activations recomputed from the kept pre-activation, in the pass that takes the GLU's gradient."""
     x, w_gate_up, w_down, pre = residuals
     hidden, glu_vjp = jax.vjp(lambda p: _dense_glu(p, block, activation), pre)
-    d_hidden = jnp.dot(d_y, w_down.T)
-    (d_pre,) = glu_vjp(d_hidden.astype(jnp.float32))
-    d_pre = d_pre.astype(x.dtype)
-    d_w_down = jnp.dot(hidden.astype(x.dtype).T, d_y)
-    return jnp.dot(d_pre, w_gate_up.T), jnp.dot(x.T, d_pre), d_w_down
+    (d_pre,) = glu_vjp(jnp.dot(d_y, w_down.T))
+    return jnp.dot(d_pre, w_gate_up.T), jnp.dot(x.T, d_pre), jnp.dot(hidden.T, d_y)
 
 
 _dense_glu_mlp.defvjp(_dense_glu_mlp_fwd, _dense_glu_mlp_bwd)
