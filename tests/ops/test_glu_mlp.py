@@ -16,7 +16,7 @@ from jax.test_util import check_grads
 import moe_jax
 from moe_jax.ops.glu_mlp import reference as mlp_reference
 from moe_jax.ops.grouped_matmul import glu, schedule
-from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, gate_up_block, split_gate_up
+from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, gate_up_block, join_gate_up, split_gate_up
 from tests import oracle
 from tests.helpers import glu_mlp_inputs
 
@@ -46,6 +46,9 @@ def test_packing_interleaves_blocks_of_gate_and_up_columns():
     split = split_gate_up(packed.array, packed.block)
     np.testing.assert_array_equal(split[0], gate)
     np.testing.assert_array_equal(split[1], up)
+    # ... and join_gate_up puts the halves back in packed order (with the block F, as plain halves).
+    np.testing.assert_array_equal(join_gate_up(gate, up, packed.block), packed.array)
+    np.testing.assert_array_equal(join_gate_up(gate, up, d_ff), w)
 
 
 def test_transposed_packing_and_the_identity_block():

@@ -47,7 +47,7 @@ from moe_jax.ops.glu_mlp import reference
 from moe_jax.ops.grouped_matmul import api as grouped_matmul_api
 from moe_jax.ops.grouped_matmul import reference_fp8
 from moe_jax.ops.grouped_matmul.api import check_grouped_matmul_args
-from moe_jax.ops.grouped_matmul.glu import ACTIVATIONS, glu
+from moe_jax.ops.grouped_matmul.glu import ACTIVATIONS, glu, glu_grad
 from moe_jax.ops.grouped_matmul.launch import (
     FP8_KERNEL_QUANTIZATION,
     KERNEL_DTYPES,
@@ -60,7 +60,7 @@ from moe_jax.ops.grouped_matmul.launch import (
     run_glu_dgrad,
     run_wgrad_kernel,
 )
-from moe_jax.ops.grouped_matmul.packing import PackedGateUp, pack_gate_up, split_gate_up
+from moe_jax.ops.grouped_matmul.packing import PackedGateUp, join_gate_up, pack_gate_up, split_gate_up
 from moe_jax.ops.permute import api as permute_api
 from moe_jax.ops.quant import api as quant
 from moe_jax.ops.quant.reference import BlockScaled
@@ -279,13 +279,6 @@ def dense_glu_mlp(
     return _dense_glu_mlp(x, w_gate_up[0], w_down[0], block, activation)
 
 
-def _dense_glu(pre: jax.Array, block: int | None, activation: str) -> jax.Array:
-    """The hidden activations [T, F] of the pre-activation [T, 2F] (packed in blocks of ``block``): the GLU in f32,
-    rounded to the pre-activation's dtype."""
-    gate, up = split_gate_up(pre.astype(jnp.float32), block or pre.shape[1] // 2)
-    return glu(gate, up, activation).astype(pre.dtype)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _dense_glu_mlp(x, w_gate_up, w_down, block, activation):
     """x [T, D], w_gate_up [D, 2F], w_down [F, D] -> [T, D]: the products rounded to x.dtype (XLA accumulates in f32),
@@ -293,17 +286,25 @@ def _dense_glu_mlp(x, w_gate_up, w_down, block, activation):
     return _dense_glu_mlp_fwd(x, w_gate_up, w_down, block, activation)[0]
 
 
+def _gate_and_up(pre: jax.Array, block: int | None) -> tuple[jax.Array, jax.Array]:
+    """The f32 gate and up halves [T, F] of a pre-activation [T, 2F] packed in blocks of ``block`` (None: halves)."""
+    return split_gate_up(pre.astype(jnp.float32), block or pre.shape[1] // 2)
+
+
 def _dense_glu_mlp_fwd(x, w_gate_up, w_down, block, activation):
     pre = jnp.dot(x, w_gate_up)
-    return jnp.dot(_dense_glu(pre, block, activation), w_down), (x, w_gate_up, w_down, pre)
+    hidden = glu(*_gate_and_up(pre, block), activation).astype(x.dtype)
+    return jnp.dot(hidden, w_down), (x, w_gate_up, w_down, pre)
 
 
 def _dense_glu_mlp_bwd(block, activation, residuals, d_y):
-    """The hidden activations recomputed from the kept pre-activation, in the pass that takes the GLU's gradient."""
+    """The GLU's hand-derived gradient (``glu_grad``, the kernels' epilogue math), which recomputes the hidden
+    activations from the kept pre-activation in the same pass."""
     x, w_gate_up, w_down, pre = residuals
-    hidden, glu_vjp = jax.vjp(lambda p: _dense_glu(p, block, activation), pre)
-    (d_pre,) = glu_vjp(jnp.dot(d_y, w_down.T))
-    return jnp.dot(d_pre, w_gate_up.T), jnp.dot(x.T, d_pre), jnp.dot(hidden.T, d_y)
+    d_hidden = jnp.dot(d_y, w_down.T).astype(jnp.float32)
+    hidden, d_gate, d_up = glu_grad(*_gate_and_up(pre, block), d_hidden, activation)
+    d_pre = join_gate_up(d_gate, d_up, block or d_gate.shape[1]).astype(x.dtype)
+    return jnp.dot(d_pre, w_gate_up.T), jnp.dot(x.T, d_pre), jnp.dot(hidden.astype(x.dtype).T, d_y)
 
 
 _dense_glu_mlp.defvjp(_dense_glu_mlp_fwd, _dense_glu_mlp_bwd)

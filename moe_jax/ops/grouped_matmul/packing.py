@@ -19,6 +19,7 @@ it is F, which makes the packed layout the unpacked one (no kernel runs such sha
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 PACK_BLOCK = 64
 
@@ -105,3 +106,11 @@ def split_gate_up(z: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
     d_ff = cols // 2
     blocks = z.reshape(*lead, d_ff // block, 2, block)
     return blocks[..., 0, :].reshape(*lead, d_ff), blocks[..., 1, :].reshape(*lead, d_ff)
+
+
+def join_gate_up(gate: jax.Array, up: jax.Array, block: int) -> jax.Array:
+    """``split_gate_up``'s inverse: the halves [..., F] back into one [..., 2F] in packed order (block F: plain
+    halves)."""
+    *lead, d_ff = gate.shape
+    blocks = [half.reshape(*lead, d_ff // block, 1, block) for half in (gate, up)]
+    return jnp.concatenate(blocks, axis=-2).reshape(*lead, 2 * d_ff)
