@@ -3,9 +3,9 @@
 The public surface (re-exports only): ``route`` (with ``Routing``, ``RoutingOptions``, ``apply_capacity``,
 ``load_balancing_loss`` and ``z_loss``), ``grouped_matmul`` (with ``pack_gate_up`` / ``unpack_gate_up`` /
 ``PackedGateUp`` for the GLU weight layout), ``glu_mlp`` (``dense_glu_mlp``: its one-group form, the shared
-experts'), ``permute``, ``combine``, ``moe_ffn`` (with ``MoEAux``),
-``quantize_blockwise`` and ``quantize_blockwise_with_transpose`` (block-scaled FP8, ``BlockScaled``; ``from_qarray`` /
-``to_qarray`` convert to and from qwix's ``QArray``), the Flax NNX modules in ``moe_jax.nn`` and expert parallelism in
+experts'), ``permute``, ``combine``, ``moe_ffn`` (with ``MoEAux``), ``quantize_blockwise`` and
+``quantize_blockwise_with_transpose`` (block-scaled FP8, ``BlockScaled``; ``from_qarray`` / ``to_qarray`` convert to
+and from qwix's ``QArray``), the Flax NNX modules in ``moe_jax.nn`` and expert parallelism in
 ``moe_jax.parallel``; ``compile_lowered`` compiles a lowered program with its Mosaic GPU kernels in parallel, and
 ``compiling_kernels_while_lowering`` starts each kernel's compilation as soon as it is lowered
 (``moe_jax.compilation``); ``configure_cpu_interpreter`` prepares a CPU host's XLA for kernels run under the Mosaic

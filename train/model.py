@@ -104,9 +104,9 @@ def moe_with_aux(moe: MoE, x: jax.Array) -> tuple[jax.Array, MoEAux]:
     return y, aux
 
 
-# remat "moe": the MoE sublayer keeps its input and the router logits (the only dot_general inside it; the expert
-# matmuls, the shared expert's included, are Mosaic GPU kernels or ragged_dot) and recomputes the gating,
-# permutation and expert GLU in the backward.
+# remat "moe": the MoE sublayer keeps its input and its dot_generals without batch dimensions, the router logits and
+# the shared expert's two dense products (the routed experts' matmuls are Mosaic GPU kernels or ragged_dot), and
+# recomputes the gating, permutation and routed experts' GLU in the backward.
 _moe_with_aux_remat = nnx.remat(
     moe_with_aux, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable, graph=False
 )

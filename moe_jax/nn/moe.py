@@ -113,7 +113,8 @@ class SharedExperts(nnx.Module):
     """Always-on gated MLP ``act(x W_gate) * (x W_up) W_down`` added to the routed output (DeepSeek-style).
 
     Runs as ``dense_glu_mlp``, the one-group ``glu_mlp``: unquantized on XLA's dense matmuls, with ``quantization``
-    on the FP8 kernels of the routed experts. ``w_gate_up`` [1, D, 2F] is stored packed, as ``MoE.w_gate_up`` is.
+    as the routed experts' FP8 ``glu_mlp`` (its kernels or, with backend "xla", its reference). ``w_gate_up``
+    [1, D, 2F] is stored packed, as ``MoE.w_gate_up`` is.
     """
 
     def __init__(

@@ -123,7 +123,8 @@ def test_standalone_epilogues_lower_with_their_gradients():
 @pytest.mark.parametrize("quantization, kernels", [(None, 0), ("fp8_block", 6)])
 def test_dense_glu_mlp_lowers_kernels_only_quantized(quantization, kernels):
     """The shared experts' one-group MLP at gpu-moe's shape, forward and backward with backend="pallas": unquantized
-    two dense matmuls each way and no Mosaic GPU kernel; with fp8_block the FP8 glu_mlp's six grouped matmuls."""
+    six dense matmuls (two forward, four backward) and no Mosaic GPU kernel; with fp8_block the FP8 glu_mlp's six
+    grouped matmuls."""
     shape = shapes.GMM_SHAPES["gpu-moe-shared/gate_up"]
     args = (
         jax.ShapeDtypeStruct((shape.m, shape.k), jnp.bfloat16),

@@ -248,14 +248,16 @@ def dense_glu_mlp(
     backend: str = "auto",
     quantization: str | None = None,
 ) -> jax.Array:
-    """``glu_mlp`` over one group that holds every row: an always-on (shared) expert.
+    """``glu_mlp``'s MLP over one group that holds every row: an always-on (shared) expert.
 
     Unquantized, one group is a dense MLP, and it runs as XLA matmuls whatever ``backend`` names: two forward, four
-    backward, the GLU and its gradient in XLA elementwise passes between them, and the backward keeping x and the
-    pre-activation (in x's dtype, as the kernels keep it). At train's gpu-moe shared expert they ran as fast as the
-    grouped kernels, and a program then holds no kernel of it to lower and compile (docs/kernels/grouped_matmul.md,
-    "Lowering and compile time"). With ``quantization`` it is ``glu_mlp``'s (on "pallas", the FP8 kernels: XLA has no
-    block-scaled FP8 matmul).
+    backward, the GLU and its hand-derived gradient (``glu_grad``, the kernels' epilogue math) in XLA elementwise
+    passes between them, and the backward keeping x and the pre-activation in x's dtype, as the kernels keep it.
+    Unlike the kernels it rounds the matmuls' products to x's dtype before the GLU and its gradient (the kernels take
+    them from the f32 accumulators): the results are glu_mlp's to that rounding. At train's gpu-moe shared expert it
+    ran in 0.91x the grouped kernels' time, and a program holds no kernel of it to lower and compile
+    (docs/kernels/grouped_matmul.md, "Lowering and compile time"). With ``quantization`` it is ``glu_mlp``'s (the
+    FP8 kernels on "pallas" and "auto" on an H100/H200: XLA has no block-scaled FP8 matmul).
 
     Args:
       x: [T, D].  w_gate_up: [1, D, 2F] ``[gate | up]``, or its ``PackedGateUp``.  w_down: [1, F, D].
@@ -268,12 +270,13 @@ def dense_glu_mlp(
         if checks.check_rank(name, weights, 3, layout)[0] != 1:
             raise ValueError(f"{name} must hold one group, {layout}, got shape {tuple(weights.shape)}")
     all_rows = jnp.full((1,), x.shape[0], jnp.int32)
-    options = dict(activation=activation, quantization=quantization)
-    check_glu_mlp_args(x, w_gate_up, w_down, all_rows, row_scale=None, **options)
     if quantization is not None:
-        return glu_mlp(x, w_gate_up, w_down, all_rows, backend=backend, **options)
+        options = dict(activation=activation, backend=backend, quantization=quantization)
+        return glu_mlp(x, w_gate_up, w_down, all_rows, **options)
+    check_glu_mlp_args(x, w_gate_up, w_down, all_rows, activation=activation, row_scale=None)
     checks.check_choice("backend", backend, dispatch.BACKENDS)
-    block = None
+    # Plain [gate | up] halves are the packed layout with one block of F columns.
+    block = w_down.shape[1]
     if isinstance(w_gate_up, PackedGateUp):
         block, w_gate_up = w_gate_up.block, w_gate_up.array
     return _dense_glu_mlp(x, w_gate_up[0], w_down[0], block, activation)
@@ -281,14 +284,12 @@ def dense_glu_mlp(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _dense_glu_mlp(x, w_gate_up, w_down, block, activation):
-    """x [T, D], w_gate_up [D, 2F], w_down [F, D] -> [T, D]: the products rounded to x.dtype (XLA accumulates in f32),
-    the GLU in f32 on the rounded pre-activation."""
+    """x [T, D], w_gate_up [D, 2F] (packed in blocks of ``block`` columns), w_down [F, D] -> [T, D]."""
     return _dense_glu_mlp_fwd(x, w_gate_up, w_down, block, activation)[0]
 
 
-def _gate_and_up(pre: jax.Array, block: int | None) -> tuple[jax.Array, jax.Array]:
-    """The f32 gate and up halves [T, F] of a pre-activation [T, 2F] packed in blocks of ``block`` (None: halves)."""
-    return split_gate_up(pre.astype(jnp.float32), block or pre.shape[1] // 2)
+def _gate_and_up(pre: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+    return split_gate_up(pre.astype(jnp.float32), block)
 
 
 def _dense_glu_mlp_fwd(x, w_gate_up, w_down, block, activation):
@@ -298,12 +299,11 @@ def _dense_glu_mlp_fwd(x, w_gate_up, w_down, block, activation):
 
 
 def _dense_glu_mlp_bwd(block, activation, residuals, d_y):
-    """The GLU's hand-derived gradient (``glu_grad``, the kernels' epilogue math), which recomputes the hidden
-    activations from the kept pre-activation in the same pass."""
+    """The GLU's gradient recomputes the hidden activations from the kept pre-activation in the same pass."""
     x, w_gate_up, w_down, pre = residuals
     d_hidden = jnp.dot(d_y, w_down.T).astype(jnp.float32)
     hidden, d_gate, d_up = glu_grad(*_gate_and_up(pre, block), d_hidden, activation)
-    d_pre = join_gate_up(d_gate, d_up, block or d_gate.shape[1]).astype(x.dtype)
+    d_pre = join_gate_up(d_gate, d_up, block).astype(x.dtype)
     return jnp.dot(d_pre, w_gate_up.T), jnp.dot(x.T, d_pre), jnp.dot(hidden.astype(x.dtype).T, d_y)
 
 
