@@ -255,7 +255,7 @@ def dense_glu_mlp(
     passes between them, and the backward keeping x and the pre-activation in x's dtype, as the kernels keep it.
     Unlike the kernels it rounds the matmuls' products to x's dtype before the GLU and its gradient (the kernels take
     them from the f32 accumulators): the results are glu_mlp's to that rounding. At train's gpu-moe shared expert it
-    ran in 0.91x the grouped kernels' time, and a program holds no kernel of it to lower and compile
+    runs in 0.91x the grouped kernels' time, and a program holds no kernel of it to lower and compile
     (docs/kernels/grouped_matmul.md, "Lowering and compile time"). With ``quantization`` it is ``glu_mlp``'s (the
     FP8 kernels on "pallas" and "auto" on an H100/H200: XLA has no block-scaled FP8 matmul).
 
