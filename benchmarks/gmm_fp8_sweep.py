@@ -55,13 +55,11 @@ def _fewer_stages(dims: dict) -> config.Config:
 # name -> (Config at the shape's dims {m, k, n, g}, whether it runs at every shape or at the first only), in the order
 # they run (a --time-limit skips the last). "auto" is fp8_config's choice (three consumers of 64 rows where
 # N >= config.FP8_THREE_CONSUMERS_MIN_N, else two); "2 consumers" and "3 consumers" fix the count at every shape
-# (fp8_config re-fits the stages to the tile); "overlapped" stores each tile's outputs during the next tile's first
-# steps; "stages-1" takes one stage fewer than "auto".
+# (fp8_config re-fits the stages to the tile); "stages-1" takes one stage fewer than "auto".
 VARIANTS = {
     "auto": (_fp8_config, True),
-    "2 consumers": (functools.partial(_fp8_config, consumers=2, overlap=False), True),
+    "2 consumers": (functools.partial(_fp8_config, consumers=2), True),
     "3 consumers": (functools.partial(_fp8_config, consumers=3), True),
-    "2 consumers overlapped": (functools.partial(_fp8_config, consumers=2, overlap=True), True),
     "stages-1": (_fewer_stages, False),
 }
 # Seconds past --time-limit at which a watchdog prints the table of the rows done and ends the process: the limit
@@ -116,12 +114,11 @@ def _timed(record: common.Record, fn, args, kernel: str | None):
     return output
 
 
-def sweep_shape(name: str, first: bool, deadline: float, seed: int, emit, only=None) -> None:
-    """Times the baselines and the variants (``only``: those of VARIANTS, else as VARIANTS says) at one shape."""
+def sweep_shape(name: str, first: bool, deadline: float, seed: int, emit) -> None:
     shape = GMM_SHAPES[name]
     dims = {"g": shape.g, "m": shape.m, "k": shape.k, "n": shape.n}
     flops = common.gmm_flops(shape.m, shape.k, shape.n, backward=False)
-    variants = only or [v for v, (_, everywhere) in VARIANTS.items() if first or everywhere]
+    variants = [v for v, (_, everywhere) in VARIANTS.items() if first or everywhere]
     impls = ["dense-fp8", "bf16"] + [f"fp8:{v}" for v in variants]
     if time.perf_counter() > deadline:
         for impl in impls:
@@ -165,13 +162,13 @@ def sweep_shape(name: str, first: bool, deadline: float, seed: int, emit, only=N
 def table(records: list[common.Record]) -> str:
     dense = {r.shape: r.tflops for r in records if r.impl == "dense-fp8" and r.tflops}
     rows = [
-        "| shape | impl | block_m | block_n | consumers | stages | overlap | ms | TF/s | vs dense-fp8 | of peak "
-        "| rel err | first call s | status |",
-        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|",
+        "| shape | impl | block_m | block_n | consumers | stages | ms | TF/s | vs dense-fp8 | of peak | rel err "
+        "| first call s | status |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in records:
         cfg = r.config or {}
-        fields = ("block_m", "block_n", "num_compute_wgs", "num_stages", "overlap_epilogue")
+        fields = ("block_m", "block_n", "num_compute_wgs", "num_stages")
         head = f"| {r.shape} | {r.impl} | " + " | ".join(str(cfg.get(key, "-")) for key in fields) + " |"
         if r.timing is None:
             rows.append(f"{head} | | | | | | {r.status}: {r.note} |")
@@ -200,16 +197,9 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--variants", help=f"comma-separated VARIANTS to run at every shape (default: {list(VARIANTS)})"
-    )
-    parser.add_argument(
         "--triton-gemm", action="store_true", help=f"let XLA autotune Triton GEMMs (else {NO_TRITON_GEMM_FLAG})"
     )
     args = parser.parse_args(argv)
-    only = args.variants.split(",") if args.variants else None
-    unknown = set(only or ()) - set(VARIANTS)
-    if unknown:
-        parser.error(f"--variants: unknown {sorted(unknown)}; choose from {list(VARIANTS)}")
     if not args.triton_gemm and "triton_gemm" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {NO_TRITON_GEMM_FLAG}".strip()
     if jax.devices()[0].platform != "gpu":
@@ -237,7 +227,7 @@ def main(argv=None) -> int:
     watchdog.daemon = True
     watchdog.start()
     for index, name in enumerate(args.shapes.split(",")):
-        sweep_shape(name, index == 0, deadline, args.seed, emit, only)
+        sweep_shape(name, index == 0, deadline, args.seed, emit)
     watchdog.cancel()
     print(table(records))
     return 0 if all(r.status in ("ok", "skipped") for r in records) else 1

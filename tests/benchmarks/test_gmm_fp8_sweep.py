@@ -9,7 +9,6 @@ import pytest
 from benchmarks import common, gmm_fp8_sweep
 from benchmarks.shapes import GMM_SHAPES
 from moe_jax.ops.grouped_matmul import config, sm90_fp8
-from moe_jax.ops.grouped_matmul.sm90 import PLAIN
 
 
 @pytest.mark.parametrize("index, name", list(enumerate(gmm_fp8_sweep.SHAPES)))
@@ -20,8 +19,7 @@ def test_every_variant_is_a_config_the_fp8_kernel_takes(index, name):
         if not (everywhere or index == 0):
             continue
         tiles = make(dims)
-        kept = PLAIN.kept_bytes(tiles, 4) if tiles.overlap_epilogue else 0
-        sm90_fp8.check(tiles, w_transposed=True, gathered=False, kept_bytes=kept)
+        sm90_fp8.check(tiles, w_transposed=True, gathered=False, overlap=False)
         assert tiles.fits(1, 4, scale_k_blocks=config.fp8_scale_k_blocks(shape.k)), variant
     auto = gmm_fp8_sweep.VARIANTS["auto"][0](dims)
     assert auto == config.fp8_config(**dims, out_itemsize=4)  # what grouped_matmul runs at f32 outputs
@@ -33,13 +31,10 @@ def test_table_gives_the_ratio_to_the_dense_fp8_row_and_the_peak():
         r.timing = common.Timing(seconds, seconds, seconds, seconds, 3, 1, 1.0, "device")
         return r
 
-    cfg = {"block_m": 192, "block_n": 128, "num_compute_wgs": 3, "num_stages": 4, "overlap_epilogue": False}
-    fp8 = record("fp8:auto", 1e-3, cfg)
+    fp8 = record("fp8:auto", 1e-3, {"block_m": 192, "block_n": 128, "num_compute_wgs": 3, "num_stages": 4})
     fp8.set_check([1e-4], "XLA")
     lines = gmm_fp8_sweep.table([record("dense-fp8", 5e-4), fp8]).splitlines()
-    assert lines[3] == (
-        "| s | fp8:auto | 192 | 128 | 3 | 4 | False | 1.000 | 1000 | 0.500 | 0.505 | 1.0e-04 | 1.0 | ok |"
-    )
+    assert lines[3] == ("| s | fp8:auto | 192 | 128 | 3 | 4 | 1.000 | 1000 | 0.500 | 0.505 | 1.0e-04 | 1.0 | ok |")
 
 
 def test_main_needs_a_gpu(monkeypatch):

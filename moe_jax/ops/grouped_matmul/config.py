@@ -325,15 +325,11 @@ def fp8_config(
     row_scale: bool = False,
     consumers: int | None = None,
     glu_backward: bool = False,
-    overlap: bool | None = None,
 ) -> Config:
     """The FP8 kernel's config (forward, and the dgrad with its own columns as ``n``): the heuristic forward's tile
     order, FP8_BLOCK-wide steps and columns (sm90_fp8.py), the epilogue between tiles, as many stages as fit in shared
     memory, and 64 rows per consumer warpgroup: three of them where n >= FP8_THREE_CONSUMERS_MIN_N, else two (one on
-    the heuristic's 64-row tiles of decode-sized groups). ``consumers``: that many in their place. ``overlap``: whether
-    a tile's outputs are stored during the next tile's first steps; by default where two consumers of the forward
-    hold them in registers beside the total and the partial (sm90_fp8.check), not beside the GLU backward's
-    temporaries.
+    the heuristic's 64-row tiles of decode-sized groups). ``consumers``: that many in their place.
 
     ``glu_backward``: the down projection's dgrad with the GLU backward in its epilogue (n = F), whose consumers load
     their [wg_block_m, 2 * block_n] packed gate/up rows themselves (the pipeline's ring carries them only for
@@ -343,14 +339,11 @@ def fp8_config(
     Not tuned: the tuned table holds 16-bit kernels only.
     """
     order = heuristic_config("fwd", m=m, k=k, n=n, g=g, out_itemsize=out_itemsize, row_scale=row_scale)
-    config = dataclasses.replace(order, block_n=FP8_BLOCK, block_k=FP8_BLOCK, num_stages=8)
+    config = dataclasses.replace(order, block_n=FP8_BLOCK, block_k=FP8_BLOCK, overlap_epilogue=False, num_stages=8)
     if consumers is None and order.num_compute_wgs > 1:
         consumers = 2 if glu_backward or n < FP8_THREE_CONSUMERS_MIN_N else 3
     if consumers is not None:
         config = dataclasses.replace(config, block_m=WGMMA_M * consumers, num_compute_wgs=consumers)
-    if overlap is None:
-        overlap = config.num_compute_wgs == 2 and not glu_backward
-    config = dataclasses.replace(config, overlap_epilogue=overlap)
     epilogue = dict(
         operand_cols=2 * FP8_BLOCK if glu_backward else 0,
         row_vectors=row_vector_count(row_scale, glu_backward),

@@ -222,8 +222,7 @@ def grouped_matmul_rows(
     bands = [row_tile_bands(tiles, num_tiles, cfg.grid_width)] if banded else []
     fp8_scales = [] if x_scales is None else [x_scales, w_scales]
     if fp8_scales:
-        kept = epi.kept_bytes(cfg, jnp.dtype(out_dtype).itemsize) if overlap else 0
-        fp8.check(cfg, w_transposed=w_transposed, gathered=gathered, kept_bytes=kept)
+        fp8.check(cfg, w_transposed=w_transposed, gathered=gathered, overlap=overlap)
     if gathered:
         if r % bk:
             raise ValueError(f"gathered rows need the contraction ({r}) to be a multiple of block_k ({bk})")
@@ -363,7 +362,7 @@ def grouped_matmul_rows(
                     scales = (x_scales_smem, w_scales_smem.at[wg], w_scales_loaded.at[wg])
                     fp8.load_w_scales(w_scales_gmem, tiles_gmem[TILE_GROUP, mi], ni, *scales[1:], steps)
                     acc = fp8.promoted_products(
-                        first_step, steps, stages, produced, consumed, wgmma, scales, (wg_m, bn), wg, overlapped
+                        first_step, steps, stages, produced, consumed, wgmma, scales, (wg_m, bn), wg
                     )
                 else:
                     acc = pl.run_scoped(mma, plgpu.ACC((wg_m, bn), jnp.float32))

@@ -25,7 +25,6 @@ tiles) fit, 128 rows a consumer do not. config.fp8_config picks two or three con
 epilogue stores the total as the plain kernel stores its accumulator (any ``sm90.Epilogue`` forward).
 """
 
-import functools
 import math
 
 import jax.numpy as jnp
@@ -42,11 +41,8 @@ ADDRESS_REGISTERS = 24
 _ROW_VECTOR = plgpu.Layout.WGMMA.reduce(1)
 
 
-def check(config: Config, *, w_transposed: bool, gathered: bool, kept_bytes: int) -> None:
-    """Raises ValueError where the kernel cannot take FP8 operands this way.
-
-    ``kept_bytes``: what a consumer carries of a tile's outputs into the next tile (the overlapped epilogue), or 0.
-    """
+def check(config: Config, *, w_transposed: bool, gathered: bool, overlap: bool) -> None:
+    """Raises ValueError where the kernel cannot take FP8 operands this way."""
     if not w_transposed or gathered:
         raise ValueError("FP8 operands need w stored [G, N, K] (w_transposed=True) and no gathered rows")
     if config.block_k != FP8_BLOCK or config.block_n != FP8_BLOCK:
@@ -54,13 +50,15 @@ def check(config: Config, *, w_transposed: bool, gathered: bool, kept_bytes: int
             f"FP8 operands need block_k = block_n = {FP8_BLOCK} (one weight-scale block a step), got {config}"
         )
     # The total and the partial, [wg_block_m, 128] f32 each over a warpgroup's 128 threads.
-    arrays = 2 * config.wg_block_m * FP8_BLOCK // pipe.THREADS
-    kept = kept_bytes // (4 * pipe.THREADS)
-    if arrays + kept > pipe.compute_registers(config.num_compute_wgs) - ADDRESS_REGISTERS:
-        carried = f" and the {kept} of the overlapped epilogue's outputs" if kept else ""
+    arrays = 2 * config.wg_block_m * FP8_BLOCK // 128
+    if arrays > pipe.compute_registers(config.num_compute_wgs) - ADDRESS_REGISTERS:
         raise ValueError(
-            f"the total and the partial take {arrays} registers a thread{carried}, more than "
-            f"{config.num_compute_wgs} consumer(s) can hold beside the addresses: {config}"
+            f"the total and the partial take {arrays} registers a thread, more than {config.num_compute_wgs} "
+            f"consumer(s) can hold beside the addresses: {config}"
+        )
+    if overlap:
+        raise ValueError(
+            "FP8 operands run without the overlapped epilogue (the total and the partial fill the registers)"
         )
 
 
@@ -100,7 +98,7 @@ def load_w_scales(w_scales_gmem, group, ni, dst_smem, barrier, steps) -> None:
         plgpu.copy_gmem_to_smem(w_scales_gmem.at[group, ni], dst_smem, barrier)
 
 
-def promoted_products(first_step, steps, stages: int, produced, consumed, wgmma, scales, shape, wg, overlapped=()):
+def promoted_products(first_step, steps, stages: int, produced, consumed, wgmma, scales, shape, wg):
     """Consumer side of one FP8 tile: each of its ``steps`` K blocks multiplied into a fresh accumulator by
     ``wgmma(acc, slot)`` and added to the f32 total with its scales. Returns the total [wg_block_m, block_n] f32.
 
@@ -109,8 +107,6 @@ def promoted_products(first_step, steps, stages: int, produced, consumed, wgmma,
       stages, produced, consumed: the pipeline's ring.
       scales: (x scales' ring [stages, block_m], this consumer's w scales [K blocks], its "loaded" barrier).
       shape: (wg_block_m, block_n); wg: this consumer.
-      overlapped: callables (the previous tile's stores); the i-th runs while step i's MMA runs, or after the
-        tile's steps where it has fewer (as in sm90_pipeline.consume).
     """
     x_scales_smem, w_scales_smem, w_scales_loaded = scales
     rows = pl.ds(pl.multiple_of(wg * shape[0], shape[0]), shape[0])
@@ -119,40 +115,22 @@ def promoted_products(first_step, steps, stages: int, produced, consumed, wgmma,
     def _():
         plgpu.barrier_wait(w_scales_loaded)
 
-    def issue(k, acc):
-        slot = lax.rem(first_step + k, stages)
-        plgpu.barrier_wait(produced.at[slot])
-        wgmma(acc, slot)
-
-    def promote(k, total, acc):
-        """Adds step k's product times its scales to the total and releases the step's slot."""
-        slot = lax.rem(first_step + k, stages)
-        scale = plgpu.load(x_scales_smem.at[slot, rows], layout=_ROW_VECTOR) * w_scales_smem[k]
-        partial = plgpu.wgmma_accumulator_load(acc, wait_n=0)
-        # The partial is in registers; the fence orders the scales' generic-proxy reads before the producer's next
-        # TMA write into the slot.
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(consumed.at[slot])
-        return total + partial * lax.broadcast_in_dim(scale, shape, [0])
-
     def step(k, total):
+        """Adds step k's product times its scales to the total and releases the step's slot."""
+
         def product(acc):
-            issue(k, acc)
-            return promote(k, total, acc)
+            slot = lax.rem(first_step + k, stages)
+            plgpu.barrier_wait(produced.at[slot])
+            wgmma(acc, slot)
+            scale = plgpu.load(x_scales_smem.at[slot, rows], layout=_ROW_VECTOR) * w_scales_smem[k]
+            partial = plgpu.wgmma_accumulator_load(acc, wait_n=0)
+            # The partial is in registers; the fence orders the scales' generic-proxy reads before the producer's
+            # next TMA write into the slot.
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(consumed.at[slot])
+            return total + partial * lax.broadcast_in_dim(scale, shape, [0])
 
         return pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
 
-    def peeled(k: int, work, total):
-        """Step k, if the tile has it, with ``work`` between its MMA's issue and its promotion."""
-
-        def product(acc):
-            pl.when(k < steps)(functools.partial(issue, k, acc))
-            work()
-            return pl.loop(k, jnp.minimum(k + 1, steps), init_carry=total)(lambda k, t: promote(k, t, acc))
-
-        return pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
-
-    total = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
-    for k, work in enumerate(overlapped):
-        total = peeled(k, work, total)
-    return pl.loop(len(overlapped), steps, init_carry=total)(step)
+    zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+    return pl.loop(0, steps, init_carry=zeros)(step)
