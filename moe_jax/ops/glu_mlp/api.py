@@ -394,15 +394,14 @@ def _fp8_glu_mlp_bwd(top_k, activation, residuals, d_y):
     d_gate_up, hidden_scaled, d_row_scale = run_glu_dgrad(
         _quantize_rows(d_y), w_down_kn, group_sizes, gate_up, row_scale, activation
     )
-    # The wgrads before the dgrad, as in gemm_grads: the kernels compiling the longest are lowered first.
+    d_rows = grouped_matmul_api.fp8_dgrad(d_gate_up, w_gate_up_kn, group_sizes, recipe, False, x.dtype)
     wgrad = functools.partial(grouped_matmul_api.fp8_wgrad, quantization=FP8_KERNEL_QUANTIZATION, transpose_rhs=False)
     d_w_gate_up = d_w_down = None
-    if not isinstance(w_down, BlockScaled):
-        d_w_down = wgrad(hidden_scaled, group_sizes, d_y, out_dtype=w_down.dtype)
     if not isinstance(w_gate_up, BlockScaled):
         rows = _sorted_rows(x, sort_indices, positions, top_k)
         d_w_gate_up = wgrad(rows, group_sizes, d_gate_up, out_dtype=w_gate_up.dtype)
-    d_rows = grouped_matmul_api.fp8_dgrad(d_gate_up, w_gate_up_kn, group_sizes, recipe, False, x.dtype)
+    if not isinstance(w_down, BlockScaled):
+        d_w_down = wgrad(hidden_scaled, group_sizes, d_y, out_dtype=w_down.dtype)
     d_x = d_rows
     if sort_indices is not None:
         d_x = permute_api.combine(d_rows, sort_indices, top_k, positions=positions, backend=_rows_backend(x))

@@ -251,14 +251,12 @@ def gemm_grads(
     """(d lhs, d rhs) of lhs · rhs[g]: d lhs = d_out · rhs[g]^T (the rows kernel reading rhs the other way round);
     d rhs = lhs_g^T · d_out_g (the wgrad kernel). ``zero_tail=False`` leaves d lhs's rows past the sum unwritten."""
     d_out = d_out.astype(lhs.dtype)  # wgmma multiplies equal dtypes; accumulation stays f32
-    # The wgrad first: kernels are lowered in program order and each compiles while the next ones lower
-    # (moe_jax.compilation), and the wgrad compiles the longest.
-    # [G, N, K] weights get their gradient in the same layout: d_out_g^T · lhs_g.
-    x, y = (d_out, lhs) if transpose_rhs else (lhs, d_out)
-    d_rhs = run_wgrad_kernel(x, y, group_sizes, out_dtype=rhs.dtype, transposed=transpose_rhs)
     d_lhs = run_rows_kernel(
         "dgrad", d_out, rhs, group_sizes, w_transposed=not transpose_rhs, out_dtype=lhs.dtype, zero_tail=zero_tail
     )
+    # [G, N, K] weights get their gradient in the same layout: d_out_g^T · lhs_g.
+    x, y = (d_out, lhs) if transpose_rhs else (lhs, d_out)
+    d_rhs = run_wgrad_kernel(x, y, group_sizes, out_dtype=rhs.dtype, transposed=transpose_rhs)
     return d_lhs, d_rhs
 
 
