@@ -7,7 +7,7 @@ variant's Config (VARIANTS): "auto" is ``config.fp8_config``'s, what ``grouped_m
 runs; the others fix the consumer count or take a stage fewer (the first shape runs them all, the others all but
 that). gpt-oss-120b/down checks the contraction's partial last block (K = N = 2880) on the device. Every variant's
 output is checked against the XLA implementation on three groups, each run alone
-(``grouped_matmul.QuantizedGroupOracle``), at CHECK_TOL (the GPU tests' f32 tolerance: the tensor cores accumulate
+(``grouped_matmul.QuantizedGroupOracle``), at CHECK_TOLS (the GPU tests' f32 tolerance: the tensor cores accumulate
 ~14 bits within a 128-wide K block; a lost scale or block errs by O(1)); a variant past it is "wrong".
 
 Times are device times (CUPTI, ``common.kernel_calls``) of the grouped-matmul kernel alone, median over CALLS calls:
@@ -44,7 +44,8 @@ NO_TRITON_GEMM_FLAG = "--xla_gpu_enable_triton_gemm=false"
 
 
 def _fp8_config(dims: dict, **choices) -> config.Config:
-    return config.fp8_config(**dims, out_itemsize=4, **choices)
+    """fp8_config at the shape's dims and output itemsize ({m, k, n, g, out_itemsize})."""
+    return config.fp8_config(**dims, **choices)
 
 
 def _fewer_stages(dims: dict) -> config.Config:
@@ -55,17 +56,21 @@ def _fewer_stages(dims: dict) -> config.Config:
 # name -> (Config at the shape's dims {m, k, n, g}, whether it runs at every shape or at the first only), in the order
 # they run (a --time-limit skips the last). "auto" is fp8_config's choice (three consumers of 64 rows where
 # N >= config.FP8_THREE_CONSUMERS_MIN_N, else two); "2 consumers" and "3 consumers" fix the count at every shape
-# (fp8_config re-fits the stages to the tile); "stages-1" takes one stage fewer than "auto".
+# (fp8_config re-fits the stages to the tile), "192 columns" takes 128 x 192 tiles (two weight blocks' scales a
+# tile); "stages-1" takes one stage fewer than "auto".
 VARIANTS = {
     "auto": (_fp8_config, True),
     "2 consumers": (functools.partial(_fp8_config, consumers=2), True),
     "3 consumers": (functools.partial(_fp8_config, consumers=3), True),
+    "2 consumers 192 columns": (functools.partial(_fp8_config, consumers=2, block_n=config.FP8_WIDE_BLOCK_N), True),
     "stages-1": (_fewer_stages, False),
 }
 # Seconds past --time-limit at which a watchdog prints the table of the rows done and ends the process: the limit
 # skips rows, but cannot cut a row short.
 HARD_LIMIT_MARGIN_S = 25.0
-CHECK_TOL = 2e-3
+# Relative error past which a variant is "wrong", by output dtype: bf16 outputs add their rounding (2^-9 of an
+# element at most) to the tensor cores' accumulation.
+CHECK_TOLS = {"float32": 2e-3, "bfloat16": 4e-3}
 PEAK_TFLOPS = 1979  # H200 (and H100 SXM) dense FP8 tensor-core peak
 CALLS = 10
 WARMUP = 2
@@ -114,11 +119,13 @@ def _timed(record: common.Record, fn, args, kernel: str | None):
     return output
 
 
-def sweep_shape(name: str, first: bool, deadline: float, seed: int, emit) -> None:
+def sweep_shape(name: str, first: bool, deadline: float, seed: int, emit, *, out_dtype="float32", only=None) -> None:
+    """Times the baselines and the variants (``only``: those of VARIANTS, else as VARIANTS says) at one shape, the
+    FP8 kernels writing ``out_dtype``."""
     shape = GMM_SHAPES[name]
     dims = {"g": shape.g, "m": shape.m, "k": shape.k, "n": shape.n}
     flops = common.gmm_flops(shape.m, shape.k, shape.n, backward=False)
-    variants = [v for v, (_, everywhere) in VARIANTS.items() if first or everywhere]
+    variants = only or [v for v, (_, everywhere) in VARIANTS.items() if first or everywhere]
     impls = ["dense-fp8", "bf16"] + [f"fp8:{v}" for v in variants]
     if time.perf_counter() > deadline:
         for impl in impls:
@@ -138,9 +145,9 @@ def sweep_shape(name: str, first: bool, deadline: float, seed: int, emit) -> Non
         ),
     ]
     for variant in variants:
-        cfg = VARIANTS[variant][0](dims)
+        cfg = VARIANTS[variant][0]({**dims, "out_itemsize": jnp.dtype(out_dtype).itemsize})
         fp8 = functools.partial(
-            launch.run_fp8_forward_kernel, row_scale=None, activation=None, out_dtype=jnp.float32, keep=False
+            launch.run_fp8_forward_kernel, row_scale=None, activation=None, out_dtype=jnp.dtype(out_dtype), keep=False
         )
         fn = jax.jit(lambda x, w, sizes, cfg=cfg, fp8=fp8: fp8(x, w, sizes, config=cfg))
         runs.append((f"fp8:{variant}", cfg, fn, (inputs["x"], inputs["w"], group_sizes), "moe_gmm_fp8"))
@@ -153,8 +160,8 @@ def sweep_shape(name: str, first: bool, deadline: float, seed: int, emit) -> Non
         output = _timed(record, fn, args, kernel)
         if output is not None and cfg is not None:
             record.set_check(oracle.errors(output), oracle.describe())
-            if record.rel_err > CHECK_TOL:
-                record.status, record.note = "wrong", f"rel err {record.rel_err:.2e} > {CHECK_TOL}"
+            if record.rel_err > CHECK_TOLS[out_dtype]:
+                record.status, record.note = "wrong", f"rel err {record.rel_err:.2e} > {CHECK_TOLS[out_dtype]}"
         del output
         emit(record)
 
@@ -196,10 +203,18 @@ def main(argv=None) -> int:
         "and exits (a row's compile cannot be interrupted otherwise)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out-dtype", choices=tuple(CHECK_TOLS), default="float32", help="the FP8 kernels' outputs")
+    parser.add_argument(
+        "--variants", help=f"VARIANTS to run at every shape, comma-separated (default: {list(VARIANTS)})"
+    )
     parser.add_argument(
         "--triton-gemm", action="store_true", help=f"let XLA autotune Triton GEMMs (else {NO_TRITON_GEMM_FLAG})"
     )
     args = parser.parse_args(argv)
+    only = args.variants.split(",") if args.variants else None
+    unknown = sorted(set(only or ()) - set(VARIANTS))
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
     if not args.triton_gemm and "triton_gemm" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {NO_TRITON_GEMM_FLAG}".strip()
     if jax.devices()[0].platform != "gpu":
@@ -227,7 +242,7 @@ def main(argv=None) -> int:
     watchdog.daemon = True
     watchdog.start()
     for index, name in enumerate(args.shapes.split(",")):
-        sweep_shape(name, index == 0, deadline, args.seed, emit)
+        sweep_shape(name, index == 0, deadline, args.seed, emit, out_dtype=args.out_dtype, only=only)
     watchdog.cancel()
     print(table(records))
     return 0 if all(r.status in ("ok", "skipped") for r in records) else 1

@@ -18,10 +18,10 @@ def test_every_variant_is_a_config_the_fp8_kernel_takes(index, name):
     for variant, (make, everywhere) in gmm_fp8_sweep.VARIANTS.items():
         if not (everywhere or index == 0):
             continue
-        tiles = make(dims)
+        tiles = make({**dims, "out_itemsize": 4})
         sm90_fp8.check(tiles, w_transposed=True, gathered=False, overlap=False)
         assert tiles.fits(1, 4, scale_k_blocks=config.fp8_scale_k_blocks(shape.k)), variant
-    auto = gmm_fp8_sweep.VARIANTS["auto"][0](dims)
+    auto = gmm_fp8_sweep.VARIANTS["auto"][0]({**dims, "out_itemsize": 4})
     assert auto == config.fp8_config(**dims, out_itemsize=4)  # what grouped_matmul runs at f32 outputs
 
 
@@ -41,3 +41,9 @@ def test_main_needs_a_gpu(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main adds the Triton flag: undone after
     assert gmm_fp8_sweep.main([]) == 2
     assert gmm_fp8_sweep.NO_TRITON_GEMM_FLAG in os.environ["XLA_FLAGS"]
+
+
+def test_unknown_variants_are_named(capsys):
+    with pytest.raises(SystemExit):
+        gmm_fp8_sweep.main(["--variants", "auto,4 consumers"])
+    assert "--variants: unknown ['4 consumers']" in capsys.readouterr().err

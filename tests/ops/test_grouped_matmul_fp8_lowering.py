@@ -89,12 +89,17 @@ def test_contractions_with_a_partial_block_lower_to_the_fp8_kernels(name):
 
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("row_scale", [False, True])
-def test_config_takes_the_stages_that_fit(out_dtype, row_scale):
+@pytest.mark.parametrize("block_n, consumers", [(128, None), (config.FP8_WIDE_BLOCK_N, 2)])
+def test_config_takes_the_stages_that_fit(out_dtype, row_scale, block_n, consumers):
     """Config.smem_bytes counts the scales' buffers as laid out: fp8_config's stages lower at dsv3-ep8 gate_up (the
-    longest K: the most weight scales), one more stage does not, and Config.fits says the same."""
+    longest K: the most weight scales), one more stage does not, and Config.fits says the same; 192-column tiles
+    hold two weight blocks' scales a consumer."""
     s = shapes.GMM_SHAPES["dsv3-ep8/gate_up"]
     itemsize = jnp.dtype(out_dtype).itemsize
-    chosen = config.fp8_config(m=s.m, k=s.k, n=s.n, g=s.g, out_itemsize=itemsize, row_scale=row_scale)
+    chosen = config.fp8_config(
+        m=s.m, k=s.k, n=s.n, g=s.g, out_itemsize=itemsize, row_scale=row_scale, consumers=consumers, block_n=block_n
+    )
+    assert chosen.block_n == block_n
     buffers = dict(row_vectors=int(row_scale), scale_k_blocks=config.fp8_scale_k_blocks(s.k))
     # Every consumer's row of weight scales starts on 128 bytes (a TMA destination): 32 f32, the least such count.
     assert buffers["scale_k_blocks"] % 32 == 0 and 0 <= buffers["scale_k_blocks"] - s.k // 128 < 32
@@ -125,8 +130,8 @@ def test_config_takes_the_stages_that_fit(out_dtype, row_scale):
                 keep=False,
                 config=c,
                 x_scales=x.scales.T,
-                # The kernel's layout: K blocks padded as run_fp8_forward_kernel pads them.
-                w_scales=jnp.pad(w.scales, [(0, 0), (0, 0), (0, buffers["scale_k_blocks"] - s.k // 128)]),
+                # The kernel's layout: blocks padded as run_fp8_forward_kernel pads them.
+                w_scales=jnp.pad(w.scales, [(0, 0), (0, 1), (0, buffers["scale_k_blocks"] - s.k // 128)]),
             )
 
         try:

@@ -57,6 +57,9 @@ MEDIUM_D_MAX = 4096
 # The FP8 forward (sm90_fp8.py) steps through K in blocks of the fp8_block recipe's 128 and takes 128-column tiles,
 # one weight-scale block wide.
 FP8_BLOCK = 128
+# The FP8 kernel's wide tiles: one and a half weight-scale blocks, whose total and partial still fit two consumers'
+# registers (sm90_fp8.check).
+FP8_WIDE_BLOCK_N = 192
 # Output columns from which fp8_config takes three consumer warpgroups (192-row tiles) rather than two (128-row
 # tiles), both promoting each K block as its MMA completes. Measured on an H200: three run 7-11% faster at N = 4096 to
 # 28672, where a third warpgroup's MMAs keep the tensor cores busy during the other two's promotions; two run 2-5%
@@ -148,7 +151,8 @@ class Config:
             itself (the GLU backward's packed gate/up rows, 2 * block_n, where the ring does not carry them).
           row_vectors: [wg_block_m] f32 vectors per consumer (row_scale in, partial sums out), in one buffer.
           scale_k_blocks: FP8 operands (sm90_fp8.py): ``fp8_scale_k_blocks(K)``, the f32 weight scales each
-            consumer holds (one 128-column block's); the x scales then take a [block_m] f32 ring beside the pipeline's.
+            consumer holds per weight block under its tile (``fp8_tile_scale_blocks``); the x scales then take a
+            [block_m] f32 ring beside the pipeline's.
         """
         buffers = [
             self.num_stages * self.block_m * self.block_k * in_itemsize,  # x ring
@@ -157,7 +161,7 @@ class Config:
             self.block_m * operand_cols * out_itemsize,
             row_vectors * self.block_m * 4,
             (self.num_stages * self.block_m * 4) if scale_k_blocks else 0,
-            self.num_compute_wgs * scale_k_blocks * 4,
+            self.num_compute_wgs * fp8_tile_scale_blocks(self.block_n) * scale_k_blocks * 4,
         ]
         # Pallas starts every scratch buffer at a SMEM_ALIGNMENT boundary.
         return sum(-(-size // SMEM_ALIGNMENT) * SMEM_ALIGNMENT for size in buffers)
@@ -315,6 +319,12 @@ def fp8_scale_k_blocks(contraction: int) -> int:
     return -(-math.ceil(contraction / FP8_BLOCK) // 32) * 32
 
 
+def fp8_tile_scale_blocks(block_n: int) -> int:
+    """Weight-scale blocks under one FP8 tile's columns: one for 128-column tiles, two for FP8_WIDE_BLOCK_N ones
+    (a tile starts 0 or 64 columns past a block's start)."""
+    return 1 if block_n == FP8_BLOCK else 2
+
+
 def fp8_config(
     *,
     m: int,
@@ -325,11 +335,13 @@ def fp8_config(
     row_scale: bool = False,
     consumers: int | None = None,
     glu_backward: bool = False,
+    block_n: int = FP8_BLOCK,
 ) -> Config:
     """The FP8 kernel's config (forward, and the dgrad with its own columns as ``n``): the heuristic forward's tile
     order, FP8_BLOCK-wide steps and columns (sm90_fp8.py), the epilogue between tiles, as many stages as fit in shared
     memory, and 64 rows per consumer warpgroup: three of them where n >= FP8_THREE_CONSUMERS_MIN_N, else two (one on
     the heuristic's 64-row tiles of decode-sized groups). ``consumers``: that many in their place.
+    ``block_n``: FP8_BLOCK or, without a GLU in the epilogue, FP8_WIDE_BLOCK_N.
 
     ``glu_backward``: the down projection's dgrad with the GLU backward in its epilogue (n = F), whose consumers load
     their [wg_block_m, 2 * block_n] packed gate/up rows themselves (the pipeline's ring carries them only for
@@ -339,7 +351,7 @@ def fp8_config(
     Not tuned: the tuned table holds 16-bit kernels only.
     """
     order = heuristic_config("fwd", m=m, k=k, n=n, g=g, out_itemsize=out_itemsize, row_scale=row_scale)
-    config = dataclasses.replace(order, block_n=FP8_BLOCK, block_k=FP8_BLOCK, overlap_epilogue=False, num_stages=8)
+    config = dataclasses.replace(order, block_n=block_n, block_k=FP8_BLOCK, overlap_epilogue=False, num_stages=8)
     if consumers is None and order.num_compute_wgs > 1:
         consumers = 2 if glu_backward or n < FP8_THREE_CONSUMERS_MIN_N else 3
     if consumers is not None:

@@ -366,7 +366,7 @@ def run_fp8_forward_kernel(
 
 
 def _fp8_kernel_operands(x: BlockScaled, w: BlockScaled) -> tuple:
-    """(x values, w values, x scales [ceil(R / 128), M], w scales with padded K blocks): x [M, R] and w [G, C, R]
+    """(x values, w values, x scales [ceil(R / 128), M], w scales with padded blocks): x [M, R] and w [G, C, R]
     as the FP8 kernel reads them (run_fp8_forward_kernel's docstring), R padded where it must be."""
     k = x.shape[1]
     x_values, w_values = x.values, w.values
@@ -374,7 +374,8 @@ def _fp8_kernel_operands(x: BlockScaled, w: BlockScaled) -> tuple:
         pad = KERNEL_DIM_MULTIPLE - k % KERNEL_DIM_MULTIPLE
         x_values = jnp.pad(x_values, [(0, 0), (0, pad)])
         w_values = jnp.pad(w_values, [(0, 0), (0, 0), (0, pad)])
-    w_scales = jnp.pad(w.scales, [(0, 0), (0, 0), (0, fp8_scale_k_blocks(k) - w.scales.shape[2])])
+    # One more column block: a 192-column tile loads the scales of the two blocks under it, also at the last tile.
+    w_scales = jnp.pad(w.scales, [(0, 0), (0, 1), (0, fp8_scale_k_blocks(k) - w.scales.shape[2])])
     return x_values, w_values, x.scales.T, w_scales
 
 

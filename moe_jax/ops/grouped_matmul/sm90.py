@@ -190,8 +190,8 @@ def grouped_matmul_rows(
       row_tokens: [M] int32 in [0, T): row r of the product is x[row_tokens[r]] (sm90_gather.py; R a multiple of
         block_k). M a multiple of 8.
       x_scales: FP8 x's scales, MN-major: [R / 128, M] f32 (row r's scale of K block k at [k, r]).
-      w_scales: FP8 w's scales: [G, ceil(C / 128), config.fp8_scale_k_blocks(R)] f32 (block (n, k) of group g at
-        [g, n, k]; the K blocks padded).
+      w_scales: FP8 w's scales: [G, ceil(C / 128) + 1, config.fp8_scale_k_blocks(R)] f32 (block (n, k) of group g
+        at [g, n, k]; the K blocks padded, and one block past the last, which 192-column tiles load).
 
     Returns:
       plain: [M, C]: the rows of every tile's group, zeros for the rows of ZERO_TILE tiles. Forward: out ([M, C/2]
@@ -360,9 +360,9 @@ def grouped_matmul_rows(
                 if fp8_scales:
                     x_scales_smem, w_scales_smem, w_scales_loaded = fp8_scratch
                     scales = (x_scales_smem, w_scales_smem.at[wg], w_scales_loaded.at[wg])
-                    fp8.load_w_scales(w_scales_gmem, tiles_gmem[TILE_GROUP, mi], ni, *scales[1:], steps)
+                    fp8.load_w_scales(w_scales_gmem, tiles_gmem[TILE_GROUP, mi], ni * bn, *scales[1:], steps)
                     acc = fp8.promoted_products(
-                        first_step, steps, stages, produced, consumed, wgmma, scales, (wg_m, bn), wg
+                        first_step, steps, stages, produced, consumed, wgmma, scales, (wg_m, bn), wg, ni * bn
                     )
                 else:
                     acc = pl.run_scoped(mma, plgpu.ACC((wg_m, bn), jnp.float32))

@@ -33,24 +33,35 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moe_jax.ops.grouped_matmul import sm90_pipeline as pipe
-from moe_jax.ops.grouped_matmul.config import FP8_BLOCK, Config, fp8_scale_k_blocks
+from moe_jax.ops.grouped_matmul.config import (
+    FP8_BLOCK,
+    FP8_WIDE_BLOCK_N,
+    Config,
+    fp8_scale_k_blocks,
+    fp8_tile_scale_blocks,
+)
 
 DTYPE = jnp.float8_e4m3fn
 # Registers a consumer thread needs beside its f32 arrays (addresses, loop counters, the step's scales).
 ADDRESS_REGISTERS = 24
 _ROW_VECTOR = plgpu.Layout.WGMMA.reduce(1)
+# Tile widths: one weight-scale block, or one and a half.
+BLOCK_N_CHOICES = (FP8_BLOCK, FP8_WIDE_BLOCK_N)
+# Columns promoted with one weight scale: 192-column tiles meet a block boundary at a multiple of 64.
+_SCALE_CHUNK = 64
 
 
 def check(config: Config, *, w_transposed: bool, gathered: bool, overlap: bool) -> None:
     """Raises ValueError where the kernel cannot take FP8 operands this way."""
     if not w_transposed or gathered:
         raise ValueError("FP8 operands need w stored [G, N, K] (w_transposed=True) and no gathered rows")
-    if config.block_k != FP8_BLOCK or config.block_n != FP8_BLOCK:
+    if config.block_k != FP8_BLOCK or config.block_n not in BLOCK_N_CHOICES:
         raise ValueError(
-            f"FP8 operands need block_k = block_n = {FP8_BLOCK} (one weight-scale block a step), got {config}"
+            f"FP8 operands need block_k = {FP8_BLOCK} (one weight-scale block a step) and block_n in "
+            f"{BLOCK_N_CHOICES}, got {config}"
         )
-    # The total and the partial, [wg_block_m, 128] f32 each over a warpgroup's 128 threads.
-    arrays = 2 * config.wg_block_m * FP8_BLOCK // 128
+    # The total and the partial, [wg_block_m, block_n] f32 each over a warpgroup's 128 threads.
+    arrays = 2 * config.wg_block_m * config.block_n // pipe.THREADS
     if arrays > pipe.compute_registers(config.num_compute_wgs) - ADDRESS_REGISTERS:
         raise ValueError(
             f"the total and the partial take {arrays} registers a thread, more than {config.num_compute_wgs} "
@@ -71,10 +82,12 @@ def ring_swizzle_columns(block_k: int, contraction: int) -> int:
 
 
 def scratch(config: Config, contraction: int) -> list:
-    """[the x scales' ring [stages, block_m], the w scales [consumers, K blocks], their "loaded" barriers]."""
+    """[the x scales' ring [stages, block_m], the w scales [consumers, tile blocks, K blocks], their "loaded"
+    barriers]."""
+    w_scales_shape = (config.num_compute_wgs, fp8_tile_scale_blocks(config.block_n), fp8_scale_k_blocks(contraction))
     return [
         plgpu.SMEM((config.num_stages, config.block_m), jnp.float32),
-        plgpu.SMEM((config.num_compute_wgs, fp8_scale_k_blocks(contraction)), jnp.float32),
+        plgpu.SMEM(w_scales_shape, jnp.float32),
         plgpu.Barrier(num_arrivals=1, num_barriers=config.num_compute_wgs),
     ]
 
@@ -84,9 +97,9 @@ def load_x_scales(x_scales_gmem, k, row0, dst_smem, barrier) -> None:
     plgpu.copy_gmem_to_smem(x_scales_gmem.at[k, pl.ds(row0, dst_smem.shape[0])], dst_smem, barrier)
 
 
-def load_w_scales(w_scales_gmem, group, ni, dst_smem, barrier, steps) -> None:
-    """Consumer, at a tile's start: the scales along K of the tile's weight block (column tile ``ni`` of ``group``)
-    into ``dst_smem`` [K blocks].
+def load_w_scales(w_scales_gmem, group, col0, dst_smem, barrier, steps) -> None:
+    """Consumer, at a tile's start: the scales along K of the weight blocks under the tile's columns (from column
+    ``col0`` of ``group``) into ``dst_smem`` [tile blocks, K blocks].
 
     A zero tile (no steps) loads nothing. The buffer was last read by the previous tile's promotions: those
     generic-proxy reads are ordered before the TMA's write by commit_smem's fence.
@@ -95,18 +108,20 @@ def load_w_scales(w_scales_gmem, group, ni, dst_smem, barrier, steps) -> None:
     @pl.when(steps > 0)
     def _():
         plgpu.commit_smem()
-        plgpu.copy_gmem_to_smem(w_scales_gmem.at[group, ni], dst_smem, barrier)
+        blocks = pl.ds(col0 // FP8_BLOCK, dst_smem.shape[0])
+        plgpu.copy_gmem_to_smem(w_scales_gmem.at[group, blocks], dst_smem, barrier)
 
 
-def promoted_products(first_step, steps, stages: int, produced, consumed, wgmma, scales, shape, wg):
+def promoted_products(first_step, steps, stages: int, produced, consumed, wgmma, scales, shape, wg, col0):
     """Consumer side of one FP8 tile: each of its ``steps`` K blocks multiplied into a fresh accumulator by
     ``wgmma(acc, slot)`` and added to the f32 total with its scales. Returns the total [wg_block_m, block_n] f32.
 
     Args:
       first_step, steps: the tile's pipeline steps (counted over the CTA's tiles, as in sm90_pipeline).
       stages, produced, consumed: the pipeline's ring.
-      scales: (x scales' ring [stages, block_m], this consumer's w scales [K blocks], its "loaded" barrier).
-      shape: (wg_block_m, block_n); wg: this consumer.
+      scales: (x scales' ring [stages, block_m], this consumer's w scales [tile blocks, K blocks], its "loaded"
+        barrier).
+      shape: (wg_block_m, block_n); wg: this consumer; col0: the tile's first column.
     """
     x_scales_smem, w_scales_smem, w_scales_loaded = scales
     rows = pl.ds(pl.multiple_of(wg * shape[0], shape[0]), shape[0])
@@ -115,6 +130,20 @@ def promoted_products(first_step, steps, stages: int, produced, consumed, wgmma,
     def _():
         plgpu.barrier_wait(w_scales_loaded)
 
+    def tile_scales(k, slot):
+        """[wg_block_m, block_n] f32: x_scale[row] * w_scale[column's block] of step k."""
+        x_scale = plgpu.load(x_scales_smem.at[slot, rows], layout=_ROW_VECTOR)
+        if w_scales_smem.shape[0] == 1:
+            return lax.broadcast_in_dim(x_scale * w_scales_smem[0, k], shape, [0])
+        # Each 64-column chunk lies in one weight block: the first, or the next one past a 128-column boundary.
+        offset = lax.rem(col0, FP8_BLOCK)
+        chunk_shape = (shape[0], _SCALE_CHUNK)
+        chunks = [
+            lax.broadcast_in_dim(x_scale * w_scales_smem[(offset + col) // FP8_BLOCK, k], chunk_shape, [0])
+            for col in range(0, shape[1], _SCALE_CHUNK)
+        ]
+        return jnp.concatenate(chunks, axis=1)
+
     def step(k, total):
         """Adds step k's product times its scales to the total and releases the step's slot."""
 
@@ -122,13 +151,13 @@ def promoted_products(first_step, steps, stages: int, produced, consumed, wgmma,
             slot = lax.rem(first_step + k, stages)
             plgpu.barrier_wait(produced.at[slot])
             wgmma(acc, slot)
-            scale = plgpu.load(x_scales_smem.at[slot, rows], layout=_ROW_VECTOR) * w_scales_smem[k]
+            scale = tile_scales(k, slot)
             partial = plgpu.wgmma_accumulator_load(acc, wait_n=0)
             # The partial is in registers; the fence orders the scales' generic-proxy reads before the producer's
             # next TMA write into the slot.
             plgpu.commit_smem()
             plgpu.barrier_arrive(consumed.at[slot])
-            return total + partial * lax.broadcast_in_dim(scale, shape, [0])
+            return total + partial * scale
 
         return pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
 
