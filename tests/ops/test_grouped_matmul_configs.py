@@ -285,23 +285,25 @@ def test_named_shapes_get_their_pinned_configs(g, m, k, n):
 
 
 # (G, M, K, N) of the FP8 sweep's shapes (benchmarks/gmm_fp8_sweep.py) and a decode-sized one -> fp8_config's tiles of
-# the forward (output columns N) and of the dgrad (output columns K, contraction N: launch.run_fp8_forward_kernel on
-# w [G, K, N]): three consumers from FP8_THREE_CONSUMERS_MIN_N output columns, two below, one on decode-sized groups.
+# the forward (output columns N), of the GLU forward on the same weights, and of the dgrad (output columns K,
+# contraction N: launch.run_fp8_forward_kernel on w [G, K, N]): three consumers on 128 columns from
+# FP8_THREE_CONSUMERS_MIN_N output columns, two below on 192 columns (128 with a GLU), one on decode-sized groups.
 FP8_PINNED = {
-    (32, 32768, 7168, 4096): ("192x128x128 w3", "192x128x128 w3"),
-    (32, 32768, 2048, 7168): ("192x128x128 w3", "128x128x128 w2"),
-    (128, 32768, 2880, 2880): ("128x128x128 w2", "128x128x128 w2"),
-    (8, 16384, 4096, 28672): ("192x128x128 w3", "192x128x128 w3"),
-    (128, 32768, 2048, 1536): ("128x128x128 w2", "128x128x128 w2"),
-    (32, 1024, 7168, 4096): ("64x128x128 w1", "64x128x128 w1"),
+    (32, 32768, 7168, 4096): ("192x128x128 w3", "192x128x128 w3", "192x128x128 w3"),
+    (32, 32768, 2048, 7168): ("192x128x128 w3", "192x128x128 w3", "128x192x128 w2"),
+    (128, 32768, 2880, 2880): ("128x192x128 w2", "128x128x128 w2", "128x192x128 w2"),
+    (8, 16384, 4096, 28672): ("192x128x128 w3", "192x128x128 w3", "192x128x128 w3"),
+    (128, 32768, 2048, 1536): ("128x192x128 w2", "128x128x128 w2", "128x192x128 w2"),
+    (32, 1024, 7168, 4096): ("64x128x128 w1", "64x128x128 w1", "64x128x128 w1"),
 }
 
 
 @pytest.mark.parametrize("g, m, k, n", list(FP8_PINNED))
-def test_fp8_shapes_get_their_pinned_consumers(g, m, k, n):
+def test_fp8_shapes_get_their_pinned_tiles(g, m, k, n):
     def tiles(c: config.Config) -> str:
         return f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_compute_wgs}"
 
     forward = config.fp8_config(m=m, k=k, n=n, g=g)
+    glu = config.fp8_config(m=m, k=k, n=n, g=g, glu_forward=True)
     dgrad = config.fp8_config(m=m, k=n, n=k, g=g)
-    assert (tiles(forward), tiles(dgrad)) == FP8_PINNED[g, m, k, n]
+    assert (tiles(forward), tiles(glu), tiles(dgrad)) == FP8_PINNED[g, m, k, n]

@@ -334,26 +334,33 @@ def fp8_config(
     out_itemsize: int = 2,
     row_scale: bool = False,
     consumers: int | None = None,
+    glu_forward: bool = False,
     glu_backward: bool = False,
-    block_n: int = FP8_BLOCK,
+    block_n: int | None = None,
 ) -> Config:
     """The FP8 kernel's config (forward, and the dgrad with its own columns as ``n``): the heuristic forward's tile
-    order, FP8_BLOCK-wide steps and columns (sm90_fp8.py), the epilogue between tiles, as many stages as fit in shared
-    memory, and 64 rows per consumer warpgroup: three of them where n >= FP8_THREE_CONSUMERS_MIN_N, else two (one on
-    the heuristic's 64-row tiles of decode-sized groups). ``consumers``: that many in their place.
-    ``block_n``: FP8_BLOCK or, without a GLU in the epilogue, FP8_WIDE_BLOCK_N.
+    order, FP8_BLOCK-wide steps (sm90_fp8.py), the epilogue between tiles, as many stages as fit in shared memory,
+    and 64 rows per consumer warpgroup: three of them on 128 columns where n >= FP8_THREE_CONSUMERS_MIN_N, else two
+    on FP8_WIDE_BLOCK_N columns (128 with a GLU in the epilogue, whose gate/up blocks pair 128 columns), or one on
+    128 columns for the heuristic's 64-row tiles of decode-sized groups. On an H200 (bf16 outputs, record
+    ``2026-11-29_h200_56960be_gmm_fp8_sweep_192.jsonl``) three consumers ran fastest at N >= 4096 (dsv3-ep8,
+    mixtral), 128 x 192 tiles below it (qwen3-30b down 0.174 ms against 0.185 on 128 x 128, gpt-oss-120b down 0.727
+    against 0.792). ``consumers`` / ``block_n``: those in their place.
 
-    ``glu_backward``: the down projection's dgrad with the GLU backward in its epilogue (n = F), whose consumers load
-    their [wg_block_m, 2 * block_n] packed gate/up rows themselves (the pipeline's ring carries them only for
-    64-wide steps) and keep two row vectors with a row scale; always two consumers, whose registers hold the GLU
-    backward's temporaries beside the f32 total.
+    ``glu_forward``: the gate_up projection with the GLU in its epilogue. ``glu_backward``: the down projection's
+    dgrad with the GLU backward in its epilogue (n = F), whose consumers load their [wg_block_m, 2 * block_n] packed
+    gate/up rows themselves (the pipeline's ring carries them only for 64-wide steps) and keep two row vectors with a
+    row scale; always two consumers, whose registers hold the GLU backward's temporaries beside the f32 total.
 
     Not tuned: the tuned table holds 16-bit kernels only.
     """
     order = heuristic_config("fwd", m=m, k=k, n=n, g=g, out_itemsize=out_itemsize, row_scale=row_scale)
-    config = dataclasses.replace(order, block_n=block_n, block_k=FP8_BLOCK, overlap_epilogue=False, num_stages=8)
     if consumers is None and order.num_compute_wgs > 1:
         consumers = 2 if glu_backward or n < FP8_THREE_CONSUMERS_MIN_N else 3
+    if block_n is None:
+        wide = consumers == 2 and not (glu_forward or glu_backward)
+        block_n = FP8_WIDE_BLOCK_N if wide else FP8_BLOCK
+    config = dataclasses.replace(order, block_n=block_n, block_k=FP8_BLOCK, overlap_epilogue=False, num_stages=8)
     if consumers is not None:
         config = dataclasses.replace(config, block_m=WGMMA_M * consumers, num_compute_wgs=consumers)
     epilogue = dict(

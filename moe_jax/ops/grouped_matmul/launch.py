@@ -348,7 +348,15 @@ def run_fp8_forward_kernel(
     (m, k), (num_groups, n, _) = x.shape, w.shape
     itemsize = jnp.dtype(out_dtype).itemsize
     if config is None:
-        config = fp8_config(m=m, k=k, n=n, g=num_groups, out_itemsize=itemsize, row_scale=row_scale is not None)
+        config = fp8_config(
+            m=m,
+            k=k,
+            n=n,
+            g=num_groups,
+            out_itemsize=itemsize,
+            row_scale=row_scale is not None,
+            glu_forward=activation is not None,
+        )
     x_values, w_values, x_scales, w_scales = _fp8_kernel_operands(x, w)
     return run_forward_kernel(
         x_values,
