@@ -6,7 +6,9 @@ K-major layout [G, N, K]. Hopper's FP8 wgmma reads both operands K-major, and th
 so the kernel reads transposed copies on the group-padded token axis of token_blocks.py: x^T [P, M'] and y^T [Q, M']
 in which every group starts on a 128-token boundary. A pipeline step is one 128-token block of one group: its x^T
 tile [block_m, 128] is wgmma's A, its y^T tile [block_n, 128] is B read transposed (as the FP8 forward reads w), no
-step reads another group's rows and none needs masking.
+step reads another group's rows and none needs masking. The scales come MN-major, [blocks, P] and [blocks, Q], so a
+tile's scales of one block are two contiguous rows, which the producer TMA-loads with the step's tiles into rings of
+their own (the step's "produced" barrier counts four copies).
 
 Promotion, as in the FP8 forward (sm90_fp8.py): each block is multiplied into a fresh accumulator, whose sums of
 128 FP8 products the tensor cores keep to about 14 bits, and added to an f32 total with both operands' scales:
@@ -14,12 +16,8 @@ Promotion, as in the FP8 forward (sm90_fp8.py): each block is multiplied into a 
     total[p, q] += partial[p, q] * x_scale[b, p] * y_scale[b, q]
 
 x's scales are a column of the tile (wgmma's row layout), y's a row (its column layout: each thread holds the 32
-scales of its 32 columns). The scales come MN-major, [blocks, P] and [blocks, Q], and each consumer loads its own
-from global memory into registers, one step ahead (during the previous step's MMA), rather than through the
-pipeline's ring: a ring slot then holds only what the MMA reads (the async proxy), and its release needs no proxy
-fence, which cost 12 % with the scales in the ring (docs/kernels/grouped_matmul.md, "FP8 wgrad"). The total and the
-partial of a [64, 128] tile take 64 registers a thread each and the two steps' scales 68, hence block_n = 128, and
-the epilogue runs between tiles.
+scales of its 32 columns). The total and the partial of a [64, 128] tile take 64 registers a thread each, hence
+block_n = 128, and the epilogue runs between tiles.
 
 Work: every group owns ceil(P / block_m) * ceil(Q / block_n) output tiles, handed out round-robin over the SMs,
 largest group first (token_blocks.group_table); within a group the tiles follow the planar snake of
@@ -49,18 +47,23 @@ def check(config: Config) -> None:
         raise ValueError(f"the FP8 wgrad needs block_k = block_n = {FP8_BLOCK} (one scale block), got {config}")
     if config.overlap_epilogue:
         raise ValueError(
-            "the FP8 wgrad runs without the overlapped epilogue (the total, the partial and the scales fill the "
-            "registers)"
+            "the FP8 wgrad runs without the overlapped epilogue (the total and the partial fill the registers)"
         )
     if config.grid_minor == "g":
         raise ValueError(f"the FP8 wgrad tiles one group's [P, Q] output: grid_minor must be 'm' or 'n', got {config}")
 
 
 def smem_bytes(config: Config, out_itemsize: int) -> int:
-    """Shared memory of one CTA: the x^T and y^T rings and the epilogue's double buffer, each starting on a
-    SMEM_ALIGNMENT boundary (config.Config.smem_bytes's rule)."""
+    """Shared memory of one CTA: the x^T and y^T rings, their scales' rings and the epilogue's double buffer, each
+    starting on a SMEM_ALIGNMENT boundary (config.Config.smem_bytes's rule)."""
     stages, bm, bn, bk = config.num_stages, config.block_m, config.block_n, config.block_k
-    buffers = [stages * bm * bk, stages * bn * bk, 2 * bm * config.epilogue_n * out_itemsize]
+    buffers = [
+        stages * bm * bk,
+        stages * bn * bk,
+        stages * bm * 4,
+        stages * bn * 4,
+        2 * bm * config.epilogue_n * out_itemsize,
+    ]
     return sum(-(-size // SMEM_ALIGNMENT) * SMEM_ALIGNMENT for size in buffers)
 
 
@@ -102,7 +105,7 @@ def grouped_matmul_wgrad_fp8(
     minor_dim = 0 if cfg.grid_minor == "m" else 1
 
     def body(groups_gmem, x_gmem, x_scales_gmem, y_gmem, y_scales_gmem, out_gmem, *scratch):
-        x_smem, y_smem, out_smem, produced, consumed = scratch
+        x_smem, y_smem, x_scales_smem, y_scales_smem, out_smem, produced, consumed = scratch
         wg = lax.axis_index("wg")
         work = (num_groups * items_per_group,)
 
@@ -122,9 +125,13 @@ def grouped_matmul_wgrad_fp8(
                 x_cols, y_cols = pl.ds(pi * bm, bm), pl.ds(qi * bn, bn)
 
                 def load(k, slot):
-                    tokens = pl.ds(pl.multiple_of((first + k) * bk, bk), bk)
-                    plgpu.copy_gmem_to_smem(x_gmem.at[x_cols, tokens], x_smem.at[slot], produced.at[slot])
-                    plgpu.copy_gmem_to_smem(y_gmem.at[y_cols, tokens], y_smem.at[slot], produced.at[slot])
+                    block = first + k
+                    tokens = pl.ds(pl.multiple_of(block * bk, bk), bk)
+                    barrier = produced.at[slot]
+                    plgpu.copy_gmem_to_smem(x_gmem.at[x_cols, tokens], x_smem.at[slot], barrier)
+                    plgpu.copy_gmem_to_smem(y_gmem.at[y_cols, tokens], y_smem.at[slot], barrier)
+                    plgpu.copy_gmem_to_smem(x_scales_gmem.at[block, x_cols], x_scales_smem.at[slot], barrier)
+                    plgpu.copy_gmem_to_smem(y_scales_gmem.at[block, y_cols], y_scales_smem.at[slot], barrier)
 
                 pipe.produce(carry, steps, stages, consumed, load)
                 return carry + steps
@@ -151,54 +158,43 @@ def grouped_matmul_wgrad_fp8(
 
             def tile_step(info, first_step, overlapped):
                 del overlapped  # the epilogue runs between tiles (``check``)
-                group, first, steps, pi, qi = tile_of(info.index[0])
-                x_cols = pl.ds(pi * bm + wg * wg_m, wg_m)
-                y_cols = pl.ds(qi * bn, bn)
+                group, _, steps, pi, qi = tile_of(info.index[0])
 
-                def scales_of(k):
-                    """Step k's (x scales [wg_m], y scales [block_n]) from global memory. Past the tile's last step
-                    (the prefetch after it) and for a group without blocks they read a block that exists."""
-                    block = jnp.minimum(first + jnp.clip(k, 0, jnp.maximum(steps - 1, 0)), num_blocks - 1)
-                    x_scale = plgpu.load(x_scales_gmem.at[block, x_cols], layout=_ROW_VECTOR, optimized=False)
-                    y_scale = plgpu.load(y_scales_gmem.at[block, y_cols], layout=_COLUMN_VECTOR, optimized=False)
-                    return x_scale, y_scale
-
-                def step(k, carry):
-                    total, (x_scale, y_scale) = carry
+                def step(k, total):
                     slot = lax.rem(first_step + k, stages)
                     plgpu.barrier_wait(produced.at[slot])
 
                     def mma(acc):
                         plgpu.wgmma(acc, x_smem.at[slot, rows], y_smem.at[slot].transpose((1, 0)))
-                        # The next step's scales load while the MMA runs; reading acc then waits for it.
-                        upcoming = scales_of(k + 1)
-                        return plgpu.wgmma_accumulator_load(acc, wait_n=0), upcoming
+                        # Read while the MMA runs; reading acc then waits for it.
+                        x_scale = plgpu.load(x_scales_smem.at[slot, rows], layout=_ROW_VECTOR)
+                        y_scale = plgpu.load(y_scales_smem.at[slot], layout=_COLUMN_VECTOR)
+                        return acc[...], x_scale, y_scale
 
-                    partial, upcoming = pl.run_scoped(mma, plgpu.ACC((wg_m, bn), jnp.float32))
-                    # The slot's tiles were read by the MMA alone (the async proxy): no fence before the release.
+                    partial, x_scale, y_scale = pl.run_scoped(mma, plgpu.ACC((wg_m, bn), jnp.float32))
+                    # The slot's scales were generic-proxy reads: a proxy fence orders them before the producer's next
+                    # TMA write, which the barrier alone does not (docs/kernels/grouped_matmul.md, "FP8 wgrad").
+                    plgpu.commit_smem()
                     plgpu.barrier_arrive(consumed.at[slot])
                     x_scale = lax.broadcast_in_dim(x_scale, (wg_m, bn), [0])
-                    total = total + partial * x_scale * lax.broadcast_in_dim(y_scale, (wg_m, bn), [1])
-                    return total, upcoming
+                    return total + partial * x_scale * lax.broadcast_in_dim(y_scale, (wg_m, bn), [1])
 
                 zeros = plgpu.layout_cast(jnp.zeros((wg_m, bn), jnp.float32), plgpu.Layout.WGMMA)
-                total, _ = pl.loop(0, steps, init_carry=(zeros, scales_of(0)))(step)
+                total = pl.loop(0, steps, init_carry=zeros)(step)
                 return steps, (pipe.column_chunks(total.astype(out_dtype), epi_n), (group, pi, qi))
 
             empty = (pipe.empty_chunks(bn // epi_n, wg_m, epi_n, out_dtype), (jnp.int32(0),) * 3)
             pipe.consume_tiles(work, tile_step, stores, empty, overlap=False)
             plgpu.wait_smem_to_gmem(0)
 
-    num_blocks = x_scales.shape[0]
-    # The consumers load the scales themselves, and a load, unlike a TMA copy, does not stop at the array's end: a
-    # partial last tile reads zeros here.
-    x_scales = jnp.pad(x_scales, [(0, 0), (0, p_tiles * bm - p)])
-    y_scales = jnp.pad(y_scales, [(0, 0), (0, q_tiles * bn - q)])
     scratch = [
         plgpu.SMEM((stages, bm, bk), DTYPE, transforms=pipe.swizzled(bk, DTYPE)),
         plgpu.SMEM((stages, bn, bk), DTYPE, transforms=pipe.swizzled(bk, DTYPE)),
+        # A slot's scales are 512 bytes: every slot starts on the 128 bytes a TMA destination needs.
+        plgpu.SMEM((stages, bm), jnp.float32),
+        plgpu.SMEM((stages, bn), jnp.float32),
         pipe.epilogue_smem(num_wgs, wg_m, epi_n, out_dtype),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # produced: both tiles landed
+        plgpu.Barrier(num_arrivals=4, num_barriers=stages),  # produced: both tiles and both scale rows landed
         pipe.consumed_barriers(num_wgs, stages),
     ]
     kernel = plgpu.kernel(
@@ -210,10 +206,7 @@ def grouped_matmul_wgrad_fp8(
         num_threads=num_wgs + 1,
         thread_name="wg",
         kernel_name="moe_gmm_wgrad_fp8",
-        # Lanes lower in half the time of warpgroups (no layout inference pass).
-        compiler_params=plgpu.CompilerParams(
-            reduction_scratch_bytes=0, lowering_semantics=plgpu.LoweringSemantics.Lane
-        ),
+        compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
         interpret=interpret,
     )
     return kernel(groups, x_t, x_scales, y_t, y_scales)
