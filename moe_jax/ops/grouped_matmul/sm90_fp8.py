@@ -3,26 +3,31 @@ per row and 128-wide K block, w with one per 128 x 128 block (the "fp8_block" re
 
 Hopper's wgmma multiplies FP8 only with both operands K-major (w stored [G, N, K], read transposed) and has no
 block scaling, and it accumulates FP8 products with about 14 bits of precision. So every pipeline step is one
-128-wide K block (block_k = 128: one 128-byte swizzle row of FP8), a tile is 128 columns (block_n = 128: one
-weight-scale block), and a consumer multiplies each step into a fresh accumulator, then folds that into an f32 total
-with both scales ("promotion", as DeepGEMM does):
+128-wide K block (block_k = 128: one 128-byte swizzle row of FP8), and a consumer multiplies each step into a fresh
+accumulator, then folds that into an f32 total with both scales ("promotion", as DeepGEMM does):
 
-    total[r, c] += partial[r, c] * x_scale[k, r] * w_scale[g, c // 128, k]          (one w_scale per step)
+    total[r, c] += partial[r, c] * x_scale[k, r] * w_scale[g, c // 128, k]          (one w_scale per step and block)
+
+A tile is 128 columns (one weight-scale block) or 192 (FP8_WIDE_BLOCK_N): a 192-column tile starts 0 or 64
+columns past a block's start and lies over two blocks, and its partial is promoted in 64-column chunks, each with
+its own block's scale.
 
 The scales travel beside the tiles:
   * x's scales come MN-major, [K / 128, M] f32 (launch.py transposes them), so a tile's scales of one K block are
     block_m contiguous floats: the producer TMA-loads them with the step's x and w tiles into a ring of its own
     (the step's "produced" barrier counts three copies);
-  * w's scales of one tile are a row of [G, N / 128, K blocks] f32, which each consumer TMA-loads at the tile's start
-    into its row of a [consumers, K blocks] buffer and reads as scalars, one per step. K blocks are padded to a
-    multiple of 32, so that every row of that buffer starts on the 128 bytes a TMA destination needs.
+  * w's scales of one tile are one or two rows of [G, N / 128 + 1, K blocks] f32 (a padded block past the last, for
+    the last 192-column tile), which each consumer TMA-loads at the tile's start into its [tile blocks, K blocks]
+    buffer and reads as scalars, one per step and block. K blocks are padded to a multiple of 32, so that every
+    consumer's buffer starts on the 128 bytes a TMA destination needs.
 
 The consumer reads its x scales while the step's MMA runs, waits for the MMA, promotes, and releases the step's slot
 (after a fence: those were generic-proxy reads of memory the producer's next TMA overwrites); the other consumers'
 MMAs run during its promotion. Registers bound the tile (``check``): the total of a [64, 128] tile takes 64 a
 thread, the partial 64 more, and two consumers get 232 registers, three 152: three consumers of 64 rows (192-row
-tiles) fit, 128 rows a consumer do not. config.fp8_config picks two or three consumers by the output columns. The
-epilogue stores the total as the plain kernel stores its accumulator (any ``sm90.Epilogue`` forward).
+tiles) fit, two of [64, 192] (96 + 96) too, 128 rows a consumer do not. config.fp8_config picks the consumers and
+columns by the output columns. The epilogue stores the total as the plain kernel stores its accumulator (any
+``sm90.Epilogue`` forward).
 """
 
 import math
