@@ -123,6 +123,25 @@ def micro_batches(batch: jax.Array, num_micro_batches: int) -> jax.Array:
     return batch.reshape(-1, num_micro_batches, batch.shape[-1]).swapaxes(0, 1)
 
 
+def quantized_experts(experts: nnx.State) -> nnx.State:
+    """Each expert weight of ``experts`` (arrays [..., G, K, N], stacked layers first) as a ``QuantizedMaster``:
+    itself with the FP8 kernels' copies (``moe_jax.quantize_master``, one pass over all of a weight's groups)."""
+
+    def quantize(w: jax.Array) -> moe_jax.QuantizedMaster:
+        groups = moe_jax.quantize_master(w.reshape(-1, *w.shape[-2:]))  # [layers * G, K, N]
+        return jax.tree.map(lambda a: a.reshape(*w.shape[:-2], *a.shape[1:]), groups)
+
+    return jax.tree.map(quantize, experts)
+
+
+def _is_quantized_master(x) -> bool:
+    return isinstance(x, moe_jax.QuantizedMaster)
+
+
+def _with_master(copy: moe_jax.QuantizedMaster, master: jax.Array) -> moe_jax.QuantizedMaster:
+    return dataclasses.replace(copy, master=master)
+
+
 def gradients(model: Transformer, inputs: jax.Array, targets: jax.Array, config: TrainConfig):
     """(gradients of the parameters, metrics) of one step's batch [B, S], in ``config.grad_accum_steps`` micro-batches.
 
@@ -131,14 +150,23 @@ def gradients(model: Transformer, inputs: jax.Array, targets: jax.Array, config:
 
     The expert weights (``EXPERT_WEIGHTS``), most of the parameters, are cast to the compute dtype once per step, not
     by every micro-batch's layers: there each layer's cast copy is also saved for its backward. The gradients are
-    the same, the cast's transpose being the same cast back, here as in the layer.
+    the same, the cast's transpose being the same cast back, here as in the layer. With the FP8 kernels' recipe
+    ("fp8_block") the cast weights are also quantized once per step (``quantized_experts``), and every micro-batch's
+    layers read those copies, their gradients reaching the cast weights straight through: the values are those of
+    quantizing in each layer call (the same quantization of the same weights), and where a layer takes the XLA path
+    or runs expert-parallel it quantizes per call as before, leaving the step's copies unused (XLA drops them).
     """
     graphdef, experts, params, rest = nnx.split(model, EXPERT_WEIGHTS, nnx.Param, ...)
     dtype = jnp.dtype(config.model.dtype)
     trainable = (jax.tree.map(lambda w: w.astype(dtype), experts), params)
+    copies = quantized_experts(trainable[0]) if config.model.quantization == "fp8_block" else None
 
     def micro_batch(trainable, inputs, targets):
-        return loss_fn(nnx.merge(graphdef, *trainable, rest), inputs, targets, config)
+        experts, params = trainable
+        if copies is not None:
+            # The gradient reaches each QuantizedMaster's master: the cast weight in ``trainable``.
+            experts = jax.tree.map(_with_master, copies, experts, is_leaf=_is_quantized_master)
+        return loss_fn(nnx.merge(graphdef, experts, params, rest), inputs, targets, config)
 
     def grad_fn(inputs, targets):
         """The micro-batch's gradients in the parameters' dtypes, one State as nnx.Param filters them."""

@@ -13,6 +13,7 @@ from flax import nnx
 from moe_jax.ops.glu_mlp.api import dense_glu_mlp
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp, gate_up_block, pack_gate_up
 from moe_jax.ops.moe_ffn.api import MoEAux, moe_ffn
+from moe_jax.ops.quant.reference import QuantizedMaster
 from moe_jax.ops.routing.api import Routing, RoutingOptions, balancing_bias_update, route, router_logits
 from moe_jax.parallel.expert_parallel import moe_ffn_expert_parallel
 
@@ -51,9 +52,16 @@ def _packed_gate_up_init(key, shape: tuple[int, int, int], dtype) -> jax.Array:
     return pack_gate_up(_fan_in_init(1, 2)(key, shape, dtype)).array
 
 
+def _weight(param: nnx.Param, dtype):
+    """An expert weight parameter in the compute dtype; a ``QuantizedMaster`` as it is (the FP8 copies a training
+    step made once for its micro-batches, ``moe_jax.quantize_master``, with the step's cast of the master)."""
+    value = param.get_value()
+    return value if isinstance(value, QuantizedMaster) else value.astype(dtype)
+
+
 def _gate_up(param: nnx.Param, dtype) -> PackedGateUp:
     """A packed gate/up parameter [G, D, 2F] as the ops take it (no copy beyond the dtype cast)."""
-    value = param[...].astype(dtype)
+    value = _weight(param, dtype)
     return PackedGateUp(value, gate_up_block(value.shape[2] // 2))
 
 
@@ -136,7 +144,7 @@ class SharedExperts(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [T, D] in the compute dtype -> [T, D]."""
-        w_gate_up, w_down = _gate_up(self.w_gate_up, x.dtype), self.w_down[...].astype(x.dtype)
+        w_gate_up, w_down = _gate_up(self.w_gate_up, x.dtype), _weight(self.w_down, x.dtype)
         options = dict(activation=self.activation, backend=self.backend, quantization=self.quantization)
         return dense_glu_mlp(x, w_gate_up, w_down, **options)
 
@@ -243,7 +251,7 @@ class MoE(nnx.Module):
         if self.expert_parallel:
             shared = None
             if self.shared is not None:
-                shared = (_gate_up(self.shared.w_gate_up, dtype), self.shared.w_down[...].astype(dtype))
+                shared = (_gate_up(self.shared.w_gate_up, dtype), _weight(self.shared.w_down, dtype))
             layer = functools.partial(
                 moe_ffn_expert_parallel,
                 expert_axis=EXPERT_AXIS,
@@ -258,7 +266,7 @@ class MoE(nnx.Module):
             tokens,
             self.router.kernel[...],
             _gate_up(self.w_gate_up, dtype),
-            self.w_down[...].astype(dtype),
+            _weight(self.w_down, dtype),
             top_k=self.router.top_k,
             activation=self.activation,
             bias=self.router.bias_value,

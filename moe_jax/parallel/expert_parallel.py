@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax._core import checks
 from moe_jax.ops.glu_mlp.api import dense_glu_mlp
+from moe_jax.ops.grouped_matmul.api import master_weights
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp, stored_array
 from moe_jax.ops.moe_ffn.api import LayerBackends, MoEAux, check_moe_args, expert_rows, route_tokens, routed_experts
 from moe_jax.ops.quant.reference import BlockScaled
@@ -133,13 +134,18 @@ def moe_ffn_expert_parallel(
       shared_experts: optional (w_gate_up [1, D, 2F_s] or its ``PackedGateUp``, w_down [1, F_s, D]): an always-on
         gated MLP added to y (``moe_jax.dense_glu_mlp``), run inside the same shard_map on each device's own tokens.
       top_k, activation, routing (or its fields as keywords), bias, capacity_factor, backend, quantization: as in
-        ``moe_jax.moe_ffn`` (the shared experts quantized too); the weights come in high precision.
+        ``moe_jax.moe_ffn`` (the shared experts quantized too); the weights come in high precision (of a
+        ``QuantizedMaster``, its master: each device quantizes its own experts per call).
 
     Returns:
       (y [T, D] sharded like x, MoEAux replicated, with ``received_rows`` and ``dropped_rows`` [mesh size] int32 per
       device in the order of x's shards).
     """
     routing = RoutingOptions.of(routing, routing_keywords)
+    # Each device quantizes its own experts' weights, per call: a QuantizedMaster's copies are the whole weights'.
+    w_gate_up, w_down = map(master_weights, (w_gate_up, w_down))
+    if shared_experts is not None:
+        shared_experts = tuple(map(master_weights, shared_experts))
     if any(isinstance(w, BlockScaled) for w in (stored_array(w_gate_up), w_down)):
         raise TypeError(
             "moe_ffn_expert_parallel quantizes its weights on every device: pass them in high precision, not as "

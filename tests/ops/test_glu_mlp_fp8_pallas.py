@@ -25,7 +25,8 @@ import moe_jax
 from moe_jax._core import backend as dispatch
 from moe_jax.ops.glu_mlp import api as glu_mlp_api
 from moe_jax.ops.grouped_matmul import launch, reference
-from moe_jax.ops.grouped_matmul.api import quantize_weights
+from moe_jax.ops.grouped_matmul.api import master_weights, quantize_weights
+from moe_jax.ops.quant import api as quant_api
 from tests import oracle
 from tests.helpers import check_glu_backward, checked_interpreter, cuda_lowering, glu_mlp_inputs, simulated_sms
 
@@ -125,6 +126,35 @@ def test_fp8_glu_mlp_matches_the_xla_recipe(activation, case):
     np.testing.assert_array_equal(np.asarray(kernel_y, np.float32)[past:], 0.0)
     for name, actual, expected in zip(names, kernel_grads, xla_grads, strict=True):
         assert oracle.relative_error(actual, expected) < MLP_TOL, name
+
+
+def test_quantized_master_weights_are_read_as_they_are_and_give_their_masters_gradients(monkeypatch):
+    """Weights quantized once (``quantize_master``) give the kernels' output and gradients on the master weights
+    bit for bit, and the call quantizes no weight (the kernels read the copies)."""
+    inputs = _inputs("edges", seed=7)
+    group_sizes, cotangent = inputs["group_sizes"], inputs["cotangent"].astype(jnp.float32)
+    masters = (moe_jax.pack_gate_up(inputs["w_gate_up"]), inputs["w_down"])
+    copies = tuple(moe_jax.quantize_master(w) for w in masters)
+
+    def run(w_gate_up, w_down):
+        def loss(x, w_gate_up, w_down):
+            options = dict(row_scale=inputs["row_scale"], backend="pallas", quantization="fp8_block")
+            y = moe_jax.glu_mlp(x, w_gate_up, w_down, group_sizes, **options)
+            return jnp.sum(y.astype(jnp.float32) * cotangent), y
+
+        (d_x, *d_weights), y = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(inputs["x"], w_gate_up, w_down)
+        return y, d_x, *(master_weights(d) for d in d_weights)
+
+    with simulated_sms(2), checked_interpreter():
+        expected = run(*masters)
+
+        def quantized_again(*args, **kwargs):
+            raise AssertionError("a weight was quantized again")
+
+        monkeypatch.setattr(quant_api, "quantize_square_blocks", quantized_again)
+        got = run(*copies)
+    for actual, wanted in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(actual, wanted)
 
 
 def test_fp8_routed_glu_mlp_matches_the_xla_recipe():

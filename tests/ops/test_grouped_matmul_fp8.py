@@ -19,7 +19,7 @@ import pytest
 
 import moe_jax
 from moe_jax.ops.grouped_matmul import api, reference
-from moe_jax.ops.grouped_matmul.packing import PackedGateUp, pack_gate_up, unpack_gate_up
+from moe_jax.ops.grouped_matmul.packing import PackedGateUp, pack_gate_up, stored_array, unpack_gate_up
 from tests import oracle
 from tests.helpers import grouped_matmul_inputs
 
@@ -263,6 +263,37 @@ def test_fp8_block_weights_pre_quantized_give_the_same_input_gradient():
     np.testing.assert_array_equal(d_lhs(api.quantize_weights(rhs)), d_lhs(rhs))
 
 
+def _values_and_gradients(weights, lhs, group_sizes, cotangent, **options):
+    """(out, d lhs, d rhs) of the fp8_block op on ``weights``; a QuantizedMaster's d rhs is its master's gradient."""
+
+    def op(lhs, weights):
+        return moe_jax.grouped_matmul(lhs, weights, group_sizes, quantization="fp8_block", **options)
+
+    out, pullback = jax.vjp(op, lhs, weights)
+    d_lhs, d_weights = pullback(cotangent)
+    d_rhs = api.master_weights(d_weights)
+    return out, d_lhs, d_rhs.array if isinstance(d_rhs, PackedGateUp) else d_rhs
+
+
+@pytest.mark.parametrize("transpose_rhs, activation", [(False, None), (True, None), (False, "swiglu")])
+def test_quantized_master_gives_the_values_and_gradients_of_its_master(transpose_rhs, activation):
+    """Weights quantized once (``quantize_master``) give the op's output and gradients on the master weights exactly:
+    the same copies, and the weight gradient reaches the master straight through them."""
+    m, k, n, sizes = CASES["edges"]
+    lhs, rhs, group_sizes = _problem(21, m, k, n, sizes, transpose_rhs=transpose_rhs)
+    if activation is not None:
+        rhs = pack_gate_up(rhs, transposed=transpose_rhs)
+    cols = n // 2 if activation else n
+    cotangent = jnp.asarray(np.random.default_rng(22).normal(size=(m, cols)), jnp.float32)
+    options = dict(activation=activation, transpose_rhs=transpose_rhs)
+    master = api.quantize_master(rhs, transpose_rhs=transpose_rhs)
+    expected = _values_and_gradients(rhs, lhs, group_sizes, cotangent, **options)
+    got = _values_and_gradients(master, lhs, group_sizes, cotangent, **options)
+    assert isinstance(stored_array(master), moe_jax.QuantizedMaster)
+    for a, b in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 # ----------------------------------------------------------------------------------------------------------- errors
 
 
@@ -325,3 +356,34 @@ def test_mxfp8_weight_blocks_lie_along_k():
     assert quantized.block_shape == (1, 32, 1)
     assert quantized.scales.shape == (2, 4, 128) and quantized.scales.dtype == jnp.float8_e8m0fnu
     assert api.quantize_weights(rhs, "mxfp8", transpose_rhs=True).block_shape == (1, 1, 32)
+
+
+@pytest.mark.parametrize(
+    "make, options, match",
+    [
+        (lambda rhs: api.quantize_master(rhs), dict(), "pass quantization='fp8_block', got None"),
+        (lambda rhs: api.quantize_master(rhs), dict(quantization="mxfp8"), "got 'mxfp8'"),
+        (
+            lambda rhs: api.quantize_master(rhs),
+            dict(quantization="fp8_block", transpose_rhs=True),
+            "made with transpose_rhs=False",
+        ),
+        (
+            lambda rhs: api.quantize_master(rhs),
+            dict(quantization="fp8_block", activation="swiglu"),
+            "unpacked .gate . up. weights",
+        ),
+    ],
+)
+def test_quantized_master_outside_its_recipe_and_layout_is_rejected(make, options, match):
+    lhs, rhs, group_sizes = _args()
+    with pytest.raises(ValueError, match=match):
+        moe_jax.grouped_matmul(lhs, make(rhs), group_sizes, **options)
+
+
+def test_quantize_master_checks_its_arguments():
+    _, rhs, _ = _args()
+    with pytest.raises(ValueError, match="rank 3"):
+        api.quantize_master(rhs[0])
+    with pytest.raises(TypeError, match="rhs must have dtype"):
+        api.quantize_master(rhs.astype(jnp.int32))

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from moe_jax.ops.grouped_matmul import api as grouped_matmul_api
 from tests.helpers import virtual_devices_flags
 from train import configs, main
 from train.metrics import training_flops_per_token
@@ -328,15 +329,18 @@ def test_scan_remat_and_accumulation_train_like_the_plain_step(variant):
         np.testing.assert_array_equal(got["expert_counts"], want["expert_counts"])
 
 
-@pytest.mark.parametrize("scan_layers", [False, True])
-def test_expert_weights_cast_once_give_the_gradients_of_casting_in_every_layer(scan_layers):
-    """``gradients`` casts the expert weights to bf16 once per step; the oracle differentiates each micro-batch's loss
-    with respect to the f32 parameters, which the layers cast themselves, and averages. Both round alike, so they
-    agree to f32 summation order, and every expert weight (routed and shared) is among the cast ones.
+@pytest.mark.parametrize("scan_layers, quantization", [(False, None), (True, None), (True, "fp8_block")])
+def test_expert_weights_cast_once_give_the_gradients_of_casting_in_every_layer(scan_layers, quantization):
+    """``gradients`` casts the expert weights to bf16 once per step (and with fp8_block quantizes them once,
+    ``quantized_experts``); the oracle differentiates each micro-batch's loss with respect to the f32 parameters,
+    which the layers cast (and quantize) themselves, and averages. Both round alike, so they agree to f32 summation
+    order, and every expert weight (routed and shared) is among the cast ones.
 
     Both programs compile with XLA's excess precision off: with it, XLA may skip a bf16 rounding between fused ops,
     and does so in one program and not the other."""
-    model_config = dataclasses.replace(SMALL.model, dtype="bfloat16", num_shared_experts=1, scan_layers=scan_layers)
+    model_config = dataclasses.replace(
+        SMALL.model, dtype="bfloat16", num_shared_experts=1, scan_layers=scan_layers, quantization=quantization
+    )
     config = dataclasses.replace(SMALL, model=model_config, grad_accum_steps=2)
     model = Transformer(config.model, backend="xla", rngs=nnx.Rngs(3))
     tokens = jax.random.randint(jax.random.key(4), (config.batch_size, config.seq_len + 1), 0, 256)
@@ -361,6 +365,36 @@ def test_expert_weights_cast_once_give_the_gradients_of_casting_in_every_layer(s
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected), strict=True):
         assert got.dtype == want.dtype == jnp.float32
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-8)
+
+
+def test_fp8_expert_weights_are_quantized_once_a_step_and_the_layers_read_the_copies(monkeypatch):
+    """Traced for the FP8 kernels (backend "pallas", 2 micro-batches, stacked layers, a shared expert), the step
+    quantizes each expert weight once, outside the micro-batches, and every layer's FP8 GEMMs take the copies: the
+    kernels' weight layouts are made from high-precision weights only for the step's QuantizedMasters."""
+    model_config = dataclasses.replace(
+        SMALL.model,
+        d_model=128,
+        d_ff=128,
+        dtype="bfloat16",
+        num_shared_experts=1,
+        scan_layers=True,
+        quantization="fp8_block",
+    )
+    config = dataclasses.replace(SMALL, model=model_config, grad_accum_steps=2)
+    model = Transformer(config.model, backend="pallas", rngs=nnx.Rngs(5))
+    made_from = []
+    kernel_weights = grouped_matmul_api.kernel_weights
+
+    def recorded(weights, *args, **kwargs):
+        made_from.append(type(weights).__name__)
+        return kernel_weights(weights, *args, **kwargs)
+
+    monkeypatch.setattr(grouped_matmul_api, "kernel_weights", recorded)
+    batch = jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32)
+    jax.eval_shape(lambda inputs, targets: gradients(model, inputs, targets, config), batch, batch)
+    # The routed and the shared experts' w_gate_up and w_down, stacked over the layers: four quantize_master calls.
+    assert len(made_from) - made_from.count("QuantizedMaster") == 4
+    assert made_from.count("QuantizedMaster") >= 4
 
 
 def test_evaluation_in_micro_batches_matches_the_whole_batch():

@@ -323,8 +323,8 @@ def _quantized_glu_mlp(
             x = permute_api.permute(x, sort_indices, top_k, positions=positions, backend="xla")
         return reference.quantized_glu_mlp(
             x,
-            w_gate_up,
-            w_down,
+            grouped_matmul_api.master_weights(w_gate_up),
+            grouped_matmul_api.master_weights(w_down),
             group_sizes,
             activation=activation,
             quantization=quantization,
@@ -399,9 +399,11 @@ def _fp8_glu_mlp_bwd(top_k, activation, residuals, d_y):
     d_w_gate_up = d_w_down = None
     if not isinstance(w_gate_up, BlockScaled):
         rows = _sorted_rows(x, sort_indices, positions, top_k)
-        d_w_gate_up = wgrad(rows, group_sizes, d_gate_up, out_dtype=w_gate_up.dtype)
+        d_master = wgrad(rows, group_sizes, d_gate_up, out_dtype=w_gate_up.dtype)
+        d_w_gate_up = grouped_matmul_api.weight_gradient(w_gate_up, d_master)
     if not isinstance(w_down, BlockScaled):
-        d_w_down = wgrad(hidden_scaled, group_sizes, d_y, out_dtype=w_down.dtype)
+        d_master = wgrad(hidden_scaled, group_sizes, d_y, out_dtype=w_down.dtype)
+        d_w_down = grouped_matmul_api.weight_gradient(w_down, d_master)
     d_x = d_rows
     if sort_indices is not None:
         d_x = permute_api.combine(d_rows, sort_indices, top_k, positions=positions, backend=_rows_backend(x))

@@ -24,6 +24,7 @@ from moe_jax._core import checks
 from moe_jax.ops.grouped_matmul import reference, reference_fp8
 from moe_jax.ops.grouped_matmul.glu import ACTIVATIONS, glu
 from moe_jax.ops.grouped_matmul.launch import (
+    FP8_KERNEL_QUANTIZATION,
     GROUPED_MATMUL_NAMES,
     ArgNames,
     fp8_dgrad_runs,
@@ -47,7 +48,7 @@ from moe_jax.ops.grouped_matmul.packing import (
 from moe_jax.ops.grouped_matmul.reference_fp8 import QUANTIZATIONS, RECIPES
 from moe_jax.ops.quant import api as quant
 from moe_jax.ops.quant.qwix_interop import from_qarray, is_qarray
-from moe_jax.ops.quant.reference import FP8_DTYPES, BlockScaled
+from moe_jax.ops.quant.reference import FP8_DTYPES, BlockScaled, QuantizedMaster
 
 OUTPUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -93,6 +94,11 @@ def check_grouped_matmul_args(
             raise ValueError(
                 f"{rhs_name}: with activation={activation!r} {n} holds [gate | up] and must be even, got {num_cols}"
             )
+    if activation is not None and isinstance(rhs, QuantizedMaster):
+        raise ValueError(
+            f"{rhs_name} is a QuantizedMaster of unpacked [gate | up] weights: the GLU kernels read them packed, "
+            "make it from pack_gate_up(...)"
+        )
     if isinstance(rhs, PackedGateUp) and rhs.block != gate_up_block(num_cols // 2):
         raise ValueError(
             f"{rhs_name}.block must be gate_up_block(F) = {gate_up_block(num_cols // 2)} for F = {num_cols // 2} "
@@ -112,6 +118,8 @@ def check_grouped_matmul_args(
 def _check_operand_types(lhs, weights, quantization, transpose_rhs: bool, names: ArgNames) -> None:
     """Float operands of one dtype; with ``quantization`` each may instead be a BlockScaled of the recipe's blocks."""
     operands = ((names.lhs, lhs), (names.rhs, weights))
+    if isinstance(weights, QuantizedMaster):
+        _check_quantized_master(names.rhs, weights, quantization, transpose_rhs)
     if quantization is None:
         for name, operand in operands:
             if isinstance(operand, BlockScaled):
@@ -127,6 +135,37 @@ def _check_operand_types(lhs, weights, quantization, transpose_rhs: bool, names:
         checks.check_float(name, operand)
     if len(operands) == 2 and lhs.dtype != weights.dtype:
         raise TypeError(f"{names.lhs} and {names.rhs} must have the same dtype, got {lhs.dtype} and {weights.dtype}")
+
+
+def _check_quantized_master(name: str, weights: QuantizedMaster, quantization, transpose_rhs: bool) -> None:
+    """A QuantizedMaster holds fp8_block's kernel copies of weights stored as the call says."""
+    if quantization != FP8_KERNEL_QUANTIZATION:
+        raise ValueError(
+            f"{name} is a QuantizedMaster (FP8 copies of the {FP8_KERNEL_QUANTIZATION!r} recipe): pass "
+            f"quantization={FP8_KERNEL_QUANTIZATION!r}, got {quantization!r}"
+        )
+    if weights.transpose_rhs != transpose_rhs:
+        raise ValueError(
+            f"{name} is a QuantizedMaster made with transpose_rhs={weights.transpose_rhs}: the call's transpose_rhs "
+            "must match"
+        )
+
+
+def master_weights(weights):
+    """Weights with any QuantizedMaster (also inside a PackedGateUp) replaced by its master: what an implementation
+    that quantizes the weights itself takes (the same copies, as quantization is deterministic)."""
+    array = stored_array(weights)
+    if not isinstance(array, QuantizedMaster):
+        return weights
+    return dataclasses.replace(weights, array=array.master) if isinstance(weights, PackedGateUp) else array.master
+
+
+def weight_gradient(weights, d_master: jax.Array):
+    """The cotangent of ``weights`` (high precision or a QuantizedMaster) from the gradient of its values: a
+    QuantizedMaster's goes to its master, straight through its copies."""
+    if isinstance(weights, QuantizedMaster):
+        return QuantizedMaster(d_master, None, None, weights.transpose_rhs)
+    return d_master
 
 
 def _check_block_scaled(name: str, operand: BlockScaled, block_shape, recipe, quantization: str) -> None:
@@ -216,7 +255,7 @@ def grouped_matmul(
     if quantization is not None and implementation.name == "xla":
         return reference_fp8.grouped_matmul(
             lhs,
-            rhs,
+            master_weights(rhs),
             group_sizes,
             quantization=quantization,
             activation=activation,
@@ -325,6 +364,31 @@ def quantize_weights(
     return dataclasses.replace(rhs, array=quantized) if isinstance(rhs, PackedGateUp) else quantized
 
 
+def quantize_master(rhs: jax.Array | PackedGateUp, *, transpose_rhs: bool = False) -> QuantizedMaster | PackedGateUp:
+    """High-precision weights with the FP8 kernels' copies made once, for the calls of a training step to share.
+
+    ``grouped_matmul``, ``glu_mlp``, ``moe_ffn`` and ``moe_jax.nn.MoE`` with ``quantization="fp8_block"`` quantize
+    high-precision weights on every call, into the forward's and the dgrad's layouts (one pass over them). A step
+    that runs a layer on several micro-batches can do that once instead: pass the result where the weights go. The
+    kernels read its copies, the gradient reaches the master straight through (the same values as for the master
+    itself, which the XLA path and expert parallelism quantize per call as before).
+
+    Args:
+      rhs: [G, K, N], or [G, N, K] with ``transpose_rhs``, high precision; or a PackedGateUp of such an array.
+      transpose_rhs: rhs is laid out [G, N, K].
+
+    Returns:
+      A QuantizedMaster of rhs (of its array, inside the same PackedGateUp).
+    """
+    weights = stored_array(rhs)
+    checks.check_rank("rhs", weights, 3, "[G, N, K]" if transpose_rhs else "[G, K, N]")
+    checks.check_float("rhs", weights)
+    recipe = RECIPES[FP8_KERNEL_QUANTIZATION]
+    forward, dgrad = kernel_weights(weights, recipe, transpose_rhs, with_dgrad=True)
+    master = QuantizedMaster(weights, forward, dgrad, transpose_rhs)
+    return dataclasses.replace(rhs, array=master) if isinstance(rhs, PackedGateUp) else master
+
+
 # ------------------------------------------------------------------------------------------- Pallas path + custom_vjp
 
 
@@ -415,9 +479,11 @@ def kernel_weights(weights, recipe, transpose_rhs: bool, *, with_dgrad: bool):
 
     FP8 wgmma operands are K-major, so the forward reads the weights [G, N, K] and the dgrad, contracting over N,
     [G, K, N]; fp8_block's dgrad multiplies by the forward's quantized weights (square blocks). High-precision weights
-    are quantized into both layouts in one pass (``quantize_square_blocks``: once per step, the forward and the
-    backward sharing the copies); BlockScaled ones are transposed as needed.
+    are quantized into both layouts in one pass (``quantize_square_blocks``: once per call, the forward and the
+    backward sharing the copies); BlockScaled ones are transposed as needed; a QuantizedMaster holds both.
     """
+    if isinstance(weights, QuantizedMaster):
+        return weights.forward, weights.dgrad if with_dgrad else None
     forward, dgrad = ("as_is", "transposed") if transpose_rhs else ("transposed", "as_is")
     copies = (forward, dgrad) if with_dgrad else (forward,)
     if isinstance(weights, BlockScaled):
@@ -438,7 +504,8 @@ def _pallas_fp8_bwd(activation, out_dtype, transpose_rhs, quantization, residual
     if not isinstance(lhs, BlockScaled):
         d_lhs = fp8_dgrad(d_pre, w_kn, group_sizes, recipe, transpose_rhs, lhs.dtype)
     if not isinstance(weights, BlockScaled):
-        d_weights = fp8_wgrad(lhs, group_sizes, d_pre, quantization, transpose_rhs, weights.dtype)
+        d_master = fp8_wgrad(lhs, group_sizes, d_pre, quantization, transpose_rhs, weights.dtype)
+        d_weights = weight_gradient(weights, d_master)
     return d_lhs, d_weights, None, d_row_scale
 
 

@@ -12,7 +12,7 @@ from moe_jax.ops.grouped_matmul.launch import rows_in_groups
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp, stored_array
 from moe_jax.ops.grouped_matmul.reference_fp8 import QUANTIZATIONS
 from moe_jax.ops.permute import api as permute_api
-from moe_jax.ops.quant.reference import BlockScaled
+from moe_jax.ops.quant.reference import BlockScaled, QuantizedMaster
 from moe_jax.ops.routing import api as routing_api
 from moe_jax.ops.routing.api import Routing, RoutingOptions, apply_capacity, load_balancing_loss, router_logits, z_loss
 
@@ -72,8 +72,9 @@ def check_moe_args(
     weights = (("w_gate_up", stored_array(w_gate_up)), ("w_down", w_down))
     if quantization is None:
         for name, array in weights:
-            if isinstance(array, BlockScaled):
-                raise TypeError(f"{name} is a BlockScaled (FP8): pass quantization= ({QUANTIZATIONS}) to match it")
+            if isinstance(array, (BlockScaled, QuantizedMaster)):
+                kind = type(array).__name__
+                raise TypeError(f"{name} is a {kind} (FP8): pass quantization= ({QUANTIZATIONS}) to match it")
     # BlockScaled weights (quantization only) have their blocks checked by grouped_matmul.
     high_precision = [(name, a) for name, a in weights if not isinstance(a, BlockScaled)]
     for name, array in (("x", x), ("router_kernel", router_kernel), *high_precision):

@@ -71,6 +71,37 @@ class BlockScaled:
         return (widened(self.values) * scales).astype(dtype)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedMaster:
+    """High-precision (master) weights with the FP8 copies the kernels read, quantized once for many calls.
+
+    A training step that runs its layers on several micro-batches makes these once (``moe_jax.quantize_master``)
+    and passes them where the weights go: every call's kernels read the copies, and the gradient reaches ``master``
+    straight through, as it reaches high-precision weights that the op quantizes itself.
+
+    Attributes:
+      master: the weights as the op takes them, [G, K, N] (or [G, N, K] with ``transpose_rhs``), high precision.
+      forward: the forward GEMM's copy [G, N, K] (K-major), fp8_block's 128 x 128 blocks.
+      dgrad: the dgrad GEMM's copy [G, K, N] (N-major: K-major for a GEMM contracting N), the same blocks.
+      transpose_rhs: static, the layout of ``master``; the calls' ``transpose_rhs`` must say the same.
+    """
+
+    master: jax.Array
+    forward: BlockScaled
+    dgrad: BlockScaled
+    transpose_rhs: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.master.shape
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The master's dtype (that of the weights' gradient)."""
+        return self.master.dtype
+
+
 def widened(values: jax.Array) -> jax.Array:
     """FP8 ``values`` in f32, exactly as rounded.
 
