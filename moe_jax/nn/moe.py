@@ -162,8 +162,9 @@ class MoE(nnx.Module):
       dtype: compute dtype (None: the input's).  param_dtype: dtype of the parameters.
       backend: "auto", "xla" or "pallas".
       quantization: None, "fp8_block" or "mxfp8": the routed and shared experts' GEMMs on block-scaled FP8 operands
-        (``moe_jax.moe_ffn``'s); the parameters stay in ``param_dtype`` and are quantized on every call, the router
-        stays in high precision.
+        (``moe_jax.moe_ffn``'s); the parameters stay in ``param_dtype`` and are quantized on every call, unless a
+        training step set them to ``QuantizedMaster`` values made once for its micro-batches (``train``'s
+        ``gradients`` does); the router stays in high precision.
       expert_parallel: run the layer with the routed experts split over the current mesh's "expert" axis
         (``moe_jax.parallel.moe_ffn_expert_parallel`` under ``jax.shard_map``, the shared experts inside it); call
         the layer under ``jax.set_mesh``. False: one ``moe_ffn`` that XLA partitions.

@@ -92,6 +92,8 @@ def test_quantization_arguments_are_checked():
     w_down_fp8 = moe_jax.ops.grouped_matmul.api.quantize_weights(w_down)
     with pytest.raises(TypeError, match="w_down is a BlockScaled"):
         moe_jax.moe_ffn(x, router_kernel, w_gate_up, w_down_fp8, top_k=2)
+    with pytest.raises(TypeError, match="w_down is a QuantizedMaster"):
+        moe_jax.moe_ffn(x, router_kernel, w_gate_up, moe_jax.quantize_master(w_down), top_k=2)
     with pytest.raises(TypeError, match="x: glu_mlp quantizes x itself"):
         moe_jax.glu_mlp(
             moe_jax.quantize_blockwise(x, (1, 128)),

@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import AxisType
 
 import moe_jax
+from moe_jax.ops.grouped_matmul.api import master_weights
 from moe_jax.parallel.expert_parallel import local_expert_rows, moe_ffn_expert_parallel
 from tests import oracle
 from tests.helpers import virtual_devices_flags
@@ -209,3 +210,31 @@ def test_pallas_kernels_run_under_shard_map():
     assert oracle.relative_error(actual_y, exact_y) <= 1e-2
     for name, value in actual.items():
         assert oracle.relative_error(value, exact_grads[name]) <= 1e-2, name
+
+
+def test_quantized_master_weights_give_their_masters_results():
+    """Each device quantizes its own experts per call, so QuantizedMaster weights (a training step's copies) enter as
+    their masters: the same outputs and gradients (those reach the masters), bit for bit, on a one-device mesh."""
+    t, d, f, e, k = 32, 128, 128, 4, 2
+    keys = jax.random.split(jax.random.key(2), 5)
+    x = jax.random.normal(keys[0], (t, d), jnp.bfloat16)
+    router = jax.random.normal(keys[1], (d, e)) * d**-0.5
+    w_gate_up = moe_jax.pack_gate_up((jax.random.normal(keys[2], (e, d, 2 * f)) * d**-0.5).astype(jnp.bfloat16))
+    w_down = (jax.random.normal(keys[3], (e, f, d)) * f**-0.5).astype(jnp.bfloat16)
+    cotangent = jax.random.normal(keys[4], (t, d))
+
+    def results(w_gate_up, w_down):
+        def loss(x, w_gate_up, w_down):
+            y, _ = moe_ffn_expert_parallel(
+                x, router, w_gate_up, w_down, top_k=k, backend="xla", quantization="fp8_block"
+            )
+            return jnp.sum(y.astype(jnp.float32) * cotangent), y
+
+        (d_x, *d_weights), y = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(x, w_gate_up, w_down)
+        return y, d_x, *(master_weights(w) for w in d_weights)
+
+    with jax.set_mesh(jax.make_mesh((1, 1), ("data", "expert"), axis_types=(AxisType.Explicit,) * 2)):
+        expected = results(w_gate_up, w_down)
+        got = results(moe_jax.quantize_master(w_gate_up), moe_jax.quantize_master(w_down))
+    for actual, wanted in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(actual, wanted)

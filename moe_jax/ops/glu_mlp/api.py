@@ -214,7 +214,8 @@ def glu_mlp(
         ``grouped_matmul(quantization=...)`` defines them (the backward: the module docstring; the kernels need x in
         bf16 or f16). The weights may then also be
         ``BlockScaled`` (``quantize_weights``; w_gate_up as a PackedGateUp of one for the kernels), which get no
-        gradient; x stays high precision.
+        gradient, or, with "fp8_block", ``QuantizedMaster`` (``quantize_master``, w_gate_up packed first), whose
+        copies the kernels read and whose master gets the gradient; x stays high precision.
 
     Returns:
       [M, D] in x.dtype.

@@ -224,7 +224,9 @@ def grouped_matmul(
         array and its PackedGateUp agree) and takes ``BlockScaled`` ones (``quantize_blockwise``,
         ``quantize_weights``) as they are, with the recipe's block_shape. Gradients reach high-precision operands
         straight through the quantization, their own GEMMs quantized too; BlockScaled operands get none
-        (reference_fp8.py has the whole recipe).
+        (reference_fp8.py has the whole recipe). With "fp8_block" rhs may also be a ``QuantizedMaster``
+        (``quantize_master``: the weights with the kernels' copies made once, for many calls): the kernels read the
+        copies, and its master gets the gradient that high-precision weights would.
       backend: "auto", "xla" or "pallas". "pallas" (the default on an H100/H200 under "auto") needs bf16/f16 inputs,
         K, N multiples of 64 and, with an activation, F a multiple of 64; "auto" falls back to "xla" where those do
         not hold. With an activation or a row scale the kernel applies them in its epilogue (f32) and writes only

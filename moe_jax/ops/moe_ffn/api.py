@@ -155,7 +155,9 @@ def moe_ffn(
       backend: "auto", "xla" or "pallas", for every op of the layer (``LayerBackends``).
       quantization: None, "fp8_block" or "mxfp8": the expert GEMMs on block-scaled FP8 operands (``glu_mlp``'s);
         the router, the routing and the aux losses stay in high precision. The expert weights may then be
-        ``BlockScaled`` (``quantize_weights``; inference: they get no gradient).
+        ``BlockScaled`` (``quantize_weights``; inference: they get no gradient) or, with "fp8_block",
+        ``QuantizedMaster`` (``quantize_master``: copies made once for a training step's micro-batches, the
+        gradient reaching the master).
 
     Returns:
       (y [T, D] in x.dtype, MoEAux).
