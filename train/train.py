@@ -153,13 +153,16 @@ def gradients(model: Transformer, inputs: jax.Array, targets: jax.Array, config:
     the same, the cast's transpose being the same cast back, here as in the layer. With the FP8 kernels' recipe
     ("fp8_block") the cast weights are also quantized once per step (``quantized_experts``), and every micro-batch's
     layers read those copies, their gradients reaching the cast weights straight through: the values are those of
-    quantizing in each layer call (the same quantization of the same weights), and where a layer takes the XLA path
-    or runs expert-parallel it quantizes per call as before, leaving the step's copies unused (XLA drops them).
+    quantizing in each layer call (the same quantization of the same weights). A layer on the XLA path quantizes per
+    call as before, leaving the step's copies unused (XLA drops them); expert-parallel layers (each device
+    quantizes its own experts) get no copies.
     """
     graphdef, experts, params, rest = nnx.split(model, EXPERT_WEIGHTS, nnx.Param, ...)
     dtype = jnp.dtype(config.model.dtype)
     trainable = (jax.tree.map(lambda w: w.astype(dtype), experts), params)
-    copies = quantized_experts(trainable[0]) if config.model.quantization == "fp8_block" else None
+    # Expert-parallel layers quantize their own experts per call: no copies for them.
+    once = config.model.quantization == "fp8_block" and config.expert_parallelism == 1
+    copies = quantized_experts(trainable[0]) if once else None
 
     def micro_batch(trainable, inputs, targets):
         experts, params = trainable

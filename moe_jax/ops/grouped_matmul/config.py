@@ -54,8 +54,8 @@ SHORT_D_MAX = 2880
 # Longest contraction (D) at which the heuristic's glu_dgrad in group bands keeps 128 x 128 tiles; past it
 # GLU_DGRAD_LONG_D_TILES' 128 x 256 tiles run faster (at D = 7168; alike at 4096, 21-32% slower at 2048 / 2880).
 MEDIUM_D_MAX = 4096
-# The FP8 forward (sm90_fp8.py) steps through K in blocks of the fp8_block recipe's 128 and takes 128-column tiles,
-# one weight-scale block wide.
+# The FP8 forward (sm90_fp8.py) steps through K in blocks of the fp8_block recipe's 128, and its narrow tiles are one
+# weight-scale block wide.
 FP8_BLOCK = 128
 # The FP8 kernel's wide tiles: one and a half weight-scale blocks, whose total and partial still fit two consumers'
 # registers (sm90_fp8.check).
