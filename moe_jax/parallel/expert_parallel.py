@@ -27,10 +27,10 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax._core import checks
 from moe_jax.ops.glu_mlp.api import dense_glu_mlp
-from moe_jax.ops.grouped_matmul.api import master_weights
+from moe_jax.ops.grouped_matmul.api import check_quantized_master, master_weights
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp, stored_array
 from moe_jax.ops.moe_ffn.api import LayerBackends, MoEAux, check_moe_args, expert_rows, route_tokens, routed_experts
-from moe_jax.ops.quant.reference import BlockScaled
+from moe_jax.ops.quant.reference import BlockScaled, QuantizedMaster
 from moe_jax.ops.routing.api import RoutingOptions, z_loss
 from moe_jax.ops.routing.reference import load_balancing_loss_from
 from moe_jax.parallel import all_to_all
@@ -142,7 +142,14 @@ def moe_ffn_expert_parallel(
       device in the order of x's shards).
     """
     routing = RoutingOptions.of(routing, routing_keywords)
-    # Each device quantizes its own experts' weights, per call: a QuantizedMaster's copies are the whole weights'.
+    # Each device quantizes its own experts' weights, per call: a QuantizedMaster's copies are the whole weights', and
+    # it enters as its master, once checked against the call.
+    named = {"w_gate_up": w_gate_up, "w_down": w_down}
+    if shared_experts is not None:
+        named |= {"shared_experts[0]": shared_experts[0], "shared_experts[1]": shared_experts[1]}
+    for name, weights in named.items():
+        if isinstance(stored_array(weights), QuantizedMaster):
+            check_quantized_master(name, stored_array(weights), quantization, transpose_rhs=False)
     w_gate_up, w_down = map(master_weights, (w_gate_up, w_down))
     if shared_experts is not None:
         shared_experts = tuple(map(master_weights, shared_experts))

@@ -18,8 +18,10 @@ from jax.sharding import AbstractMesh
 
 import moe_jax
 from benchmarks import shapes
+from moe_jax._core import backend as dispatch
 from moe_jax.ops.grouped_matmul import config, launch, sm90_fp8_wgrad
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp, gate_up_block
+from tests.helpers import cuda_lowering
 
 pytestmark = pytest.mark.smoke  # lowering and config checks: no numbers (tests/README.md)
 
@@ -170,3 +172,24 @@ def test_wgrad_config_takes_the_stages_that_fit(out_dtype):
             lowers = False
         fits = sm90_fp8_wgrad.smem_bytes(c, itemsize) <= config.SMEM_BYTES - 2048
         assert lowers == expected == fits, stages
+
+
+def test_quantize_master_inside_a_differentiated_function_lowers(monkeypatch):
+    """quantize_master's copies are constants (the quantizer kernel has no derivative): a loss that makes them from
+    the weights it is differentiated by lowers for CUDA on the kernels, the quantizer's included, and its gradient is
+    the master's."""
+    monkeypatch.setattr(dispatch, "has_sm90_gpu", lambda: True)
+    weights = jax.ShapeDtypeStruct((2, 256, 384), jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)
+    group_sizes = jax.ShapeDtypeStruct((2,), jnp.int32)
+
+    def loss(weights, x, group_sizes):
+        master = moe_jax.quantize_master(weights)
+        out = moe_jax.grouped_matmul(x, master, group_sizes, quantization="fp8_block", backend="pallas")
+        return jnp.sum(jnp.square(out.astype(jnp.float32)))  # the gradients need the forward and both copies
+
+    grad = jax.grad(loss, argnums=(0, 1))
+    assert jax.eval_shape(grad, weights, x, group_sizes) == (weights, x)
+    kernels = set(re.findall(r"moe_\w+?_mosaic_gpu", cuda_lowering(grad, weights, x, group_sizes)))
+    expected = ("moe_quantize_square_blocks", "moe_gmm_fp8", "moe_gmm_wgrad_fp8")
+    assert {f"{name}_mosaic_gpu" for name in expected} <= kernels

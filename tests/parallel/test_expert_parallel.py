@@ -238,3 +238,16 @@ def test_quantized_master_weights_give_their_masters_results():
         got = results(moe_jax.quantize_master(w_gate_up), moe_jax.quantize_master(w_down))
     for actual, wanted in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
         np.testing.assert_array_equal(actual, wanted)
+
+
+@pytest.mark.parametrize("quantization, match", [(None, "got None"), ("mxfp8", "got 'mxfp8'")])
+def test_quantized_master_weights_outside_fp8_block_are_rejected(quantization, match):
+    """As in moe_ffn: a QuantizedMaster holds fp8_block's copies, so another quantization is an error, not a silent
+    run on its master."""
+    t, d, f, e = 16, 128, 128, 4
+    x = jnp.zeros((t, d), jnp.bfloat16)
+    w_gate_up = moe_jax.pack_gate_up(jnp.zeros((e, d, 2 * f), jnp.bfloat16))
+    w_down = moe_jax.quantize_master(jnp.zeros((e, f, d), jnp.bfloat16))
+    mesh = jax.make_mesh((1, 1), ("data", "expert"), axis_types=(AxisType.Explicit,) * 2)
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=f"w_down is a QuantizedMaster.*{match}"):
+        moe_ffn_expert_parallel(x, jnp.zeros((d, e)), w_gate_up, w_down, top_k=2, quantization=quantization)

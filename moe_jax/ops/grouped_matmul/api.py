@@ -18,6 +18,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from moe_jax._core import backend as dispatch
 from moe_jax._core import checks
@@ -119,7 +120,7 @@ def _check_operand_types(lhs, weights, quantization, transpose_rhs: bool, names:
     """Float operands of one dtype; with ``quantization`` each may instead be a BlockScaled of the recipe's blocks."""
     operands = ((names.lhs, lhs), (names.rhs, weights))
     if isinstance(weights, QuantizedMaster):
-        _check_quantized_master(names.rhs, weights, quantization, transpose_rhs)
+        check_quantized_master(names.rhs, weights, quantization, transpose_rhs)
     if quantization is None:
         for name, operand in operands:
             if isinstance(operand, BlockScaled):
@@ -137,8 +138,9 @@ def _check_operand_types(lhs, weights, quantization, transpose_rhs: bool, names:
         raise TypeError(f"{names.lhs} and {names.rhs} must have the same dtype, got {lhs.dtype} and {weights.dtype}")
 
 
-def _check_quantized_master(name: str, weights: QuantizedMaster, quantization, transpose_rhs: bool) -> None:
-    """A QuantizedMaster holds fp8_block's kernel copies of weights stored as the call says."""
+def check_quantized_master(name: str, weights: QuantizedMaster, quantization, transpose_rhs: bool) -> None:
+    """A QuantizedMaster holds fp8_block's kernel copies of weights stored as the call says (``quantization``,
+    ``transpose_rhs``)."""
     if quantization != FP8_KERNEL_QUANTIZATION:
         raise ValueError(
             f"{name} is a QuantizedMaster (FP8 copies of the {FP8_KERNEL_QUANTIZATION!r} recipe): pass "
@@ -373,7 +375,8 @@ def quantize_master(rhs: jax.Array | PackedGateUp, *, transpose_rhs: bool = Fals
     high-precision weights on every call, into the forward's and the dgrad's layouts (one pass over them). A step
     that runs a layer on several micro-batches can do that once instead: pass the result where the weights go. The
     kernels read its copies, the gradient reaches the master straight through (the same values as for the master
-    itself, which the XLA path and expert parallelism quantize per call as before).
+    itself, which the XLA path and expert parallelism quantize per call as before). The copies are constants: made
+    inside a differentiated function, they carry no gradient of their own.
 
     Args:
       rhs: [G, K, N], or [G, N, K] with ``transpose_rhs``, high precision; or a PackedGateUp of such an array.
@@ -386,7 +389,9 @@ def quantize_master(rhs: jax.Array | PackedGateUp, *, transpose_rhs: bool = Fals
     checks.check_rank("rhs", weights, 3, "[G, N, K]" if transpose_rhs else "[G, K, N]")
     checks.check_float("rhs", weights)
     recipe = RECIPES[FP8_KERNEL_QUANTIZATION]
-    forward, dgrad = kernel_weights(weights, recipe, transpose_rhs, with_dgrad=True)
+    # The copies are constants (the quantizer kernel has no derivative): the gradient reaches the master through the
+    # ops that take it, so this can also run inside a differentiated function.
+    forward, dgrad = kernel_weights(lax.stop_gradient(weights), recipe, transpose_rhs, with_dgrad=True)
     master = QuantizedMaster(weights, forward, dgrad, transpose_rhs)
     return dataclasses.replace(rhs, array=master) if isinstance(rhs, PackedGateUp) else master
 
