@@ -83,6 +83,17 @@ def cuda_lowering(fn, *args) -> str:
 # ---------------------------------------------------------------------------------------------------------- inputs
 
 
+def layer_inputs(seed: int, t: int, d: int, f: int, e: int) -> tuple:
+    """(x [T, D] bf16, router kernel [D, E] f32, packed w_gate_up [E, D, 2F] bf16, w_down [E, F, D] bf16, cotangent
+    [T, D] f32) of one MoE layer, normal over the fan-in."""
+    keys = jax.random.split(jax.random.key(seed), 5)
+    x = jax.random.normal(keys[0], (t, d), jnp.bfloat16)
+    router = jax.random.normal(keys[1], (d, e)) * d**-0.5
+    w_gate_up = moe_jax.pack_gate_up((jax.random.normal(keys[2], (e, d, 2 * f)) * d**-0.5).astype(jnp.bfloat16))
+    w_down = (jax.random.normal(keys[3], (e, f, d)) * f**-0.5).astype(jnp.bfloat16)
+    return x, router, w_gate_up, w_down, jax.random.normal(keys[4], (t, d))
+
+
 def expert_weights(rng: np.random.Generator, num_experts: int, d: int, f: int) -> tuple[np.ndarray, np.ndarray]:
     """w_gate_up [E, D, 2F] as [gate | up] and w_down [E, F, D], normal over the fan-in (std 1/sqrt(D), 1/sqrt(F))."""
     w_gate_up = rng.normal(size=(num_experts, d, 2 * f)) / np.sqrt(d)

@@ -18,7 +18,7 @@ import moe_jax
 from moe_jax.parallel import moe_ffn_expert_parallel
 from moe_jax.parallel.expert_parallel import choose_dispatch
 from tests import oracle
-from tests.helpers import checked_interpreter, virtual_devices_flags
+from tests.helpers import checked_interpreter, layer_inputs, virtual_devices_flags
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -325,12 +325,7 @@ def test_all_to_all_runs_the_pallas_kernels():
     interpreter runs one device's kernels at a time; see test_expert_parallel.py), forward and gradients, against the
     float64 oracle. bf16: relative-norm 1e-2, the bf16 layer's tolerance (test_moe_ffn_pallas.py)."""
     t, d, f, e, k = 32, 128, 64, 4, 2
-    keys = jax.random.split(jax.random.key(3), 5)
-    x = jax.random.normal(keys[0], (t, d), jnp.bfloat16)
-    router = jax.random.normal(keys[1], (d, e)) * d**-0.5
-    w_gate_up = moe_jax.pack_gate_up((jax.random.normal(keys[2], (e, d, 2 * f)) * d**-0.5).astype(jnp.bfloat16))
-    w_down = (jax.random.normal(keys[3], (e, f, d)) * f**-0.5).astype(jnp.bfloat16)
-    cotangent = jax.random.normal(keys[4], (t, d))
+    x, router, w_gate_up, w_down, cotangent = layer_inputs(3, t, d, f, e)
 
     def loss(x, w_gate_up, w_down):
         y, aux = moe_ffn_expert_parallel(x, router, w_gate_up, w_down, top_k=k, dispatch="all_to_all", backend="pallas")

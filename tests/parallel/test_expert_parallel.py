@@ -16,7 +16,7 @@ import moe_jax
 from moe_jax.ops.grouped_matmul.api import master_weights
 from moe_jax.parallel.expert_parallel import local_expert_rows, moe_ffn_expert_parallel
 from tests import oracle
-from tests.helpers import virtual_devices_flags
+from tests.helpers import layer_inputs, virtual_devices_flags
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -180,12 +180,7 @@ def test_pallas_kernels_run_under_shard_map():
     XLA path; bf16: relative-norm 1e-2 for both, the bf16 layer's tolerances (test_moe_ffn_pallas.py).
     """
     t, d, f, e, k = 32, 128, 64, 4, 2
-    keys = jax.random.split(jax.random.key(1), 5)
-    x = jax.random.normal(keys[0], (t, d), jnp.bfloat16)
-    router = jax.random.normal(keys[1], (d, e)) * d**-0.5
-    w_gate_up = moe_jax.pack_gate_up((jax.random.normal(keys[2], (e, d, 2 * f)) * d**-0.5).astype(jnp.bfloat16))
-    w_down = (jax.random.normal(keys[3], (e, f, d)) * f**-0.5).astype(jnp.bfloat16)
-    cotangent = jax.random.normal(keys[4], (t, d))
+    x, router, w_gate_up, w_down, cotangent = layer_inputs(1, t, d, f, e)
 
     def grads(layer, backend):
         def loss(x, w_gate_up, w_down):
@@ -216,12 +211,7 @@ def test_quantized_master_weights_give_their_masters_results():
     """Each device quantizes its own experts per call, so QuantizedMaster weights (a training step's copies) enter as
     their masters: the same outputs and gradients (those reach the masters), bit for bit, on a one-device mesh."""
     t, d, f, e, k = 32, 128, 128, 4, 2
-    keys = jax.random.split(jax.random.key(2), 5)
-    x = jax.random.normal(keys[0], (t, d), jnp.bfloat16)
-    router = jax.random.normal(keys[1], (d, e)) * d**-0.5
-    w_gate_up = moe_jax.pack_gate_up((jax.random.normal(keys[2], (e, d, 2 * f)) * d**-0.5).astype(jnp.bfloat16))
-    w_down = (jax.random.normal(keys[3], (e, f, d)) * f**-0.5).astype(jnp.bfloat16)
-    cotangent = jax.random.normal(keys[4], (t, d))
+    x, router, w_gate_up, w_down, cotangent = layer_inputs(2, t, d, f, e)
 
     def results(w_gate_up, w_down):
         def loss(x, w_gate_up, w_down):

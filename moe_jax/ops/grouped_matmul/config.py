@@ -342,10 +342,9 @@ def fp8_config(
     order, FP8_BLOCK-wide steps (sm90_fp8.py), the epilogue between tiles, as many stages as fit in shared memory,
     and 64 rows per consumer warpgroup: three of them on 128 columns where n >= FP8_THREE_CONSUMERS_MIN_N, else two
     on FP8_WIDE_BLOCK_N columns (128 with a GLU in the epilogue, whose gate/up blocks pair 128 columns), or one on
-    128 columns for the heuristic's 64-row tiles of decode-sized groups. On an H200 (bf16 outputs, record
-    ``2026-11-29_h200_56960be_gmm_fp8_sweep_192.jsonl``) three consumers ran fastest at N >= 4096 (dsv3-ep8,
-    mixtral), 128 x 192 tiles below it (qwen3-30b down 0.174 ms against 0.185 on 128 x 128, gpt-oss-120b down 0.727
-    against 0.792). ``consumers`` / ``block_n``: those in their place.
+    128 columns for the heuristic's 64-row tiles of decode-sized groups: on an H200 three consumers run fastest from
+    4096 columns and 128 x 192 tiles below them (docs/kernels/grouped_matmul.md, "FP8"). ``consumers`` /
+    ``block_n``: those in their place.
 
     ``glu_forward``: the gate_up projection with the GLU in its epilogue. ``glu_backward``: the down projection's
     dgrad with the GLU backward in its epilogue (n = F), whose consumers load their [wg_block_m, 2 * block_n] packed
