@@ -358,11 +358,11 @@ def grouped_matmul_rows(
                     return acc[...]
 
                 if fp8_scales:
-                    x_scales_smem, w_scales_smem, w_scales_loaded, turns = fp8_scratch
+                    x_scales_smem, w_scales_smem, w_scales_loaded = fp8_scratch
                     scales = (x_scales_smem, w_scales_smem.at[wg], w_scales_loaded.at[wg])
                     fp8.load_w_scales(w_scales_gmem, tiles_gmem[TILE_GROUP, mi], ni * bn, *scales[1:], steps)
                     acc = fp8.promoted_products(
-                        first_step, steps, stages, produced, consumed, wgmma, scales, turns, (wg_m, bn), wg, ni * bn
+                        first_step, steps, stages, produced, consumed, wgmma, scales, (wg_m, bn), wg, ni * bn
                     )
                 else:
                     acc = pl.run_scoped(mma, plgpu.ACC((wg_m, bn), jnp.float32))
@@ -371,11 +371,7 @@ def grouped_matmul_rows(
                 return steps + ring_slots, outputs
 
             empty = (epilogue.empty(), (jnp.int32(0),) * 6)
-            if fp8_scales:
-                pipe.start_turns(fp8_scratch[-1], wg)
             pipe.consume_tiles(work, tile_step, stores, empty, overlap)
-            if fp8_scales:
-                pipe.end_turns(fp8_scratch[-1], wg)
             plgpu.wait_smem_to_gmem(0)
 
     in_dtype = x.dtype

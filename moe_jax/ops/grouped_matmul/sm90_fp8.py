@@ -88,13 +88,12 @@ def ring_swizzle_columns(block_k: int, contraction: int) -> int:
 
 def scratch(config: Config, contraction: int) -> list:
     """[the x scales' ring [stages, block_m], the w scales [consumers, tile blocks, K blocks], their "loaded"
-    barriers, the consumers' MMA turns (sm90_pipeline.mma_turns)]."""
+    barriers]."""
     w_scales_shape = (config.num_compute_wgs, fp8_tile_scale_blocks(config.block_n), fp8_scale_k_blocks(contraction))
     return [
         plgpu.SMEM((config.num_stages, config.block_m), jnp.float32),
         plgpu.SMEM(w_scales_shape, jnp.float32),
         plgpu.Barrier(num_arrivals=1, num_barriers=config.num_compute_wgs),
-        pipe.mma_turns(config.num_compute_wgs),
     ]
 
 
@@ -118,7 +117,7 @@ def load_w_scales(w_scales_gmem, group, col0, dst_smem, barrier, steps) -> None:
         plgpu.copy_gmem_to_smem(w_scales_gmem.at[group, blocks], dst_smem, barrier)
 
 
-def promoted_products(first_step, steps, stages: int, produced, consumed, wgmma, scales, turns, shape, wg, col0):
+def promoted_products(first_step, steps, stages: int, produced, consumed, wgmma, scales, shape, wg, col0):
     """Consumer side of one FP8 tile: each of its ``steps`` K blocks multiplied into a fresh accumulator by
     ``wgmma(acc, slot)`` and added to the f32 total with its scales. Returns the total [wg_block_m, block_n] f32.
 
@@ -127,7 +126,6 @@ def promoted_products(first_step, steps, stages: int, produced, consumed, wgmma,
       stages, produced, consumed: the pipeline's ring.
       scales: (x scales' ring [stages, block_m], this consumer's w scales [tile blocks, K blocks], its "loaded"
         barrier).
-      turns: the consumers' MMA turns (sm90_pipeline.mma_turns), between start_turns and end_turns.
       shape: (wg_block_m, block_n); wg: this consumer; col0: the tile's first column.
     """
     x_scales_smem, w_scales_smem, w_scales_loaded = scales
@@ -157,9 +155,7 @@ def promoted_products(first_step, steps, stages: int, produced, consumed, wgmma,
         def product(acc):
             slot = lax.rem(first_step + k, stages)
             plgpu.barrier_wait(produced.at[slot])
-            pipe.take_turn(turns, wg)
             wgmma(acc, slot)
-            pipe.pass_turn(turns, wg)
             scale = tile_scales(k, slot)
             partial = plgpu.wgmma_accumulator_load(acc, wait_n=0)
             # The partial is in registers; the fence orders the scales' generic-proxy reads before the producer's

@@ -105,7 +105,7 @@ def grouped_matmul_wgrad_fp8(
     minor_dim = 0 if cfg.grid_minor == "m" else 1
 
     def body(groups_gmem, x_gmem, x_scales_gmem, y_gmem, y_scales_gmem, out_gmem, *scratch):
-        x_smem, y_smem, x_scales_smem, y_scales_smem, out_smem, produced, consumed, turns = scratch
+        x_smem, y_smem, x_scales_smem, y_scales_smem, out_smem, produced, consumed = scratch
         wg = lax.axis_index("wg")
         work = (num_groups * items_per_group,)
 
@@ -165,9 +165,7 @@ def grouped_matmul_wgrad_fp8(
                     plgpu.barrier_wait(produced.at[slot])
 
                     def mma(acc):
-                        pipe.take_turn(turns, wg)
                         plgpu.wgmma(acc, x_smem.at[slot, rows], y_smem.at[slot].transpose((1, 0)))
-                        pipe.pass_turn(turns, wg)
                         # Read while the MMA runs; reading acc then waits for it.
                         x_scale = plgpu.load(x_scales_smem.at[slot, rows], layout=_ROW_VECTOR)
                         y_scale = plgpu.load(y_scales_smem.at[slot], layout=_COLUMN_VECTOR)
@@ -186,9 +184,7 @@ def grouped_matmul_wgrad_fp8(
                 return steps, (pipe.column_chunks(total.astype(out_dtype), epi_n), (group, pi, qi))
 
             empty = (pipe.empty_chunks(bn // epi_n, wg_m, epi_n, out_dtype), (jnp.int32(0),) * 3)
-            pipe.start_turns(turns, wg)
             pipe.consume_tiles(work, tile_step, stores, empty, overlap=False)
-            pipe.end_turns(turns, wg)
             plgpu.wait_smem_to_gmem(0)
 
     scratch = [
@@ -200,7 +196,6 @@ def grouped_matmul_wgrad_fp8(
         pipe.epilogue_smem(num_wgs, wg_m, epi_n, out_dtype),
         plgpu.Barrier(num_arrivals=4, num_barriers=stages),  # produced: both tiles and both scale rows landed
         pipe.consumed_barriers(num_wgs, stages),
-        pipe.mma_turns(num_wgs),
     ]
     kernel = plgpu.kernel(
         body,

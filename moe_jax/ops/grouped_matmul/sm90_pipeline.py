@@ -112,42 +112,6 @@ def consume(first_step, num_steps, stages: int, produced, consumed, issue, overl
         plgpu.barrier_arrive(consumed.at[lax.rem(first_step + num_steps - 1, stages)])
 
 
-def mma_turns(num_wgs: int):
-    """Barriers passing the turn to issue a pipeline step's wgmma from consumer to consumer, in a ring.
-
-    The consumers of a block-scaled FP8 kernel promote every step on the CUDA cores after waiting for its MMA. Issued
-    together, their MMAs share the tensor cores and end together, and so do their promotions, which then run while
-    the tensor cores idle. Issued in turn, one consumer's MMA ends first and it promotes while the next one's runs.
-    """
-    return plgpu.Barrier(num_arrivals=1, num_barriers=num_wgs)
-
-
-def start_turns(turns, wg) -> None:
-    """Before the consumers' first step: the first consumer's turn is given (by the last consumer)."""
-
-    @pl.when(wg == turns.shape[0] - 1)
-    def _():
-        plgpu.barrier_arrive(turns.at[0])
-
-
-def take_turn(turns, wg) -> None:
-    """Waits until the previous consumer issued this step's MMA (the last consumer: the previous step's)."""
-    plgpu.barrier_wait(turns.at[wg])
-
-
-def pass_turn(turns, wg) -> None:
-    """After issuing a step's MMA: the next consumer's turn."""
-    plgpu.barrier_arrive(turns.at[lax.rem(wg + 1, turns.shape[0])])
-
-
-def end_turns(turns, wg) -> None:
-    """After the consumers' last step: the first consumer takes the turn passed after it, settling the barriers."""
-
-    @pl.when(wg == 0)
-    def _():
-        plgpu.barrier_wait(turns.at[0])
-
-
 def consume_tiles(work, tile, stores, empty, overlap: bool) -> None:
     """A consumer's persistent loop over the CTA's tiles, with the epilogue stored between tiles or overlapped.
 
