@@ -403,11 +403,10 @@ def fp8_wgrad_unsupported(quantization: str, contraction: int, num_cols: int, ou
 
 def fp8_wgrad_config(*, m: int, p: int, q: int, g: int, out_itemsize: int) -> Config:
     """The FP8 wgrad's config: the heuristic wgrad's tile order within a group, 128 x 128 tiles of 128-token steps
-    (sm90_fp8_wgrad.check), the overlapped epilogue (where the outputs fit), and as many stages as fit in shared
-    memory. Not tuned."""
+    (sm90_fp8_wgrad.check), and as many stages as fit in shared memory. Not tuned."""
     order = heuristic_config("wgrad", m=m, k=p, n=q, g=g, out_itemsize=out_itemsize)
     config = dataclasses.replace(
-        order, block_m=FP8_BLOCK, block_n=FP8_BLOCK, block_k=FP8_BLOCK, num_compute_wgs=2, overlap_epilogue=True
+        order, block_m=FP8_BLOCK, block_n=FP8_BLOCK, block_k=FP8_BLOCK, num_compute_wgs=2, overlap_epilogue=False
     )
     for stages in range(8, 1, -1):
         config = dataclasses.replace(config, num_stages=stages)

@@ -17,9 +17,7 @@ Promotion, as in the FP8 forward (sm90_fp8.py): each block is multiplied into a 
 
 x's scales are a column of the tile (wgmma's row layout), y's a row (its column layout: each thread holds the 32
 scales of its 32 columns). The total and the partial of a [64, 128] tile take 64 registers a thread each, hence
-block_n = 128. A group's tokens make short tiles (8 steps at 1024 tokens), so with ``config.overlap_epilogue`` a
-consumer keeps a tile's outputs in registers (32 a thread in 16 bits; f32 outputs do not fit beside the total and
-the partial) and stores them during the next tile's first MMAs, as the bf16 wgrad does.
+block_n = 128, and the epilogue runs between tiles.
 
 Work: every group owns ceil(P / block_m) * ceil(Q / block_n) output tiles, handed out round-robin over the SMs,
 largest group first (token_blocks.group_table); within a group the tiles follow the planar snake of
@@ -41,15 +39,16 @@ from moe_jax.ops.grouped_matmul.token_blocks import GROUP_BLOCKS, GROUP_FIRST_BL
 DTYPE = jnp.float8_e4m3fn
 _ROW_VECTOR = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
 _COLUMN_VECTOR = plgpu.Layout.WGMMA.reduce(0)  # one value per column
-# Bytes of a consumer's outputs kept across tiles for the overlapped epilogue: 32 registers a thread, what the total
-# and the partial (64 each) leave of two consumers' 232 beside the addresses and scales.
-_OVERLAP_BYTES = 32 * 4 * pipe.THREADS
 
 
 def check(config: Config) -> None:
     """Raises ValueError where the kernel cannot run this config."""
     if config.block_k != FP8_BLOCK or config.block_n != FP8_BLOCK:
         raise ValueError(f"the FP8 wgrad needs block_k = block_n = {FP8_BLOCK} (one scale block), got {config}")
+    if config.overlap_epilogue:
+        raise ValueError(
+            "the FP8 wgrad runs without the overlapped epilogue (the total and the partial fill the registers)"
+        )
     if config.grid_minor == "g":
         raise ValueError(f"the FP8 wgrad tiles one group's [P, Q] output: grid_minor must be 'm' or 'n', got {config}")
 
@@ -104,7 +103,6 @@ def grouped_matmul_wgrad_fp8(
     p_tiles, q_tiles = pl.cdiv(p, bm), pl.cdiv(q, bn)
     items_per_group = p_tiles * q_tiles
     minor_dim = 0 if cfg.grid_minor == "m" else 1
-    overlap = cfg.overlap_epilogue and wg_m * bn * jnp.dtype(out_dtype).itemsize <= _OVERLAP_BYTES
 
     def body(groups_gmem, x_gmem, x_scales_gmem, y_gmem, y_scales_gmem, out_gmem, *scratch):
         x_smem, y_smem, x_scales_smem, y_scales_smem, out_smem, produced, consumed = scratch
@@ -159,6 +157,7 @@ def grouped_matmul_wgrad_fp8(
                 return [functools.partial(store, c, chunk) for c, chunk in enumerate(chunks)]
 
             def tile_step(info, first_step, overlapped):
+                del overlapped  # the epilogue runs between tiles (``check``)
                 group, _, steps, pi, qi = tile_of(info.index[0])
 
                 def step(k, total):
@@ -167,9 +166,6 @@ def grouped_matmul_wgrad_fp8(
 
                     def mma(acc):
                         plgpu.wgmma(acc, x_smem.at[slot, rows], y_smem.at[slot].transpose((1, 0)))
-                        # Store i of the previous tile's outputs runs while step i's MMA does.
-                        for i, store in enumerate(overlapped):
-                            pl.when(k == i)(store)
                         # Read while the MMA runs; reading acc then waits for it.
                         x_scale = plgpu.load(x_scales_smem.at[slot, rows], layout=_ROW_VECTOR)
                         y_scale = plgpu.load(y_scales_smem.at[slot], layout=_COLUMN_VECTOR)
@@ -185,12 +181,10 @@ def grouped_matmul_wgrad_fp8(
 
                 zeros = plgpu.layout_cast(jnp.zeros((wg_m, bn), jnp.float32), plgpu.Layout.WGMMA)
                 total = pl.loop(0, steps, init_carry=zeros)(step)
-                for i, store in enumerate(overlapped):
-                    pl.when(steps <= i)(store)  # past the tile's steps (none for an empty group)
                 return steps, (pipe.column_chunks(total.astype(out_dtype), epi_n), (group, pi, qi))
 
             empty = (pipe.empty_chunks(bn // epi_n, wg_m, epi_n, out_dtype), (jnp.int32(0),) * 3)
-            pipe.consume_tiles(work, tile_step, stores, empty, overlap)
+            pipe.consume_tiles(work, tile_step, stores, empty, overlap=False)
             plgpu.wait_smem_to_gmem(0)
 
     scratch = [
