@@ -39,9 +39,6 @@ from moe_jax.ops.grouped_matmul.token_blocks import GROUP_BLOCKS, GROUP_FIRST_BL
 DTYPE = jnp.float8_e4m3fn
 _ROW_VECTOR = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
 _COLUMN_VECTOR = plgpu.Layout.WGMMA.reduce(0)  # one value per column
-# Steps whose MMAs are issued one ahead of their promotions, each into an accumulator of its own (a chain of scopes:
-# the interpreter has no store into an accumulator to reuse two); the chain's last promotion runs alone.
-_CHAIN = 4
 
 
 def check(config: Config) -> None:
@@ -163,19 +160,18 @@ def grouped_matmul_wgrad_fp8(
                 del overlapped  # the epilogue runs between tiles (``check``)
                 group, _, steps, pi, qi = tile_of(info.index[0])
 
-                def issue(k, acc):
-                    """Step k's MMA into acc (fresh: zeros)."""
+                def step(k, total):
                     slot = lax.rem(first_step + k, stages)
                     plgpu.barrier_wait(produced.at[slot])
-                    plgpu.wgmma(acc, x_smem.at[slot, rows], y_smem.at[slot].transpose((1, 0)))
 
-                def promote(k, acc, total, in_flight: int):
-                    """total + step k's product (in acc) times its scales, read once at most ``in_flight`` MMAs (a
-                    later step's) still run; releases step k's slot."""
-                    slot = lax.rem(first_step + k, stages)
-                    x_scale = plgpu.load(x_scales_smem.at[slot, rows], layout=_ROW_VECTOR)
-                    y_scale = plgpu.load(y_scales_smem.at[slot], layout=_COLUMN_VECTOR)
-                    partial = plgpu.wgmma_accumulator_load(acc, wait_n=in_flight)
+                    def mma(acc):
+                        plgpu.wgmma(acc, x_smem.at[slot, rows], y_smem.at[slot].transpose((1, 0)))
+                        # Read while the MMA runs; reading acc then waits for it.
+                        x_scale = plgpu.load(x_scales_smem.at[slot, rows], layout=_ROW_VECTOR)
+                        y_scale = plgpu.load(y_scales_smem.at[slot], layout=_COLUMN_VECTOR)
+                        return acc[...], x_scale, y_scale
+
+                    partial, x_scale, y_scale = pl.run_scoped(mma, plgpu.ACC((wg_m, bn), jnp.float32))
                     # The slot's scales were generic-proxy reads: a proxy fence orders them before the producer's next
                     # TMA write, which the barrier alone does not (docs/kernels/grouped_matmul.md, "FP8 wgrad").
                     plgpu.commit_smem()
@@ -183,36 +179,8 @@ def grouped_matmul_wgrad_fp8(
                     x_scale = lax.broadcast_in_dim(x_scale, (wg_m, bn), [0])
                     return total + partial * x_scale * lax.broadcast_in_dim(y_scale, (wg_m, bn), [1])
 
-                def chain(c, total):
-                    """Steps [c * _CHAIN, (c + 1) * _CHAIN): each issued into an accumulator of its own before the
-                    previous one is promoted, so that every promotion but the last runs beside the next MMA."""
-
-                    def nest(i, previous, total):
-                        k = c * _CHAIN + i
-                        if i == _CHAIN:
-                            return promote(k - 1, previous, total, 0)
-
-                        def scoped(acc):
-                            issue(k, acc)
-                            return nest(i + 1, acc, total if previous is None else promote(k - 1, previous, total, 1))
-
-                        return pl.run_scoped(scoped, plgpu.ACC((wg_m, bn), jnp.float32))
-
-                    return nest(0, None, total)
-
-                def alone(k, total):
-                    """Step k issued and promoted by itself (the tile's steps past its last whole chain)."""
-
-                    def scoped(acc):
-                        issue(k, acc)
-                        return promote(k, acc, total, 0)
-
-                    return pl.run_scoped(scoped, plgpu.ACC((wg_m, bn), jnp.float32))
-
                 zeros = plgpu.layout_cast(jnp.zeros((wg_m, bn), jnp.float32), plgpu.Layout.WGMMA)
-                chains = steps // _CHAIN
-                total = pl.loop(0, chains, init_carry=zeros)(chain)
-                total = pl.loop(chains * _CHAIN, steps, init_carry=total)(alone)
+                total = pl.loop(0, steps, init_carry=zeros)(step)
                 return steps, (pipe.column_chunks(total.astype(out_dtype), epi_n), (group, pi, qi))
 
             empty = (pipe.empty_chunks(bn // epi_n, wg_m, epi_n, out_dtype), (jnp.int32(0),) * 3)
