@@ -63,7 +63,6 @@ VARIANTS = {
     "2 consumers": (functools.partial(_fp8_config, consumers=2), True),
     "3 consumers": (functools.partial(_fp8_config, consumers=3), True),
     "2 consumers 192 columns": (functools.partial(_fp8_config, consumers=2, block_n=config.FP8_WIDE_BLOCK_N), True),
-    "2 consumers 128 columns": (functools.partial(_fp8_config, consumers=2, block_n=config.FP8_BLOCK), True),
     "stages-1": (_fewer_stages, False),
 }
 # Seconds past --time-limit at which a watchdog prints the table of the rows done and ends the process: the limit

@@ -23,7 +23,7 @@ import pytest
 
 import moe_jax
 from moe_jax._core import backend as dispatch
-from moe_jax.ops.grouped_matmul import api, config, launch, sm90_fp8
+from moe_jax.ops.grouped_matmul import api, config, launch
 from moe_jax.ops.grouped_matmul.packing import pack_gate_up
 from tests import oracle
 from tests.helpers import checked_interpreter, grouped_matmul_inputs
@@ -91,18 +91,16 @@ def test_forward_matches_xla(case, transpose_rhs, out_dtype):
 @pytest.mark.parametrize("consumers, block_n, n", [(2, 128, 384), (3, 128, 384), (2, 192, 384), (2, 192, 448)])
 @pytest.mark.usefixtures("interpret")
 def test_tiles_match_xla(consumers, block_n, n):
-    """Two consumers (128-row tiles) and three (192-row tiles: N = 384 is below fp8_config's bound for them) over 5 K
-    blocks give the XLA path's product; 123 rows leave the second group's tile partly past its rows. Two consumers
-    on 128 columns chain their first 4 steps (sm90_fp8.chain_steps) and take the fifth alone. 192-column tiles take
-    two weight-scale blocks each: the first tile's boundary lies 128 columns in, the second's 64; at N = 448 the last
-    tile holds 64 columns and loads the padded block past the last."""
-    m, k, sizes = 200, 5 * 128, [0, 77, 123]
+    """Two consumers (128-row tiles) and three (192-row tiles: N = 384 is below fp8_config's bound for them) over 3 K
+    blocks give the XLA path's product; 123 rows leave the second group's tile partly past its rows. 192-column tiles
+    take two weight-scale blocks each: the first tile's boundary lies 128 columns in, the second's 64; at N = 448 the
+    last tile holds 64 columns and loads the padded block past the last."""
+    m, k, sizes = 200, 3 * 128, [0, 77, 123]
     lhs, rhs, group_sizes = _problem(9, m, k, n, sizes)
     x = moe_jax.quantize_blockwise(lhs, (1, 128))
     w = api.quantize_weights(rhs, transpose_rhs=True)
     tiles = config.fp8_config(m=m, k=k, n=n, g=len(sizes), out_itemsize=4, consumers=consumers, block_n=block_n)
     assert (tiles.block_m, tiles.block_n, tiles.num_compute_wgs) == (64 * consumers, block_n, consumers)
-    assert sm90_fp8.chain_steps(tiles) == (4 if (consumers, block_n) == (2, 128) else 1)
     out = launch.run_fp8_forward_kernel(x, w, group_sizes, None, None, jnp.float32, keep=False, config=tiles)
     expected = moe_jax.grouped_matmul(
         x,

@@ -362,17 +362,7 @@ def grouped_matmul_rows(
                     scales = (x_scales_smem, w_scales_smem.at[wg], w_scales_loaded.at[wg])
                     fp8.load_w_scales(w_scales_gmem, tiles_gmem[TILE_GROUP, mi], ni * bn, *scales[1:], steps)
                     acc = fp8.promoted_products(
-                        first_step,
-                        steps,
-                        stages,
-                        produced,
-                        consumed,
-                        wgmma,
-                        scales,
-                        (wg_m, bn),
-                        wg,
-                        ni * bn,
-                        fp8.chain_steps(cfg),
+                        first_step, steps, stages, produced, consumed, wgmma, scales, (wg_m, bn), wg, ni * bn
                     )
                 else:
                     acc = pl.run_scoped(mma, plgpu.ACC((wg_m, bn), jnp.float32))

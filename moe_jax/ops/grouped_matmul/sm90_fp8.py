@@ -54,8 +54,6 @@ _ROW_VECTOR = plgpu.Layout.WGMMA.reduce(1)
 BLOCK_N_CHOICES = (FP8_BLOCK, FP8_WIDE_BLOCK_N)
 # Columns promoted with one weight scale: 192-column tiles meet a block boundary at a multiple of 64.
 _SCALE_CHUNK = 64
-# Steps of a chain: each promotion but the chain's last runs beside the next step's MMA.
-_CHAIN = 4
 
 
 def check(config: Config, *, w_transposed: bool, gathered: bool, overlap: bool) -> None:
@@ -99,13 +97,6 @@ def scratch(config: Config, contraction: int) -> list:
     ]
 
 
-def chain_steps(config: Config) -> int:
-    """Steps a consumer chains (``promoted_products``) where its registers hold a third [wg_block_m, block_n] f32
-    array (the next step's accumulator in flight while one is promoted into the total), else 1."""
-    arrays = 3 * config.wg_block_m * config.block_n // pipe.THREADS
-    return _CHAIN if arrays <= pipe.compute_registers(config.num_compute_wgs) - ADDRESS_REGISTERS else 1
-
-
 def load_x_scales(x_scales_gmem, k, row0, dst_smem, barrier) -> None:
     """Producer: the x scales of K block ``k`` of the tile's rows [row0, row0 + block_m) into the step's slot."""
     plgpu.copy_gmem_to_smem(x_scales_gmem.at[k, pl.ds(row0, dst_smem.shape[0])], dst_smem, barrier)
@@ -126,7 +117,7 @@ def load_w_scales(w_scales_gmem, group, col0, dst_smem, barrier, steps) -> None:
         plgpu.copy_gmem_to_smem(w_scales_gmem.at[group, blocks], dst_smem, barrier)
 
 
-def promoted_products(first_step, steps, stages: int, produced, consumed, wgmma, scales, shape, wg, col0, chain: int):
+def promoted_products(first_step, steps, stages: int, produced, consumed, wgmma, scales, shape, wg, col0):
     """Consumer side of one FP8 tile: each of its ``steps`` K blocks multiplied into a fresh accumulator by
     ``wgmma(acc, slot)`` and added to the f32 total with its scales. Returns the total [wg_block_m, block_n] f32.
 
@@ -136,7 +127,6 @@ def promoted_products(first_step, steps, stages: int, produced, consumed, wgmma,
       scales: (x scales' ring [stages, block_m], this consumer's w scales [tile blocks, K blocks], its "loaded"
         barrier).
       shape: (wg_block_m, block_n); wg: this consumer; col0: the tile's first column.
-      chain: steps issued one ahead of their promotions (``chain_steps``), or 1: each step's MMA waited for alone.
     """
     x_scales_smem, w_scales_smem, w_scales_loaded = scales
     rows = pl.ds(pl.multiple_of(wg * shape[0], shape[0]), shape[0])
@@ -159,52 +149,22 @@ def promoted_products(first_step, steps, stages: int, produced, consumed, wgmma,
         ]
         return jnp.concatenate(chunks, axis=1)
 
-    def issue(k, acc):
-        """Step k's MMA into acc (fresh: zeros)."""
-        slot = lax.rem(first_step + k, stages)
-        plgpu.barrier_wait(produced.at[slot])
-        wgmma(acc, slot)
+    def step(k, total):
+        """Adds step k's product times its scales to the total and releases the step's slot."""
 
-    def promote(k, acc, total, in_flight: int):
-        """total + step k's product (in acc) times its scales, read once at most ``in_flight`` MMAs (a later
-        step's) still run; releases the step's slot."""
-        slot = lax.rem(first_step + k, stages)
-        scale = tile_scales(k, slot)
-        partial = plgpu.wgmma_accumulator_load(acc, wait_n=in_flight)
-        # The partial is in registers; the fence orders the scales' generic-proxy reads before the producer's next
-        # TMA write into the slot.
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(consumed.at[slot])
-        return total + partial * scale
+        def product(acc):
+            slot = lax.rem(first_step + k, stages)
+            plgpu.barrier_wait(produced.at[slot])
+            wgmma(acc, slot)
+            scale = tile_scales(k, slot)
+            partial = plgpu.wgmma_accumulator_load(acc, wait_n=0)
+            # The partial is in registers; the fence orders the scales' generic-proxy reads before the producer's
+            # next TMA write into the slot.
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(consumed.at[slot])
+            return total + partial * scale
 
-    def alone(k, total):
-        """Step k issued and promoted by itself."""
-
-        def scoped(acc):
-            issue(k, acc)
-            return promote(k, acc, total, 0)
-
-        return pl.run_scoped(scoped, plgpu.ACC(shape, jnp.float32))
-
-    def chained(c, total):
-        """Steps [c * chain, (c + 1) * chain): each issued into an accumulator of its own before the previous one is
-        promoted, so that every promotion but the chain's last runs beside the next MMA."""
-
-        def nest(i, previous, total):
-            k = c * chain + i
-            if i == chain:
-                return promote(k - 1, previous, total, 0)
-
-            def scoped(acc):
-                issue(k, acc)
-                return nest(i + 1, acc, total if previous is None else promote(k - 1, previous, total, 1))
-
-            return pl.run_scoped(scoped, plgpu.ACC(shape, jnp.float32))
-
-        return nest(0, None, total)
+        return pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
 
     zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
-    chains = steps // chain if chain > 1 else 0
-    if chain > 1:
-        zeros = pl.loop(0, chains, init_carry=zeros)(chained)
-    return pl.loop(chains * chain, steps, init_carry=zeros)(alone)
+    return pl.loop(0, steps, init_carry=zeros)(step)
