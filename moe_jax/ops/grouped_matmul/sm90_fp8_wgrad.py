@@ -172,10 +172,8 @@ def grouped_matmul_wgrad_fp8(
                         return acc[...], x_scale, y_scale
 
                     partial, x_scale, y_scale = pl.run_scoped(mma, plgpu.ACC((wg_m, bn), jnp.float32))
-                    # The slot's scales were generic-proxy reads: a proxy fence orders them before the producer's next
-                    # TMA write, which the barrier alone does not (docs/kernels/grouped_matmul.md, "FP8 wgrad").
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(consumed.at[slot])
+                    # The slot's scales were generic-proxy reads (docs/kernels/grouped_matmul.md, "FP8 wgrad").
+                    pipe.release_after_reads(consumed.at[slot], interpret=interpret)
                     x_scale = lax.broadcast_in_dim(x_scale, (wg_m, bn), [0])
                     return total + partial * x_scale * lax.broadcast_in_dim(y_scale, (wg_m, bn), [1])
 

@@ -69,13 +69,7 @@ def load_rows(x_gmem, row_tokens_gmem, row0, k0, dst_smem, barrier, *, interpret
 def acquire_rows(*, interpret) -> None:
     """Consumer, after waiting for a stage: orders the producer's cp.async writes before this thread's wgmma reads."""
     if interpret is None:
-        _fence_async_shared()
-
-
-@plgpu.inline_mgpu()
-def _fence_async_shared(ctx):
-    del ctx
-    nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
+        pipe.fence_async_shared()
 
 
 # cp.async.mbarrier.arrive as a Pallas primitive: inline_mgpu cannot take a barrier, so this mirrors

@@ -19,6 +19,7 @@ import functools
 
 import jax.numpy as jnp
 from jax import lax
+from jax._src.lib.mlir.dialects import nvvm
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -51,6 +52,30 @@ def compute_registers(num_compute_wgs: int) -> int:
 def consumed_barriers(num_wgs: int, stages: int):
     """The "consumed" barrier of every pipeline buffer: all consumers released it."""
     return plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages)
+
+
+@plgpu.inline_mgpu()
+def fence_async_shared(ctx) -> None:
+    """``fence.proxy.async.shared::cta`` alone: orders this thread's generic-proxy accesses of shared memory against
+    async-proxy ones (TMA, wgmma), without the warpgroup barrier that ``plgpu.commit_smem`` adds to it."""
+    del ctx
+    nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
+
+
+def release_after_reads(consumed, *, interpret) -> None:
+    """Consumer: releases a ring slot part of which (its scales) this thread read with generic loads.
+
+    The producer's next TMA write into the slot is an async-proxy access, ordered after those reads only by a proxy
+    fence before the release. Every thread arrives on the "consumed" barrier for itself (Pallas counts a
+    warpgroup's arrival as its 128 threads'), so each thread's own fence suffices and no warpgroup barrier is
+    needed. The interpreter runs no inline PTX: there ``commit_smem`` (the fence and a warpgroup barrier), which it
+    models, stands in.
+    """
+    if interpret is None:
+        fence_async_shared()
+    else:
+        plgpu.commit_smem()
+    plgpu.barrier_arrive(consumed)
 
 
 def produce(first_step, num_steps, stages: int, consumed, load) -> None:
