@@ -55,12 +55,12 @@ def _fewer_stages(dims: dict) -> config.Config:
 
 # name -> (Config at the shape's dims {m, k, n, g}, whether it runs at every shape or at the first only), in the order
 # they run (a --time-limit skips the last). "auto" is fp8_config's choice (three consumers of 64 rows where
-# N >= config.FP8_THREE_CONSUMERS_MIN_N, else two); "2 consumers" and "3 consumers" fix the count at every shape
-# (fp8_config re-fits the stages to the tile), "192 columns" takes 128 x 192 tiles (two weight blocks' scales a
-# tile); "stages-1" takes one stage fewer than "auto".
+# N >= config.FP8_THREE_CONSUMERS_MIN_N, else two on 192 columns); "2 consumers" (on 128 columns) and "3 consumers"
+# fix the count at every shape (fp8_config re-fits the stages to the tile), "2 consumers 192 columns" takes 128 x 192
+# tiles (two weight blocks' scales a tile); "stages-1" takes one stage fewer than "auto".
 VARIANTS = {
     "auto": (_fp8_config, True),
-    "2 consumers": (functools.partial(_fp8_config, consumers=2), True),
+    "2 consumers": (functools.partial(_fp8_config, consumers=2, block_n=config.FP8_BLOCK), True),
     "3 consumers": (functools.partial(_fp8_config, consumers=3), True),
     "2 consumers 192 columns": (functools.partial(_fp8_config, consumers=2, block_n=config.FP8_WIDE_BLOCK_N), True),
     "stages-1": (_fewer_stages, False),
