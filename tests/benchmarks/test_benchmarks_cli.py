@@ -423,19 +423,30 @@ def test_glu_memory_table_counts_what_the_backward_keeps():
 
 def test_layer_memory_table_keeps_tokens_not_rows():
     """The layer's table at the ci layer (F doubled): bf16 and FP8 keep the same per-token arrays (x [T, D] in bf16,
-    not its k permuted rows; the packed pre-activation [M, 2F] in bf16; no f32 copy of x for the router's
-    gradient), and the FP8 weight copies are left out."""
+    not its k permuted rows; no f32 copy of x for the router's gradient) but the packed pre-activation [M, 2F]: bf16,
+    or with FP8 its e4m3 values and one f32 scale per row and 128 columns, and the FP8 weight copies are left out."""
     from benchmarks import glu, shapes
 
     layer = dataclasses.replace(shapes.LAYER_SHAPES["ci/layer"], f=128)  # 2F = 256 apart from D = 128
     kept = {q: glu.layer_kept_for_backward(layer, q) for q in (None, "fp8_block")}
+    pre_activation = {None: [((layer.m, 2 * layer.f), "bfloat16")]}
+    pre_activation["fp8_block"] = [
+        ((layer.m, 2 * layer.f), "float8_e4m3fn"),
+        ((layer.m, 2 * layer.f // 128), "float32"),
+    ]
     for quantization, arrays in kept.items():
         shapes_kept = [(aval.shape, aval.dtype.name) for _, aval in arrays]
         assert ((layer.t, layer.d), "bfloat16") in shapes_kept, quantization
-        assert ((layer.m, 2 * layer.f), "bfloat16") in shapes_kept, quantization
+        for kept_pre in pre_activation[quantization]:
+            assert kept_pre in shapes_kept, quantization
         assert not any(shape == (layer.m, layer.d) for shape, _ in shapes_kept), quantization
         assert not any(shape == (layer.t, layer.d) and dtype == "float32" for shape, dtype in shapes_kept), quantization
-    assert common.nbytes([a for _, a in kept["fp8_block"]]) <= 1.01 * common.nbytes([a for _, a in kept[None]])
+    assert ((layer.m, 2 * layer.f), "bfloat16") not in [(a.shape, a.dtype.name) for _, a in kept["fp8_block"]]
+    bf16_bytes, fp8_bytes = (common.nbytes([a for _, a in kept[q]]) for q in (None, "fp8_block"))
+    # The pre-activation, 75 % of the bf16 layer's bytes here, halves (plus an f32 scale per 128 values); the FP8
+    # path keeps one more [T, k] int32 array of the routing.
+    saved = layer.m * 2 * layer.f * (1 - 4 / 128)
+    assert fp8_bytes == bf16_bytes - saved + layer.t * layer.top_k * 4
     assert "| fp8_block |" in glu.layer_memory_table(layer)
 
 

@@ -19,14 +19,18 @@ With ``quantization`` ("fp8_block" / "mxfp8") the GEMMs run on block-scaled FP8 
 on the FP8 kernels (fp8_block, "auto" / "pallas"):
 
     forward   gate_up: x quantized 1 x 128; FP8 kernel, GLU epilogue, keeps gu    down: h quantized; FP8 kernel
-    backward  dy quantized 1 x 128; glu_dgrad FP8 kernel (the GLU backward in its epilogue, as above)
+              gu kept in FP8, 1 x 128 along its packed columns (64 gate and their 64 up columns a block)
+    backward  dy quantized 1 x 128; glu_dgrad FP8 kernel on gu dequantized (the GLU backward in its epilogue)
               d W_d = FP8 wgrad (h*s, dy);  d x = FP8 dgrad (d_gu quantized, W_gu^T);  d W_gu = FP8 wgrad (x, d_gu)
 
 Each weight is quantized once per call into both of its layouts (the forward's and the dgrad's, the same 128 x 128
 blocks), the forward and the backward sharing them; gradients reach the high-precision weights straight through,
 and BlockScaled weights get none. reference.py defines this recipe (where it quantizes what) and is the "xla"
 implementation (mxfp8 runs there only). h is written in x's dtype and quantized by its own pass (not in the gate_up
-epilogue: a 1 x 128 block of h spans two of the FP8 kernel's 64-hidden-column tiles).
+epilogue: a 1 x 128 block of h spans two of the FP8 kernel's 64-hidden-column tiles). Keeping gu in FP8, as
+DeepSeek-V3 caches its SwiGLU inputs, halves the largest array the backward keeps (M * 2F bytes and an f32 scale per
+128) for one quantize pass over gu in the forward and one dequantize in the backward; the GLU backward then runs on
+the dequantized pre-activation.
 
 ``routed_glu_mlp`` (what ``moe_ffn`` calls) takes the tokens [T, D] and the routing's sort indices instead of sorted
 rows. Its implementations, in order: "pallas_gather" (the gate_up kernel gathers its rows from the tokens, so the
@@ -380,6 +384,8 @@ def _fp8_glu_mlp_fwd(
     outs = run_fp8_forward_kernel(quantized, w_gate_up_nk, group_sizes, None, activation, x.dtype, keep=with_backward)
     hidden, gate_up = outs if with_backward else (outs, None)
     y = run_fp8_forward_kernel(_quantize_rows(hidden), w_down_nk, group_sizes, row_scale, None, x.dtype, keep=False)
+    if with_backward:
+        gate_up = _quantize_rows(gate_up)  # kept in FP8 (the module docstring)
     weights = (w_gate_up, w_gate_up_kn, w_down, w_down_kn)
     return y, (x, weights, group_sizes, row_scale, sort_indices, positions, gate_up)
 
@@ -393,7 +399,7 @@ def _fp8_glu_mlp_bwd(top_k, activation, residuals, d_y):
     recipe = reference_fp8.RECIPES[FP8_KERNEL_QUANTIZATION]
     d_y = d_y.astype(x.dtype)
     d_gate_up, hidden_scaled, d_row_scale = run_glu_dgrad(
-        _quantize_rows(d_y), w_down_kn, group_sizes, gate_up, row_scale, activation
+        _quantize_rows(d_y), w_down_kn, group_sizes, gate_up.dequantize(x.dtype), row_scale, activation
     )
     d_rows = grouped_matmul_api.fp8_dgrad(d_gate_up, w_gate_up_kn, group_sizes, recipe, False, x.dtype)
     wgrad = functools.partial(grouped_matmul_api.fp8_wgrad, quantization=FP8_KERNEL_QUANTIZATION, transpose_rhs=False)

@@ -6,11 +6,13 @@ quantized along their rows, the weights per the recipe, the GLU and the row scal
 is the one the fused kernels run (api.py's module docstring), each GEMM quantized along its contraction:
 
     e      = q(dy) . q(W_d)^T                    dy quantized before the row scale (1 x 128 along D)
-    d_h    = s e;  (h, d_gate, d_up) = GLU'(pre) d_h;  d_s = sum_f h e
+    d_h    = s e;  (h, d_gate, d_up) = GLU'(q(pre)) d_h;  d_s = sum_f h e
     d W_d  = wgrad(h s, dy)                      both in row blocks per group (reference_fp8.quantized_wgrad)
     d x    = q(d_gate_up) . q(W_gu)^T;  d W_gu = wgrad(x, d_gate_up)
 
-with d_gate_up and h s rounded to x's dtype, as the kernels write them. It differs from differentiating the
+with d_gate_up and h s rounded to x's dtype, as the kernels write them, and the pre-activation kept for the backward
+in x's dtype and quantized along its rows (1 x 128 of the packed gate/up columns; DeepSeek-V3 caches its SwiGLU
+inputs in FP8 alike): the GLU backward runs on its dequantized values. It differs from differentiating the
 composition of two quantized ``grouped_matmul`` calls only in where the row scale meets the down GEMM's quantized
 gradient operands (dy rather than s dy; h s rather than h): the same straight-through gradient, quantized at other
 points.
@@ -70,11 +72,14 @@ def _quantized_mlp_fwd(x, w_gate_up, w_down, group_sizes, row_scale, block, acti
     hidden = reference.epilogue(pre, block, activation, None, x.dtype)
     out, w_down_q = reference_fp8.quantized_forward(hidden, w_down, group_sizes, recipe, False)
     y = reference.epilogue(out, None, None, row_scale, x.dtype)
-    return y, (x, w_gate_up, w_gate_up_q, w_down, w_down_q, group_sizes, row_scale, pre)
+    # The pre-activation is kept as the kernels keep it: written in x's dtype, then quantized along its rows.
+    kept_pre = reference_fp8.quantize(pre.astype(x.dtype), recipe.lhs_block, recipe)
+    return y, (x, w_gate_up, w_gate_up_q, w_down, w_down_q, group_sizes, row_scale, kept_pre)
 
 
 def _quantized_mlp_bwd(block, activation, recipe, residuals, d_y):
-    x, w_gate_up, w_gate_up_q, w_down, w_down_q, group_sizes, row_scale, pre = residuals
+    x, w_gate_up, w_gate_up_q, w_down, w_down_q, group_sizes, row_scale, kept_pre = residuals
+    pre = kept_pre.dequantize()
     dgrad = functools.partial(reference_fp8.quantized_dgrad, recipe=recipe, transpose_rhs=False)
     wgrad = functools.partial(reference_fp8.quantized_wgrad, recipe=recipe, transpose_rhs=False)
     down_weights = reference_fp8.dgrad_weights(w_down, w_down_q, recipe, False)
