@@ -79,7 +79,7 @@ def _quantized_mlp_fwd(x, w_gate_up, w_down, group_sizes, row_scale, block, acti
 
 def _quantized_mlp_bwd(block, activation, recipe, residuals, d_y):
     x, w_gate_up, w_gate_up_q, w_down, w_down_q, group_sizes, row_scale, kept_pre = residuals
-    pre = kept_pre.dequantize()
+    pre = kept_pre.dequantize(x.dtype).astype(jnp.float32)  # the kernels read it in x's dtype, compute in f32
     dgrad = functools.partial(reference_fp8.quantized_dgrad, recipe=recipe, transpose_rhs=False)
     wgrad = functools.partial(reference_fp8.quantized_wgrad, recipe=recipe, transpose_rhs=False)
     down_weights = reference_fp8.dgrad_weights(w_down, w_down_q, recipe, False)
