@@ -148,8 +148,8 @@ def moe_ffn_expert_parallel(
     if shared_experts is not None:
         named |= {"shared_experts[0]": shared_experts[0], "shared_experts[1]": shared_experts[1]}
     for name, weights in named.items():
-        if isinstance(stored_array(weights), QuantizedMaster):
-            check_quantized_master(name, stored_array(weights), quantization, transpose_rhs=False)
+        if isinstance(stored := stored_array(weights), QuantizedMaster):
+            check_quantized_master(name, stored, quantization, transpose_rhs=False)
     w_gate_up, w_down = map(master_weights, (w_gate_up, w_down))
     if shared_experts is not None:
         shared_experts = tuple(map(master_weights, shared_experts))

@@ -375,7 +375,7 @@ def quantize_master(rhs: jax.Array | PackedGateUp, *, transpose_rhs: bool = Fals
     high-precision weights on every call, into the forward's and the dgrad's layouts (one pass over them). A step
     that runs a layer on several micro-batches can do that once instead: pass the result where the weights go. The
     kernels read its copies, the gradient reaches the master straight through (the same values as for the master
-    itself, which the XLA path and expert parallelism quantize per call as before). The copies are constants: made
+    itself, which the XLA path and expert parallelism quantize per call). The copies are constants: made
     inside a differentiated function, they carry no gradient of their own.
 
     Args:
