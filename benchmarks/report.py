@@ -431,7 +431,22 @@ def build_report(results_dir: str, titles: dict[str, str], tables: dict[str, Cal
     lines += training_report(read_training(training))
     lines += expert_parallel_training_report(training)
     lines += fine_grained_training_report(jsonl)
+    lines += notes_report(results_dir)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def notes_report(results_dir: str) -> list[str]:
+    """The records written as notes (``*.md``: one change against its base in one call, kept or reverted, each
+    with its date, GPU, commands and tables), newest first, their headings moved under this section's."""
+    paths = sorted(glob.glob(os.path.join(results_dir, "*.md")), reverse=True)
+    if not paths:
+        return []
+    lines = ["## Comparisons recorded as notes (A/B runs, tried variants)", ""]
+    for path in paths:
+        with open(path) as f:
+            text = re.sub(r"^(#+) ", r"##\1 ", f.read().strip(), flags=re.MULTILINE)
+        lines += [text, "", f"Record `{os.path.basename(path)}`.", ""]
+    return lines
 
 
 def expert_parallel_training_report(paths: list[str]) -> list[str]:

@@ -308,6 +308,16 @@ def test_cli_writes_the_report_where_asked(tmp_path):
     assert common.FLOP_MODEL in text and table_rows(text, "2026-01-01")[0][2] == "dense"
 
 
+def test_notes_follow_the_tables_newest_first_under_one_section(tmp_path):
+    (tmp_path / "2026-01-01_gpu_aaaaaaa_x_ab.md").write_text("# Old A/B\n\n| a | 1.0 |\n")
+    (tmp_path / "2026-01-02_gpu_bbbbbbb_y_ab.md").write_text("# New A/B\n\n## Details\n\n| b | 2.0 |\n")
+    text = report.build_report(str(tmp_path), {}, {}, [])
+    section = text[text.index("## Comparisons recorded as notes") :]
+    assert section.index("### New A/B") < section.index("#### Details") < section.index("### Old A/B")
+    assert "| b | 2.0 |" in section and "Record `2026-01-01_gpu_aaaaaaa_x_ab.md`." in section
+    assert "\n# Old A/B" not in text
+
+
 def test_report_out_needs_report():
     with pytest.raises(SystemExit, match="--report-out"):
         main(["--report-out", "x.md"])
