@@ -158,3 +158,31 @@ def test_row_blocks_transposed_match_reference():
     values_t, scales = jax.jit(reference_blocks)(x, group_sizes)
     _assert_same_bits(kernel.values_t, values_t)
     _assert_same_bits(kernel.scales, scales)
+
+
+@pytest.mark.parametrize("num_tokens, cols", [(16384, 2048), (4096, 2880)])
+def test_gathered_row_blocks_are_the_row_blocks_of_the_gathered_rows(num_tokens, cols):
+    """Rows gathered from tokens as a top-8 routing sorts them (each token's 8 rows, shuffled), in the token blocks of
+    uneven groups, with Inf in a token: bit for bit the XLA reference of the gathered copy x[row_tokens]. C = 2880
+    ends on half a column tile."""
+    from moe_jax.ops.grouped_matmul import token_blocks
+    from moe_jax.ops.grouped_matmul.reference_fp8 import RECIPES
+
+    tokens = np.array(_random(5, (num_tokens, cols), jnp.float32))
+    tokens[17, cols - 1] = np.inf
+    tokens = jnp.asarray(tokens, jnp.bfloat16)
+    num_rows = 8 * num_tokens
+    row_tokens = jnp.asarray(np.random.default_rng(6).permutation(num_rows) // 8, jnp.int32)
+    sizes = np.random.default_rng(7).multinomial(num_rows - 100, np.random.default_rng(8).dirichlet(np.ones(128)))
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    recipe = RECIPES["fp8_block"]
+
+    @jax.jit
+    def both(tokens, row_tokens, group_sizes):
+        gathered = token_blocks.quantize_token_blocks(tokens, group_sizes, recipe, row_tokens=row_tokens)
+        copy = token_blocks.quantize_token_blocks(tokens[row_tokens], group_sizes, recipe, backend="xla")
+        return gathered, copy
+
+    gathered, copy = both(tokens, row_tokens, group_sizes)
+    _assert_same_bits(gathered.values_t, copy.values_t)
+    _assert_same_bits(gathered.scales, copy.scales)

@@ -274,6 +274,16 @@ _TABLE = jnp.zeros((3,), jnp.int32)  # a block table: first rows or row counts
         (lambda x: quantize_row_blocks_transposed(x, _TABLE.astype(float), _TABLE), TypeError, r"first_rows must be"),
         (lambda x: quantize_row_blocks_transposed(x, _TABLE, _TABLE[:1]), ValueError, r"row_counts: length \(B"),
         (lambda x: quantize_row_blocks_transposed(x, _TABLE[None], _TABLE), ValueError, r"first_rows must have"),
+        (
+            lambda x: quantize_row_blocks_transposed(x, _TABLE, _TABLE, row_tokens=_TABLE[None]),
+            ValueError,
+            r"row_tokens",
+        ),
+        (
+            lambda x: quantize_row_blocks_transposed(x, _TABLE, _TABLE, row_tokens=x[0]),
+            TypeError,
+            r"row_tokens must be",
+        ),
         (lambda x: quantize_square_blocks(x[None], copies=()), ValueError, r"copies must name each of"),
         (lambda x: quantize_square_blocks(x[None], copies=("as_is", "as_is")), ValueError, r"copies must name each"),
         (lambda x: quantize_square_blocks(x[None], copies=("k_major",)), ValueError, r"copies must name each of"),

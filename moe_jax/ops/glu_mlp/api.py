@@ -356,14 +356,6 @@ def _quantize_rows(rows: jax.Array) -> BlockScaled:
     return quant.quantize_blockwise(rows, recipe.lhs_block, pow2_scales=recipe.pow2_scales)
 
 
-def _sorted_rows(x, sort_indices, positions, top_k):
-    """x's rows in expert order (x itself when it holds the rows already)."""
-    if sort_indices is None:
-        return x
-    backend = _rows_backend(permute_api.kernel_rows(x))
-    return permute_api.permute(x, sort_indices, top_k, positions=positions, backend=backend)
-
-
 def _fp8_glu_mlp_fwd(
     x, w_gate_up, w_down, group_sizes, row_scale, sort_indices, positions, top_k, activation, *, with_backward: bool
 ):
@@ -379,7 +371,8 @@ def _fp8_glu_mlp_fwd(
     w_down_nk, w_down_kn = layouts(w_down, transpose_rhs=False)
     quantized = _quantize_rows(x)
     if sort_indices is not None:
-        values = _sorted_rows(quantized.values, sort_indices, positions, top_k)
+        backend = _rows_backend(permute_api.kernel_rows(quantized.values))
+        values = permute_api.permute(quantized.values, sort_indices, top_k, positions=positions, backend=backend)
         quantized = BlockScaled(values, quantized.scales[sort_indices // top_k], quantized.block_shape)
     outs = run_fp8_forward_kernel(quantized, w_gate_up_nk, group_sizes, None, activation, x.dtype, keep=with_backward)
     hidden, gate_up = outs if with_backward else (outs, None)
@@ -392,8 +385,9 @@ def _fp8_glu_mlp_fwd(
 
 def _fp8_glu_mlp_bwd(top_k, activation, residuals, d_y):
     """The recipe's backward (reference.py) on the kernels: the glu_dgrad kernel on FP8 operands, then the gate_up
-    GEMM's FP8 dgrad and both FP8 wgrads; no gradient for BlockScaled weights. Tokens are permuted again (in x's
-    dtype) for the gate_up wgrad, and x's gradient sums each token's rows (``combine``)."""
+    GEMM's FP8 dgrad and both FP8 wgrads; no gradient for BlockScaled weights. The gate_up wgrad's quantizer gathers
+    the tokens' rows itself (no permuted copy of x is written), and x's gradient sums each token's rows
+    (``combine``)."""
     x, weights, group_sizes, row_scale, sort_indices, positions, gate_up = residuals
     w_gate_up, w_gate_up_kn, w_down, w_down_kn = weights
     recipe = reference_fp8.RECIPES[FP8_KERNEL_QUANTIZATION]
@@ -405,8 +399,8 @@ def _fp8_glu_mlp_bwd(top_k, activation, residuals, d_y):
     wgrad = functools.partial(grouped_matmul_api.fp8_wgrad, quantization=FP8_KERNEL_QUANTIZATION, transpose_rhs=False)
     d_w_gate_up = d_w_down = None
     if not isinstance(w_gate_up, BlockScaled):
-        rows = _sorted_rows(x, sort_indices, positions, top_k)
-        d_master = wgrad(rows, group_sizes, d_gate_up, out_dtype=w_gate_up.dtype)
+        row_tokens = _row_tokens(sort_indices, top_k)
+        d_master = wgrad(x, group_sizes, d_gate_up, out_dtype=w_gate_up.dtype, row_tokens=row_tokens)
         d_w_gate_up = grouped_matmul_api.weight_gradient(w_gate_up, d_master)
     if not isinstance(w_down, BlockScaled):
         d_master = wgrad(hidden_scaled, group_sizes, d_y, out_dtype=w_down.dtype)

@@ -416,20 +416,21 @@ def fp8_wgrad_config(*, m: int, p: int, q: int, g: int, out_itemsize: int) -> Co
     return config
 
 
-def run_fp8_wgrad_kernel(x, y, group_sizes, *, out_dtype, config=None) -> jax.Array:
+def run_fp8_wgrad_kernel(x, y, group_sizes, *, out_dtype, config=None, x_row_tokens=None) -> jax.Array:
     """The FP8 wgrad: out[g] = x_g^T . y_g -> [G, P, Q] with x [M, P] and y [M, Q] (high precision) quantized as the
     fp8_block recipe's wgrad does, in 128-row blocks from each group's first row.
 
     token_blocks.py lays both out for the kernel (transposed, group-padded; in XLA); group_sizes [G] int32 stay on
     the device. ``config=None`` takes ``fp8_wgrad_config``'s. The op's d rhs [G, K, N] is (lhs, d out); [G, N, K] is
-    (d out, lhs).
+    (d out, lhs). With ``x_row_tokens`` [M] int32, x is [T, P] tokens and its row r is ``x[x_row_tokens[r]]``,
+    gathered by x's quantizer.
     """
     recipe = RECIPES[FP8_KERNEL_QUANTIZATION]
-    (m, p), q = x.shape, y.shape[1]
+    (m, q), p = y.shape, x.shape[1]
     if config is None:
         itemsize = jnp.dtype(out_dtype).itemsize
         config = fp8_wgrad_config(m=m, p=p, q=q, g=group_sizes.shape[0], out_itemsize=itemsize)
-    x_blocks = token_blocks.quantize_token_blocks(x, group_sizes, recipe)
+    x_blocks = token_blocks.quantize_token_blocks(x, group_sizes, recipe, row_tokens=x_row_tokens)
     y_blocks = token_blocks.quantize_token_blocks(y, group_sizes, recipe)
     return sm90_fp8_wgrad.grouped_matmul_wgrad_fp8(
         x_blocks.values_t,

@@ -64,12 +64,13 @@ class TokenBlocks:
 
 
 def quantize_token_blocks(
-    x: jax.Array, group_sizes: jax.Array, recipe: Recipe, *, backend: str = "auto"
+    x: jax.Array, group_sizes: jax.Array, recipe: Recipe, *, row_tokens: jax.Array | None = None, backend: str = "auto"
 ) -> TokenBlocks:
     """x [M, C] (any float dtype) quantized in blocks of ``recipe.block`` rows from each group's first row, in the
     group-padded transposed layout (``quantize_row_blocks_transposed``, by ``backend``: the Pallas kernel reads x
-    once). group_sizes: [G] int32."""
-    num_rows, _ = x.shape
+    once). group_sizes: [G] int32. With ``row_tokens`` [M] int32, x is [T, C] tokens and row r is
+    ``x[row_tokens[r]]`` (gathered by the quantizer's loads)."""
+    num_rows = x.shape[0] if row_tokens is None else row_tokens.shape[0]
     block, num_groups = recipe.block, group_sizes.shape[0]
     starts, rows, first_blocks = group_blocks(group_sizes, num_rows, block)
     capacity = max_token_blocks(num_rows, num_groups, block)
@@ -82,7 +83,14 @@ def quantize_token_blocks(
     row_counts = jnp.clip(rows[group] - offset, 0, block).astype(jnp.int32)
     first_rows = jnp.where(row_counts > 0, starts[group] + offset, 0).astype(jnp.int32)
     values_t, scales = quantize_row_blocks_transposed(
-        x, first_rows, row_counts, block, dtype=DTYPE, pow2_scales=recipe.pow2_scales, backend=backend
+        x,
+        first_rows,
+        row_counts,
+        block,
+        row_tokens=row_tokens,
+        dtype=DTYPE,
+        pow2_scales=recipe.pow2_scales,
+        backend=backend,
     )
     # Power-of-two scales come as float8_e8m0fnu: f32 holds them exactly, as TokenBlocks does every scale.
     return TokenBlocks(values_t, scales.astype(jnp.float32))

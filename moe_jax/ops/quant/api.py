@@ -251,6 +251,7 @@ def quantize_row_blocks_transposed(
     row_counts: jax.Array,
     block_size: int = config.TILE,
     *,
+    row_tokens: jax.Array | None = None,
     dtype=jnp.float8_e4m3fn,
     pow2_scales: bool = False,
     backend: str = "auto",
@@ -260,10 +261,12 @@ def quantize_row_blocks_transposed(
     (grouped_matmul/token_blocks.py), from one read of x.
 
     Args:
-      x: [M, C] float.
+      x: [M, C] float; or with ``row_tokens``, [T, C] tokens whose rows the blocks gather.
       first_rows: [B] int32, block b's first row (in [0, M); any row for an empty block).
       row_counts: [B] int32 in [0, block_size], its rows (rows past M count as zeros).
       block_size: the blocks' rows.
+      row_tokens: optional [M] int32 in [0, T): row r of the blocks is ``x[row_tokens[r]]``, gathered as the rows
+        are read (e.g. a routing's ``sort_indices // top_k``: the expert-sorted copies of the tokens, never written).
       dtype, pow2_scales, backend: as in ``quantize_blockwise``; the kernel takes block_size 128, bf16/f16 x and C
         a multiple of 64.
 
@@ -278,11 +281,15 @@ def quantize_row_blocks_transposed(
         checks.check_rank(name, table, 1, "[B]")
         checks.check_int32(name, table)
     checks.check_dim("row_counts", row_counts.shape[0], first_rows.shape[0], "length (B, first_rows.shape[0])")
+    if row_tokens is not None:
+        checks.check_rank("row_tokens", row_tokens, 1, "[M]")
+        checks.check_int32("row_tokens", row_tokens)
     if _use_kernel("quantize_row_blocks_transposed", x, (block_size, 1), dtype, True, backend, row_blocks=True):
         values_t, scales = sm90_row_blocks.quantize_row_blocks_transposed(
             x,
             first_rows,
             row_counts,
+            row_tokens=row_tokens,
             dtype=dtype,
             pow2_scales=pow2_scales,
             config=config.heuristic_config(x.dtype, False),
@@ -290,4 +297,6 @@ def quantize_row_blocks_transposed(
             interpret=interpret_params(),
         )
         return values_t, _stored_scales(scales, pow2_scales)
-    return reference.quantize_row_blocks_transposed(x, first_rows, row_counts, block_size, dtype, pow2_scales)
+    return reference.quantize_row_blocks_transposed(
+        x, first_rows, row_counts, block_size, dtype, pow2_scales, row_tokens
+    )

@@ -171,11 +171,20 @@ def quantize_blockwise(x: jax.Array, block_shape: tuple[int, ...], dtype, pow2_s
 
 
 def quantize_row_blocks_transposed(
-    x: jax.Array, first_rows: jax.Array, row_counts: jax.Array, block: int, dtype, pow2_scales: bool
+    x: jax.Array,
+    first_rows: jax.Array,
+    row_counts: jax.Array,
+    block: int,
+    dtype,
+    pow2_scales: bool,
+    row_tokens: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """x [M, C] in blocks of rows: block b is rows [first_rows[b], first_rows[b] + row_counts[b]) (at most ``block``,
     rows past M count as zeros), quantized along its rows per column and laid out transposed, padded with zeros to
-    ``block`` rows each -> (values_t [C, block * B] in dtype, scales [B, C] in ``scale_dtype(pow2_scales)``)."""
+    ``block`` rows each -> (values_t [C, block * B] in dtype, scales [B, C] in ``scale_dtype(pow2_scales)``). With
+    ``row_tokens`` [M] int32, x is [T, C] and row r is x[row_tokens[r]]."""
+    if row_tokens is not None:
+        x = x[row_tokens]
     num_rows = x.shape[0]
     offsets = jnp.arange(block, dtype=jnp.int32)
     rows = first_rows[:, None] + offsets[None, :]  # [B, block]

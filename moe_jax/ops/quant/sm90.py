@@ -81,16 +81,32 @@ def exponent_bytes(scales):
     return lax.shift_right_logical(bits, jnp.uint32(_F32_FRACTION_BITS)).astype(jnp.uint8)
 
 
-def produce_tiles(grid: tuple[int, ...], window, x_smem, loaded, consumed) -> None:
-    """The producer warpgroup of a quantizer: TMA-loads ``window(tile index)`` (a [TILE, TILE] window of the input)
-    for each tile of ``grid`` that this CTA takes (``nd_loop``'s round-robin) into the ring ``x_smem`` [stages, TILE,
-    TILE], arriving at ``loaded[slot]``; a slot is refilled once both consumers arrived at ``consumed[slot]``.
+def tma_windows(window, x_smem, loaded):
+    """``fill(index, slot)`` for ``produce_tiles``: TMA-loads ``window(index)`` (a [TILE, TILE] window of the input)
+    into ``x_smem[slot]``, arriving at ``loaded[slot]``.
 
     A ring [stages, P, TILE, TILE / P] takes each window as P column pieces, one copy each (``loaded`` then counts P
     arrivals; sm90_row_blocks.py says why).
     """
+
+    def fill(index, slot):
+        src = window(index)
+        if x_smem.ndim == 3:
+            plgpu.copy_gmem_to_smem(src, x_smem.at[slot], loaded.at[slot])
+            return
+        width = x_smem.shape[-1]
+        for piece in range(x_smem.shape[1]):
+            columns = pl.ds(piece * width, width)
+            plgpu.copy_gmem_to_smem(src.at[:, columns], x_smem.at[slot, piece], loaded.at[slot])
+
+    return fill
+
+
+def produce_tiles(grid: tuple[int, ...], fill, stages: int, consumed) -> None:
+    """The producer warpgroup of a quantizer: ``fill(tile index, slot)`` loads each tile of ``grid`` that this CTA
+    takes (``nd_loop``'s round-robin) into ring slot ``slot`` of ``stages`` (e.g. ``tma_windows``); a slot is
+    refilled once both consumers arrived at ``consumed[slot]``."""
     plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-    stages = x_smem.shape[0]
 
     def load(info, carry):
         step = info.local_index
@@ -101,14 +117,7 @@ def produce_tiles(grid: tuple[int, ...], window, x_smem, loaded, consumed) -> No
         def _():
             plgpu.barrier_wait(consumed.at[slot])
 
-        src = window(info.index)
-        if x_smem.ndim == 3:
-            plgpu.copy_gmem_to_smem(src, x_smem.at[slot], loaded.at[slot])
-        else:
-            width = x_smem.shape[-1]
-            for piece in range(x_smem.shape[1]):
-                columns = pl.ds(piece * width, width)
-                plgpu.copy_gmem_to_smem(src.at[:, columns], x_smem.at[slot, piece], loaded.at[slot])
+        fill(info.index, slot)
         return carry + 1
 
     steps = plgpu.nd_loop(grid, collective_axes="sm", init_carry=jnp.int32(0))(load)
@@ -191,7 +200,7 @@ def quantize_tiles(
                 row_tile, col_tile = index
                 return x_gmem.at[pl.ds(row_tile * TILE, TILE), pl.ds(col_tile * TILE, TILE)]
 
-            produce_tiles(grid, window, x_smem, loaded, consumed)
+            produce_tiles(grid, tma_windows(window, x_smem, loaded), stages, consumed)
 
         @pl.when(wg < CONSUMERS)
         def _consumer():

@@ -18,6 +18,12 @@ consumer's 64 columns are a buffer of their own, [TILE, 64] (two TMA copies per 
 128-byte swizzle line and eight consecutive rows one swizzle pattern, as the transposing read assumes: on a [TILE,
 TILE] buffer of one-row tiles a row spans two lines and the sm90 GPU reads 16-byte chunks of the wrong columns (the
 interpreter, which does not swizzle, cannot show it; tests/gpu/test_quant_gpu.py does).
+
+With ``row_tokens`` the rows are gathered: row r is ``x[row_tokens[r]]`` of tokens x [T, C] (the wgrad of the
+gate_up projection contracts the expert-sorted copies of the tokens, which are then never written). Hopper's TMA has
+no row gather, so the producer warpgroup copies the rows with cp.async (grouped_matmul/sm90_gather.py, the gathered
+GEMM's loader), each into its own row of a [TILE, 64] buffer in the 8-row tiles of the 128-byte swizzle: a row no
+longer needs a tile of its own, and the transposing reads are free of bank conflicts.
 """
 
 import jax
@@ -26,6 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from moe_jax.ops.grouped_matmul import sm90_gather
 from moe_jax.ops.quant.config import CONSUMER_REGISTERS, CONSUMERS, TILE, Config
 from moe_jax.ops.quant.sm90 import (
     persistent_kernel,
@@ -34,6 +41,7 @@ from moe_jax.ops.quant.sm90 import (
     ring_barriers,
     scale_bits_dtype,
     swizzled,
+    tma_windows,
 )
 
 _LAYOUT = plgpu.Layout.WGMMA
@@ -45,6 +53,7 @@ def quantize_row_blocks_transposed(
     first_rows: jax.Array,
     row_counts: jax.Array,
     *,
+    row_tokens: jax.Array | None = None,
     dtype,
     pow2_scales: bool,
     config: Config,
@@ -54,9 +63,10 @@ def quantize_row_blocks_transposed(
     """Quantizes blocks of up to 128 rows of x, each along its rows, into the transposed, block-padded layout.
 
     Args:
-      x: [M, C] bf16 or f16; C a multiple of 64.
+      x: [M, C] bf16 or f16, C a multiple of 64; or with ``row_tokens``, [T, C] tokens.
       first_rows: [B] int32, each block's first row in [0, M) (any row for an empty block).
       row_counts: [B] int32, each block's rows in [0, 128]; rows past M read as zeros.
+      row_tokens: optional [M] int32 in [0, T): row r is x[row_tokens[r]].
       dtype: float8_e4m3fn or float8_e5m2.
       pow2_scales: scales rounded up to powers of two, stored as their exponent bytes.
       config: see ``Config`` (``heuristic_config(x.dtype, False)``).
@@ -66,13 +76,17 @@ def quantize_row_blocks_transposed(
     Returns:
       values_t [C, 128 B] in dtype (zeros past each block's rows) and scales [B, C] (f32, or uint8 exponent bytes).
     """
-    rows, cols = x.shape
+    cols = x.shape[1]
+    gathered = row_tokens is not None
+    rows = row_tokens.shape[0] if gathered else x.shape[0]
     (num_blocks,) = first_rows.shape
     grid = (num_blocks, pl.cdiv(cols, TILE))
     stages = config.stages
 
-    def body(x_gmem, first_rows_gmem, row_counts_gmem, values_t_gmem, scales_gmem, *scratch):
-        x_smem, out_smem, loaded, consumed = scratch
+    def body(x_gmem, first_rows_gmem, row_counts_gmem, *refs):
+        row_tokens_gmem, values_t_gmem, scales_gmem, x_smem, out_smem, loaded, consumed = (
+            refs if gathered else (None, *refs)
+        )
         wg = lax.axis_index("wg")
 
         @pl.when(wg == CONSUMERS)
@@ -81,7 +95,23 @@ def quantize_row_blocks_transposed(
                 block, col_tile = index
                 return x_gmem.at[pl.ds(first_rows_gmem[block], TILE), pl.ds(col_tile * TILE, TILE)]
 
-            produce_tiles(grid, window, x_smem, loaded, consumed)
+            def gather(index, slot):
+                block, col_tile = index
+                for piece in range(CONSUMERS):
+                    # A piece past C (C % 128 == 64) copies the last 64 columns again instead: cp.async has no
+                    # bounds, and what the consumer makes of them is stored past C, which the outputs drop.
+                    col0 = jnp.minimum(col_tile * TILE + piece * _ROWS, cols - _ROWS)
+                    sm90_gather.load_rows(
+                        x_gmem,
+                        row_tokens_gmem,
+                        first_rows_gmem[block],
+                        col0,
+                        x_smem.at[slot, piece],
+                        loaded.at[slot],
+                        interpret=interpret,
+                    )
+
+            produce_tiles(grid, gather if gathered else tma_windows(window, x_smem, loaded), stages, consumed)
 
         @pl.when(wg < CONSUMERS)
         def _consumer():
@@ -91,7 +121,8 @@ def quantize_row_blocks_transposed(
                 block, col_tile = info.index
                 step = info.local_index
                 slot = lax.rem(step, stages)
-                count = row_counts_gmem[block]
+                # A gathered row past M has a token (row_tokens is padded), not zeros: count it out here.
+                count = jnp.minimum(row_counts_gmem[block], rows - first_rows_gmem[block])
                 plgpu.barrier_wait(loaded.at[slot])
                 x_cols = plgpu.load(x_smem.at[slot, wg].T, layout=_LAYOUT)
                 # The tile is in registers; with the reads ordered before the async proxy's next write to the slot
@@ -99,8 +130,8 @@ def quantize_row_blocks_transposed(
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(consumed.at[slot])
 
-                # Rows of x past the block's (columns here) belong to another group or to none: zeros, which no
-                # amax notices and which the padded layout holds there.
+                # Rows past the block's (columns here) belong to another group or to none: zeros, which no amax
+                # notices and which the padded layout holds there.
                 row = plgpu.broadcasted_iota(jnp.int32, x_cols.shape, 1, layout=_LAYOUT)
                 x_cols = jnp.where(row < count, x_cols, jnp.zeros_like(x_cols))
                 values, (scale,) = quantize_rows(x_cols, TILE, dtype, pow2_scales)
@@ -119,6 +150,12 @@ def quantize_row_blocks_transposed(
             plgpu.wait_smem_to_gmem(0)
 
     padded_cols = grid[1] * TILE
+    if gathered:
+        # The GPU's cp.async rows arrive once per copy call and warpgroup, the interpreter's copies once per row.
+        transforms = sm90_gather.smem_transforms(_ROWS, x.dtype, interpret)
+        loads = CONSUMERS * (TILE if interpret is not None else 1)
+    else:
+        transforms, loads = swizzled(x.dtype, (1, cols)), CONSUMERS  # one-row tiles: the module docstring
     kernel = persistent_kernel(
         body,
         out_type=(
@@ -127,14 +164,15 @@ def quantize_row_blocks_transposed(
             jax.ShapeDtypeStruct((num_blocks, padded_cols), scale_bits_dtype(pow2_scales)),
         ),
         scratch_types=[
-            # One-row tiles: a block starts on any row (the module docstring).
-            plgpu.SMEM((stages, CONSUMERS, TILE, _ROWS), x.dtype, transforms=swizzled(x.dtype, (1, cols))),
+            plgpu.SMEM((stages, CONSUMERS, TILE, _ROWS), x.dtype, transforms=transforms),
             plgpu.SMEM((CONSUMERS, 2, _ROWS, TILE), dtype, transforms=swizzled(dtype, (cols, num_blocks * TILE))),
-            *ring_barriers(stages, loads=CONSUMERS),  # a slot's loads: one [128, 64] box per consumer
+            *ring_barriers(stages, loads=loads),  # a slot's loads: [128, 64] of it per consumer
         ],
-        kernel_name="moe_quantize_row_blocks_transposed",
+        kernel_name="moe_quantize_gathered_row_blocks_transposed" if gathered else "moe_quantize_row_blocks_transposed",
         num_sms=num_sms,
         interpret=interpret,
     )
-    values_t, scales = kernel(x, first_rows, row_counts)
+    # Rows past M in a block's 128 read token 0 (a row that exists), counted out by the consumers.
+    extra = () if not gathered else (jnp.pad(row_tokens, (0, TILE)),)
+    values_t, scales = kernel(x, first_rows, row_counts, *extra)
     return values_t, scales[:, :cols]

@@ -41,6 +41,7 @@ from moe_jax.ops.quant.sm90 import (
     ring_barriers,
     scale_bits_dtype,
     swizzled,
+    tma_windows,
 )
 
 _LAYOUT = plgpu.Layout.WGMMA
@@ -97,7 +98,7 @@ def quantize_square_tiles(
                 group, row_tile, col_tile = index
                 return w_gmem.at[group, pl.ds(row_tile * TILE, TILE), pl.ds(col_tile * TILE, TILE)]
 
-            produce_tiles(grid, window, x_smem, loaded, consumed)
+            produce_tiles(grid, tma_windows(window, x_smem, loaded), stages, consumed)
 
         @pl.when(wg < CONSUMERS)
         def _consumer():
