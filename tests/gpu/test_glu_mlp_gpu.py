@@ -278,3 +278,44 @@ def test_fp8_glu_mlp_against_the_xla_recipe(model, activation, kind):
         assert actual.shape == exact.shape and actual.dtype == exact.dtype, name
         assert bool(jnp.all(jnp.isfinite(actual.astype(jnp.float32)))), name
         assert relative_error(actual, exact) < FP8_TOL, name
+
+
+@pytest.mark.parametrize("model, activation", [("qwen3-30b", "swiglu"), ("gpt-oss-120b", "gpt_oss")])
+def test_fp8_routed_glu_mlp_against_the_xla_recipe(model, activation):
+    """Routed from tokens (top-4 of 8 experts): the kernels permute each token's FP8 row and scales in the forward,
+    and the gate_up wgrad's quantizer gathers the tokens' rows (gpt-oss-120b: D = 2880, half a last column tile)."""
+    shape = shapes.GMM_SHAPES[f"{model}/gate_up"]
+    g, t, top_k, d, d_ff = 8, 512, 4, shape.k, shape.n // 2
+    inputs = _inputs(jax.random.key(11), g, t * top_k, d, d_ff, x_scale=4.0 if activation == "gpt_oss" else 1.0)
+    tokens = inputs["x"][:t]
+    experts = jax.lax.top_k(jax.random.normal(jax.random.key(12), (t, g)), top_k)[1].reshape(-1)
+    sort_indices = jnp.argsort(experts, stable=True).astype(jnp.int32)
+    group_sizes = jnp.bincount(experts, length=g).astype(jnp.int32)
+
+    @functools.partial(jax.jit, static_argnames="backend")
+    def fwd_bwd(tokens, w_gate_up, w_down, row_scale, *, backend):
+        def mlp(tokens, w_gate_up, w_down, row_scale):
+            return glu_mlp_api.routed_glu_mlp(
+                tokens,
+                sort_indices,
+                top_k,
+                w_gate_up,
+                w_down,
+                group_sizes,
+                activation=activation,
+                row_scale=row_scale,
+                backend=backend,
+                quantization="fp8_block",
+            )
+
+        y, pullback = jax.vjp(mlp, tokens, w_gate_up, w_down, row_scale)
+        return (y, *pullback(inputs["cotangent"]))
+
+    args = (tokens, inputs["w_gate_up"], inputs["w_down"], inputs["row_scale"])
+    kernel, expected = (fwd_bwd(*args, backend=backend) for backend in ("pallas", "xla"))
+    for name, actual, exact in zip(
+        ("y", "d_x", "d_w_gate_up", "d_w_down", "d_row_scale"), kernel, expected, strict=True
+    ):
+        assert actual.shape == exact.shape and actual.dtype == exact.dtype, name
+        assert bool(jnp.all(jnp.isfinite(actual.astype(jnp.float32)))), name
+        assert relative_error(actual, exact) < FP8_TOL, name
