@@ -26,6 +26,7 @@ from moe_jax._core import backend as dispatch
 from moe_jax.ops.glu_mlp import api as glu_mlp_api
 from moe_jax.ops.grouped_matmul import launch, reference
 from moe_jax.ops.grouped_matmul.api import master_weights, quantize_weights
+from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, split_gate_up
 from moe_jax.ops.quant import api as quant_api
 from tests import oracle
 from tests.helpers import check_glu_backward, checked_interpreter, cuda_lowering, glu_mlp_inputs, simulated_sms
@@ -58,11 +59,18 @@ def _inputs(case: str, seed: int) -> dict:
 
 
 @pytest.mark.parametrize(
-    "activation, case, with_row_scale",
-    [("swiglu", "ragged", True), ("gpt_oss", "edges", True), ("geglu", "edges", False)],
+    "activation, case, with_row_scale, fp8_pre",
+    [
+        ("swiglu", "ragged", True, False),
+        ("swiglu", "ragged", True, True),
+        ("gpt_oss", "edges", True, True),
+        ("geglu", "edges", False, False),
+    ],
 )
 @pytest.mark.usefixtures("interpret")
-def test_fp8_glu_backward_epilogue(activation, case, with_row_scale):
+def test_fp8_glu_backward_epilogue(activation, case, with_row_scale, fp8_pre):
+    """fp8_pre: the pre-activation arrives quantized (1 x 128 of its packed columns) and the epilogue dequantizes it;
+    the oracle then runs on the dequantized values."""
     inputs = _inputs(case, seed=3)
     group_sizes, d_y = inputs["group_sizes"], inputs["cotangent"]
     row_scale = inputs["row_scale"] if with_row_scale else None
@@ -72,9 +80,14 @@ def test_fp8_glu_backward_epilogue(activation, case, with_row_scale):
     gate_up = 5.0 * jax.random.normal(jax.random.key(1), (m, 2 * d_ff), jnp.float32)
     gate, up = (half.astype(jnp.bfloat16).astype(jnp.float32) for half in jnp.split(gate_up, 2, axis=1))
     packed_rows = moe_jax.pack_gate_up(jnp.concatenate([gate, up], axis=1)[None]).array[0].astype(jnp.bfloat16)
+    out_dtype = None
+    if fp8_pre:
+        packed_rows = moe_jax.quantize_blockwise(packed_rows, (1, 128))
+        gate, up = split_gate_up(packed_rows.dequantize(), PACK_BLOCK)
+        out_dtype = jnp.bfloat16
 
     d_gate_up, hidden, d_row_scale = launch.run_glu_dgrad(
-        d_y_fp8, w_down_fp8, group_sizes, packed_rows, row_scale, activation
+        d_y_fp8, w_down_fp8, group_sizes, packed_rows, row_scale, activation, out_dtype=out_dtype
     )
 
     d_h = reference.grouped_matmul(

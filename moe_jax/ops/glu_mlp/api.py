@@ -20,7 +20,8 @@ on the FP8 kernels (fp8_block, "auto" / "pallas"):
 
     forward   gate_up: x quantized 1 x 128; FP8 kernel, GLU epilogue, keeps gu    down: h quantized; FP8 kernel
               gu kept in FP8, 1 x 128 along its packed columns (64 gate and their 64 up columns a block)
-    backward  dy quantized 1 x 128; glu_dgrad FP8 kernel on gu dequantized (the GLU backward in its epilogue)
+    backward  dy quantized 1 x 128; glu_dgrad FP8 kernel on the FP8 gu (dequantized and the GLU backward run in its
+              epilogue)
               d W_d = FP8 wgrad (h*s, dy);  d x = FP8 dgrad (d_gu quantized, W_gu^T);  d W_gu = FP8 wgrad (x, d_gu)
 
 Each weight is quantized once per call into both of its layouts (the forward's and the dgrad's, the same 128 x 128
@@ -29,8 +30,8 @@ and BlockScaled weights get none. reference.py defines this recipe (where it qua
 implementation (mxfp8 runs there only). h is written in x's dtype and quantized by its own pass (not in the gate_up
 epilogue: a 1 x 128 block of h spans two of the FP8 kernel's 64-hidden-column tiles). Keeping gu in FP8, as
 DeepSeek-V3 caches its SwiGLU inputs, halves the largest array the backward keeps (M * 2F bytes and an f32 scale per
-128) for one quantize pass over gu in the forward and one dequantize in the backward; the GLU backward then runs on
-the dequantized pre-activation.
+128) for one quantize pass over gu in the forward; the GLU-backward kernel reads the FP8 rows and their scales and
+dequantizes them in f32 in its epilogue (half the bytes it read in x's dtype, and no dequantized copy written).
 
 ``routed_glu_mlp`` (what ``moe_ffn`` calls) takes the tokens [T, D] and the routing's sort indices instead of sorted
 rows. Its implementations, in order: "pallas_gather" (the gate_up kernel gathers its rows from the tokens, so the
@@ -393,7 +394,7 @@ def _fp8_glu_mlp_bwd(top_k, activation, residuals, d_y):
     recipe = reference_fp8.RECIPES[FP8_KERNEL_QUANTIZATION]
     d_y = d_y.astype(x.dtype)
     d_gate_up, hidden_scaled, d_row_scale = run_glu_dgrad(
-        _quantize_rows(d_y), w_down_kn, group_sizes, gate_up.dequantize(x.dtype), row_scale, activation
+        _quantize_rows(d_y), w_down_kn, group_sizes, gate_up, row_scale, activation, out_dtype=x.dtype
     )
     d_rows = grouped_matmul_api.fp8_dgrad(d_gate_up, w_gate_up_kn, group_sizes, recipe, False, x.dtype)
     wgrad = functools.partial(grouped_matmul_api.fp8_wgrad, quantization=FP8_KERNEL_QUANTIZATION, transpose_rhs=False)

@@ -12,7 +12,7 @@ is the one the fused kernels run (api.py's module docstring), each GEMM quantize
 
 with d_gate_up and h s rounded to x's dtype, as the kernels write them, and the pre-activation kept for the backward
 in x's dtype and quantized along its rows (1 x 128 of the packed gate/up columns; DeepSeek-V3 caches its SwiGLU
-inputs in FP8 alike): the GLU backward runs on its dequantized values. It differs from differentiating the
+inputs in FP8 alike): the GLU backward runs on its values dequantized in f32. It differs from differentiating the
 composition of two quantized ``grouped_matmul`` calls only in where the row scale meets the down GEMM's quantized
 gradient operands (dy rather than s dy; h s rather than h): the same straight-through gradient, quantized at other
 points.
@@ -79,7 +79,7 @@ def _quantized_mlp_fwd(x, w_gate_up, w_down, group_sizes, row_scale, block, acti
 
 def _quantized_mlp_bwd(block, activation, recipe, residuals, d_y):
     x, w_gate_up, w_gate_up_q, w_down, w_down_q, group_sizes, row_scale, kept_pre = residuals
-    pre = kept_pre.dequantize(x.dtype).astype(jnp.float32)  # the kernels read it in x's dtype, compute in f32
+    pre = kept_pre.dequantize(jnp.float32)  # as the GLU-backward kernel's epilogue dequantizes it
     dgrad = functools.partial(reference_fp8.quantized_dgrad, recipe=recipe, transpose_rhs=False)
     wgrad = functools.partial(reference_fp8.quantized_wgrad, recipe=recipe, transpose_rhs=False)
     down_weights = reference_fp8.dgrad_weights(w_down, w_down_q, recipe, False)

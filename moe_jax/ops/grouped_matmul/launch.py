@@ -171,6 +171,7 @@ def run_rows_kernel(
     zero_tail=True,
     x_scales=None,
     w_scales=None,
+    gate_up_scales=None,
 ):
     """fwd / dgrad / glu_dgrad kernel: x[M, R] · w[g] per group (w [G, R, C], or [G, C, R] when ``w_transposed``).
 
@@ -178,7 +179,8 @@ def run_rows_kernel(
     ``epilogue``, ``row_scale`` [M] f32, ``gate_up`` [M, 2C] and ``row_tokens`` [M] int32 are
     sm90.grouped_matmul_rows's (with ``row_tokens``, x is [T, R] and row r is x[row_tokens[r]]). ``zero_tail``:
     schedule.row_tiles's (False: the outputs' rows past sum(group_sizes) are left unwritten). ``x_scales``
-    [R / 128, M] and ``w_scales``: FP8 operands' scales, as sm90.grouped_matmul_rows takes them.
+    [R / 128, M] and ``w_scales``: FP8 operands' scales, as sm90.grouped_matmul_rows takes them, as is
+    ``gate_up_scales`` [2C / 128, M] (an FP8 gate_up's).
 
     Returns:
       sm90.grouped_matmul_rows's outputs, rows past M dropped; for the GLU backward (d_gate_up [M, 2C],
@@ -195,6 +197,8 @@ def run_rows_kernel(
     padded_m = x.shape[0] if row_tokens is None else row_tokens.shape[0]
     if x_scales is not None:
         x_scales = jnp.pad(x_scales, [(0, 0), (0, padded_m - m)])
+    if gate_up_scales is not None:
+        gate_up_scales = jnp.pad(gate_up_scales, [(0, 0), (0, padded_m - m)])
     tiles, num_tiles = schedule.row_tiles(group_sizes, padded_m, config.block_m, zero_tail=zero_tail)
     outs = sm90.grouped_matmul_rows(
         x,
@@ -212,6 +216,7 @@ def run_rows_kernel(
         row_tokens=row_tokens,
         x_scales=x_scales,
         w_scales=w_scales,
+        gate_up_scales=gate_up_scales,
     )
     if not isinstance(outs, tuple):
         return outs[:m]
@@ -450,26 +455,43 @@ def rows_in_groups(group_sizes, num_rows: int) -> jax.Array:
     return jnp.minimum(jnp.sum(jnp.maximum(group_sizes, 0)), num_rows).astype(jnp.int32)
 
 
-def run_glu_dgrad(d_y, w_down, group_sizes, gate_up, row_scale, activation: str, *, config=None, zero_tail=True):
+def run_glu_dgrad(
+    d_y, w_down, group_sizes, gate_up, row_scale, activation: str, *, config=None, zero_tail=True, out_dtype=None
+):
     """The down projection's dgrad with the GLU backward in its epilogue (the "glu_dgrad" kernel).
 
     Args:
       d_y: [M, D] bf16 / f16, or a BlockScaled of it in (1, 128) blocks (the FP8 kernel: then w_down is a
         BlockScaled [G, F, D] in (1, 128, 128) blocks, its stored layout, which is K-major for this GEMM).
       w_down: [G, F, D], read transposed (the kernel's output columns are F); group_sizes: [G] int32;
-      gate_up: [M, 2F] packed pre-activation, in the outputs' dtype (d_y's, for a high-precision d_y);
+      gate_up: [M, 2F] packed pre-activation, in the outputs' dtype (d_y's, for a high-precision d_y); with an FP8
+        d_y also a BlockScaled of it in (1, 128) blocks (float8_e4m3fn values, f32 scales), which the epilogue
+        dequantizes in f32 as it reads the rows (sm90.Epilogue.scaled_gate_up);
       row_scale: [M] f32 or None; activation: the GLU's;
       config: the tile config (None: the table's or the heuristic's, fp8_config's for FP8); zero_tail:
-      run_rows_kernel's.
+      run_rows_kernel's; out_dtype: the outputs' dtype, named for a BlockScaled gate_up (else gate_up's).
 
     Returns:
-      (d_gate_up [M, 2F] packed, h * row_scale [M, F], d_row_scale [M] f32 or None), in gate_up's dtype. Rows past
+      (d_gate_up [M, 2F] packed, h * row_scale [M, F], d_row_scale [M] f32 or None), in out_dtype. Rows past
       sum(group_sizes) have no product (it is 0 there), so their d_gate_up and d_row_scale are 0; h * row_scale is
       computed from ``gate_up`` on every row (zero in ``glu_mlp``, whose forward writes zero pre-activations there).
       With ``zero_tail=False`` the first two are left unwritten there and d_row_scale is still 0.
     """
-    num_rows, out_dtype = d_y.shape[0], gate_up.dtype
+    num_rows = d_y.shape[0]
+    scaled_gate_up = isinstance(gate_up, BlockScaled)
     fp8_scales = {}
+    if scaled_gate_up:
+        if not isinstance(d_y, BlockScaled) or out_dtype is None:
+            raise ValueError("run_glu_dgrad: a BlockScaled gate_up needs a BlockScaled d_y and out_dtype")
+        if gate_up.block_shape != (1, sm90.SCALED_GATE_UP_BLOCK) or gate_up.scales.dtype != jnp.float32:
+            raise ValueError(
+                f"run_glu_dgrad: gate_up must be quantized in (1, {sm90.SCALED_GATE_UP_BLOCK}) blocks with f32 "
+                f"scales, got block_shape {gate_up.block_shape} and {gate_up.scales.dtype} scales"
+            )
+        fp8_scales["gate_up_scales"] = gate_up.scales.T
+        gate_up = gate_up.values
+    else:
+        out_dtype = gate_up.dtype
     if isinstance(d_y, BlockScaled):
         num_groups, d_ff, d_model = w_down.shape
         if config is None:
@@ -484,7 +506,7 @@ def run_glu_dgrad(d_y, w_down, group_sizes, gate_up, row_scale, activation: str,
                 glu_backward=True,
             )
         d_y, w_down, x_scales, w_scales = _fp8_kernel_operands(d_y, w_down)
-        fp8_scales = dict(x_scales=x_scales, w_scales=w_scales)
+        fp8_scales.update(x_scales=x_scales, w_scales=w_scales)
     elif config is None:
         # gpt_oss's clamps narrow the table's tiles (config.CLAMPED_GLU_MAX_BLOCK_N).
         config = rows_config(
@@ -501,6 +523,7 @@ def run_glu_dgrad(d_y, w_down, group_sizes, gate_up, row_scale, activation: str,
         row_scale=row_scale is not None,
         recompute_grads=activation in RECOMPUTED_GRADS and config.block_n <= RECOMPUTE_MAX_BLOCK_N,
         pack=PACK_BLOCK,
+        scaled_gate_up=scaled_gate_up,
     )
     d_gate_up, hidden_scaled, d_row_scale = run_rows_kernel(
         "glu_dgrad",

@@ -34,7 +34,10 @@ Epilogues (``Epilogue``; the GLU math arrives as functions, the kernel holds no 
 
 FP8 operands (``x_scales`` / ``w_scales``, sm90_fp8.py): x and w in float8_e4m3fn, w stored [G, C, R] (wgmma takes FP8
 only K-major), each 128-wide K block multiplied into a fresh accumulator and added to an f32 total with its scales;
-the scales ride beside the tiles. The epilogues are the same.
+the scales ride beside the tiles. The epilogues are the same, but for the GLU backward's pre-activation, which may
+arrive in FP8 too (``Epilogue.scaled_gate_up``: a scale per row and 128 packed columns, the 1 x 128 blocks of the
+kept pre-activation): the consumer loads the FP8 rows and their scales with its own TMA copies and dequantizes each
+chunk in f32, so no dequantized copy of the pre-activation is written.
 """
 
 import dataclasses
@@ -85,6 +88,9 @@ class Epilogue:
         all three are computed together), at the cost of the shared terms' arithmetic (three sigmoids instead of
         one).
       pack: the gate/up interleave width (columns); must divide block_n / 2 (fwd) or block_n (bwd).
+      scaled_gate_up: GLU backward: the packed pre-activation is FP8 with a scale per row and block of
+        ``SCALED_GATE_UP_BLOCK`` packed columns (``pack`` gate and their ``pack`` up columns), dequantized in f32 as
+        the consumer reads it (the gate_up_scales operand; the consumers load the rows themselves, no ring).
     """
 
     activation: Callable | None = None
@@ -94,6 +100,7 @@ class Epilogue:
     keep_rounding: Callable | None = None
     recompute_grads: bool = False
     pack: int = 64
+    scaled_gate_up: bool = False
 
     def __post_init__(self):
         if self.activation is not None and self.activation_grad is not None:
@@ -104,6 +111,11 @@ class Epilogue:
             raise ValueError("Epilogue: keep_rounding needs keep_acc and an activation")
         if self.recompute_grads and self.activation_grad is None:
             raise ValueError("Epilogue: recompute_grads is a GLU backward option")
+        if self.scaled_gate_up and (self.activation_grad is None or 2 * self.pack != SCALED_GATE_UP_BLOCK):
+            raise ValueError(
+                f"Epilogue: scaled_gate_up is a GLU backward option whose blocks of {SCALED_GATE_UP_BLOCK} packed "
+                f"columns hold pack = {SCALED_GATE_UP_BLOCK // 2} gate and up columns each, got pack={self.pack}"
+            )
 
     @property
     def backward(self) -> bool:
@@ -117,6 +129,8 @@ class Epilogue:
                 f"a GLU epilogue needs pack={self.pack} dividing the tile's hidden columns ({glu_cols}) and a "
                 f"multiple of epilogue_n={config.epilogue_n}"
             )
+        if self.scaled_gate_up and self.ring_slots(config):
+            raise ValueError(f"Epilogue: an FP8 pre-activation is loaded by the consumers, not the ring, got {config}")
         if self.operand_cols(config) > 256:
             raise ValueError(
                 "the GLU backward's consumers load [gate | up] tiles of 2 * block_n <= 256 columns themselves; wider "
@@ -135,7 +149,7 @@ class Epilogue:
 
     def own_loads(self, config: Config) -> int:
         """TMA copies a consumer issues per tile for its epilogue operands (the ring's are the producer's)."""
-        return self.row_scale + (self.operand_cols(config) > 0)
+        return self.row_scale + (self.operand_cols(config) > 0) + self.scaled_gate_up
 
     def kept_bytes(self, config: Config, out_itemsize: int) -> int:
         """Bytes one consumer holds for a tile's outputs between its last MMA and its stores (the overlapped
@@ -153,6 +167,7 @@ class Epilogue:
 
 
 PLAIN = Epilogue()  # cast and store
+SCALED_GATE_UP_BLOCK = 128  # packed columns per scale of an FP8 pre-activation (Epilogue.scaled_gate_up)
 
 
 def grouped_matmul_rows(
@@ -169,6 +184,7 @@ def grouped_matmul_rows(
     epilogue: Epilogue = PLAIN,
     row_scale: jax.Array | None = None,
     gate_up: jax.Array | None = None,
+    gate_up_scales: jax.Array | None = None,
     row_tokens: jax.Array | None = None,
     x_scales: jax.Array | None = None,
     w_scales: jax.Array | None = None,
@@ -186,7 +202,10 @@ def grouped_matmul_rows(
       config: tile shapes; num_sms: persistent CTAs; interpret: Mosaic GPU interpreter params or None.
       epilogue: see ``Epilogue``.
       row_scale: [M] f32, with ``epilogue.row_scale``.
-      gate_up: [M, 2C] packed pre-activation in out_dtype, for the GLU backward (x's dtype for 16-bit x).
+      gate_up: [M, 2C] packed pre-activation in out_dtype, for the GLU backward (x's dtype for 16-bit x); in FP8 with
+        ``epilogue.scaled_gate_up``.
+      gate_up_scales: [2C / 128, M] f32 with ``epilogue.scaled_gate_up``: row r's scale of packed block b at [b, r]
+        (MN-major: a tile's rows of one block are contiguous).
       row_tokens: [M] int32 in [0, T): row r of the product is x[row_tokens[r]] (sm90_gather.py; R a multiple of
         block_k). M a multiple of 8.
       x_scales: FP8 x's scales, MN-major: [R / 128, M] f32 (row r's scale of K block k at [k, r]).
@@ -208,7 +227,13 @@ def grouped_matmul_rows(
     n_tiles = pl.cdiv(cols, bn)
     max_tiles = tiles.shape[1]
     operands = [
-        op for op in (row_scale if epi.row_scale else None, gate_up if epi.backward else None) if op is not None
+        op
+        for op in (
+            row_scale if epi.row_scale else None,
+            gate_up if epi.backward else None,
+            gate_up_scales if epi.scaled_gate_up else None,
+        )
+        if op is not None
     ]
     ring_slots = epi.ring_slots(cfg)
     loads_per_tile = epi.own_loads(cfg)
@@ -234,7 +259,7 @@ def grouped_matmul_rows(
         bands_gmem, refs = (refs[0], refs[1:]) if banded else (None, refs)
         (x_scales_gmem, w_scales_gmem), refs = (refs[:2], refs[2:]) if fp8_scales else ((None, None), refs)
         operand_gmem, refs = refs[: len(operands)], refs[len(operands) :]
-        gate_up_gmem = operand_gmem[-1] if epi.backward else None
+        gate_up_gmem = operand_gmem[int(epi.row_scale)] if epi.backward else None
         out_gmems, refs = refs[: len(out_types)], refs[len(out_types) :]
         x_smem, w_smem, out_smem, produced, consumed, *refs = refs
         fp8_scratch, epi_scratch = refs[: len(fp8_scratch_types)], refs[len(fp8_scratch_types) :]
@@ -405,11 +430,13 @@ def grouped_matmul_rows(
         scratch.append(plgpu.SMEM((epi.row_vectors(), num_wgs, wg_m), jnp.float32))
     gate_up_cols = epi.operand_cols(cfg)
     if gate_up_cols:
-        scratch.append(
-            plgpu.SMEM(
-                (num_wgs, wg_m, gate_up_cols), gate_up.dtype, transforms=pipe.swizzled(gate_up_cols, gate_up.dtype)
-            )
-        )
+        # Tiles of `pack` columns (a 64-byte swizzle for FP8 rows): the epilogue reads `epilogue_n` columns at a time.
+        gate_up_transforms = pipe.swizzled(epi.pack, gate_up.dtype)
+        scratch.append(plgpu.SMEM((num_wgs, wg_m, gate_up_cols), gate_up.dtype, transforms=gate_up_transforms))
+    if epi.scaled_gate_up:
+        # The scales of the tile's packed blocks, [blocks, wg_block_m] per consumer (accounted for in config.fits
+        # by the pre-activation's tile, taken there at 16 bits an element).
+        scratch.append(plgpu.SMEM((num_wgs, gate_up_cols // SCALED_GATE_UP_BLOCK, wg_m), jnp.float32))
     kernel = plgpu.kernel(
         body,
         out_type=tuple(out_types) if len(out_types) > 1 else out_types[0],
@@ -504,9 +531,11 @@ def _epilogue(
     row_scale_smem = row_vectors_smem.at[0] if epi.row_scale else None
     partial_smem = row_vectors_smem.at[1] if epi.backward and epi.row_scale else None
     gate_up_smem = next(buffers) if epi.operand_cols(cfg) else None
+    gate_up_scales_smem = next(buffers) if epi.scaled_gate_up else None
     operand_gmem = iter(operand_gmem)
     row_scale_gmem = next(operand_gmem) if epi.row_scale else None
     gate_up_gmem = next(operand_gmem) if epi.backward else None
+    gate_up_scales_gmem = next(operand_gmem) if epi.scaled_gate_up else None
     row_vector = plgpu.Layout.WGMMA.reduce(1)
 
     def packed_cols(f: int) -> tuple[int, int]:
@@ -526,6 +555,10 @@ def _epilogue(
         if gate_up_smem is not None:
             gate_up_tile = gate_up_gmem.at[rows, pl.ds(2 * ni * bn, 2 * bn)]
             plgpu.copy_gmem_to_smem(gate_up_tile, gate_up_smem.at[wg], loaded.at[wg])
+        if epi.scaled_gate_up:
+            blocks = gate_up_scales_smem.shape[1]
+            scales_tile = gate_up_scales_gmem.at[pl.ds(ni * blocks, blocks), rows]
+            plgpu.copy_gmem_to_smem(scales_tile, gate_up_scales_smem.at[wg], loaded.at[wg])
 
     def scaled(value, scale):
         return value if scale is None else value * lax.broadcast_in_dim(scale, value.shape, [0])
@@ -590,10 +623,15 @@ def _epilogue(
         return [functools.partial(backward_store, c, d_h, mi, ni, rows, ring_step) for c, d_h in enumerate(values)]
 
     def gate_up_chunk(c, gate_col, up_col, ring_step):
-        """This consumer's rows of chunk c's gate and up blocks, [wg_block_m, epilogue_n] each in their dtype."""
+        """This consumer's rows of chunk c's gate and up blocks, [wg_block_m, epilogue_n] each in their dtype (f32,
+        dequantized, for an FP8 pre-activation)."""
         if not gate_up_in_ring:
             tiles = [gate_up_smem.at[wg, :, pl.ds(col, epi_n)] for col in (gate_col, up_col)]
-            return [plgpu.load(tile, layout=plgpu.Layout.WGMMA) for tile in tiles]
+            values = [plgpu.load(tile, layout=plgpu.Layout.WGMMA) for tile in tiles]
+            if not epi.scaled_gate_up:
+                return values
+            scale = plgpu.load(gate_up_scales_smem.at[wg, gate_col // SCALED_GATE_UP_BLOCK], layout=row_vector)
+            return [scaled(value.astype(jnp.float32), scale) for value in values]
         x_smem, w_smem, produced, consumed = ring
         slot = lax.rem(ring_step + c, cfg.num_stages)  # gate in the x buffer, up in the weights' (see the producer)
         plgpu.barrier_wait(produced.at[slot])
