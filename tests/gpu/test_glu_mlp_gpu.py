@@ -235,18 +235,17 @@ def test_fused_grouped_matmul_epilogues_against_reference(activation):
         assert relative_error(a, e) < TOL
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "backend", "quantization"))
-def _fp8_fwd_bwd(inputs, group_sizes, *, activation, backend, quantization="fp8_block"):
+@functools.partial(jax.jit, static_argnames=("activation", "top_k", "backend", "quantization"))
+def _fp8_fwd_bwd(inputs, group_sizes, sort_indices=None, *, activation, top_k=1, backend, quantization):
+    """y and the gradients of (x, w_gate_up, w_down, row_scale): ``glu_mlp`` on x's rows, or with ``sort_indices``
+    ``routed_glu_mlp`` on x's tokens."""
+    options = dict(activation=activation, backend=backend, quantization=quantization)
+
     def mlp(x, w_gate_up, w_down, row_scale):
-        return moe_jax.glu_mlp(
-            x,
-            w_gate_up,
-            w_down,
-            group_sizes,
-            activation=activation,
-            row_scale=row_scale,
-            backend=backend,
-            quantization=quantization,
+        if sort_indices is None:
+            return moe_jax.glu_mlp(x, w_gate_up, w_down, group_sizes, row_scale=row_scale, **options)
+        return glu_mlp_api.routed_glu_mlp(
+            x, sort_indices, top_k, w_gate_up, w_down, group_sizes, row_scale=row_scale, **options
         )
 
     y, pullback = jax.vjp(mlp, *(inputs[name] for name in ("x", "w_gate_up", "w_down", "row_scale")))
@@ -264,9 +263,14 @@ def _fp8_fwd_bwd(inputs, group_sizes, *, activation, backend, quantization="fp8_
 FP8_TOL = 5e-2
 ACCURACY_SLACK = 1.15
 OUTPUT_NAMES = ("y", "d_x", "d_w_gate_up", "d_w_down", "d_row_scale")
+# (backend, quantization) of the kernels, the XLA recipe and the unquantized MLP.
+FP8_PATHS = (("pallas", "fp8_block"), ("xla", "fp8_block"), ("xla", None))
 
 
-def _assert_kernels_match_the_recipe(kernel, recipe, unquantized) -> None:
+def _assert_kernels_match_the_recipe(fwd_bwd) -> None:
+    """``fwd_bwd(backend=, quantization=)`` on each of FP8_PATHS: the kernels' outputs against the recipe's and
+    both against the unquantized MLP's."""
+    kernel, recipe, unquantized = (fwd_bwd(backend=backend, quantization=q) for backend, q in FP8_PATHS)
     for name, actual, expected, exact in zip(OUTPUT_NAMES, kernel, recipe, unquantized, strict=True):
         assert actual.shape == expected.shape and actual.dtype == expected.dtype, name
         assert bool(jnp.all(jnp.isfinite(actual.astype(jnp.float32)))), name
@@ -284,11 +288,7 @@ def test_fp8_glu_mlp_against_the_xla_recipe(model, activation, kind):
     g, m, d, d_ff = 8, 2048, shape.k, shape.n // 2
     inputs = _inputs(jax.random.key(5), g, m, d, d_ff, x_scale=4.0 if activation == "gpt_oss" else 1.0)
     group_sizes = jnp.asarray(random_group_sizes(np.random.default_rng(6), g, m, kind), jnp.int32)
-    kernel, recipe, unquantized = (
-        _fp8_fwd_bwd(inputs, group_sizes, activation=activation, backend=backend, quantization=quantization)
-        for backend, quantization in (("pallas", "fp8_block"), ("xla", "fp8_block"), ("xla", None))
-    )
-    _assert_kernels_match_the_recipe(kernel, recipe, unquantized)
+    _assert_kernels_match_the_recipe(functools.partial(_fp8_fwd_bwd, inputs, group_sizes, activation=activation))
 
 
 @pytest.mark.parametrize("model, activation", [("qwen3-30b", "swiglu"), ("gpt-oss-120b", "gpt_oss")])
@@ -298,33 +298,9 @@ def test_fp8_routed_glu_mlp_against_the_xla_recipe(model, activation):
     shape = shapes.GMM_SHAPES[f"{model}/gate_up"]
     g, t, top_k, d, d_ff = 8, 512, 4, shape.k, shape.n // 2
     inputs = _inputs(jax.random.key(11), g, t * top_k, d, d_ff, x_scale=4.0 if activation == "gpt_oss" else 1.0)
-    tokens = inputs["x"][:t]
+    inputs["x"] = inputs["x"][:t]  # the tokens
     experts = jax.lax.top_k(jax.random.normal(jax.random.key(12), (t, g)), top_k)[1].reshape(-1)
     sort_indices = jnp.argsort(experts, stable=True).astype(jnp.int32)
     group_sizes = jnp.bincount(experts, length=g).astype(jnp.int32)
-
-    @functools.partial(jax.jit, static_argnames=("backend", "quantization"))
-    def fwd_bwd(tokens, w_gate_up, w_down, row_scale, *, backend, quantization):
-        def mlp(tokens, w_gate_up, w_down, row_scale):
-            return glu_mlp_api.routed_glu_mlp(
-                tokens,
-                sort_indices,
-                top_k,
-                w_gate_up,
-                w_down,
-                group_sizes,
-                activation=activation,
-                row_scale=row_scale,
-                backend=backend,
-                quantization=quantization,
-            )
-
-        y, pullback = jax.vjp(mlp, tokens, w_gate_up, w_down, row_scale)
-        return (y, *pullback(inputs["cotangent"]))
-
-    args = (tokens, inputs["w_gate_up"], inputs["w_down"], inputs["row_scale"])
-    kernel, recipe, unquantized = (
-        fwd_bwd(*args, backend=backend, quantization=quantization)
-        for backend, quantization in (("pallas", "fp8_block"), ("xla", "fp8_block"), ("xla", None))
-    )
-    _assert_kernels_match_the_recipe(kernel, recipe, unquantized)
+    routed = functools.partial(_fp8_fwd_bwd, inputs, group_sizes, sort_indices, activation=activation, top_k=top_k)
+    _assert_kernels_match_the_recipe(routed)

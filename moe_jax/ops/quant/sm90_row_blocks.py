@@ -22,8 +22,8 @@ interpreter, which does not swizzle, cannot show it; tests/gpu/test_quant_gpu.py
 With ``row_tokens`` the rows are gathered: row r is ``x[row_tokens[r]]`` of tokens x [T, C] (the wgrad of the
 gate_up projection contracts the expert-sorted copies of the tokens, which are then never written). Hopper's TMA has
 no row gather, so the producer warpgroup copies the rows with cp.async (grouped_matmul/sm90_gather.py, the gathered
-GEMM's loader), each into its own row of a [TILE, 64] buffer in the 8-row tiles of the 128-byte swizzle: a row no
-longer needs a tile of its own, and the transposing reads are free of bank conflicts.
+GEMM's loader), each into its own row of a [TILE, 64] buffer in the 8-row tiles of the 128-byte swizzle: copied
+row by row, the block may start on any row without one-row tiles, and the transposing reads have no bank conflicts.
 """
 
 import jax
