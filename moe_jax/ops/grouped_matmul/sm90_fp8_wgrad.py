@@ -165,10 +165,11 @@ def grouped_matmul_wgrad_fp8(
                     plgpu.barrier_wait(produced.at[slot])
 
                     def mma(acc):
-                        plgpu.wgmma(acc, x_smem.at[slot, rows], y_smem.at[slot].transpose((1, 0)))
-                        # Read while the MMA runs; reading acc then waits for it.
+                        # Read before the MMA is issued: read after it, ptxas places the 16 loads a thread between
+                        # its k-steps, and their shared-memory queue holds back the later k-steps.
                         x_scale = plgpu.load(x_scales_smem.at[slot, rows], layout=_ROW_VECTOR)
                         y_scale = plgpu.load(y_scales_smem.at[slot], layout=_COLUMN_VECTOR)
+                        plgpu.wgmma(acc, x_smem.at[slot, rows], y_smem.at[slot].transpose((1, 0)))
                         return acc[...], x_scale, y_scale
 
                     partial, x_scale, y_scale = pl.run_scoped(mma, plgpu.ACC((wg_m, bn), jnp.float32))
