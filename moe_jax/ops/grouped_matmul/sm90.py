@@ -367,11 +367,18 @@ def grouped_matmul_rows(
                 def wgmma(acc, slot):
                     """acc += the slot's x rows of this consumer . w."""
 
-                    @pl.when(mma_rows > 0)
-                    def _():
+                    def issue():
                         x_tile = x_smem.at[slot, pl.ds(pl.multiple_of(wg * wg_m, wg_m), wg_m)]
                         w_block = w_smem.at[slot]
                         plgpu.wgmma(acc, x_tile, w_block.transpose((1, 0)) if w_transposed else w_block)
+
+                    # Kept in step, every tile's consumers multiply (a tile has rows). Unconditional, the MMA of a
+                    # fresh FP8 accumulator starts from zero in the instruction itself; under a branch the zeros are
+                    # written to its registers first, every step.
+                    if cfg.keep_ctas_in_step:
+                        issue()
+                    else:
+                        pl.when(mma_rows > 0)(issue)
 
                 def mma(acc):
                     def issue(k, slot):
