@@ -354,8 +354,6 @@ def grouped_matmul_rows(
                 wg_first = jnp.clip(skip - wg * wg_m, 0, wg_m)
                 wg_rows = jnp.clip(skip + rows - wg * wg_m, 0, wg_m) - wg_first
                 wg_row0 = row0 + wg * wg_m
-                # A warpgroup with no rows to store skips its MMAs, unless the tile is to last as long as a full one.
-                mma_rows = rows if cfg.keep_ctas_in_step else wg_rows
                 # With the overlap an epilogue operand load that would overwrite what the previous tile's stores read
                 # runs after them.
                 prefetch = functools.partial(epilogue.prefetch, wg_row0, ni)
@@ -372,13 +370,14 @@ def grouped_matmul_rows(
                         w_block = w_smem.at[slot]
                         plgpu.wgmma(acc, x_tile, w_block.transpose((1, 0)) if w_transposed else w_block)
 
-                    # Kept in step, every tile's consumers multiply (a tile has rows). Unconditional, the MMA of a
-                    # fresh FP8 accumulator starts from zero in the instruction itself; under a branch the zeros are
-                    # written to its registers first, every step.
+                    # A warpgroup with no rows to store skips its MMAs, unless the tile is to last as long as a full
+                    # one: then every warpgroup multiplies (a tile with steps has rows), outside any branch, so the
+                    # MMA of a fresh FP8 accumulator starts from zero itself; under a branch its registers are zeroed
+                    # first, every step.
                     if cfg.keep_ctas_in_step:
                         issue()
                     else:
-                        pl.when(mma_rows > 0)(issue)
+                        pl.when(wg_rows > 0)(issue)
 
                 def mma(acc):
                     def issue(k, slot):
