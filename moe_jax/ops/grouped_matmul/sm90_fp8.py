@@ -21,13 +21,13 @@ The scales travel beside the tiles:
     buffer and reads as scalars, one per step and block. K blocks are padded to a multiple of 32, so that every
     consumer's buffer starts on the 128 bytes a TMA destination needs.
 
-The consumer reads its x scales before it issues the step's MMA (loads issued after it are scheduled between its
-k-steps, sm90_fp8_wgrad.py), waits for the MMA, promotes, and releases the step's slot (after a fence: those were
-generic-proxy reads of memory the producer's next TMA overwrites); the other consumers' MMAs run during its
-promotion. Registers bound the tile (``check``): the total of a [64, 128] tile takes 64 a thread, the partial 64
-more, and two consumers get 232 registers, three 152: three consumers of 64 rows (192-row tiles) fit, two of
-[64, 192] (96 + 96) too, 128 rows a consumer do not. config.fp8_config picks the consumers and columns by the
-output columns. The epilogue stores the total as the plain kernel stores its accumulator (any
+The consumer reads its x scales before it issues the step's MMA (ptxas may schedule loads issued after it between
+its k-steps, delaying the later ones: sm90_fp8_wgrad.py), waits for the MMA, promotes, and releases the step's slot
+(after a fence: those were generic-proxy reads of memory the producer's next TMA overwrites); the other consumers'
+MMAs run during its promotion. Registers bound the tile (``check``): the total of a [64, 128] tile takes 64 a
+thread, the partial 64 more, and two consumers get 232 registers, three 152: three consumers of 64 rows (192-row
+tiles) fit, two of [64, 192] (96 + 96) too, 128 rows a consumer do not. config.fp8_config picks the consumers and
+columns by the output columns. The epilogue stores the total as the plain kernel stores its accumulator (any
 ``sm90.Epilogue`` forward).
 """
 
