@@ -19,7 +19,7 @@ def test_every_variant_is_a_config_the_fp8_kernel_takes(index, name):
         if not (everywhere or index == 0):
             continue
         tiles = make({**dims, "out_itemsize": 4})
-        sm90_fp8.check(tiles, w_transposed=True, gathered=False, overlap=False)
+        sm90_fp8.check(tiles, w_transposed=True, overlap=False)
         assert tiles.fits(1, 4, scale_k_blocks=config.fp8_scale_k_blocks(shape.k)), variant
     auto = gmm_fp8_sweep.VARIANTS["auto"][0]({**dims, "out_itemsize": 4})
     assert auto == config.fp8_config(**dims, out_itemsize=4)  # what grouped_matmul runs at f32 outputs

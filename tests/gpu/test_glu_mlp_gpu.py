@@ -293,8 +293,10 @@ def test_fp8_glu_mlp_against_the_xla_recipe(model, activation, kind):
 
 @pytest.mark.parametrize("model, activation", [("qwen3-30b", "swiglu"), ("gpt-oss-120b", "gpt_oss")])
 def test_fp8_routed_glu_mlp_against_the_xla_recipe(model, activation):
-    """Routed from tokens (top-4 of 8 experts): the kernels permute each token's FP8 row and scales in the forward,
-    and the gate_up wgrad's quantizer gathers the tokens' rows (gpt-oss-120b: D = 2880, half a last column tile)."""
+    """Routed from tokens (top-4 of 8 experts): the gate_up kernel gathers each token's FP8 row (qwen3-30b), or the
+    rows and scales are permuted first (gpt-oss-120b: D = 2880, half a last K block, which a gathered step cannot
+    copy), and the gate_up wgrad's quantizer gathers the tokens' rows. Where both kernel paths run, they load the
+    same FP8 rows and scales: equal bit for bit."""
     shape = shapes.GMM_SHAPES[f"{model}/gate_up"]
     g, t, top_k, d, d_ff = 8, 512, 4, shape.k, shape.n // 2
     inputs = _inputs(jax.random.key(11), g, t * top_k, d, d_ff, x_scale=4.0 if activation == "gpt_oss" else 1.0)
@@ -304,3 +306,7 @@ def test_fp8_routed_glu_mlp_against_the_xla_recipe(model, activation):
     group_sizes = jnp.bincount(experts, length=g).astype(jnp.int32)
     routed = functools.partial(_fp8_fwd_bwd, inputs, group_sizes, sort_indices, activation=activation, top_k=top_k)
     _assert_kernels_match_the_recipe(routed)
+    if d % 128 == 0:
+        gathered, permuted = (routed(backend=b, quantization="fp8_block") for b in ("pallas_gather", "pallas_sorted"))
+        for name, actual, expected in zip(OUTPUT_NAMES, gathered, permuted, strict=True):
+            np.testing.assert_array_equal(np.asarray(actual), np.asarray(expected), err_msg=name)

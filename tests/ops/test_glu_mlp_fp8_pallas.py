@@ -172,9 +172,10 @@ def test_quantized_master_weights_are_read_as_they_are_and_give_their_masters_gr
 
 
 def test_fp8_routed_glu_mlp_matches_the_xla_recipe():
-    """Tokens quantized once each, their FP8 rows and scales permuted into expert order (T = 67, k = 3, one empty
-    expert; ``Routing.positions`` moves the rows), against the XLA path, which permutes x first and quantizes the
-    rows: the same values."""
+    """Tokens quantized once each, their FP8 rows gathered by the gate_up kernel ("pallas_gather") or permuted with
+    their scales into expert order first ("pallas_sorted"; T = 67, k = 3, one empty expert, ``Routing.positions``
+    moves the rows), against the XLA path, which permutes x first and quantizes the rows: the same values. The two
+    kernel paths load the same FP8 rows and scales, so they agree bit for bit."""
     rng = np.random.default_rng(5)
     num_tokens, top_k, d, d_ff = 67, 3, 256, 128
     inputs = glu_mlp_inputs(rng, num_tokens * top_k, d, d_ff, 4)
@@ -203,12 +204,15 @@ def test_fp8_routed_glu_mlp_matches_the_xla_recipe():
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, *weights, row_scale)
 
     with simulated_sms(2), checked_interpreter():
-        kernel_grads, kernel_y = run("pallas")
+        gathered = run("pallas_gather")
+        kernel_grads, kernel_y = run("pallas_sorted")
     xla_grads, xla_y = run("xla")
     assert int(routing.group_sizes[3]) == 0
     assert oracle.relative_error(kernel_y, xla_y) < MLP_TOL
     for name, actual, expected in zip(("x", "w_gate_up", "w_down", "row_scale"), kernel_grads, xla_grads, strict=True):
         assert oracle.relative_error(actual, expected) < MLP_TOL, name
+    for actual, expected in zip(jax.tree.leaves(gathered), jax.tree.leaves((kernel_grads, kernel_y)), strict=True):
+        np.testing.assert_array_equal(actual, expected)
 
 
 def test_kernels_refuse_f32_x_and_auto_takes_the_xla_recipe(monkeypatch):

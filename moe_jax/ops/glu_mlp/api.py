@@ -36,7 +36,9 @@ dequantizes them in f32 in its epilogue (half the bytes it read in x's dtype, an
 ``routed_glu_mlp`` (what ``moe_ffn`` calls) takes the tokens [T, D] and the routing's sort indices instead of sorted
 rows. Its implementations, in order: "pallas_gather" (the gate_up kernel gathers its rows from the tokens, so the
 [T * k, D] permuted copy is never written and the backward keeps the tokens; preferred up to ``GATHER_MAX_D_FF``),
-"pallas_sorted" (permute first, then the sorted-rows kernels) and "xla".
+"pallas_sorted" (permute first, then the sorted-rows kernels) and "xla". With ``quantization`` both kernel paths
+quantize each token once; "pallas_gather" then gathers the FP8 rows (D a multiple of 128: a step of a row is one
+128-byte copy), "pallas_sorted" permutes them.
 """
 
 import dataclasses
@@ -52,6 +54,7 @@ from moe_jax.ops.glu_mlp import reference
 from moe_jax.ops.grouped_matmul import api as grouped_matmul_api
 from moe_jax.ops.grouped_matmul import reference_fp8
 from moe_jax.ops.grouped_matmul.api import check_grouped_matmul_args
+from moe_jax.ops.grouped_matmul.config import FP8_BLOCK
 from moe_jax.ops.grouped_matmul.glu import ACTIVATIONS, glu, glu_grad
 from moe_jax.ops.grouped_matmul.launch import (
     FP8_KERNEL_QUANTIZATION,
@@ -160,8 +163,9 @@ def _gather_preferred(call: MlpCall) -> bool:
 
 
 def _gather_unsupported(call: MlpCall) -> str | None:
-    if call.quantization is not None:
-        return "the FP8 kernel reads sorted rows (its x arrives quantized by TMA tiles, not gathered)"
+    if call.quantization is not None and call.d_model % FP8_BLOCK:
+        # A gathered row's step is one 128-byte copy of its FP8 values; a partial last K block has none.
+        return f"the FP8 kernel gathers rows in 128-column K blocks: D must be a multiple of {FP8_BLOCK}"
     return _kernels_unsupported(call)
 
 
@@ -317,12 +321,23 @@ _dense_glu_mlp.defvjp(_dense_glu_mlp_fwd, _dense_glu_mlp_bwd)
 
 
 def _quantized_glu_mlp(
-    x, w_gate_up, w_down, group_sizes, activation, row_scale, quantization, implementation, routed=(None, None, None)
+    x,
+    w_gate_up,
+    w_down,
+    group_sizes,
+    activation,
+    row_scale,
+    quantization,
+    implementation,
+    routed=(None, None, None),
+    *,
+    gather: bool = False,
 ):
     """The FP8 GLU MLP (the module docstring) on checked arguments, by ``implementation`` ("pallas" or "xla").
 
-    ``routed``: (sort_indices, top_k, positions) with x [T, D] tokens (the kernels quantize each token once and
-    permute its FP8 row), or Nones with x [M, D] rows."""
+    ``routed``: (sort_indices, top_k, positions) with x [T, D] tokens (the kernels quantize each token once, then
+    the gate_up kernel gathers its FP8 rows with ``gather``, else they are permuted first), or Nones with x [M, D]
+    rows."""
     sort_indices, top_k, positions = routed
     if implementation == "xla":
         if sort_indices is not None:
@@ -339,15 +354,17 @@ def _quantized_glu_mlp(
     weights, _ = reference_fp8.stored_weights(w_gate_up, activation, False)
     scale = None if row_scale is None else row_scale.astype(jnp.float32)
     args = (x, weights, w_down, jnp.maximum(group_sizes, 0), scale, sort_indices, positions)
-    return _pallas_fp8_glu_mlp(*args, top_k, activation)
+    return _pallas_fp8_glu_mlp(*args, top_k, activation, gather)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _pallas_fp8_glu_mlp(x, w_gate_up, w_down, group_sizes, row_scale, sort_indices, positions, top_k, activation):
-    """x [M, D] high precision (or [T, D] tokens whose rows sort_indices // top_k picks), the stored weights (packed
-    w_gate_up [G, D, 2F], w_down [G, F, D]; high precision or BlockScaled), group_sizes non-negative -> [M, D] in
-    x.dtype, on the FP8 kernels (fp8_block)."""
-    args = (x, w_gate_up, w_down, group_sizes, row_scale, sort_indices, positions, top_k, activation)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _pallas_fp8_glu_mlp(
+    x, w_gate_up, w_down, group_sizes, row_scale, sort_indices, positions, top_k, activation, gather
+):
+    """x [M, D] high precision (or [T, D] tokens whose rows sort_indices // top_k picks: gathered by the gate_up
+    kernel with ``gather``, else permuted), the stored weights (packed w_gate_up [G, D, 2F], w_down [G, F, D]; high
+    precision or BlockScaled), group_sizes non-negative -> [M, D] in x.dtype, on the FP8 kernels (fp8_block)."""
+    args = (x, w_gate_up, w_down, group_sizes, row_scale, sort_indices, positions, top_k, activation, gather)
     return _fp8_glu_mlp_fwd(*args, with_backward=False)[0]
 
 
@@ -358,24 +375,40 @@ def _quantize_rows(rows: jax.Array) -> BlockScaled:
 
 
 def _fp8_glu_mlp_fwd(
-    x, w_gate_up, w_down, group_sizes, row_scale, sort_indices, positions, top_k, activation, *, with_backward: bool
+    x,
+    w_gate_up,
+    w_down,
+    group_sizes,
+    row_scale,
+    sort_indices,
+    positions,
+    top_k,
+    activation,
+    gather,
+    *,
+    with_backward: bool,
 ):
     """y and, ``with_backward``, the backward's residuals: then each weight's pass also writes the dgrad's layout (the
     forward's blocks, transposed) and the gate_up kernel keeps the pre-activation.
 
-    Tokens are quantized once each (1 x 128 blocks along D lie within a row, so a row's blocks are its token's) and
-    their FP8 values and scales permuted: half the bytes of permuting x, and a quantize pass over T rows, not T * k.
+    Tokens are quantized once each (1 x 128 blocks along D lie within a row, so a row's blocks are its token's): a
+    quantize pass over T rows, not T * k. The gate_up kernel then gathers each row's FP8 values from its token
+    (``gather``; its scales are gathered in XLA, 1/32 of the values' bytes), or the FP8 rows and scales are permuted
+    first (half the bytes of permuting x).
     """
     recipe = reference_fp8.RECIPES[FP8_KERNEL_QUANTIZATION]
     layouts = functools.partial(grouped_matmul_api.kernel_weights, recipe=recipe, with_dgrad=with_backward)
     w_gate_up_nk, w_gate_up_kn = layouts(w_gate_up, transpose_rhs=False)
     w_down_nk, w_down_kn = layouts(w_down, transpose_rhs=False)
-    quantized = _quantize_rows(x)
-    if sort_indices is not None:
+    quantized, row_tokens = _quantize_rows(x), None
+    if sort_indices is not None and gather:
+        row_tokens = _row_tokens(sort_indices, top_k)
+    elif sort_indices is not None:
         backend = _rows_backend(permute_api.kernel_rows(quantized.values))
         values = permute_api.permute(quantized.values, sort_indices, top_k, positions=positions, backend=backend)
         quantized = BlockScaled(values, quantized.scales[sort_indices // top_k], quantized.block_shape)
-    outs = run_fp8_forward_kernel(quantized, w_gate_up_nk, group_sizes, None, activation, x.dtype, keep=with_backward)
+    gate_up_args = (w_gate_up_nk, group_sizes, None, activation, x.dtype)
+    outs = run_fp8_forward_kernel(quantized, *gate_up_args, keep=with_backward, row_tokens=row_tokens)
     hidden, gate_up = outs if with_backward else (outs, None)
     y = run_fp8_forward_kernel(_quantize_rows(hidden), w_down_nk, group_sizes, row_scale, None, x.dtype, keep=False)
     if with_backward:
@@ -384,11 +417,12 @@ def _fp8_glu_mlp_fwd(
     return y, (x, weights, group_sizes, row_scale, sort_indices, positions, gate_up)
 
 
-def _fp8_glu_mlp_bwd(top_k, activation, residuals, d_y):
+def _fp8_glu_mlp_bwd(top_k, activation, gather, residuals, d_y):
     """The recipe's backward (reference.py) on the kernels: the glu_dgrad kernel on FP8 operands, then the gate_up
     GEMM's FP8 dgrad and both FP8 wgrads; no gradient for BlockScaled weights. The gate_up wgrad's quantizer gathers
     the tokens' rows itself (no permuted copy of x is written), and x's gradient sums each token's rows
     (``combine``)."""
+    del gather  # a forward option
     x, weights, group_sizes, row_scale, sort_indices, positions, gate_up = residuals
     w_gate_up, w_gate_up_kn, w_down, w_down_kn = weights
     recipe = reference_fp8.RECIPES[FP8_KERNEL_QUANTIZATION]
@@ -457,8 +491,8 @@ def routed_glu_mlp(
       w_gate_up, w_down, group_sizes, activation, row_scale, zero_tail: as ``glu_mlp``'s, for the T * k sorted rows.
       positions: optional [T, k] int32, the inverse of ``sort_indices`` (``Routing.positions``), for ``permute``.
       backend: "auto", "xla", "pallas", or one implementation by name: "pallas_gather", "pallas_sorted".
-      quantization: ``glu_mlp``'s (the FP8 kernels read sorted rows: "pallas" selects "pallas_sorted" with it, which
-        quantizes each token once and permutes its FP8 row and scales).
+      quantization: ``glu_mlp``'s. Each token is quantized once; "pallas_gather" gathers its FP8 rows in the gate_up
+        kernel (D a multiple of 128), "pallas_sorted" permutes them and their scales first.
 
     Returns:
       [T * k, D] in x.dtype, in expert-sorted order (what ``combine`` takes).
@@ -477,14 +511,15 @@ def routed_glu_mlp(
         backend, MlpCall(jnp.dtype(x.dtype), d_model, d_ff, activation, quantization, weights)
     )
     group_sizes = group_sizes.astype(jnp.int32)
-    if implementation == "pallas_gather":
-        return _run_pallas(
-            x, sort_indices, top_k, w_gate_up, w_down, group_sizes, row_scale, activation, False, zero_tail
-        )
+    gather = implementation == "pallas_gather"
     mlp_implementation = "xla" if implementation == "xla" else "pallas"
     if quantization is not None:
         args = (activation, row_scale, quantization, mlp_implementation, (sort_indices, top_k, positions))
-        return _quantized_glu_mlp(x, w_gate_up, w_down, group_sizes, *args)
+        return _quantized_glu_mlp(x, w_gate_up, w_down, group_sizes, *args, gather=gather)
+    if gather:
+        return _run_pallas(
+            x, sort_indices, top_k, w_gate_up, w_down, group_sizes, row_scale, activation, False, zero_tail
+        )
     rows_backend = _rows_backend(x) if implementation == "pallas_sorted" else "xla"
     rows = permute_api.permute(x, sort_indices, top_k, positions=positions, backend=rows_backend)
     return _glu_mlp(rows, w_gate_up, w_down, group_sizes, activation, row_scale, zero_tail, mlp_implementation)

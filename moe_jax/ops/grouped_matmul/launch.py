@@ -333,13 +333,16 @@ def run_fp8_forward_kernel(
     *,
     keep: bool,
     config: Config | None = None,
+    row_tokens=None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The FP8 kernel x[rows of g] . w[g]^T with its epilogue, as run_forward_kernel (``keep``: also the
     pre-activation; ``config``: None takes fp8_config's). The forward is (lhs, rhs [G, N, K]); the dgrad (d out,
     rhs [G, K, N]).
 
     Args:
-      x: [M, R] float8_e4m3fn in (1, 128) blocks; R, the contraction, any size.
+      x: [M, R] float8_e4m3fn in (1, 128) blocks; R, the contraction, any size. With ``row_tokens`` [M] int32,
+        [T, R] tokens, R a multiple of 128, and row r of the product is x[row_tokens[r]]: the kernel gathers the
+        rows (sm90_gather.py) and their scales are gathered here (M * R / 32 bytes).
       w: [G, C, R] float8_e4m3fn in (1, 128, 128) blocks (R-major: wgmma's FP8 B operand); C a multiple of 64.
       group_sizes: [G] int32; row_scale: [M] f32 or None; activation: the GLU (w packed) or None.
 
@@ -350,7 +353,8 @@ def run_fp8_forward_kernel(
     operands' values). TMA's zeros past R, and the padding's, add nothing to the partial block's product, whose
     scales the quantizer took over the values that exist.
     """
-    (m, k), (num_groups, n, _) = x.shape, w.shape
+    k, (num_groups, n, _) = x.shape[1], w.shape
+    m = x.shape[0] if row_tokens is None else row_tokens.shape[0]
     itemsize = jnp.dtype(out_dtype).itemsize
     if config is None:
         config = fp8_config(
@@ -362,7 +366,7 @@ def run_fp8_forward_kernel(
             row_scale=row_scale is not None,
             glu_forward=activation is not None,
         )
-    x_values, w_values, x_scales, w_scales = _fp8_kernel_operands(x, w)
+    x_values, w_values, x_scales, w_scales = _fp8_kernel_operands(x, w, row_tokens)
     return run_forward_kernel(
         x_values,
         w_values,
@@ -372,15 +376,17 @@ def run_fp8_forward_kernel(
         out_dtype,
         True,
         keep=keep,
+        row_tokens=row_tokens,
         config=config,
         x_scales=x_scales,
         w_scales=w_scales,
     )
 
 
-def _fp8_kernel_operands(x: BlockScaled, w: BlockScaled) -> tuple:
-    """(x values, w values, x scales [ceil(R / 128), M], w scales with padded blocks): x [M, R] and w [G, C, R]
-    as the FP8 kernel reads them (run_fp8_forward_kernel's docstring), R padded where it must be."""
+def _fp8_kernel_operands(x: BlockScaled, w: BlockScaled, row_tokens=None) -> tuple:
+    """(x values, w values, x scales [ceil(R / 128), M], w scales with padded blocks): x [M, R] (or [T, R] tokens
+    that ``row_tokens`` [M] gathers, whose scales are gathered here) and w [G, C, R] as the FP8 kernel reads them
+    (run_fp8_forward_kernel's docstring), R padded where it must be."""
     k = x.shape[1]
     x_values, w_values = x.values, w.values
     if k % KERNEL_DIM_MULTIPLE:
@@ -389,7 +395,8 @@ def _fp8_kernel_operands(x: BlockScaled, w: BlockScaled) -> tuple:
         w_values = jnp.pad(w_values, [(0, 0), (0, 0), (0, pad)])
     # One more column block: a 192-column tile loads the scales of the two blocks under it, also at the last tile.
     w_scales = jnp.pad(w.scales, [(0, 0), (0, 1), (0, fp8_scale_k_blocks(k) - w.scales.shape[2])])
-    return x_values, w_values, x.scales.T, w_scales
+    x_scales = x.scales if row_tokens is None else x.scales[row_tokens]
+    return x_values, w_values, x_scales.T, w_scales
 
 
 def fp8_wgrad_unsupported(quantization: str, contraction: int, num_cols: int, out_dtype) -> str | None:

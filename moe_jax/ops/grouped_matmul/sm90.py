@@ -247,7 +247,7 @@ def grouped_matmul_rows(
     bands = [row_tile_bands(tiles, num_tiles, cfg.grid_width)] if banded else []
     fp8_scales = [] if x_scales is None else [x_scales, w_scales]
     if fp8_scales:
-        fp8.check(cfg, w_transposed=w_transposed, gathered=gathered, overlap=overlap)
+        fp8.check(cfg, w_transposed=w_transposed, overlap=overlap)
     if gathered:
         if r % bk:
             raise ValueError(f"gathered rows need the contraction ({r}) to be a multiple of block_k ({bk})")
@@ -364,6 +364,8 @@ def grouped_matmul_rows(
 
                 def wgmma(acc, slot):
                     """acc += the slot's x rows of this consumer . w."""
+                    if gathered:
+                        gather.acquire_rows(interpret=interpret)
 
                     def issue():
                         x_tile = x_smem.at[slot, pl.ds(pl.multiple_of(wg * wg_m, wg_m), wg_m)]
@@ -381,8 +383,7 @@ def grouped_matmul_rows(
 
                 def mma(acc):
                     def issue(k, slot):
-                        if gathered:
-                            gather.acquire_rows(interpret=interpret)
+                        del k  # the slot says which buffers
                         wgmma(acc, slot)
 
                     pipe.consume(first_step, steps, stages, produced, consumed, issue, overlapped)
@@ -413,7 +414,7 @@ def grouped_matmul_rows(
     ring_minor = fp8.ring_swizzle_columns(bk, r) if fp8_scales else bk
     x_transforms = gather.smem_transforms(bk, in_dtype, interpret) if gathered else pipe.swizzled(ring_minor, in_dtype)
     fp8_scratch_types = fp8.scratch(cfg, r) if fp8_scales else []
-    produced_arrivals = gather.produced_arrivals(bm, interpret) if gathered else (3 if fp8_scales else 2)
+    produced_arrivals = (gather.produced_arrivals(bm, interpret) if gathered else 2) + (1 if fp8_scales else 0)
     scratch = [
         plgpu.SMEM((stages, bm, bk), in_dtype, transforms=x_transforms),
         plgpu.SMEM(

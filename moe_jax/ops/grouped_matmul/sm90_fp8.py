@@ -15,7 +15,9 @@ its own block's scale.
 The scales travel beside the tiles:
   * x's scales come MN-major, [K / 128, M] f32 (launch.py transposes them), so a tile's scales of one K block are
     block_m contiguous floats: the producer TMA-loads them with the step's x and w tiles into a ring of its own
-    (the step's "produced" barrier counts three copies);
+    (the step's "produced" barrier counts three copies). Gathered rows (x [T, K] tokens, row r of the product
+    x[row_tokens[r]], sm90_gather.py) come with their scales gathered into the rows' order by launch.py: a step's
+    128 FP8 values of a row are one 128-byte cp.async segment, as 64 bf16 ones are;
   * w's scales of one tile are one or two rows of [G, N / 128 + 1, K blocks] f32 (a padded block past the last, for
     the last 192-column tile), which each consumer TMA-loads at the tile's start into its [tile blocks, K blocks]
     buffer and reads as scalars, one per step and block. K blocks are padded to a multiple of 32, so that every
@@ -57,10 +59,11 @@ BLOCK_N_CHOICES = (FP8_BLOCK, FP8_WIDE_BLOCK_N)
 _SCALE_CHUNK = 64
 
 
-def check(config: Config, *, w_transposed: bool, gathered: bool, overlap: bool) -> None:
-    """Raises ValueError where the kernel cannot take FP8 operands this way."""
-    if not w_transposed or gathered:
-        raise ValueError("FP8 operands need w stored [G, N, K] (w_transposed=True) and no gathered rows")
+def check(config: Config, *, w_transposed: bool, overlap: bool) -> None:
+    """Raises ValueError where the kernel cannot take FP8 operands this way (gathered rows it takes as the bf16
+    kernel does: a 128-column FP8 step is one 128-byte segment a row, sm90_gather.py)."""
+    if not w_transposed:
+        raise ValueError("FP8 operands need w stored [G, N, K] (w_transposed=True)")
     if config.block_k != FP8_BLOCK or config.block_n not in BLOCK_N_CHOICES:
         raise ValueError(
             f"FP8 operands need block_k = {FP8_BLOCK} (one weight-scale block a step) and block_n in "

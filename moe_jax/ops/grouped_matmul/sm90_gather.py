@@ -120,7 +120,8 @@ def _cp_async_rows(x_cols_gmem, tokens_gmem, dst_smem, row_stride: int) -> None:
     def _copy(ctx, x_ref, tokens_ref, smem_ref):
         del ctx
         i32, i64, index = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64), ir.IndexType.get()
-        element = ir.MemRefType(x_ref.type).element_type
+        # Addresses step over integers of the element's width: LLVM has no FP8 type to index by.
+        element = ir.IntegerType.get_signless(8 * itemsize)
         c = mgpu_utils.c
         thread = arith.remui(arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x)), c(pipe.THREADS, i32))
         chunk = arith.remui(thread, c(chunks_per_row, i32))
