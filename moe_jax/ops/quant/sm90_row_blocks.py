@@ -121,14 +121,17 @@ def quantize_row_blocks_transposed(
                 block, col_tile = info.index
                 step = info.local_index
                 slot = lax.rem(step, stages)
-                # A gathered row past M has a token (row_tokens is padded), not zeros: count it out here.
-                count = jnp.minimum(row_counts_gmem[block], rows - first_rows_gmem[block])
+                # The block's table entries come from global memory: read here, used after the wait and the tile's
+                # load, so that their latency passes during those (used before the wait, it stalled every tile).
+                first_row, row_count = first_rows_gmem[block], row_counts_gmem[block]
                 plgpu.barrier_wait(loaded.at[slot])
                 x_cols = plgpu.load(x_smem.at[slot, wg].T, layout=_LAYOUT)
                 # The tile is in registers; with the reads ordered before the async proxy's next write to the slot
                 # (commit_smem's fence), the producer may refill it.
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(consumed.at[slot])
+                # A gathered row past M has a token (row_tokens is padded), not zeros: count it out here.
+                count = jnp.minimum(row_count, rows - first_row)
 
                 # Rows past the block's (columns here) belong to another group or to none: zeros, which no amax
                 # notices and which the padded layout holds there.
