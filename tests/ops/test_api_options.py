@@ -104,21 +104,23 @@ def test_a_layer_chooses_its_implementations_once():
 
 
 def test_a_quantized_layer_takes_the_fp8_kernels_only_where_they_take_its_weights():
-    """On an sm90 GPU "auto" runs fp8_block's experts on the sorted-rows FP8 kernels for high-precision weights and
-    packed BlockScaled ones, and in XLA for a BlockScaled [gate | up] array (the GLU kernel reads packed columns)."""
-    x = jax.ShapeDtypeStruct((T, 128), jnp.bfloat16)
+    """On an sm90 GPU "auto" runs fp8_block's experts on the FP8 kernels for high-precision weights and packed
+    BlockScaled ones, the gate_up kernel gathering the tokens' FP8 rows where D is a multiple of 128 (sorted rows
+    elsewhere: D = 192), and in XLA for a BlockScaled [gate | up] array (the GLU kernel reads packed columns)."""
     options = dict(top_k=K, activation="swiglu", routing=moe_jax.RoutingOptions(), quantization="fp8_block")
     w_gate_up = jnp.zeros((E, 128, 256), jnp.bfloat16)
     w_down = jnp.zeros((E, 128, 128), jnp.bfloat16)
     quantized_down = quantize_weights(w_down)
     cases = [
-        ((w_gate_up, w_down), "pallas_sorted"),
-        ((quantize_weights(moe_jax.pack_gate_up(w_gate_up)), quantized_down), "pallas_sorted"),
-        ((quantize_weights(w_gate_up), quantized_down), "xla"),
+        (128, (w_gate_up, w_down), "pallas_gather"),
+        (192, (jnp.zeros((E, 192, 256), jnp.bfloat16), jnp.zeros((E, 128, 192), jnp.bfloat16)), "pallas_sorted"),
+        (128, (quantize_weights(moe_jax.pack_gate_up(w_gate_up)), quantized_down), "pallas_gather"),
+        (128, (quantize_weights(w_gate_up), quantized_down), "xla"),
     ]
     with mock.patch.object(dispatch, "has_sm90_gpu", return_value=True):
-        for weights, expected in cases:
-            assert LayerBackends.select("auto", x, *weights, **options).experts == expected
+        for d_model, weights, expected in cases:
+            x = jax.ShapeDtypeStruct((T, d_model), jnp.bfloat16)
+            assert LayerBackends.select("auto", x, *weights, **options).experts == expected, d_model
 
 
 def test_recompute_gate_up_is_deprecated_and_changes_nothing():
