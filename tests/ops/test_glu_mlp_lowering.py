@@ -93,26 +93,33 @@ def test_fp8_glu_mlp_forward_alone_lowers():
     assert text.count(MOSAIC_CALL) == 2
 
 
-@pytest.mark.parametrize("backend, gathered", [("pallas_gather", True), ("pallas_sorted", False)])
-def test_fp8_routed_glu_mlp_lowers_gathered_or_sorted(backend, gathered):
-    """qwen3-30b's routed FP8 MLP from tokens (T * 8 rows): "pallas_gather"'s gate_up kernel gathers the tokens'
-    FP8 rows; "pallas_sorted"'s reads permuted rows."""
-    shape = shapes.GMM_SHAPES["qwen3-30b/gate_up"]
-    g, m, d, d_ff, top_k = shape.g, shape.m, shape.k, shape.n // 2, 8
-    args = (
+def _routed_args(model: str, top_k: int) -> tuple:
+    """(tokens x [T, D], sort_indices [T * k], w_gate_up [G, D, 2F], w_down [G, F, D], group_sizes [G], row_scale
+    [T * k]) of a model's routed MLP, T * k its gate_up shape's rows."""
+    shape = shapes.GMM_SHAPES[f"{model}/gate_up"]
+    g, m, d, d_ff = shape.g, shape.m, shape.k, shape.n // 2
+    return (
         jax.ShapeDtypeStruct((m // top_k, d), jnp.bfloat16),
         jax.ShapeDtypeStruct((m,), jnp.int32),
         jax.ShapeDtypeStruct((g, d, 2 * d_ff), jnp.bfloat16),
         jax.ShapeDtypeStruct((g, d_ff, d), jnp.bfloat16),
         jax.ShapeDtypeStruct((g,), jnp.int32),
+        jax.ShapeDtypeStruct((m,), jnp.float32),
     )
 
-    def forward(x, sort_indices, w_gate_up, w_down, group_sizes):
+
+@pytest.mark.parametrize("backend, gathered", [("pallas_gather", True), ("pallas_sorted", False)])
+def test_fp8_routed_glu_mlp_lowers_gathered_or_sorted(backend, gathered):
+    """qwen3-30b's routed FP8 MLP from tokens (T * 8 rows): "pallas_gather"'s gate_up kernel gathers the tokens'
+    FP8 rows; "pallas_sorted"'s reads permuted rows."""
+    top_k = 8
+
+    def forward(x, sort_indices, w_gate_up, w_down, group_sizes, scale):
         w_gate_up = moe_jax.PackedGateUp(w_gate_up, 64)
-        options = dict(backend=backend, quantization="fp8_block")
+        options = dict(row_scale=scale, backend=backend, quantization="fp8_block")
         return glu_mlp_api.routed_glu_mlp(x, sort_indices, top_k, w_gate_up, w_down, group_sizes, **options)
 
-    text = cuda_lowering(forward, *args)
+    text = cuda_lowering(forward, *_routed_args("qwen3-30b", top_k))
     assert ("moe_gmm_fp8_gather_glu" in text) == gathered
     assert ("moe_gmm_fp8_glu" in text) != gathered
 
@@ -179,16 +186,7 @@ def test_dense_glu_mlp_lowers_kernels_only_quantized(quantization, kernels):
     ],
 )
 def test_routed_glu_mlp_lowers_with_its_gather(model, top_k):
-    shape = shapes.GMM_SHAPES[f"{model}/gate_up"]
-    g, m, d, d_ff = shape.g, shape.m, shape.k, shape.n // 2
-    args = (
-        jax.ShapeDtypeStruct((m // top_k, d), jnp.bfloat16),
-        jax.ShapeDtypeStruct((m,), jnp.int32),
-        jax.ShapeDtypeStruct((g, d, 2 * d_ff), jnp.bfloat16),
-        jax.ShapeDtypeStruct((g, d_ff, d), jnp.bfloat16),
-        jax.ShapeDtypeStruct((g,), jnp.int32),
-        jax.ShapeDtypeStruct((m,), jnp.float32),
-    )
+    args = _routed_args(model, top_k)
 
     def loss(x, sort_indices, w_gate_up, w_down, group_sizes, scale):
         packed = moe_jax.PackedGateUp(w_gate_up, 64)
