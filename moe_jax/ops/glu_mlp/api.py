@@ -400,15 +400,14 @@ def _fp8_glu_mlp_fwd(
     layouts = functools.partial(grouped_matmul_api.kernel_weights, recipe=recipe, with_dgrad=with_backward)
     w_gate_up_nk, w_gate_up_kn = layouts(w_gate_up, transpose_rhs=False)
     w_down_nk, w_down_kn = layouts(w_down, transpose_rhs=False)
-    quantized, row_tokens = _quantize_rows(x), None
-    if sort_indices is not None and gather:
-        row_tokens = _row_tokens(sort_indices, top_k)
-    elif sort_indices is not None:
+    quantized, row_tokens = _quantize_rows(x), _row_tokens(sort_indices, top_k)
+    if row_tokens is not None and not gather:
         backend = _rows_backend(permute_api.kernel_rows(quantized.values))
         values = permute_api.permute(quantized.values, sort_indices, top_k, positions=positions, backend=backend)
-        quantized = BlockScaled(values, quantized.scales[sort_indices // top_k], quantized.block_shape)
+        quantized = BlockScaled(values, quantized.scales[row_tokens], quantized.block_shape)
     gate_up_args = (w_gate_up_nk, group_sizes, None, activation, x.dtype)
-    outs = run_fp8_forward_kernel(quantized, *gate_up_args, keep=with_backward, row_tokens=row_tokens)
+    gathered_rows = row_tokens if gather else None
+    outs = run_fp8_forward_kernel(quantized, *gate_up_args, keep=with_backward, row_tokens=gathered_rows)
     hidden, gate_up = outs if with_backward else (outs, None)
     y = run_fp8_forward_kernel(_quantize_rows(hidden), w_down_nk, group_sizes, row_scale, None, x.dtype, keep=False)
     if with_backward:

@@ -122,7 +122,7 @@ def quantize_row_blocks_transposed(
                 step = info.local_index
                 slot = lax.rem(step, stages)
                 # The block's table entries come from global memory: read here, used after the wait and the tile's
-                # load, so that their latency passes during those (used before the wait, it stalled every tile).
+                # load, so that their latency passes during those instead of holding up every tile before the wait.
                 first_row, row_count = first_rows_gmem[block], row_counts_gmem[block]
                 plgpu.barrier_wait(loaded.at[slot])
                 x_cols = plgpu.load(x_smem.at[slot, wg].T, layout=_LAYOUT)
