@@ -12,6 +12,9 @@ Run on the GPU machine: ``PYTHONPATH=. python3 -m pytest -m gpu tests/gpu/test_g
   weight blocks do not depend on the other groups. Rows past the sum must be exactly zero.
 - A seeded sweep of small ragged shapes against the XLA implementation, forward and d lhs (the dgrad kernel), with K
   and N multiples of 128 or 64 off one (partial last blocks).
+- The GLU forward keeping its pre-activation in FP8 blocks, quantized in its epilogue (qwen3-30b gate_up, whose
+  tiles fit the epilogue's buffers without losing a stage), against the same kernel keeping bf16 and the quantizer
+  kernel after it: equal bit for bit.
 - The wgrad (d rhs, the FP8 wgrad kernel): at a named shape against the recipe's wgrad in XLA on three groups, each
   run alone (its row blocks start at its first row either way), and in a seeded sweep of small ragged shapes in both
   weight layouts against the XLA path's d rhs. Its tensor cores accumulate 128 rows per block (~2^-14 of a block's
@@ -236,3 +239,31 @@ def test_wgrad_random_shapes_against_xla(g, m, k, n, sizes, dtype):
     expected = _weight_gradient(*args, backend="xla", transpose_rhs=transpose_rhs)
     assert kernel.shape == rhs.shape and kernel.dtype == expected.dtype == dtype
     assert relative_error(kernel, expected) < (F32_OUT_TOL if dtype == jnp.float32 else BF16_OUT_TOL)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gpt_oss"])
+def test_kept_pre_activation_blocks_match_the_quantizer(activation):
+    s = shapes.GMM_SHAPES["qwen3-30b/gate_up"]
+    m = s.m // 4
+    keys = jax.random.split(jax.random.key(3), 2)
+    x = moe_jax.quantize_blockwise(4.0 * jax.random.normal(keys[0], (m, s.k), jnp.bfloat16), (1, 128))
+    rhs = (jax.random.normal(keys[1], (s.g, s.n, s.k), jnp.float32) * s.k**-0.5).astype(jnp.bfloat16)
+    w = moe_jax.quantize_blockwise(pack_gate_up(rhs, transposed=True).array, (1, 128, 128))
+    group_sizes = s.group_sizes("uniform", seed=4) // 4 * 15 // 16
+
+    @functools.partial(jax.jit, static_argnames="keep_blocks")
+    def forward(x, w, group_sizes, keep_blocks):
+        options = dict(keep=True, keep_blocks=keep_blocks)
+        return launch.run_fp8_forward_kernel(x, w, group_sizes, None, activation, jnp.bfloat16, **options)
+
+    hidden, kept = forward(x, w, group_sizes, False)
+    hidden_fused, kept_fused = forward(x, w, group_sizes, True)
+    expected = moe_jax.quantize_blockwise(kept, (1, 128), backend="pallas")
+    assert launch.fp8_config(m=m, k=s.k, n=s.n, g=s.g, glu_forward=True, keep_blocks=True).num_stages == (
+        launch.fp8_config(m=m, k=s.k, n=s.n, g=s.g, glu_forward=True).num_stages
+    ), "the epilogue's buffers cost a stage here: the kernel would not quantize"
+    np.testing.assert_array_equal(np.asarray(hidden_fused).view(np.uint16), np.asarray(hidden).view(np.uint16))
+    np.testing.assert_array_equal(
+        np.asarray(kept_fused.values).view(np.uint8), np.asarray(expected.values).view(np.uint8)
+    )
+    np.testing.assert_array_equal(np.asarray(kept_fused.scales), np.asarray(expected.scales))

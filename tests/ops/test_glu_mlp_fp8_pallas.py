@@ -9,7 +9,11 @@ rounding of its outputs and of the kept pre-activation: ``GRAD_TOL`` as for the 
 quantize the same operands the same way and differ where an f32 sum is rounded to bf16 (the hidden activations, the
 kept pre-activation, d_gate_up); a rare such flip at an e4m3 rounding boundary moves one element or a block's scale
 by a whole e4m3 step (2^-4 relative) when the operand is quantized again: ``MLP_TOL`` covers a few of those in the
-relative norm. ``MIN_QUANTIZATION_ERROR`` against the unquantized MLP shows the kernels quantized.
+relative norm. The gradients get ``MLP_GRAD_TOL``: the gate_up kernel quantizes the kept pre-activation from its
+bf16 rounding in registers, a round trip XLA:CPU, which runs the interpreted kernel, may leave out (excess
+precision), so here the kernel quantizes f32 values where the XLA path quantizes bf16 ones, and more elements flip
+(2.6e-2 measured; tests/gpu has the GPU's rounding equal the quantizer's, bit for bit). ``MIN_QUANTIZATION_ERROR``
+against the unquantized MLP shows the kernels quantized.
 
 Cases (M, D, F, group sizes): "ragged": D = 320 (the GLU backward's contraction ends in a 64-wide block), F = 192 (a
 half-empty last column tile), an empty group, sizes off 8; "edges": one-row and 129-row groups across 128-row tiles,
@@ -33,6 +37,7 @@ from tests.helpers import check_glu_backward, checked_interpreter, cuda_lowering
 
 GRAD_TOL = 1e-2
 MLP_TOL = 2e-2
+MLP_GRAD_TOL = 3e-2
 MIN_QUANTIZATION_ERROR = 5e-3
 CASES = {
     "ragged": (203, 320, 192, [0, 120, 83]),
@@ -139,7 +144,7 @@ def test_fp8_glu_mlp_matches_the_xla_recipe(activation, case):
     past = int(np.sum(CASES[case][3]))
     np.testing.assert_array_equal(np.asarray(kernel_y, np.float32)[past:], 0.0)
     for name, actual, expected in zip(names, kernel_grads, xla_grads, strict=True):
-        assert oracle.relative_error(actual, expected) < MLP_TOL, name
+        assert oracle.relative_error(actual, expected) < MLP_GRAD_TOL, name
 
 
 def test_quantized_master_weights_are_read_as_they_are_and_give_their_masters_gradients(monkeypatch):
@@ -210,7 +215,7 @@ def test_fp8_routed_glu_mlp_matches_the_xla_recipe():
     assert int(routing.group_sizes[3]) == 0
     assert oracle.relative_error(kernel_y, xla_y) < MLP_TOL
     for name, actual, expected in zip(("x", "w_gate_up", "w_down", "row_scale"), kernel_grads, xla_grads, strict=True):
-        assert oracle.relative_error(actual, expected) < MLP_TOL, name
+        assert oracle.relative_error(actual, expected) < MLP_GRAD_TOL, name
     for actual, expected in zip(jax.tree.leaves(gathered), jax.tree.leaves((kernel_grads, kernel_y)), strict=True):
         np.testing.assert_array_equal(actual, expected)
 

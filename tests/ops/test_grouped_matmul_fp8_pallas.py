@@ -14,6 +14,10 @@ the kernel forgot, shows up. Shapes are small: 128 x 128 tiles on 4 simulated SM
 """
 
 import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
 from unittest import mock
 
 import jax
@@ -26,8 +30,9 @@ from moe_jax._core import backend as dispatch
 from moe_jax.ops.grouped_matmul import api, config, launch
 from moe_jax.ops.grouped_matmul.packing import pack_gate_up
 from tests import oracle
-from tests.helpers import checked_interpreter, grouped_matmul_inputs
+from tests.helpers import checked_interpreter, grouped_matmul_inputs, simulated_sms
 
+REPO = pathlib.Path(__file__).resolve().parents[2]
 F32_OUT_TOL = 1e-5
 BF16_OUT_TOL = 2e-3
 GLU_GRAD_TOL = 1e-3
@@ -225,3 +230,40 @@ def test_auto_takes_the_fp8_kernel_on_sm90_where_it_runs():
         for quantization, expected in (("fp8_block", "pallas"), ("mxfp8", "xla")):
             call = api._gemm_call(lhs, rhs, 256, 256, None, quantization)
             assert dispatch.select("grouped_matmul", "auto", api.IMPLEMENTATIONS, call).name == expected
+
+
+def kept_blocks_match_the_quantizer(activation: str) -> None:
+    """The GLU forward keeping its pre-activation in FP8 blocks (``keep_blocks``: quantized in the epilogue) against
+    the same kernel keeping it in bf16, then quantized by the 1 x 128 quantizer: h, the values and the scales equal bit
+    for bit. Groups of 1, 129, 0 and 100 rows and 70 rows past the sum (ZERO_TILE tiles: zeros, the smallest
+    scale); gpt_oss's inputs cross its clamps, which its rounding keeps values on their side of."""
+    x_scale = 4.0 if activation == "gpt_oss" else 1.0
+    lhs, rhs, sizes = _problem(7, 300, 256, 256, [1, 129, 0, 100])
+    x = moe_jax.quantize_blockwise((x_scale * lhs.astype(jnp.float32)).astype(jnp.bfloat16), (1, 128))
+    w = moe_jax.quantize_blockwise(rhs, (1, 128, 128))
+    with simulated_sms(2), checked_interpreter():
+        run = [
+            launch.run_fp8_forward_kernel(x, w, sizes, None, activation, jnp.bfloat16, keep=True, keep_blocks=blocks)
+            for blocks in (False, True)
+        ]
+    (hidden, kept), (hidden_fused, kept_fused) = run
+    expected = moe_jax.quantize_blockwise(kept, (1, 128), backend="xla")
+    np.testing.assert_array_equal(np.asarray(hidden_fused).view(np.uint16), np.asarray(hidden).view(np.uint16))
+    assert kept_fused.block_shape == (1, 128) and kept_fused.values.dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(
+        np.asarray(kept_fused.values).view(np.uint8), np.asarray(expected.values).view(np.uint8)
+    )
+    np.testing.assert_array_equal(np.asarray(kept_fused.scales), np.asarray(expected.scales))
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gpt_oss"])
+def test_glu_forward_keeps_the_pre_activation_in_fp8_blocks(activation):
+    """``kept_blocks_match_the_quantizer`` in a process whose XLA:CPU, which runs the interpreted kernels, rounds
+    every f32 -> bf16 -> f32 round trip as the GPU does (by default it may keep the f32 value: excess precision)."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_allow_excess_precision=false".strip()
+    script = f"from tests.ops.test_grouped_matmul_fp8_pallas import *; kept_blocks_match_the_quantizer({activation!r})"
+    env = dict(os.environ, XLA_FLAGS=flags)
+    completed = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True, timeout=900
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]

@@ -5,7 +5,9 @@ same quantization, forward and the gradients of ``sum(y * cotangent)``.
 Both paths quantize the same operands the same way; they differ where an f32 sum is rounded to bf16 (the hidden
 activations, the output), and a rare such flip that meets an e4m3 rounding boundary when the hidden activations or a
 gradient are quantized again moves one element by a whole e4m3 step (2^-4 relative): ``TOL`` covers a few of those
-in the relative norm. ``MIN_QUANTIZATION_ERROR`` against the unquantized bf16 layer shows the kernels quantized.
+in the relative norm. The gradients get ``GRAD_TOL`` (test_glu_mlp_fp8_pallas.py's ``MLP_GRAD_TOL``: under the
+interpreter the kernel may quantize the kept pre-activation from f32 values, not their bf16 rounding).
+``MIN_QUANTIZATION_ERROR`` against the unquantized bf16 layer shows the kernels quantized.
 Shapes: T = 64, D = 128, F = 128, E = 4, k = 2 on 2 simulated SMs.
 """
 
@@ -19,6 +21,7 @@ from tests import oracle
 from tests.helpers import checked_interpreter, moe_layer_inputs, simulated_sms
 
 TOL = 2e-2
+GRAD_TOL = 3e-2
 MIN_QUANTIZATION_ERROR = 5e-3
 NUM_SMS = 2
 
@@ -45,7 +48,7 @@ def test_kernel_path_matches_the_xla_path():
     for name, actual, expected in zip(
         ("x", "router_kernel", "w_gate_up", "w_down"), kernel_grads, xla_grads, strict=True
     ):
-        assert oracle.relative_error(actual, expected) < TOL, name
+        assert oracle.relative_error(actual, expected) < GRAD_TOL, name
 
 
 def test_pallas_backend_refuses_shapes_the_fp8_kernel_cannot_take():

@@ -19,7 +19,8 @@ With ``quantization`` ("fp8_block" / "mxfp8") the GEMMs run on block-scaled FP8 
 on the FP8 kernels (fp8_block, "auto" / "pallas"):
 
     forward   gate_up: x quantized 1 x 128; FP8 kernel, GLU epilogue, keeps gu    down: h quantized; FP8 kernel
-              gu kept in FP8, 1 x 128 along its packed columns (64 gate and their 64 up columns a block)
+              gu kept in FP8, 1 x 128 along its packed columns (64 gate and their 64 up columns a block: one
+              block a row of a gate_up tile, quantized in its epilogue where that costs the pipeline no stage)
     backward  dy quantized 1 x 128; glu_dgrad FP8 kernel on the FP8 gu (dequantized and the GLU backward run in its
               epilogue)
               d W_d = FP8 wgrad (h*s, dy);  d x = FP8 dgrad (d_gu quantized, W_gu^T);  d W_gu = FP8 wgrad (x, d_gu)
@@ -30,7 +31,8 @@ and BlockScaled weights get none. reference.py defines this recipe (where it qua
 implementation (mxfp8 runs there only). h is written in x's dtype and quantized by its own pass (not in the gate_up
 epilogue: a 1 x 128 block of h spans two of the FP8 kernel's 64-hidden-column tiles). Keeping gu in FP8, as
 DeepSeek-V3 caches its SwiGLU inputs, halves the largest array the backward keeps (M * 2F bytes and an f32 scale per
-128) for one quantize pass over gu in the forward; the GLU-backward kernel reads the FP8 rows and their scales and
+128); the gate_up kernel writes it from its accumulators (``launch.run_fp8_forward_kernel``'s ``keep_blocks``; else
+a quantize pass over a bf16 copy: the same bits), and the GLU-backward kernel reads the FP8 rows and their scales and
 dequantizes them in f32 in its epilogue (half the bytes it read in x's dtype, and no dequantized copy written).
 
 ``routed_glu_mlp`` (what ``moe_ffn`` calls) takes the tokens [T, D] and the routing's sort indices instead of sorted
@@ -406,12 +408,11 @@ def _fp8_glu_mlp_fwd(
         values = permute_api.permute(quantized.values, sort_indices, top_k, positions=positions, backend=backend)
         quantized = BlockScaled(values, quantized.scales[row_tokens], quantized.block_shape)
     gate_up_args = (w_gate_up_nk, group_sizes, None, activation, x.dtype)
-    gathered_rows = row_tokens if gather else None
-    outs = run_fp8_forward_kernel(quantized, *gate_up_args, keep=with_backward, row_tokens=gathered_rows)
+    # The pre-activation kept in FP8 (the module docstring).
+    options = dict(keep=with_backward, keep_blocks=True, row_tokens=row_tokens if gather else None)
+    outs = run_fp8_forward_kernel(quantized, *gate_up_args, **options)
     hidden, gate_up = outs if with_backward else (outs, None)
     y = run_fp8_forward_kernel(_quantize_rows(hidden), w_down_nk, group_sizes, row_scale, None, x.dtype, keep=False)
-    if with_backward:
-        gate_up = _quantize_rows(gate_up)  # kept in FP8 (the module docstring)
     weights = (w_gate_up, w_gate_up_kn, w_down, w_down_kn)
     return y, (x, weights, group_sizes, row_scale, sort_indices, positions, gate_up)
 

@@ -142,6 +142,7 @@ class Config:
         operand_cols: int = 0,
         row_vectors: int = 0,
         scale_k_blocks: int = 0,
+        kept_fp8: bool = False,
     ) -> int:
         """Shared memory of one CTA: the pipeline's stages, the epilogue's double buffer and its operands.
 
@@ -153,11 +154,14 @@ class Config:
           scale_k_blocks: FP8 operands (sm90_fp8.py): ``fp8_scale_k_blocks(K)``, the f32 weight scales each
             consumer holds per weight block under its tile (``fp8_tile_scale_blocks``); the x scales then take a
             [block_m] f32 ring beside the pipeline's.
+          kept_fp8: the forward keeps its pre-activation in FP8 blocks (sm90.Epilogue.keep_blocks): a [block_m,
+            FP8_BLOCK] buffer of one-byte values.
         """
         buffers = [
             self.num_stages * self.block_m * self.block_k * in_itemsize,  # x ring
             self.num_stages * self.block_n * self.block_k * in_itemsize,  # w ring
             2 * self.block_m * self.epilogue_n * out_itemsize,
+            self.block_m * FP8_BLOCK * kept_fp8,
             self.block_m * operand_cols * out_itemsize,
             row_vectors * self.block_m * 4,
             (self.num_stages * self.block_m * 4) if scale_k_blocks else 0,
@@ -229,10 +233,11 @@ def gate_up_ring_slots(config: Config) -> int:
     return slots if shape and depth else 0
 
 
-def row_vector_count(row_scale: bool, glu_backward: bool) -> int:
+def row_vector_count(row_scale: bool, glu_backward: bool, kept_scales: bool = False) -> int:
     """[wg_block_m] f32 shared-memory vectors per consumer: the row scale in and, in the GLU backward, the row-scale
-    gradient's partial sums out (sm90.py keeps them in one buffer)."""
-    return int(row_scale) * (2 if glu_backward else 1)
+    gradient's partial sums out; with ``kept_scales`` the forward's FP8 pre-activation's scales out (sm90.py keeps
+    them in one buffer)."""
+    return int(row_scale) * (2 if glu_backward else 1) + int(kept_scales)
 
 
 def epilogue_smem(kind: str, config: Config, row_scale: bool) -> dict:
@@ -337,6 +342,7 @@ def fp8_config(
     glu_forward: bool = False,
     glu_backward: bool = False,
     block_n: int | None = None,
+    keep_blocks: bool = False,
 ) -> Config:
     """The FP8 kernel's config (forward, and the dgrad with its own columns as ``n``): the heuristic forward's tile
     order, FP8_BLOCK-wide steps (sm90_fp8.py), the epilogue between tiles, as many stages as fit in shared memory,
@@ -350,6 +356,8 @@ def fp8_config(
     dgrad with the GLU backward in its epilogue (n = F), whose consumers load their [wg_block_m, 2 * block_n] packed
     gate/up rows themselves (the pipeline's ring carries them only for 64-wide steps) and keep two row vectors with a
     row scale; always two consumers, whose registers hold the GLU backward's temporaries beside the f32 total.
+    ``keep_blocks``: the GLU forward also stores its pre-activation in FP8 blocks (sm90.Epilogue.keep_blocks), whose
+    buffers take shared memory from the pipeline.
 
     Not tuned: the tuned table holds 16-bit kernels only.
     """
@@ -364,8 +372,9 @@ def fp8_config(
         config = dataclasses.replace(config, block_m=WGMMA_M * consumers, num_compute_wgs=consumers)
     epilogue = dict(
         operand_cols=2 * FP8_BLOCK if glu_backward else 0,
-        row_vectors=row_vector_count(row_scale, glu_backward),
+        row_vectors=row_vector_count(row_scale, glu_backward, keep_blocks),
         scale_k_blocks=fp8_scale_k_blocks(k),
+        kept_fp8=keep_blocks,
     )
     while not config.fits(1, out_itemsize, **epilogue) and config.num_stages > 2:
         config = dataclasses.replace(config, num_stages=config.num_stages - 1)

@@ -33,6 +33,7 @@ from moe_jax.ops.grouped_matmul.config import (
 from moe_jax.ops.grouped_matmul.glu import glu, glu_grad, kept_pre_activation
 from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK
 from moe_jax.ops.grouped_matmul.reference_fp8 import RECIPES
+from moe_jax.ops.quant import api as quant
 from moe_jax.ops.quant.reference import BlockScaled
 
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -220,6 +221,10 @@ def run_rows_kernel(
     )
     if not isinstance(outs, tuple):
         return outs[:m]
+    if epilogue.keep_blocks:
+        out, kept_values, kept_scales = outs
+        scales = schedule.gather_tile_rows(kept_scales, tiles, num_tiles, padded_m)[:, :m].T
+        return out[:m], BlockScaled(kept_values[:m], scales, (1, sm90.SCALED_GATE_UP_BLOCK))
     if not epilogue.backward:
         return tuple(out[:m] for out in outs)
     d_gate_up, hidden_scaled, *partials = outs
@@ -265,11 +270,14 @@ def gemm_grads(
     return d_lhs, d_rhs
 
 
-def forward_epilogue(activation: str | None, row_scale: bool, *, keep_dtype=None) -> sm90.Epilogue:
+def forward_epilogue(
+    activation: str | None, row_scale: bool, *, keep_dtype=None, keep_blocks: bool = False
+) -> sm90.Epilogue:
     """The forward kernel's epilogue: GLU over packed gate/up columns and/or a row scale.
 
     ``keep_dtype``: also store the pre-activation, in this dtype (the output's), rounded as the GLU backward needs it
-    (``glu.kept_pre_activation``).
+    (``glu.kept_pre_activation``); with ``keep_blocks`` those rounded values quantized to FP8 in (1, 128) blocks
+    instead (``sm90.Epilogue.keep_blocks``).
     """
     if activation is None:
         return sm90.Epilogue(row_scale=row_scale, keep_acc=keep_dtype is not None, pack=PACK_BLOCK)
@@ -282,6 +290,7 @@ def forward_epilogue(activation: str | None, row_scale: bool, *, keep_dtype=None
         keep_acc=keep_dtype is not None,
         keep_rounding=rounding,
         pack=PACK_BLOCK,
+        keep_blocks=keep_blocks,
     )
 
 
@@ -295,6 +304,7 @@ def run_forward_kernel(
     transpose_rhs,
     *,
     keep: bool,
+    keep_blocks: bool = False,
     row_tokens=None,
     zero_tail: bool = True,
     config=None,
@@ -302,10 +312,12 @@ def run_forward_kernel(
     w_scales=None,
 ):
     """The forward kernel with its epilogue (plain when neither ``activation`` nor ``row_scale``); ``keep`` also
-    returns the pre-activation [M, N], rounded for the GLU backward. With ``row_tokens`` [M], lhs is [T, K] and row r
-    of the product is lhs[row_tokens[r]]. ``zero_tail=False`` leaves the outputs' rows past the sum unwritten.
-    ``config`` (None: rows_config's), ``x_scales`` and ``w_scales``: run_rows_kernel's."""
-    epilogue = forward_epilogue(activation, row_scale is not None, keep_dtype=out_dtype if keep else None)
+    returns the pre-activation [M, N], rounded for the GLU backward (with ``keep_blocks`` as a BlockScaled of FP8
+    (1, 128) blocks quantized by the epilogue). With ``row_tokens`` [M], lhs is [T, K] and row r of the product is
+    lhs[row_tokens[r]]. ``zero_tail=False`` leaves the outputs' rows past the sum unwritten. ``config`` (None:
+    rows_config's), ``x_scales`` and ``w_scales``: run_rows_kernel's."""
+    keep_dtype = out_dtype if keep else None
+    epilogue = forward_epilogue(activation, row_scale is not None, keep_dtype=keep_dtype, keep_blocks=keep_blocks)
     return run_rows_kernel(
         "fwd",
         lhs,
@@ -332,12 +344,18 @@ def run_fp8_forward_kernel(
     out_dtype,
     *,
     keep: bool,
+    keep_blocks: bool = False,
     config: Config | None = None,
     row_tokens=None,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
+) -> jax.Array | tuple:
     """The FP8 kernel x[rows of g] . w[g]^T with its epilogue, as run_forward_kernel (``keep``: also the
     pre-activation; ``config``: None takes fp8_config's). The forward is (lhs, rhs [G, N, K]); the dgrad (d out,
     rhs [G, K, N]).
+
+    ``keep_blocks`` (with ``keep`` and an activation): the pre-activation comes as a BlockScaled of (1, 128) FP8
+    blocks, the GLU backward's operand. The epilogue quantizes it from its accumulators where its buffers cost the
+    pipeline no stage (``fp8_config(keep_blocks=True)``; an explicit ``config`` is taken to fit them), else the
+    quantizer does, from the kept bf16 copy: the same values and scales, bit for bit.
 
     Args:
       x: [M, R] float8_e4m3fn in (1, 128) blocks; R, the contraction, any size. With ``row_tokens`` [M] int32,
@@ -356,8 +374,10 @@ def run_fp8_forward_kernel(
     k, (num_groups, n, _) = x.shape[1], w.shape
     m = x.shape[0] if row_tokens is None else row_tokens.shape[0]
     itemsize = jnp.dtype(out_dtype).itemsize
+    keep_blocks = keep_blocks and keep and activation is not None
+    fused = keep_blocks
     if config is None:
-        config = fp8_config(
+        options = dict(
             m=m,
             k=k,
             n=n,
@@ -366,8 +386,13 @@ def run_fp8_forward_kernel(
             row_scale=row_scale is not None,
             glu_forward=activation is not None,
         )
+        config = fp8_config(**options)
+        if keep_blocks:
+            fused_config = fp8_config(**options, keep_blocks=True)
+            fused = fused_config.num_stages == config.num_stages
+            config = fused_config if fused else config
     x_values, w_values, x_scales, w_scales = _fp8_kernel_operands(x, w, row_tokens)
-    return run_forward_kernel(
+    outs = run_forward_kernel(
         x_values,
         w_values,
         group_sizes,
@@ -376,11 +401,17 @@ def run_fp8_forward_kernel(
         out_dtype,
         True,
         keep=keep,
+        keep_blocks=fused,
         row_tokens=row_tokens,
         config=config,
         x_scales=x_scales,
         w_scales=w_scales,
     )
+    if keep_blocks and not fused:
+        out, kept = outs
+        recipe = RECIPES[FP8_KERNEL_QUANTIZATION]
+        return out, quant.quantize_blockwise(kept, recipe.lhs_block, pow2_scales=recipe.pow2_scales)
+    return outs
 
 
 def _fp8_kernel_operands(x: BlockScaled, w: BlockScaled, row_tokens=None) -> tuple:

@@ -189,12 +189,12 @@ def _foreign_rows_finite(b_rows, window_starts, rows, starts, ends, boxes, chunk
     return jnp.all(jnp.all(jnp.isfinite(windows), axis=-1) | ~foreign, axis=1)
 
 
-def gather_row_partials(partials: jax.Array, tiles: jax.Array, num_tiles: jax.Array, num_rows: int) -> jax.Array:
-    """[M] row sums from per-tile partial sums, as the GLU backward epilogue writes them.
+def gather_tile_rows(per_tile: jax.Array, tiles: jax.Array, num_tiles: jax.Array, num_rows: int) -> jax.Array:
+    """[C tiles, M] row values from the per-tile rows an epilogue writes (partial sums, scales).
 
     Args:
-      partials: [C tiles, T, block_m]: entry (n, t, i) is column tile n's share of the sum of box row i of row tile t
-        (only the rows that tile stores were written).
+      per_tile: [C tiles, T, block_m]: entry (n, t, i) is column tile n's value of box row i of row tile t (only the
+        rows that tile stores were written).
       tiles, num_tiles: the row_tiles table the kernel ran on (T entries, ``num_tiles`` in use).
       num_rows: M.
 
@@ -207,4 +207,10 @@ def gather_row_partials(partials: jax.Array, tiles: jax.Array, num_tiles: jax.Ar
     marks = jnp.zeros((num_rows,), jnp.int32).at[first_stored].set(index, mode="drop")
     tile = jax.lax.cummax(marks, axis=0)
     row = jnp.arange(num_rows, dtype=jnp.int32)
-    return jnp.sum(partials[:, tile, row - tiles[TILE_ROW][tile]], axis=0)
+    return per_tile[:, tile, row - tiles[TILE_ROW][tile]]
+
+
+def gather_row_partials(partials: jax.Array, tiles: jax.Array, num_tiles: jax.Array, num_rows: int) -> jax.Array:
+    """[M] row sums from the per-tile partial sums [C tiles, T, block_m] the GLU backward epilogue writes (one per
+    column tile, ``gather_tile_rows``)."""
+    return jnp.sum(gather_tile_rows(partials, tiles, num_tiles, num_rows), axis=0)

@@ -67,6 +67,7 @@ from moe_jax.ops.grouped_matmul.schedule import (
     ZERO_TILE,
     row_tile_bands,
 )
+from moe_jax.ops.quant import reference as quant_reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +92,11 @@ class Epilogue:
       scaled_gate_up: GLU backward: the packed pre-activation is FP8 with a scale per row and block of
         ``SCALED_GATE_UP_BLOCK`` packed columns (``pack`` gate and their ``pack`` up columns), dequantized in f32 as
         the consumer reads it (the gate_up_scales operand; the consumers load the rows themselves, no ring).
+      keep_blocks: with keep_acc and an activation, the kept pre-activation is stored in float8_e4m3fn in those
+        blocks instead (a tile of block_n = SCALED_GATE_UP_BLOCK columns holds one a row): each row's block scale
+        from the amax of its rounded values (``keep_rounding``), with quant.reference's arithmetic, so the values
+        and scales are the quantizer's of the rounded pre-activation, bit for bit. The scales leave as per-tile rows
+        [C tiles, T, block_m] f32 (schedule.gather_tile_rows), as the GLU backward's partial sums do.
     """
 
     activation: Callable | None = None
@@ -101,6 +107,7 @@ class Epilogue:
     recompute_grads: bool = False
     pack: int = 64
     scaled_gate_up: bool = False
+    keep_blocks: bool = False
 
     def __post_init__(self):
         if self.activation is not None and self.activation_grad is not None:
@@ -109,6 +116,11 @@ class Epilogue:
             raise ValueError("Epilogue: keep_acc is a forward option")
         if self.keep_rounding is not None and not (self.keep_acc and self.activation is not None):
             raise ValueError("Epilogue: keep_rounding needs keep_acc and an activation")
+        if self.keep_blocks and (not self.keep_acc or self.activation is None or 2 * self.pack != SCALED_GATE_UP_BLOCK):
+            raise ValueError(
+                f"Epilogue: keep_blocks keeps a GLU forward's pre-activation (keep_acc, an activation) in blocks of "
+                f"{SCALED_GATE_UP_BLOCK} packed columns, pack = {SCALED_GATE_UP_BLOCK // 2}; got {self}"
+            )
         if self.recompute_grads and self.activation_grad is None:
             raise ValueError("Epilogue: recompute_grads is a GLU backward option")
         if self.scaled_gate_up and (self.activation_grad is None or 2 * self.pack != SCALED_GATE_UP_BLOCK):
@@ -129,6 +141,8 @@ class Epilogue:
                 f"a GLU epilogue needs pack={self.pack} dividing the tile's hidden columns ({glu_cols}) and a "
                 f"multiple of epilogue_n={config.epilogue_n}"
             )
+        if self.keep_blocks and config.block_n != SCALED_GATE_UP_BLOCK:
+            raise ValueError(f"Epilogue: keep_blocks needs tiles of one block, block_n = {SCALED_GATE_UP_BLOCK}")
         if self.scaled_gate_up and self.ring_slots(config):
             raise ValueError(f"Epilogue: an FP8 pre-activation is loaded by the consumers, not the ring, got {config}")
         if self.operand_cols(config) > 256:
@@ -163,11 +177,12 @@ class Epilogue:
 
     def row_vectors(self) -> int:
         """[wg_block_m] f32 shared-memory vectors per consumer (config.row_vector_count)."""
-        return row_vector_count(self.row_scale, self.backward)
+        return row_vector_count(self.row_scale, self.backward, self.keep_blocks)
 
 
 PLAIN = Epilogue()  # cast and store
 SCALED_GATE_UP_BLOCK = 128  # packed columns per scale of an FP8 pre-activation (Epilogue.scaled_gate_up)
+KEPT_BLOCKS_DTYPE = jnp.float8_e4m3fn  # Epilogue.keep_blocks's values
 
 
 def grouped_matmul_rows(
@@ -214,7 +229,8 @@ def grouped_matmul_rows(
 
     Returns:
       plain: [M, C]: the rows of every tile's group, zeros for the rows of ZERO_TILE tiles. Forward: out ([M, C/2]
-      with an activation, else [M, C]), or (out, acc [M, C]) with ``keep_acc``. GLU backward: (d_gate_up [M, 2C],
+      with an activation, else [M, C]), or (out, acc [M, C]) with ``keep_acc``, or (out, acc [M, C] in FP8, its
+      scales [C / 128, T, block_m] per tile) with ``keep_blocks``. GLU backward: (d_gate_up [M, 2C],
       h_scaled [M, C]), plus the partial sums [cdiv(C, block_n), T, block_m] f32 with ``row_scale``.
     """
     m, r = x.shape if row_tokens is None else (row_tokens.shape[0], x.shape[1])
@@ -444,6 +460,12 @@ def grouped_matmul_rows(
         # The scales of the tile's packed blocks, [blocks, wg_block_m] per consumer (accounted for in config.fits
         # by the pre-activation's tile, taken there at 16 bits an element).
         scratch.append(plgpu.SMEM((num_wgs, gate_up_cols // SCALED_GATE_UP_BLOCK, wg_m), jnp.float32))
+    if epi.keep_blocks:
+        # One buffer a consumer: the block is a tile's first store (forward_targets), after the wait for every
+        # earlier one.
+        kept_transforms = pipe.swizzled(SCALED_GATE_UP_BLOCK, KEPT_BLOCKS_DTYPE, 1)
+        kept_shape = (num_wgs, 1, wg_m, SCALED_GATE_UP_BLOCK)
+        scratch.append(plgpu.SMEM(kept_shape, KEPT_BLOCKS_DTYPE, transforms=kept_transforms))
     kernel = plgpu.kernel(
         body,
         out_type=tuple(out_types) if len(out_types) > 1 else out_types[0],
@@ -488,7 +510,9 @@ def _out_types(epi: Epilogue, m: int, cols: int, out_dtype, in_dtype, partials_s
         return types
     out_cols = cols // 2 if epi.activation else cols
     types = [jax.ShapeDtypeStruct((m, out_cols), out_dtype)]
-    if epi.keep_acc:
+    if epi.keep_blocks:
+        types += [jax.ShapeDtypeStruct((m, cols), KEPT_BLOCKS_DTYPE), jax.ShapeDtypeStruct(partials_shape, jnp.float32)]
+    elif epi.keep_acc:
         types.append(jax.ShapeDtypeStruct((m, cols), out_dtype))
     return types
 
@@ -539,6 +563,8 @@ def _epilogue(
     partial_smem = row_vectors_smem.at[1] if epi.backward and epi.row_scale else None
     gate_up_smem = next(buffers) if epi.operand_cols(cfg) else None
     gate_up_scales_smem = next(buffers) if epi.scaled_gate_up else None
+    kept_smem = next(buffers) if epi.keep_blocks else None
+    kept_scales_smem = row_vectors_smem.at[int(epi.row_scale)] if epi.keep_blocks else None
     operand_gmem = iter(operand_gmem)
     row_scale_gmem = next(operand_gmem) if epi.row_scale else None
     gate_up_gmem = next(operand_gmem) if epi.backward else None
@@ -584,27 +610,43 @@ def _epilogue(
                 values.append(lambda chunk=chunk: cast(scaled(chunk, scale)))
             return values
 
-        def kept(gate, up, i):
-            return cast((gate, up)[i] if epi.keep_rounding is None else epi.keep_rounding(gate, up)[i])
+        def rounded(gate, up):
+            """The kept (gate, up), f32 values of out_dtype."""
+            if epi.keep_rounding is None:
+                return tuple(cast(value).astype(jnp.float32) for value in (gate, up))
+            return epi.keep_rounding(gate, up)
 
+        def kept(gate, up, i):
+            return cast(rounded(gate, up)[i])
+
+        chunks = [tuple(acc[:, col : col + epi_n] for col in packed_cols(f)) for f in range(0, bn // 2, epi_n)]
+        hidden = [lambda gate=gate, up=up: cast(scaled(epi.activation(gate, up), scale)) for gate, up in chunks]
+        if epi.keep_blocks:
+            block, block_scale = _kept_block(chunks, rounded)
+            return [block, *hidden, block_scale]
         values = []
-        for f in range(0, bn // 2, epi_n):
-            gate, up = (acc[:, col : col + epi_n] for col in packed_cols(f))
+        for (gate, up), h in zip(chunks, hidden, strict=True):
             values += [functools.partial(kept, gate, up, i) for i in range(2)] * epi.keep_acc
-            values.append(lambda gate=gate, up=up: cast(scaled(epi.activation(gate, up), scale)))
+            values.append(h)
         return values
 
     def forward_targets(ni) -> list:
-        """(dst_gmem, col, num_cols) of each of forward_values' values."""
+        """(buffer, dst_gmem, col, num_cols) of each of forward_values' stored values (with keep_blocks, not of the
+        last value: the block scales)."""
         out_gmem, *acc_gmem = out_gmems  # acc_gmem: [the accumulator's output] with keep_acc, else []
         targets = []
         if epi.activation is None:
             for f in range(0, bn, epi_n):
-                targets += [(dst, ni * bn + f, cols) for dst in acc_gmem] + [(out_gmem, ni * bn + f, cols)]
+                targets += [(out_smem, dst, ni * bn + f, cols) for dst in acc_gmem]
+                targets.append((out_smem, out_gmem, ni * bn + f, cols))
             return targets
-        for f in range(0, bn // 2, epi_n):
-            targets += [(dst, ni * bn + col, cols) for dst in acc_gmem for col in packed_cols(f)]
-            targets.append((out_gmem, ni * (bn // 2) + f, cols // 2))
+        hidden = [(out_smem, out_gmem, ni * (bn // 2) + f, cols // 2) for f in range(0, bn // 2, epi_n)]
+        if epi.keep_blocks:
+            # The tile's one block first: it is stored wherever a hidden chunk is (pipe.store_chunk's order rule).
+            return [(kept_smem, acc_gmem[0], ni * bn, cols), *hidden]
+        for f, h in zip(range(0, bn // 2, epi_n), hidden, strict=True):
+            targets += [(out_smem, dst, ni * bn + col, cols) for dst in acc_gmem for col in packed_cols(f)]
+            targets.append(h)
         return targets
 
     def prepare(acc):
@@ -623,11 +665,22 @@ def _epilogue(
     def stores(values, mi, ni, wg_row0, wg_first, wg_rows, ring_step):
         rows = (wg_row0, wg_first, wg_rows)
         if not epi.backward:
-            return [
-                functools.partial(pipe.store_chunk, c, value, out_smem, wg, dst, *rows, col, num_cols)
-                for c, (value, (dst, col, num_cols)) in enumerate(zip(values, forward_targets(ni), strict=True))
+            targets = forward_targets(ni)
+            chunks = values[: len(targets)]
+            stored = [
+                functools.partial(pipe.store_chunk, c, value, buffer, wg, dst, *rows, col, num_cols)
+                for c, (value, (buffer, dst, col, num_cols)) in enumerate(zip(chunks, targets, strict=True))
             ]
+            if epi.keep_blocks:
+                stored.append(functools.partial(store_block_scales, values[-1], mi, ni, wg_rows))
+            return stored
         return [functools.partial(backward_store, c, d_h, mi, ni, rows, ring_step) for c, d_h in enumerate(values)]
+
+    def store_block_scales(block_scale, mi, ni, wg_rows):
+        """The tile's kept block scales [wg_block_m] (keep_blocks), after its other stores: the first of those waited
+        for every earlier store, so the buffer's previous store has read it."""
+        kept_scales_smem.at[wg][...] = block_scale
+        _store_partial(kept_scales_smem.at[wg], out_gmems[2].at[ni, mi, pl.ds(wg * wg_m, wg_m)], wg_rows)
 
     def gate_up_chunk(c, gate_col, up_col, ring_step):
         """This consumer's rows of chunk c's gate and up blocks, [wg_block_m, epilogue_n] each in their dtype (f32,
@@ -711,6 +764,34 @@ def _epilogue(
         return pipe.empty_chunks(len(forward_targets(0)), wg_m, epi_n, out_dtype)
 
     return _EpilogueFns(prefetch, epi.backward, prepare, stores, empty)
+
+
+def _kept_block(chunks, rounded) -> tuple[Callable, jax.Array]:
+    """(a function computing the tile's kept block [R, SCALED_GATE_UP_BLOCK] in FP8, each row's block scale [R] f32)
+    from ``chunks``, the tile's (gate, up) [R, epilogue_n] f32 accumulator chunks, and ``rounded(gate, up)``, the
+    kept values before quantization. The block leaves as one chunk of 128 one-byte columns: its rows are 128 bytes,
+    as the bf16 chunks' are, so a partial store's one-row TMA boxes start on 128-byte boundaries (64-column FP8
+    chunks put them off those, and the sm90 GPU faulted on a misaligned address). Each value is rounded where it is
+    used (for the amax, then in the store's branch), so no rounded copy of the tile stays in registers."""
+
+    def block():
+        """The tile's rounded values in packed order ([gate | up] of its pack = epilogue_n columns each), f32."""
+        pairs = [rounded(gate, up) for gate, up in chunks]
+        return [gate for gate, _ in pairs] + [up for _, up in pairs]
+
+    amax = None
+    for value in block():
+        chunk_amax = jnp.max(jnp.abs(value), axis=1)
+        amax = chunk_amax if amax is None else jnp.maximum(amax, chunk_amax)
+    block_scale = quant_reference.scales_from_amax(amax, KEPT_BLOCKS_DTYPE, pow2_scales=False)
+    reciprocal = quant_reference.reciprocals(block_scale)
+
+    def quantized():
+        values = plgpu.layout_cast(lax.concatenate(block(), 1), plgpu.Layout.WGMMA)
+        per_element = lax.broadcast_in_dim(reciprocal, values.shape, [0])
+        return quant_reference.scaled_values(values, per_element, KEPT_BLOCKS_DTYPE)
+
+    return quantized, block_scale
 
 
 def _store_partial(partial_smem, dst_gmem, wg_rows) -> None:
