@@ -238,14 +238,14 @@ def test_fused_grouped_matmul_epilogues_against_reference(activation):
 @functools.partial(jax.jit, static_argnames=("activation", "top_k", "backend", "quantization"))
 def _fp8_fwd_bwd(inputs, group_sizes, sort_indices=None, *, activation, top_k=1, backend, quantization):
     """y and the gradients of (x, w_gate_up, w_down, row_scale): ``glu_mlp`` on x's rows, or with ``sort_indices``
-    ``routed_glu_mlp`` on x's tokens."""
+    ``routed_glu_mlp`` on x's tokens, each token's rows summed (``combine``: the cotangent is the tokens')."""
     options = dict(activation=activation, backend=backend, quantization=quantization)
 
     def mlp(x, w_gate_up, w_down, row_scale):
         if sort_indices is None:
             return moe_jax.glu_mlp(x, w_gate_up, w_down, group_sizes, row_scale=row_scale, **options)
         return glu_mlp_api.routed_glu_mlp(
-            x, sort_indices, top_k, w_gate_up, w_down, group_sizes, row_scale=row_scale, **options
+            x, sort_indices, top_k, w_gate_up, w_down, group_sizes, row_scale=row_scale, combine="pallas", **options
         )
 
     y, pullback = jax.vjp(mlp, *(inputs[name] for name in ("x", "w_gate_up", "w_down", "row_scale")))
@@ -293,14 +293,16 @@ def test_fp8_glu_mlp_against_the_xla_recipe(model, activation, kind):
 
 @pytest.mark.parametrize("model, activation", [("qwen3-30b", "swiglu"), ("gpt-oss-120b", "gpt_oss")])
 def test_fp8_routed_glu_mlp_against_the_xla_recipe(model, activation):
-    """Routed from tokens (top-4 of 8 experts): the gate_up kernel gathers each token's FP8 row (qwen3-30b), or the
-    rows and scales are permuted first (gpt-oss-120b: D = 2880, half a last K block, which a gathered step cannot
-    copy), and the gate_up wgrad's quantizer gathers the tokens' rows. Where both kernel paths run, they load the
-    same FP8 rows and scales: equal bit for bit."""
+    """Routed from tokens (top-4 of 8 experts), each token's rows summed: the gate_up kernel gathers each token's FP8
+    row (qwen3-30b), and the backward takes the tokens' dy, whose FP8 rows the GLU-backward kernel gathers and whose
+    rows the down wgrad's quantizer gathers (the combine inside the kernels' VJP); or the rows and scales are
+    permuted first and the rows summed after (gpt-oss-120b: D = 2880, half a last K block, which a gathered step
+    cannot copy). The gate_up wgrad's quantizer gathers the tokens' rows on both. Where both kernel paths run, they
+    quantize the same values: equal bit for bit."""
     shape = shapes.GMM_SHAPES[f"{model}/gate_up"]
     g, t, top_k, d, d_ff = 8, 512, 4, shape.k, shape.n // 2
     inputs = _inputs(jax.random.key(11), g, t * top_k, d, d_ff, x_scale=4.0 if activation == "gpt_oss" else 1.0)
-    inputs["x"] = inputs["x"][:t]  # the tokens
+    inputs["x"], inputs["cotangent"] = inputs["x"][:t], inputs["cotangent"][:t]  # the tokens
     experts = jax.lax.top_k(jax.random.normal(jax.random.key(12), (t, g)), top_k)[1].reshape(-1)
     sort_indices = jnp.argsort(experts, stable=True).astype(jnp.int32)
     group_sizes = jnp.bincount(experts, length=g).astype(jnp.int32)

@@ -70,19 +70,25 @@ def test_kernel_matches_the_recipes_wgrad(case, in_dtype, out_dtype, tol):
     np.testing.assert_array_equal(np.asarray(out, np.float32)[empty], 0.0)
 
 
+@pytest.mark.parametrize("gathered", ["x", "y"])
 @pytest.mark.usefixtures("interpret")
-def test_gathered_lhs_rows_give_the_wgrad_of_the_gathered_copy():
-    """x_row_tokens: x's rows gathered from 150 tokens by the quantizer equal the wgrad of the copy x[row_tokens]
-    bit for bit (the same FP8 operands), and the recipe's wgrad of that copy within ``BF16_OUT_TOL``."""
+def test_gathered_rows_give_the_wgrad_of_the_gathered_copy(gathered):
+    """x_row_tokens / y_row_tokens: one operand's rows gathered from 150 tokens by its quantizer equal the wgrad of
+    the copy tokens[row_tokens] bit for bit (the same FP8 operands), and the recipe's wgrad of that copy within
+    ``BF16_OUT_TOL``."""
     m, p, q, sizes, _ = CASES["edges"]
-    tokens = _operands(2, 150, p, q, jnp.bfloat16)[0]
-    y = _operands(3, m, p, q, jnp.bfloat16)[1]
+    x, y = _operands(3, m, p, q, jnp.bfloat16)
+    tokens = _operands(2, 150, p, q, jnp.bfloat16)[0 if gathered == "x" else 1]
     row_tokens = jnp.asarray(np.random.default_rng(4).integers(0, 150, size=m), jnp.int32)
     group_sizes = jnp.asarray(sizes, jnp.int32)
-    out = launch.run_fp8_wgrad_kernel(tokens, y, group_sizes, out_dtype=jnp.bfloat16, x_row_tokens=row_tokens)
-    copy = launch.run_fp8_wgrad_kernel(tokens[row_tokens], y, group_sizes, out_dtype=jnp.bfloat16)
-    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(copy, np.float32))
-    expected = reference_fp8.quantized_wgrad(tokens[row_tokens], group_sizes, y, RECIPE, False, jnp.bfloat16)
+    copy = dict(x=x, y=y) | {gathered: tokens[row_tokens]}
+    operands = dict(x=x, y=y) | {gathered: tokens}
+    out = launch.run_fp8_wgrad_kernel(
+        operands["x"], operands["y"], group_sizes, out_dtype=jnp.bfloat16, **{f"{gathered}_row_tokens": row_tokens}
+    )
+    copy_out = launch.run_fp8_wgrad_kernel(copy["x"], copy["y"], group_sizes, out_dtype=jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(copy_out, np.float32))
+    expected = reference_fp8.quantized_wgrad(copy["x"], group_sizes, copy["y"], RECIPE, False, jnp.bfloat16)
     assert oracle.relative_error(out, expected) < BF16_OUT_TOL
 
 

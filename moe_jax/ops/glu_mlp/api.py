@@ -334,12 +334,14 @@ def _quantized_glu_mlp(
     routed=(None, None, None),
     *,
     gather: bool = False,
+    combine: str | None = None,
 ):
     """The FP8 GLU MLP (the module docstring) on checked arguments, by ``implementation`` ("pallas" or "xla").
 
     ``routed``: (sort_indices, top_k, positions) with x [T, D] tokens (the kernels quantize each token once, then
     the gate_up kernel gathers its FP8 rows with ``gather``, else they are permuted first), or Nones with x [M, D]
-    rows."""
+    rows. ``combine`` (kernels with ``gather`` only): the backend of ``permute.combine`` summing each token's rows
+    into y [T, D] inside the custom VJP (``_pallas_fp8_glu_mlp``)."""
     sort_indices, top_k, positions = routed
     if implementation == "xla":
         if sort_indices is not None:
@@ -356,17 +358,22 @@ def _quantized_glu_mlp(
     weights, _ = reference_fp8.stored_weights(w_gate_up, activation, False)
     scale = None if row_scale is None else row_scale.astype(jnp.float32)
     args = (x, weights, w_down, jnp.maximum(group_sizes, 0), scale, sort_indices, positions)
-    return _pallas_fp8_glu_mlp(*args, top_k, activation, gather)
+    return _pallas_fp8_glu_mlp(*args, top_k, activation, gather, combine)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
 def _pallas_fp8_glu_mlp(
-    x, w_gate_up, w_down, group_sizes, row_scale, sort_indices, positions, top_k, activation, gather
+    x, w_gate_up, w_down, group_sizes, row_scale, sort_indices, positions, top_k, activation, gather, combine
 ):
     """x [M, D] high precision (or [T, D] tokens whose rows sort_indices // top_k picks: gathered by the gate_up
     kernel with ``gather``, else permuted), the stored weights (packed w_gate_up [G, D, 2F], w_down [G, F, D]; high
-    precision or BlockScaled), group_sizes non-negative -> [M, D] in x.dtype, on the FP8 kernels (fp8_block)."""
-    args = (x, w_gate_up, w_down, group_sizes, row_scale, sort_indices, positions, top_k, activation, gather)
+    precision or BlockScaled), group_sizes non-negative -> [M, D] in x.dtype, on the FP8 kernels (fp8_block).
+
+    ``combine`` (a ``permute.combine`` backend, with ``gather``): y [T, D], each token's k rows summed. The backward
+    then takes the tokens' gradient [T, D]: each token's is quantized once (its rows' 1 x 128 blocks are its own),
+    the GLU-backward kernel gathers the rows' FP8 values as the gate_up kernel does, and the down wgrad's quantizer
+    gathers the rows it reads, so no [M, D] copy of dy is written or quantized."""
+    args = (x, w_gate_up, w_down, group_sizes, row_scale, sort_indices, positions, top_k, activation, gather, combine)
     return _fp8_glu_mlp_fwd(*args, with_backward=False)[0]
 
 
@@ -387,6 +394,7 @@ def _fp8_glu_mlp_fwd(
     top_k,
     activation,
     gather,
+    combine,
     *,
     with_backward: bool,
 ):
@@ -413,32 +421,43 @@ def _fp8_glu_mlp_fwd(
     outs = run_fp8_forward_kernel(quantized, *gate_up_args, **options)
     hidden, gate_up = outs if with_backward else (outs, None)
     y = run_fp8_forward_kernel(_quantize_rows(hidden), w_down_nk, group_sizes, row_scale, None, x.dtype, keep=False)
+    if combine is not None:
+        y = permute_api.combine(y, sort_indices, top_k, positions=positions, backend=combine)
     weights = (w_gate_up, w_gate_up_kn, w_down, w_down_kn)
     return y, (x, weights, group_sizes, row_scale, sort_indices, positions, gate_up)
 
 
-def _fp8_glu_mlp_bwd(top_k, activation, gather, residuals, d_y):
+def _fp8_glu_mlp_bwd(top_k, activation, gather, combine, residuals, d_y):
     """The recipe's backward (reference.py) on the kernels: the glu_dgrad kernel on FP8 operands, then the gate_up
     GEMM's FP8 dgrad and both FP8 wgrads; no gradient for BlockScaled weights. The gate_up wgrad's quantizer gathers
     the tokens' rows itself (no permuted copy of x is written), and x's gradient sums each token's rows
-    (``combine``)."""
+    (``combine``). With ``combine``, d_y is the tokens' [T, D] and row r's is d_y[sort_indices[r] // top_k]
+    (``_pallas_fp8_glu_mlp``)."""
     del gather  # a forward option
     x, weights, group_sizes, row_scale, sort_indices, positions, gate_up = residuals
     w_gate_up, w_gate_up_kn, w_down, w_down_kn = weights
     recipe = reference_fp8.RECIPES[FP8_KERNEL_QUANTIZATION]
     d_y = d_y.astype(x.dtype)
+    row_tokens = _row_tokens(sort_indices, top_k)
+    d_y_tokens = row_tokens if combine is not None else None
     d_gate_up, hidden_scaled, d_row_scale = run_glu_dgrad(
-        _quantize_rows(d_y), w_down_kn, group_sizes, gate_up, row_scale, activation, out_dtype=x.dtype
+        _quantize_rows(d_y),
+        w_down_kn,
+        group_sizes,
+        gate_up,
+        row_scale,
+        activation,
+        out_dtype=x.dtype,
+        row_tokens=d_y_tokens,
     )
     d_rows = grouped_matmul_api.fp8_dgrad(d_gate_up, w_gate_up_kn, group_sizes, recipe, False, x.dtype)
     wgrad = functools.partial(grouped_matmul_api.fp8_wgrad, quantization=FP8_KERNEL_QUANTIZATION, transpose_rhs=False)
     d_w_gate_up = d_w_down = None
     if not isinstance(w_gate_up, BlockScaled):
-        row_tokens = _row_tokens(sort_indices, top_k)
         d_master = wgrad(x, group_sizes, d_gate_up, out_dtype=w_gate_up.dtype, row_tokens=row_tokens)
         d_w_gate_up = grouped_matmul_api.weight_gradient(w_gate_up, d_master)
     if not isinstance(w_down, BlockScaled):
-        d_master = wgrad(hidden_scaled, group_sizes, d_y, out_dtype=w_down.dtype)
+        d_master = wgrad(hidden_scaled, group_sizes, d_y, out_dtype=w_down.dtype, d_pre_row_tokens=d_y_tokens)
         d_w_down = grouped_matmul_api.weight_gradient(w_down, d_master)
     d_x = d_rows
     if sort_indices is not None:
@@ -475,9 +494,10 @@ def routed_glu_mlp(
     positions: jax.Array | None = None,
     backend: str = "auto",
     quantization: str | None = None,
+    combine: str | None = None,
 ) -> jax.Array:
     """``glu_mlp(permute(x, sort_indices, top_k), ...)``, on the kernel path with the permute fused into the
-    gate_up kernel's loads where that pays.
+    gate_up kernel's loads where that pays; with ``combine``, also each token's rows summed (``permute.combine``).
 
     Fused ("pallas_gather"), the expert-sorted rows [T * k, D] are never written: the gate_up kernel gathers row r
     from ``x[sort_indices[r] // top_k]`` (grouped_matmul/sm90_gather.py), and the backward recomputes the sorted rows
@@ -493,9 +513,13 @@ def routed_glu_mlp(
       backend: "auto", "xla", "pallas", or one implementation by name: "pallas_gather", "pallas_sorted".
       quantization: ``glu_mlp``'s. Each token is quantized once; "pallas_gather" gathers its FP8 rows in the gate_up
         kernel (D a multiple of 128), "pallas_sorted" permutes them and their scales first.
+      combine: None, or the backend of ``permute.combine`` ("auto", "xla", "pallas") that sums each token's k rows
+        (rows past the sum read as zeros unless ``zero_tail`` wrote them). On the FP8 kernels with "pallas_gather"
+        the sum is inside their custom VJP, so the backward takes the tokens' gradient and gathers its rows in the
+        kernels: each token's dy is quantized once and no [T * k, D] copy of it is written.
 
     Returns:
-      [T * k, D] in x.dtype, in expert-sorted order (what ``combine`` takes).
+      [T * k, D] in x.dtype, in expert-sorted order (what ``combine`` takes); with ``combine`` [T, D].
     """
     num_tokens, d_model = checks.check_rank("x", x, 2, "[T, D]")
     checks.check_positive_int("top_k", top_k)
@@ -515,14 +539,20 @@ def routed_glu_mlp(
     mlp_implementation = "xla" if implementation == "xla" else "pallas"
     if quantization is not None:
         args = (activation, row_scale, quantization, mlp_implementation, (sort_indices, top_k, positions))
-        return _quantized_glu_mlp(x, w_gate_up, w_down, group_sizes, *args, gather=gather)
-    if gather:
-        return _run_pallas(
-            x, sort_indices, top_k, w_gate_up, w_down, group_sizes, row_scale, activation, False, zero_tail
-        )
-    rows_backend = _rows_backend(x) if implementation == "pallas_sorted" else "xla"
-    rows = permute_api.permute(x, sort_indices, top_k, positions=positions, backend=rows_backend)
-    return _glu_mlp(rows, w_gate_up, w_down, group_sizes, activation, row_scale, zero_tail, mlp_implementation)
+        fused_combine = combine if gather else None  # the FP8 kernels' custom VJP sums the rows itself
+        y = _quantized_glu_mlp(x, w_gate_up, w_down, group_sizes, *args, gather=gather, combine=fused_combine)
+        if fused_combine is not None:
+            return y
+    elif gather:
+        y = _run_pallas(x, sort_indices, top_k, w_gate_up, w_down, group_sizes, row_scale, activation, False, zero_tail)
+    else:
+        rows_backend = _rows_backend(x) if implementation == "pallas_sorted" else "xla"
+        rows = permute_api.permute(x, sort_indices, top_k, positions=positions, backend=rows_backend)
+        y = _glu_mlp(rows, w_gate_up, w_down, group_sizes, activation, row_scale, zero_tail, mlp_implementation)
+    if combine is None:
+        return y
+    num_rows = None if zero_tail else rows_in_groups(group_sizes, y.shape[0])
+    return permute_api.combine(y, sort_indices, top_k, num_rows=num_rows, positions=positions, backend=combine)
 
 
 def _rows_backend(x) -> str:

@@ -528,22 +528,30 @@ def fp8_dgrad(d_pre, w_kn: BlockScaled, group_sizes, recipe, transpose_rhs: bool
 
 
 def fp8_wgrad(
-    lhs, group_sizes, d_pre, quantization: str, transpose_rhs: bool, out_dtype, *, row_tokens=None
+    lhs,
+    group_sizes,
+    d_pre,
+    quantization: str,
+    transpose_rhs: bool,
+    out_dtype,
+    *,
+    row_tokens=None,
+    d_pre_row_tokens=None,
 ) -> jax.Array:
     """d rhs [G, K, N] (or [G, N, K]) = x_g^T . dy_g, lhs and d_pre [M, N] quantized in row blocks per group: the FP8
-    wgrad kernel where it runs (``fp8_wgrad_unsupported``), else in XLA. With ``row_tokens`` [M] int32 (and
-    [G, K, N] weights) lhs is [T, K] tokens and row r is ``lhs[row_tokens[r]]``: the kernel path gathers the rows in
-    lhs's quantizer."""
+    wgrad kernel where it runs (``fp8_wgrad_unsupported``), else in XLA. With ``row_tokens`` [M] int32 lhs is
+    [T, K] tokens and row r is ``lhs[row_tokens[r]]``; with ``d_pre_row_tokens`` likewise d_pre [T, N]: the kernel
+    path gathers the rows in the operand's quantizer."""
     recipe = RECIPES[quantization]
-    if row_tokens is not None and transpose_rhs:
-        raise ValueError("fp8_wgrad gathers lhs rows (row_tokens) for [G, K, N] weights only")
     if fp8_wgrad_unsupported(quantization, lhs.shape[1], d_pre.shape[1], out_dtype) is not None:
         rows = lhs if row_tokens is None else reference_fp8.high_precision(lhs)[row_tokens]
-        return reference_fp8.quantized_wgrad(rows, group_sizes, d_pre, recipe, transpose_rhs, out_dtype)
+        d_rows = d_pre if d_pre_row_tokens is None else d_pre[d_pre_row_tokens]
+        return reference_fp8.quantized_wgrad(rows, group_sizes, d_rows, recipe, transpose_rhs, out_dtype)
     x = reference_fp8.high_precision(lhs)
+    run = functools.partial(run_fp8_wgrad_kernel, group_sizes=group_sizes, out_dtype=out_dtype)
     if transpose_rhs:  # [G, N, K] weights get their gradient in the same layout: dy_g^T . x_g.
-        return run_fp8_wgrad_kernel(d_pre, x, group_sizes, out_dtype=out_dtype)
-    return run_fp8_wgrad_kernel(x, d_pre, group_sizes, out_dtype=out_dtype, x_row_tokens=row_tokens)
+        return run(d_pre, x, x_row_tokens=d_pre_row_tokens, y_row_tokens=row_tokens)
+    return run(x, d_pre, x_row_tokens=row_tokens, y_row_tokens=d_pre_row_tokens)
 
 
 _pallas_fp8_matmul.defvjp(functools.partial(_pallas_fp8_fwd, keep=True), _pallas_fp8_bwd)

@@ -459,22 +459,25 @@ def fp8_wgrad_config(*, m: int, p: int, q: int, g: int, out_itemsize: int) -> Co
     return config
 
 
-def run_fp8_wgrad_kernel(x, y, group_sizes, *, out_dtype, config=None, x_row_tokens=None) -> jax.Array:
+def run_fp8_wgrad_kernel(
+    x, y, group_sizes, *, out_dtype, config=None, x_row_tokens=None, y_row_tokens=None
+) -> jax.Array:
     """The FP8 wgrad: out[g] = x_g^T . y_g -> [G, P, Q] with x [M, P] and y [M, Q] (high precision) quantized as the
     fp8_block recipe's wgrad does, in 128-row blocks from each group's first row.
 
     token_blocks.py lays both out for the kernel (transposed, group-padded; in XLA); group_sizes [G] int32 stay on
     the device. ``config=None`` takes ``fp8_wgrad_config``'s. The op's d rhs [G, K, N] is (lhs, d out); [G, N, K] is
     (d out, lhs). With ``x_row_tokens`` [M] int32, x is [T, P] tokens and its row r is ``x[x_row_tokens[r]]``,
-    gathered by x's quantizer.
+    gathered by x's quantizer; ``y_row_tokens`` likewise for y.
     """
     recipe = RECIPES[FP8_KERNEL_QUANTIZATION]
-    (m, q), p = y.shape, x.shape[1]
+    m = y.shape[0] if y_row_tokens is None else y_row_tokens.shape[0]
+    p, q = x.shape[1], y.shape[1]
     if config is None:
         itemsize = jnp.dtype(out_dtype).itemsize
         config = fp8_wgrad_config(m=m, p=p, q=q, g=group_sizes.shape[0], out_itemsize=itemsize)
     x_blocks = token_blocks.quantize_token_blocks(x, group_sizes, recipe, row_tokens=x_row_tokens)
-    y_blocks = token_blocks.quantize_token_blocks(y, group_sizes, recipe)
+    y_blocks = token_blocks.quantize_token_blocks(y, group_sizes, recipe, row_tokens=y_row_tokens)
     return sm90_fp8_wgrad.grouped_matmul_wgrad_fp8(
         x_blocks.values_t,
         x_blocks.scales,
@@ -494,13 +497,26 @@ def rows_in_groups(group_sizes, num_rows: int) -> jax.Array:
 
 
 def run_glu_dgrad(
-    d_y, w_down, group_sizes, gate_up, row_scale, activation: str, *, config=None, zero_tail=True, out_dtype=None
+    d_y,
+    w_down,
+    group_sizes,
+    gate_up,
+    row_scale,
+    activation: str,
+    *,
+    config=None,
+    zero_tail=True,
+    out_dtype=None,
+    row_tokens=None,
 ):
     """The down projection's dgrad with the GLU backward in its epilogue (the "glu_dgrad" kernel).
 
     Args:
       d_y: [M, D] bf16 / f16, or a BlockScaled of it in (1, 128) blocks (the FP8 kernel: then w_down is a
-        BlockScaled [G, F, D] in (1, 128, 128) blocks, its stored layout, which is K-major for this GEMM).
+        BlockScaled [G, F, D] in (1, 128, 128) blocks, its stored layout, which is K-major for this GEMM). With
+        ``row_tokens`` [M] int32 (a BlockScaled d_y only, D a multiple of 128), d_y is [T, D] tokens and row r of
+        the product is d_y[row_tokens[r]]: the kernel gathers the FP8 rows (sm90_gather.py), as the gate_up forward
+        does, and their scales are gathered in XLA.
       w_down: [G, F, D], read transposed (the kernel's output columns are F); group_sizes: [G] int32;
       gate_up: [M, 2F] packed pre-activation, in the outputs' dtype (d_y's, for a high-precision d_y); with an FP8
         d_y also a BlockScaled of it in (1, 128) blocks (float8_e4m3fn values, f32 scales), which the epilogue
@@ -515,7 +531,9 @@ def run_glu_dgrad(
       computed from ``gate_up`` on every row (zero in ``glu_mlp``, whose forward writes zero pre-activations there).
       With ``zero_tail=False`` the first two are left unwritten there and d_row_scale is still 0.
     """
-    num_rows = d_y.shape[0]
+    if row_tokens is not None and not isinstance(d_y, BlockScaled):
+        raise ValueError("run_glu_dgrad: row_tokens gathers the rows of a BlockScaled d_y (the FP8 kernel)")
+    num_rows = d_y.shape[0] if row_tokens is None else row_tokens.shape[0]
     scaled_gate_up = isinstance(gate_up, BlockScaled)
     fp8_scales = {}
     if scaled_gate_up:
@@ -543,7 +561,7 @@ def run_glu_dgrad(
                 row_scale=row_scale is not None,
                 glu_backward=True,
             )
-        d_y, w_down, x_scales, w_scales = _fp8_kernel_operands(d_y, w_down)
+        d_y, w_down, x_scales, w_scales = _fp8_kernel_operands(d_y, w_down, row_tokens)
         fp8_scales.update(x_scales=x_scales, w_scales=w_scales)
     elif config is None:
         # gpt_oss's clamps narrow the table's tiles (config.CLAMPED_GLU_MAX_BLOCK_N).
@@ -575,6 +593,7 @@ def run_glu_dgrad(
         row_scale=row_scale,
         gate_up=gate_up,
         zero_tail=zero_tail,
+        row_tokens=row_tokens,
         **fp8_scales,
     )
     if zero_tail or d_row_scale is None:

@@ -8,7 +8,6 @@ import jax.numpy as jnp
 from moe_jax._core import checks
 from moe_jax.ops.glu_mlp import api as glu_mlp_api
 from moe_jax.ops.grouped_matmul.glu import ACTIVATIONS
-from moe_jax.ops.grouped_matmul.launch import rows_in_groups
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp, stored_array
 from moe_jax.ops.grouped_matmul.reference_fp8 import QUANTIZATIONS
 from moe_jax.ops.permute import api as permute_api
@@ -244,10 +243,11 @@ def routed_experts(
     tail is empty): the kernels keep the plain schedule, which measured faster there than the skipping one.
     """
     with jax.named_scope("experts"):
-        # The routing weights scale the down projection's rows (its epilogue), so the combine is a plain sum.
+        # The routing weights scale the down projection's rows (its epilogue), so the combine is a plain sum, which
+        # routed_glu_mlp runs (on the FP8 kernels inside their VJP: the backward then gathers dy's rows itself).
         # Gathered by sort_indices, which is apply_capacity's when it ran (so not Routing.sorted_weights).
         row_weights = routing.weights.reshape(-1)[sort_indices]
-        out_rows = glu_mlp_api.routed_glu_mlp(
+        return glu_mlp_api.routed_glu_mlp(
             x,
             sort_indices,
             routing.top_k,
@@ -260,9 +260,5 @@ def routed_experts(
             positions=positions,
             backend=backends.experts,
             quantization=backends.quantization,
-        )
-    with jax.named_scope("combine"):
-        num_rows = None if zero_tail else rows_in_groups(group_sizes, sort_indices.shape[0])
-        return permute_api.combine(
-            out_rows, sort_indices, routing.top_k, num_rows=num_rows, positions=positions, backend=backends.combine
+            combine=backends.combine,
         )
