@@ -40,7 +40,9 @@ rows. Its implementations, in order: "pallas_gather" (the gate_up kernel gathers
 [T * k, D] permuted copy is never written and the backward keeps the tokens; preferred up to ``GATHER_MAX_D_FF``),
 "pallas_sorted" (permute first, then the sorted-rows kernels) and "xla". With ``quantization`` both kernel paths
 quantize each token once; "pallas_gather" then gathers the FP8 rows (D a multiple of 128: a step of a row is one
-128-byte copy), "pallas_sorted" permutes them.
+128-byte copy), "pallas_sorted" permutes them. With ``combine`` it also sums each token's rows; on the FP8
+"pallas_gather" path inside the kernels' VJP, whose backward then takes dy per token: quantized once per token, its
+rows gathered by the GLU-backward kernel and by the down wgrad's quantizer (no [T * k, D] copy of dy).
 """
 
 import dataclasses
@@ -514,9 +516,9 @@ def routed_glu_mlp(
       quantization: ``glu_mlp``'s. Each token is quantized once; "pallas_gather" gathers its FP8 rows in the gate_up
         kernel (D a multiple of 128), "pallas_sorted" permutes them and their scales first.
       combine: None, or the backend of ``permute.combine`` ("auto", "xla", "pallas") that sums each token's k rows
-        (rows past the sum read as zeros unless ``zero_tail`` wrote them). On the FP8 kernels with "pallas_gather"
-        the sum is inside their custom VJP, so the backward takes the tokens' gradient and gathers its rows in the
-        kernels: each token's dy is quantized once and no [T * k, D] copy of it is written.
+        (rows past the sum add nothing: zeros with ``zero_tail``, else not read). On the FP8 kernels with
+        "pallas_gather" the sum is inside their custom VJP, so the backward takes the tokens' gradient and gathers
+        its rows in the kernels: each token's dy is quantized once and no [T * k, D] copy of it is written.
 
     Returns:
       [T * k, D] in x.dtype, in expert-sorted order (what ``combine`` takes); with ``combine`` [T, D].
