@@ -176,14 +176,16 @@ def test_quantized_master_weights_are_read_as_they_are_and_give_their_masters_gr
         np.testing.assert_array_equal(actual, wanted)
 
 
-def test_fp8_routed_glu_mlp_matches_the_xla_recipe():
+# The gathered MLP with its rows summed after it pairs two paths that the default case covers one by one: `slow`.
+@pytest.mark.parametrize("gathered_combine", ["inside", pytest.param("after", marks=pytest.mark.slow)])
+def test_fp8_routed_glu_mlp_matches_the_xla_recipe(gathered_combine):
     """Tokens quantized once each, their FP8 rows gathered by the gate_up kernel ("pallas_gather") or permuted with
     their scales into expert order first ("pallas_sorted"; T = 67, k = 3, one empty expert, ``Routing.positions``
     moves the rows), against the XLA path, which permutes x first and quantizes the rows: the same values. Each
     token's rows are summed (``combine``): on the gathered path inside the kernels' VJP, whose backward quantizes
-    each token's dy once and gathers its rows in the GLU-backward kernel and the down wgrad's quantizer; on the
-    others by ``permute.combine`` after the MLP, which hands the MLP the rows' dy. The kernel paths quantize the same
-    values the same way, so they agree bit for bit, also with the gathered MLP's rows summed after it."""
+    each token's dy once and gathers its rows in the GLU-backward kernel and the down wgrad's quantizer (or, with
+    ``gathered_combine`` "after", by ``permute.combine`` after the MLP); on the others after the MLP, which then gets
+    the rows' dy. The kernel paths quantize the same values the same way, so they agree bit for bit."""
     rng = np.random.default_rng(5)
     num_tokens, top_k, d, d_ff = 67, 3, 256, 128
     inputs = glu_mlp_inputs(rng, num_tokens * top_k, d, d_ff, 4)
@@ -207,17 +209,15 @@ def test_fp8_routed_glu_mlp_matches_the_xla_recipe():
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, *weights, row_scale)
 
     with simulated_sms(2), checked_interpreter():
-        gathered = run("pallas_gather")
-        gathered_rows = run("pallas_gather", combine_after=True)
+        gathered = run("pallas_gather", combine_after=gathered_combine == "after")
         kernel_grads, kernel_y = run("pallas_sorted")
     xla_grads, xla_y = run("xla")
     assert int(routing.group_sizes[3]) == 0 and kernel_y.shape == (num_tokens, d)
     assert oracle.relative_error(kernel_y, xla_y) < MLP_TOL
     for name, actual, expected in zip(("x", "w_gate_up", "w_down", "row_scale"), kernel_grads, xla_grads, strict=True):
         assert oracle.relative_error(actual, expected) < MLP_GRAD_TOL, name
-    for other in (gathered, gathered_rows):
-        for actual, expected in zip(jax.tree.leaves(other), jax.tree.leaves((kernel_grads, kernel_y)), strict=True):
-            np.testing.assert_array_equal(actual, expected)
+    for actual, expected in zip(jax.tree.leaves(gathered), jax.tree.leaves((kernel_grads, kernel_y)), strict=True):
+        np.testing.assert_array_equal(actual, expected)
 
 
 def test_kernels_refuse_f32_x_and_auto_takes_the_xla_recipe(monkeypatch):
