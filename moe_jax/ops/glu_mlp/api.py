@@ -66,6 +66,7 @@ from moe_jax.ops.grouped_matmul.launch import (
     ArgNames,
     gemm_grads,
     kernel_unsupported,
+    quantize_kernel_rows,
     rows_in_groups,
     run_forward_kernel,
     run_fp8_forward_kernel,
@@ -74,7 +75,6 @@ from moe_jax.ops.grouped_matmul.launch import (
 )
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp, join_gate_up, pack_gate_up, split_gate_up
 from moe_jax.ops.permute import api as permute_api
-from moe_jax.ops.quant import api as quant
 from moe_jax.ops.quant.reference import BlockScaled
 
 # The two GEMMs' operands and dimensions as glu_mlp's caller knows them; the down projection's lhs is the hidden
@@ -379,12 +379,6 @@ def _pallas_fp8_glu_mlp(
     return _fp8_glu_mlp_fwd(*args, with_backward=False)[0]
 
 
-def _quantize_rows(rows: jax.Array) -> BlockScaled:
-    """rows [M, C] in fp8_block's 1 x 128 blocks along C (what the FP8 kernels' lhs takes)."""
-    recipe = reference_fp8.RECIPES[FP8_KERNEL_QUANTIZATION]
-    return quant.quantize_blockwise(rows, recipe.lhs_block, pow2_scales=recipe.pow2_scales)
-
-
 def _fp8_glu_mlp_fwd(
     x,
     w_gate_up,
@@ -412,7 +406,7 @@ def _fp8_glu_mlp_fwd(
     layouts = functools.partial(grouped_matmul_api.kernel_weights, recipe=recipe, with_dgrad=with_backward)
     w_gate_up_nk, w_gate_up_kn = layouts(w_gate_up, transpose_rhs=False)
     w_down_nk, w_down_kn = layouts(w_down, transpose_rhs=False)
-    quantized, row_tokens = _quantize_rows(x), _row_tokens(sort_indices, top_k)
+    quantized, row_tokens = quantize_kernel_rows(x), _row_tokens(sort_indices, top_k)
     if row_tokens is not None and not gather:
         backend = _rows_backend(permute_api.kernel_rows(quantized.values))
         values = permute_api.permute(quantized.values, sort_indices, top_k, positions=positions, backend=backend)
@@ -422,7 +416,9 @@ def _fp8_glu_mlp_fwd(
     options = dict(keep=with_backward, keep_blocks=True, row_tokens=row_tokens if gather else None)
     outs = run_fp8_forward_kernel(quantized, *gate_up_args, **options)
     hidden, gate_up = outs if with_backward else (outs, None)
-    y = run_fp8_forward_kernel(_quantize_rows(hidden), w_down_nk, group_sizes, row_scale, None, x.dtype, keep=False)
+    y = run_fp8_forward_kernel(
+        quantize_kernel_rows(hidden), w_down_nk, group_sizes, row_scale, None, x.dtype, keep=False
+    )
     if combine is not None:
         y = permute_api.combine(y, sort_indices, top_k, positions=positions, backend=combine)
     weights = (w_gate_up, w_gate_up_kn, w_down, w_down_kn)
@@ -443,7 +439,7 @@ def _fp8_glu_mlp_bwd(top_k, activation, gather, combine, residuals, d_y):
     row_tokens = _row_tokens(sort_indices, top_k)
     d_y_tokens = row_tokens if combine is not None else None
     d_gate_up, hidden_scaled, d_row_scale = run_glu_dgrad(
-        _quantize_rows(d_y),
+        quantize_kernel_rows(d_y),
         w_down_kn,
         group_sizes,
         gate_up,

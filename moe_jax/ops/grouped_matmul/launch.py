@@ -409,9 +409,14 @@ def run_fp8_forward_kernel(
     )
     if keep_blocks and not fused:
         out, kept = outs
-        recipe = RECIPES[FP8_KERNEL_QUANTIZATION]
-        return out, quant.quantize_blockwise(kept, recipe.lhs_block, pow2_scales=recipe.pow2_scales)
+        return out, quantize_kernel_rows(kept)
     return outs
+
+
+def quantize_kernel_rows(rows: jax.Array) -> BlockScaled:
+    """rows [M, C] in fp8_block's 1 x 128 blocks along C: what the FP8 kernels take as their lhs."""
+    recipe = RECIPES[FP8_KERNEL_QUANTIZATION]
+    return quant.quantize_blockwise(rows, recipe.lhs_block, pow2_scales=recipe.pow2_scales)
 
 
 def _fp8_kernel_operands(x: BlockScaled, w: BlockScaled, row_tokens=None) -> tuple:

@@ -771,7 +771,7 @@ def _kept_block(chunks, rounded) -> tuple[Callable, jax.Array]:
     from ``chunks``, the tile's (gate, up) [R, epilogue_n] f32 accumulator chunks, and ``rounded(gate, up)``, the
     kept values before quantization. The block leaves as one chunk of 128 one-byte columns: its rows are 128 bytes,
     as the bf16 chunks' are, so a partial store's one-row TMA boxes start on 128-byte boundaries (64-column FP8
-    chunks put them off those, and the sm90 GPU faulted on a misaligned address). Each value is rounded where it is
+    chunks would start them on 64-byte ones, a misaligned-address fault on the GPU). Each value is rounded where it is
     used (for the amax, then in the store's branch), so no rounded copy of the tile stays in registers."""
 
     def block():
