@@ -38,6 +38,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         help="one scanned block with stacked [L, ...] parameters, compiled once (default: the config's; on for gpu*)",
     )
+    parser.add_argument(
+        "--unroll-layers",
+        action=argparse.BooleanOptionalAction,
+        help="unroll the scanned block's loop: no zero-filled [L, ...] buffers, seconds more compile (default: the "
+        "config's; on for gpu-moe)",
+    )
     parser.add_argument("--remat", choices=REMATS, help="what the backward recomputes (default: the config's)")
     parser.add_argument("--attention", choices=ATTENTIONS, help="attention implementation (default: the config's)")
     parser.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (default: the config's)")
@@ -99,12 +105,17 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def with_overrides(config, args: argparse.Namespace):
-    """``config`` with the command line's --steps, --grad-accum, --scan-layers, --remat, --attention, --quantization,
-    --expert-parallel and --dispatch applied."""
+    """``config`` with the command line's --steps, --grad-accum, --scan-layers, --unroll-layers, --remat,
+    --attention, --quantization, --expert-parallel and --dispatch applied; --no-scan-layers alone also turns
+    ``ModelConfig.unroll_layers`` off (it applies to the scan only)."""
+    unroll_layers = args.unroll_layers
+    if args.scan_layers is False and unroll_layers is None:
+        unroll_layers = False
     model_overrides = {
         name: value
         for name, value in (
             ("scan_layers", args.scan_layers),
+            ("unroll_layers", unroll_layers),
             ("remat", args.remat),
             ("attention", args.attention),
             ("quantization", args.quantization),

@@ -7,7 +7,8 @@ parameter carries sharding names: the stacked expert weights are sharded over th
 
 With ``ModelConfig.scan_layers`` the L identical blocks are one ``Block`` whose parameters carry a leading layer
 axis [L, ...] (made by ``nnx.vmap``), applied by ``jax.lax.scan``: the step traces, lowers and compiles one block
-(its Mosaic GPU kernels included) instead of L copies. Without it, ``blocks`` is a list of L blocks.
+(its Mosaic GPU kernels included) instead of L copies; ``ModelConfig.unroll_layers`` unrolls that scan (lowered
+once still, compiled L times, and no loop's stacked buffers). Without it, ``blocks`` is a list of L blocks.
 Shapes: B batch, S sequence, D model, H heads, Dh head size, V vocabulary, L layers, E experts.
 """
 
@@ -205,7 +206,7 @@ class Transformer(nnx.Module):
             def layer(x, layer_state):
                 return call(nnx.merge(graphdef, layer_state), x)
 
-            x, aux = jax.lax.scan(layer, x, layers)
+            x, aux = jax.lax.scan(layer, x, layers, unroll=self.config.unroll_layers)
         else:
             auxes = []
             for block in self.blocks:

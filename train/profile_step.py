@@ -159,6 +159,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="write the {meta, results} JSON record here")
     parser.add_argument("--hlo-out", help="write the compiled step's HLO text here, gzipped")
     # What train.main.with_overrides reads and this tool leaves at the config's.
+    parser.add_argument(
+        "--unroll-layers",
+        action=argparse.BooleanOptionalAction,
+        help="unroll the scanned layers (default: the config's)",
+    )
     parser.set_defaults(steps=None, scan_layers=None, expert_parallel=None, dispatch=None)
     args = parser.parse_args(argv)
 

@@ -128,10 +128,22 @@ def test_configs_validate_their_fields():
         dataclasses.replace(configs.TINY.model, quantization="fp4")
     with pytest.raises(ValueError, match="grad_accum_steps"):
         dataclasses.replace(configs.TINY, grad_accum_steps=3)
+    with pytest.raises(ValueError, match="unroll_layers needs scan_layers"):
+        dataclasses.replace(configs.TINY.model, scan_layers=False, unroll_layers=True)
     with pytest.raises(ValueError, match="config"):
         configs.get_config("huge")
     with pytest.raises(SystemExit):
         main.parse_args(["--backend", "cuda"])
+
+
+@pytest.mark.parametrize(
+    "flags, scan_layers, unroll_layers",
+    [([], True, True), (["--no-unroll-layers"], True, False), (["--no-scan-layers"], False, False)],
+)
+def test_layer_flags_override_the_config(flags, scan_layers, unroll_layers):
+    """gpu-moe scans and unrolls its layers; --no-scan-layers alone lists them (and so unrolls no scan)."""
+    model = main.with_overrides(configs.get_config("gpu-moe"), main.parse_args(["--config", "gpu-moe", *flags])).model
+    assert (model.scan_layers, model.unroll_layers) == (scan_layers, unroll_layers)
 
 
 def test_parameter_count_is_the_models():
@@ -297,6 +309,7 @@ def _steps(model: Transformer, config: configs.TrainConfig, num_steps: int) -> l
     "variant",
     [
         dict(scan_layers=True),
+        dict(scan_layers=True, unroll_layers=True, grad_accum_steps=2),
         dict(scan_layers=True, remat="full"),
         dict(scan_layers=True, remat="moe"),
         # remat "moe" alone: the scanned case above runs the same policy.
@@ -327,6 +340,22 @@ def test_scan_remat_and_accumulation_train_like_the_plain_step(variant):
             np.testing.assert_allclose(got[name], want[name], rtol=2e-5, err_msg=name)
         # The bias step moves the routing of the next steps; equal counts show that every layer's bias moved alike.
         np.testing.assert_array_equal(got["expert_counts"], want["expert_counts"])
+
+
+def test_unrolled_layers_lower_the_step_without_a_loop():
+    """A rolled layer scan is a while loop (whose per-layer outputs XLA writes into zero-filled [L, ...] buffers, and
+    two: forward and backward); unrolled, the step of one micro-batch has no loop at all."""
+    loops = {}
+    for unroll_layers in (False, True):
+        model_config = dataclasses.replace(SMALL.model, scan_layers=True, unroll_layers=unroll_layers)
+        config = dataclasses.replace(SMALL, model=model_config)
+        model = Transformer(model_config, backend="xla", rngs=nnx.Rngs(0))
+        graphdef, state = nnx.split((model, nnx.Optimizer(model, make_optimizer(config), wrt=nnx.Param)))
+        batch = jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32)
+        loops[unroll_layers] = (
+            make_train_step(config, graphdef).lower(state, batch, batch).as_text().count("stablehlo.while")
+        )
+    assert loops == {False: 2, True: 0}
 
 
 @pytest.mark.parametrize("scan_layers, quantization", [(False, None), (True, "fp8_block")])
