@@ -41,6 +41,10 @@ from train.metrics import mfu, peak_flops, training_flops_per_token
 from train.train import batch_sharding, create_model, load_data, make_mesh, make_train_step, to_device
 
 SCOPES = ("attention", "moe", "optimizer")
+# XLA runs runs of a step's kernels as command buffers (CUDA graphs) by default, and a kernel launched from one has
+# the buffer's op, not its own, in the trace: the profiled step is compiled to launch every kernel by itself (the
+# same kernels; the step's time moves within about 1 %).
+PROFILE_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
 TOP_KERNELS = 15
 # An HLO instruction's name and the JAX name stack it was traced under, from the compiled module's text.
 _HLO_OP_NAME = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?metadata=\{op_name="([^"]*)"', re.MULTILINE)
@@ -119,7 +123,9 @@ def profile(config, *, backend: str, warmup: int, steps: int, hlo_out: str | Non
         graphdef, state = nnx.split((model, optimizer))
         sharding = batch_sharding(mesh)
         batch = jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32, sharding=sharding)
-        step, times = compile_ahead(make_train_step(config, graphdef), abstract(state), batch, batch)
+        step, times = compile_ahead(
+            make_train_step(config, graphdef), abstract(state), batch, batch, options=PROFILE_COMPILER_OPTIONS
+        )
         hlo_text = step.as_text()
         names = op_names(hlo_text)
         if hlo_out:
@@ -164,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
         action=argparse.BooleanOptionalAction,
         help="unroll the scanned layers (default: the config's)",
     )
-    parser.set_defaults(steps=None, scan_layers=None, expert_parallel=None, dispatch=None)
+    parser.set_defaults(steps=None, scan_layers=None, expert_parallel=None, dispatch=None, quick_compile=False)
     args = parser.parse_args(argv)
 
     config = with_overrides(get_config(args.config), args)

@@ -138,10 +138,17 @@ def test_configs_validate_their_fields():
 
 @pytest.mark.parametrize(
     "flags, scan_layers, unroll_layers",
-    [([], True, True), (["--no-unroll-layers"], True, False), (["--no-scan-layers"], False, False)],
+    [
+        ([], True, True),
+        (["--no-unroll-layers"], True, False),
+        (["--no-scan-layers"], False, False),
+        (["--quick-compile"], True, False),
+        (["--quick-compile", "--unroll-layers"], True, True),
+    ],
 )
 def test_layer_flags_override_the_config(flags, scan_layers, unroll_layers):
-    """gpu-moe scans and unrolls its layers; --no-scan-layers alone lists them (and so unrolls no scan)."""
+    """gpu-moe scans and unrolls its layers; --no-scan-layers alone lists them (and so unrolls no scan);
+    --quick-compile rolls them unless --unroll-layers says otherwise."""
     model = main.with_overrides(configs.get_config("gpu-moe"), main.parse_args(["--config", "gpu-moe", *flags])).model
     assert (model.scan_layers, model.unroll_layers) == (scan_layers, unroll_layers)
 
