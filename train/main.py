@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--quick-compile",
         action="store_true",
         help="compile the steps faster at some cost in speed: XLA's own GEMMs on cuBLAS without Triton's autotuned "
-        "fusions, loops not unrolled, the scanned layers rolled (train/README.md)",
+        "fusions, loops not unrolled (train/README.md)",
     )
     return parser.parse_args(argv)
 
@@ -106,11 +106,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def with_overrides(config, args: argparse.Namespace):
     """``config`` with the command line's --steps, --grad-accum, --scan-layers, --unroll-layers, --remat,
-    --attention, --quantization, --expert-parallel and --dispatch applied. Unless --unroll-layers is given,
-    --no-scan-layers turns ``ModelConfig.unroll_layers`` off (it applies to the scan only), and so does
-    --quick-compile (XLA compiles one copy of the rolled block instead of L)."""
+    --attention, --quantization, --expert-parallel and --dispatch applied; --no-scan-layers alone also turns
+    ``ModelConfig.unroll_layers`` off (it applies to the scan only)."""
     unroll_layers = args.unroll_layers
-    if unroll_layers is None and (args.scan_layers is False or args.quick_compile):
+    if unroll_layers is None and args.scan_layers is False:
         unroll_layers = False
     model_overrides = {
         name: value

@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
         action=argparse.BooleanOptionalAction,
         help="unroll the scanned layers (default: the config's)",
     )
-    parser.set_defaults(steps=None, scan_layers=None, expert_parallel=None, dispatch=None, quick_compile=False)
+    parser.set_defaults(steps=None, scan_layers=None, expert_parallel=None, dispatch=None)
     args = parser.parse_args(argv)
 
     config = with_overrides(get_config(args.config), args)

@@ -142,14 +142,18 @@ def test_configs_validate_their_fields():
         ([], True, True),
         (["--no-unroll-layers"], True, False),
         (["--no-scan-layers"], False, False),
-        (["--quick-compile"], True, False),
-        (["--quick-compile", "--unroll-layers"], True, True),
+        (["--no-scan-layers", "--unroll-layers"], False, True),
     ],
 )
 def test_layer_flags_override_the_config(flags, scan_layers, unroll_layers):
-    """gpu-moe scans and unrolls its layers; --no-scan-layers alone lists them (and so unrolls no scan);
-    --quick-compile rolls them unless --unroll-layers says otherwise."""
-    model = main.with_overrides(configs.get_config("gpu-moe"), main.parse_args(["--config", "gpu-moe", *flags])).model
+    """gpu-moe scans and unrolls its layers; --no-scan-layers alone lists them (and so unrolls no scan); both flags
+    together ask for what ModelConfig refuses."""
+    config, args = configs.get_config("gpu-moe"), main.parse_args(["--config", "gpu-moe", *flags])
+    if unroll_layers and not scan_layers:
+        with pytest.raises(ValueError, match="unroll_layers needs scan_layers"):
+            main.with_overrides(config, args)
+        return
+    model = main.with_overrides(config, args).model
     assert (model.scan_layers, model.unroll_layers) == (scan_layers, unroll_layers)
 
 
