@@ -247,8 +247,8 @@ GPU_MOE = TrainConfig(
         balance_bias=True,
         dtype="bfloat16",
         scan_layers=True,
-        # Unrolled, the step writes no zero-filled [L, ...] buffers and copies no weight slices: on an H200 about a
-        # tenth of its time, for a few seconds more of XLA compile (train/README.md).
+        # Unrolled, the step writes no zero-filled [L, ...] buffers and copies no weight slices: on an H200 about an
+        # eighth of its time, for a few seconds more of XLA compile (train/README.md).
         unroll_layers=True,
     ),
     seq_len=2048,

@@ -41,9 +41,9 @@ from train.metrics import mfu, peak_flops, training_flops_per_token
 from train.train import batch_sharding, create_model, load_data, make_mesh, make_train_step, to_device
 
 SCOPES = ("attention", "moe", "optimizer")
-# XLA runs runs of a step's kernels as command buffers (CUDA graphs) by default, and a kernel launched from one has
-# the buffer's op, not its own, in the trace: the profiled step is compiled to launch every kernel by itself (the
-# same kernels; the step's time moves within about 1 %).
+# By default XLA launches a step's kernels from command buffers (CUDA graphs), and the trace gives a kernel launched
+# from one the buffer's op, not its own: the profiled step is compiled to launch every kernel by itself (the same
+# kernels; the step's time moves within about 1 %).
 PROFILE_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
 TOP_KERNELS = 15
 # An HLO instruction's name and the JAX name stack it was traced under, from the compiled module's text.
@@ -164,12 +164,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps")
     parser.add_argument("--out", help="write the {meta, results} JSON record here")
     parser.add_argument("--hlo-out", help="write the compiled step's HLO text here, gzipped")
-    # What train.main.with_overrides reads and this tool leaves at the config's.
     parser.add_argument(
         "--unroll-layers",
         action=argparse.BooleanOptionalAction,
         help="unroll the scanned layers (default: the config's)",
     )
+    # What train.main.with_overrides reads and this tool leaves at the config's.
     parser.set_defaults(steps=None, scan_layers=None, expert_parallel=None, dispatch=None)
     args = parser.parse_args(argv)
 
