@@ -92,7 +92,10 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [B, S, D] -> [B, S, D]."""
-        q, k, v = jnp.unstack(jnp.einsum("bsd,dthe->tbshe", x, self.qkv[...].astype(x.dtype)), axis=0)
+        # One projection each: q, k and v come out [B, S, H, Dh] as attention takes them. Projected together
+        # ("bsd,dthe->tbshe") they need a transpose forward and a stack and a transpose backward.
+        w_qkv = self.qkv[...].astype(x.dtype)
+        q, k, v = (jnp.einsum("bsd,dhe->bshe", x, w_qkv[:, t]) for t in range(3))
         q, k = rotary(q, self.config.rope_base), rotary(k, self.config.rope_base)
         attended = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
         return jnp.einsum("bshe,hed->bsd", attended, self.out[...].astype(x.dtype))
