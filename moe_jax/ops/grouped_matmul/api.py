@@ -33,6 +33,7 @@ from moe_jax.ops.grouped_matmul.launch import (
     fp8_wgrad_unsupported,
     gemm_grads,
     kernel_unsupported,
+    quantize_kernel_rows,
     run_forward_kernel,
     run_fp8_forward_kernel,
     run_fp8_wgrad_kernel,
@@ -468,9 +469,7 @@ def _pallas_fp8_matmul(lhs, weights, group_sizes, row_scale, activation, out_dty
 
 def _pallas_fp8_fwd(lhs, weights, group_sizes, row_scale, activation, out_dtype, transpose_rhs, quantization, *, keep):
     recipe = RECIPES[quantization]
-    x = lhs
-    if not isinstance(lhs, BlockScaled):
-        x = quant.quantize_blockwise(lhs, recipe.lhs_block, pow2_scales=recipe.pow2_scales)
+    x = lhs if isinstance(lhs, BlockScaled) else quantize_kernel_rows(lhs)
     # With keep this is a VJP's forward: where its backward runs a dgrad (lhs high precision), the weights' pass also
     # writes the dgrad's copy.
     w_nk, w_kn = kernel_weights(weights, recipe, transpose_rhs, with_dgrad=keep and not isinstance(lhs, BlockScaled))
@@ -523,8 +522,7 @@ def fp8_dgrad(d_pre, w_kn: BlockScaled, group_sizes, recipe, transpose_rhs: bool
     if not fp8_dgrad_runs(w_kn.shape[1], out_dtype):
         stored = quant.swap_last_axes(w_kn) if transpose_rhs else w_kn  # the weights' own layout, as XLA's path takes
         return reference_fp8.quantized_dgrad(stored, group_sizes, d_pre, recipe, transpose_rhs, out_dtype)
-    dy = quant.quantize_blockwise(d_pre, recipe.lhs_block, pow2_scales=recipe.pow2_scales)
-    return run_fp8_forward_kernel(dy, w_kn, group_sizes, None, None, out_dtype, keep=False)
+    return run_fp8_forward_kernel(quantize_kernel_rows(d_pre), w_kn, group_sizes, None, None, out_dtype, keep=False)
 
 
 def fp8_wgrad(
