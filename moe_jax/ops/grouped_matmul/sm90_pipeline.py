@@ -105,8 +105,11 @@ def drain(total_steps, stages: int, consumed) -> None:
 def consume(first_step, num_steps, stages: int, produced, consumed, issue, overlapped=()) -> None:
     """Consumer side of one tile: ``issue(k, slot)`` issues the (async) wgmma of step k on buffer ``slot``.
 
-    ``overlapped``: callables; the i-th runs right after step i is issued (right after the last step when the tile
-    has fewer), so its work (a piece of the previous tile's epilogue) runs while the tensor cores compute.
+    ``overlapped``: callables; the i-th runs right after step i is issued (in iteration i of a step loop that runs
+    at least ``len(overlapped)`` times, skipping the steps past ``num_steps``), so its work (a piece of the previous
+    tile's epilogue) runs while the tensor cores compute. One loop emits the step once: peeling the first steps, one
+    copy each plus the loop's, made the overlapping kernels' code up to 2.3x longer (the bf16 wgrad's) and their
+    tracing, lowering and compile longer with it (docs/kernels/grouped_matmul.md, "Lowering and compile time").
     """
 
     def step(k):
@@ -117,19 +120,19 @@ def consume(first_step, num_steps, stages: int, produced, consumed, issue, overl
         # One wgmma group stays in flight; the one before it is done reading its buffer.
         plgpu.wgmma_wait(1)
 
-        def release_previous():
+        @pl.when(k > 0)
+        def _release_previous():
             plgpu.barrier_arrive(consumed.at[lax.rem(step - 1, stages)])
 
-        if isinstance(k, int):  # a peeled step
-            if k > 0:
-                release_previous()
-        else:
-            pl.when(k > 0)(release_previous)
+    if not overlapped:
+        pl.loop(0, num_steps)(step)
+    else:
 
-    for k, work in enumerate(overlapped):
-        pl.when(k < num_steps)(functools.partial(step, k))
-        work()
-    pl.loop(len(overlapped), num_steps)(step)
+        @pl.loop(0, jnp.maximum(num_steps, len(overlapped)))
+        def _iteration(k):
+            pl.when(k < num_steps)(functools.partial(step, k))
+            for i, work in enumerate(overlapped):
+                pl.when(k == i)(work)
 
     @pl.when(num_steps > 0)
     def _last():
