@@ -75,12 +75,17 @@ class CompileTimes:
 # (the scanned layers, the gradient-accumulation loop) twice to overlap one iteration's asynchronous work with the
 # next's. Off, its GEMMs are cuBLAS calls with the producing fusions apart, and the loops stay rolled.
 QUICK_COMPILE_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_while_loop_double_buffering": False}
+# Beside the Pallas kernels XLA's GEMMs are plain dense matmuls, which cuBLAS runs as fast as the Triton fusions: the
+# Triton GEMMs' autotuning is seconds of the compile for no speed there (train/README.md, "Compile options").
+PALLAS_COMPILE_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
 
-def compiler_options(*, quick: bool) -> dict:
-    """XLA compiler options of a step: XLA's defaults, or with ``quick`` ``QUICK_COMPILE_OPTIONS`` (train/README.md
-    gives what they save and cost on an H200)."""
-    return dict(QUICK_COMPILE_OPTIONS) if quick else {}
+def compiler_options(*, backend: str, quick: bool) -> dict:
+    """XLA compiler options of a step on ``backend``: ``PALLAS_COMPILE_OPTIONS`` unless the MoE layers run on
+    "xla" (XLA's defaults there), and with ``quick`` ``QUICK_COMPILE_OPTIONS`` too (train/README.md gives what each
+    saves and costs on an H200)."""
+    options = {} if backend == "xla" else dict(PALLAS_COMPILE_OPTIONS)
+    return options | QUICK_COMPILE_OPTIONS if quick else options
 
 
 def compile_ahead(

@@ -112,7 +112,7 @@ def layer_compile_times(layer: dict, backend: str, parallel_kernels: bool = True
     from train.compilation import compile_ahead, compiler_options
 
     jitted, args = layer_step(layer, backend)
-    options = compiler_options(quick=quick)
+    options = compiler_options(backend=backend, quick=quick)
     _, times = compile_ahead(jitted, *args, parallel_kernels=parallel_kernels, options=options)
     return {"trace_s": times.trace_s, "lower_s": times.lower_s, "compile_s": times.compile_s, "total_s": times.total_s}
 

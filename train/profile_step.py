@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks.common import profiled_kernels, run_metadata, split_calls
-from train.compilation import abstract, compile_ahead
+from train.compilation import abstract, compile_ahead, compiler_options
 from train.configs import ATTENTIONS, REMATS, get_config
 from train.main import with_overrides
 from train.metrics import mfu, peak_flops, training_flops_per_token
@@ -43,7 +43,7 @@ from train.train import batch_sharding, create_model, load_data, make_mesh, make
 SCOPES = ("attention", "moe", "optimizer")
 # By default XLA launches a step's kernels from command buffers (CUDA graphs), and the trace gives a kernel launched
 # from one the buffer's op, not its own: the profiled step is compiled to launch every kernel by itself (the same
-# kernels; the step's time moves within about 1 %).
+# kernels; the step's time moves within about 1 %), on top of the options ``train`` compiles it with.
 PROFILE_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
 TOP_KERNELS = 15
 # An HLO instruction's name and the JAX name stack it was traced under, from the compiled module's text.
@@ -123,9 +123,8 @@ def profile(config, *, backend: str, warmup: int, steps: int, hlo_out: str | Non
         graphdef, state = nnx.split((model, optimizer))
         sharding = batch_sharding(mesh)
         batch = jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32, sharding=sharding)
-        step, times = compile_ahead(
-            make_train_step(config, graphdef), abstract(state), batch, batch, options=PROFILE_COMPILER_OPTIONS
-        )
+        options = compiler_options(backend=backend, quick=False) | PROFILE_COMPILER_OPTIONS
+        step, times = compile_ahead(make_train_step(config, graphdef), abstract(state), batch, batch, options=options)
         hlo_text = step.as_text()
         names = op_names(hlo_text)
         if hlo_out:

@@ -381,7 +381,7 @@ def train(
             raise ValueError(f"{ckpt_dir} already holds checkpoints: pass --resume, or choose another --ckpt-dir")
         start, data_position = (progress.step, progress.data_position) if progress is not None else (0, 0)
         writer = JsonlWriter(metrics_path, append=resume)
-        options = compiler_options(quick=quick_compile)
+        options = compiler_options(backend=backend, quick=quick_compile)
         setup = _setup_record(config, backend, mesh, start, options)
         writer.write(setup)
         counts = setup["parameters"]

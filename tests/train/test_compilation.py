@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
-from train.compilation import CACHE_HIT_EVENT, ExecutableStore, compile_or_load, compiler_options, source_digest
+from train.compilation import (
+    CACHE_HIT_EVENT,
+    QUICK_COMPILE_OPTIONS,
+    ExecutableStore,
+    compile_or_load,
+    compiler_options,
+    source_digest,
+)
 
 ARGS = (jax.ShapeDtypeStruct((4, 8), jnp.float32), jax.ShapeDtypeStruct((8,), jnp.float32))
 
@@ -119,13 +126,27 @@ def test_compiler_options_reach_xla_and_key_the_stored_step(tmp_path):
     dumped = {"xla_dump_to": str(tmp_path / "dump")}
     _, times = compile_or_load(jax.jit(affine), *ARGS, store=store, description={}, sources=(), options=dumped)
     assert times.aot == "saved" and list((tmp_path / "dump").iterdir())
-    quick = compiler_options(quick=True)
+    quick = compiler_options(backend="pallas", quick=True)
     _, times = compile_or_load(jax.jit(affine), *ARGS, store=store, description={}, sources=(), options=quick)
     assert times.aot == "saved"
     _, times = compile_or_load(jax.jit(affine), *ARGS, store=store, description={}, sources=(), options=dumped)
     assert times.aot == "loaded"
     assert len(list((tmp_path / "store").glob("*.executable"))) == 2
-    assert compiler_options(quick=False) == {}
+
+
+@pytest.mark.parametrize(
+    "backend, quick, expected",
+    [
+        ("xla", False, {}),
+        ("xla", True, QUICK_COMPILE_OPTIONS),
+        ("pallas", False, {"xla_gpu_enable_triton_gemm": False}),
+        ("auto", False, {"xla_gpu_enable_triton_gemm": False}),
+        ("pallas", True, QUICK_COMPILE_OPTIONS),
+    ],
+)
+def test_compiler_options_per_backend(backend, quick, expected):
+    """XLA's defaults on the xla backend; beside the kernels XLA's GEMMs go to cuBLAS; quick adds its options."""
+    assert compiler_options(backend=backend, quick=quick) == expected
 
 
 def test_a_file_that_does_not_load_is_a_miss(tmp_path):
