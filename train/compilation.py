@@ -24,6 +24,7 @@ import warnings
 import jax
 from jax.experimental import serialize_executable
 
+from moe_jax._core.backend import has_sm90_gpu
 from moe_jax.compilation import compiling_kernels_while_lowering
 
 # Distributions whose code shapes a compiled step: these, and any whose name starts with one of the prefixes (JAX,
@@ -81,10 +82,11 @@ PALLAS_COMPILE_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
 
 def compiler_options(*, backend: str, quick: bool) -> dict:
-    """XLA compiler options of a step on ``backend``: ``PALLAS_COMPILE_OPTIONS`` unless the MoE layers run on
-    "xla" (XLA's defaults there), and with ``quick`` ``QUICK_COMPILE_OPTIONS`` too (train/README.md gives what each
-    saves and costs on an H200)."""
-    options = {} if backend == "xla" else dict(PALLAS_COMPILE_OPTIONS)
+    """XLA compiler options of a step on ``backend``: ``PALLAS_COMPILE_OPTIONS`` where the MoE layers run on the
+    Pallas kernels ("pallas", or "auto" on an sm90 GPU), XLA's defaults elsewhere, and with ``quick``
+    ``QUICK_COMPILE_OPTIONS`` too (train/README.md gives what each saves and costs on an H200)."""
+    kernels = backend == "pallas" or (backend == "auto" and has_sm90_gpu())
+    options = dict(PALLAS_COMPILE_OPTIONS) if kernels else {}
     return options | QUICK_COMPILE_OPTIONS if quick else options
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
+from train import compilation
 from train.compilation import (
     CACHE_HIT_EVENT,
     QUICK_COMPILE_OPTIONS,
@@ -140,13 +141,19 @@ def test_compiler_options_reach_xla_and_key_the_stored_step(tmp_path):
         ("xla", False, {}),
         ("xla", True, QUICK_COMPILE_OPTIONS),
         ("pallas", False, {"xla_gpu_enable_triton_gemm": False}),
-        ("auto", False, {"xla_gpu_enable_triton_gemm": False}),
+        ("auto", False, {}),  # this host has no sm90 GPU: "auto" runs the layers on XLA
         ("pallas", True, QUICK_COMPILE_OPTIONS),
     ],
 )
 def test_compiler_options_per_backend(backend, quick, expected):
-    """XLA's defaults on the xla backend; beside the kernels XLA's GEMMs go to cuBLAS; quick adds its options."""
+    """XLA's defaults where the layers run on XLA; beside the kernels XLA's GEMMs go to cuBLAS; quick adds its
+    options."""
     assert compiler_options(backend=backend, quick=quick) == expected
+
+
+def test_auto_backend_on_an_sm90_gpu_compiles_like_pallas(monkeypatch):
+    monkeypatch.setattr(compilation, "has_sm90_gpu", lambda: True)
+    assert compiler_options(backend="auto", quick=False) == compiler_options(backend="pallas", quick=False)
 
 
 def test_a_file_that_does_not_load_is_a_miss(tmp_path):
