@@ -12,6 +12,7 @@ import pytest
 import moe_jax
 from benchmarks import shapes
 from moe_jax.ops.grouped_matmul import config
+from moe_jax.ops.grouped_matmul import sm90_pipeline as pipe
 from tests.helpers import cuda_lowering
 
 pytestmark = pytest.mark.smoke  # lowering and config checks: no numbers (tests/README.md)
@@ -97,3 +98,28 @@ def test_off_table_shapes_lower_with_heuristic_configs(name):
     which must lower within shared memory there too."""
     s = shapes.GMM_SHAPES[name]
     assert _lowered_fwd_bwd(s.g, s.m, s.k, s.n).count(MOSAIC_CALL) == 3
+
+
+def test_overlapped_epilogue_traces_each_step_once(monkeypatch):
+    """The consumers' step loop holds one copy of the step whatever the overlapped epilogue adds: a kernel whose
+    first steps were peeled, one copy per stored chunk, would trace ``issue`` once per chunk more, and lower and
+    compile that much longer (sm90_pipeline.consume)."""
+    calls = []
+    consume = pipe.consume
+
+    def counting(first_step, num_steps, stages, produced, consumed, issue, overlapped=()):
+        traced = []
+
+        def counted_issue(k, slot):
+            traced.append(k)
+            issue(k, slot)
+
+        consume(first_step, num_steps, stages, produced, consumed, counted_issue, overlapped)
+        calls.append((len(overlapped), len(traced)))
+
+    monkeypatch.setattr(pipe, "consume", counting)
+    # qwen3-30b's down projection: the tuned forward and wgrad overlap their epilogues.
+    s = shapes.GMM_SHAPES["qwen3-30b/down"]
+    _lowered_fwd_bwd(s.g, s.m, s.k, s.n)
+    assert any(overlapped for overlapped, _ in calls), f"no kernel overlapped its epilogue: {calls}"
+    assert all(traced == 1 for _, traced in calls), f"(overlapped stores, steps traced) per consumer loop: {calls}"
