@@ -13,6 +13,30 @@ from moe_jax.parallel.expert_parallel import DISPATCHES
 from train.configs import ATTENTIONS, CONFIGS, REMATS, get_config
 
 
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags that override the named config's model and step (``with_overrides``): --scan-layers,
+    --unroll-layers, --remat, --attention, --grad-accum and --quantization, each defaulting to the config's."""
+    parser.add_argument(
+        "--scan-layers",
+        action=argparse.BooleanOptionalAction,
+        help="one scanned block with stacked [L, ...] parameters, compiled once (default: the config's; on for gpu*)",
+    )
+    parser.add_argument(
+        "--unroll-layers",
+        action=argparse.BooleanOptionalAction,
+        help="unroll the scanned block's loop: no zero-filled [L, ...] buffers, seconds more compile (default: the "
+        "config's; on for gpu-moe)",
+    )
+    parser.add_argument("--remat", choices=REMATS, help="what the backward recomputes (default: the config's)")
+    parser.add_argument("--attention", choices=ATTENTIONS, help="attention implementation (default: the config's)")
+    parser.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (default: the config's)")
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        help="the MoE layers' expert GEMMs in block-scaled FP8 (default: the config's; no config quantizes)",
+    )
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m train", description=__doc__)
     parser.add_argument("--config", choices=tuple(CONFIGS), default="tiny", help="named TrainConfig (train/configs.py)")
@@ -33,25 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--dispatch", choices=DISPATCHES, help="expert-parallel dispatch (default: auto)")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
-    parser.add_argument(
-        "--scan-layers",
-        action=argparse.BooleanOptionalAction,
-        help="one scanned block with stacked [L, ...] parameters, compiled once (default: the config's; on for gpu*)",
-    )
-    parser.add_argument(
-        "--unroll-layers",
-        action=argparse.BooleanOptionalAction,
-        help="unroll the scanned block's loop: no zero-filled [L, ...] buffers, seconds more compile (default: the "
-        "config's; on for gpu-moe)",
-    )
-    parser.add_argument("--remat", choices=REMATS, help="what the backward recomputes (default: the config's)")
-    parser.add_argument("--attention", choices=ATTENTIONS, help="attention implementation (default: the config's)")
-    parser.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (default: the config's)")
-    parser.add_argument(
-        "--quantization",
-        choices=QUANTIZATIONS,
-        help="the MoE layers' expert GEMMs in block-scaled FP8 (default: the config's; no config quantizes)",
-    )
+    add_model_flags(parser)
     parser.add_argument(
         "--compile-cache",
         help="JAX persistent compilation cache directory (default: compile_cache/ beside the metrics file)",

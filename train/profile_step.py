@@ -35,8 +35,8 @@ from flax import nnx
 
 from benchmarks.common import profiled_kernels, run_metadata, split_calls
 from train.compilation import abstract, compile_ahead, compiler_options
-from train.configs import ATTENTIONS, REMATS, get_config
-from train.main import with_overrides
+from train.configs import get_config
+from train.main import add_model_flags, with_overrides
 from train.metrics import mfu, peak_flops, training_flops_per_token
 from train.train import batch_sharding, create_model, load_data, make_mesh, make_train_step, to_device
 
@@ -155,21 +155,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m train.profile_step", description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="gpu-moe", help="the named TrainConfig (default gpu-moe)")
     parser.add_argument("--backend", default="pallas", choices=("xla", "pallas"))
-    parser.add_argument("--quantization", choices=("fp8_block", "mxfp8"), help="the MoE layers' FP8 recipe")
-    parser.add_argument("--remat", choices=REMATS, help="what the backward recomputes (default: the config's)")
-    parser.add_argument("--attention", choices=ATTENTIONS, help="attention implementation (default: the config's)")
-    parser.add_argument("--grad-accum", type=int, help="micro-batches a step (default: the config's)")
+    add_model_flags(parser)
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps")
     parser.add_argument("--out", help="write the {meta, results} JSON record here")
     parser.add_argument("--hlo-out", help="write the compiled step's HLO text here, gzipped")
-    parser.add_argument(
-        "--unroll-layers",
-        action=argparse.BooleanOptionalAction,
-        help="unroll the scanned layers (default: the config's)",
-    )
     # What train.main.with_overrides reads and this tool leaves at the config's.
-    parser.set_defaults(steps=None, scan_layers=None, expert_parallel=None, dispatch=None)
+    parser.set_defaults(steps=None, expert_parallel=None, dispatch=None)
     args = parser.parse_args(argv)
 
     config = with_overrides(get_config(args.config), args)
