@@ -108,8 +108,8 @@ def consume(first_step, num_steps, stages: int, produced, consumed, issue, overl
     ``overlapped``: callables; the i-th runs right after step i is issued (in iteration i of a step loop that runs
     at least ``len(overlapped)`` times, skipping the steps past ``num_steps``), so its work (a piece of the previous
     tile's epilogue) runs while the tensor cores compute. One loop emits the step once: peeling the first steps, one
-    copy each plus the loop's, made the overlapping kernels' code up to 2.3x longer (the bf16 wgrad's) and their
-    tracing, lowering and compile longer with it (docs/kernels/grouped_matmul.md, "Lowering and compile time").
+    copy each plus the loop's, would make the overlapping kernels' code up to 2.3x longer (the bf16 wgrad's) and
+    their tracing, lowering and compile longer with it (docs/kernels/grouped_matmul.md, "The overlapped epilogue").
     """
 
     def step(k):
