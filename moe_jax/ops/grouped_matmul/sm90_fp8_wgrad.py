@@ -205,7 +205,9 @@ def grouped_matmul_wgrad_fp8(
         num_threads=num_wgs + 1,
         thread_name="wg",
         kernel_name="moe_gmm_wgrad_fp8",
-        compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
+        compiler_params=plgpu.CompilerParams(
+            reduction_scratch_bytes=0, lowering_semantics=plgpu.LoweringSemantics.Lane
+        ),
         interpret=interpret,
     )
     return kernel(groups, x_t, x_scales, y_t, y_scales)

@@ -35,6 +35,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from moe_jax.ops.grouped_matmul import sm90_gather
 from moe_jax.ops.quant.config import CONSUMER_REGISTERS, CONSUMERS, TILE, Config
 from moe_jax.ops.quant.sm90 import (
+    lowering_semantics,
     persistent_kernel,
     produce_tiles,
     quantize_rows,
@@ -172,6 +173,7 @@ def quantize_row_blocks_transposed(
             *ring_barriers(stages, loads=loads),  # a slot's loads: [128, 64] of it per consumer
         ],
         kernel_name="moe_quantize_gathered_row_blocks_transposed" if gathered else "moe_quantize_row_blocks_transposed",
+        semantics=lowering_semantics(x.dtype, transposed_reads=True),
         num_sms=num_sms,
         interpret=interpret,
     )

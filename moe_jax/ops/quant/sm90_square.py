@@ -36,6 +36,7 @@ from moe_jax.ops.quant import reference
 from moe_jax.ops.quant.config import CONSUMER_REGISTERS, CONSUMERS, TILE, Config
 from moe_jax.ops.quant.sm90 import (
     exponent_bytes,
+    lowering_semantics,
     persistent_kernel,
     produce_tiles,
     ring_barriers,
@@ -177,6 +178,7 @@ def quantize_square_tiles(
             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=2),  # exchanged: both halves' maxima are in amax
         ],
         kernel_name="moe_quantize_square_blocks",
+        semantics=lowering_semantics(w.dtype, transposed_reads=True),
         num_sms=num_sms,
         interpret=interpret,
     )
