@@ -121,3 +121,21 @@ def test_fp8_grouped_matmul_quantizes_through_the_kernels_on_sm90(backward):
     assert ("moe_quantize_row_blocks_transposed" in text) == backward
     transposes = [line for line in text.splitlines() if "stablehlo.transpose" in line]
     assert not any("4x256x512" in line or "4x512x256" in line for line in transposes)
+
+
+def test_equal_quantizer_launches_in_one_program_share_one_kernel():
+    """Launches on equal operand types and options lower once (``sm90.launch_per_signature``): in one program, two
+    arrays of one shape give one Mosaic GPU kernel, a third shape its own; each of the three quantizer kernels."""
+    rows, cols = (4096, 2048), (4096, 1024)
+    arrays = [jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in (rows, rows, cols)]
+    weights = [jax.ShapeDtypeStruct((2, 1024, 512), jnp.bfloat16)] * 2
+    table = jax.ShapeDtypeStruct((40,), jnp.int32)
+
+    def quantize_all(x, y, z, w, v, first_rows, row_counts):
+        blocks = [quantize_blockwise(a, (1, 128), backend="pallas").values for a in (x, y, z)]
+        row_blocks = [quantize_row_blocks_transposed(a, first_rows, row_counts, backend="pallas") for a in (x, y, z)]
+        squares = [quantize_square_blocks(a, copies=("as_is",), backend="pallas") for a in (w, v)]
+        return blocks, row_blocks, squares
+
+    text = _lowered_args(quantize_all, *arrays, *weights, table, table)
+    assert text.count(MOSAIC_CALL) == 2 + 2 + 1

@@ -25,6 +25,7 @@ registers, so the kernel and the XLA path agree bit for bit. Power-of-two scales
 what float8_e8m0fnu stores; sm90 has no conversion to that type).
 """
 
+import functools
 import math
 
 import jax
@@ -166,6 +167,14 @@ def ring_barriers(stages: int, loads: int) -> list:
     ]
 
 
+def launch_per_signature(*static_argnames: str):
+    """Decorates a kernel launch with ``jax.jit``, these keyword arguments static: the launches of one program on
+    equal operand types and options then share one trace and one lowering of the kernel (the FP8 training step's
+    layer quantizes several arrays of one shape)."""
+    return functools.partial(jax.jit, static_argnames=static_argnames)
+
+
+@launch_per_signature("block", "dtype", "pow2_scales", "with_transpose", "config", "num_sms", "interpret")
 def quantize_tiles(
     x: jax.Array,
     *,

@@ -35,6 +35,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from moe_jax.ops.grouped_matmul import sm90_gather
 from moe_jax.ops.quant.config import CONSUMER_REGISTERS, CONSUMERS, TILE, Config
 from moe_jax.ops.quant.sm90 import (
+    launch_per_signature,
     lowering_semantics,
     persistent_kernel,
     produce_tiles,
@@ -49,6 +50,7 @@ _LAYOUT = plgpu.Layout.WGMMA
 _ROWS = TILE // CONSUMERS
 
 
+@launch_per_signature("dtype", "pow2_scales", "config", "num_sms", "interpret")
 def quantize_row_blocks_transposed(
     x: jax.Array,
     first_rows: jax.Array,

@@ -36,6 +36,7 @@ from moe_jax.ops.quant import reference
 from moe_jax.ops.quant.config import CONSUMER_REGISTERS, CONSUMERS, TILE, Config
 from moe_jax.ops.quant.sm90 import (
     exponent_bytes,
+    launch_per_signature,
     lowering_semantics,
     persistent_kernel,
     produce_tiles,
@@ -50,6 +51,7 @@ _COLUMN_VECTOR = plgpu.Layout.WGMMA.reduce(0)  # [TILE] spread over a quad's lan
 _ROWS = TILE // CONSUMERS
 
 
+@launch_per_signature("dtype", "pow2_scales", "as_is", "transposed", "config", "num_sms", "interpret")
 def quantize_square_tiles(
     w: jax.Array,
     *,
