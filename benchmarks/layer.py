@@ -222,9 +222,9 @@ def bench_shape(
     for impl, layer in layers:
         output = time_it(impl, layer, names, "ct", reference)
         if reference is None and output is not None:
-            # Held in host memory: at deepseek-v3 the weight gradients are 22.5 GB, which beside the next
-            # implementation's forward + backward (its first output kept while later calls write theirs) ran the
-            # H200 out of memory. The check moves one leaf at a time back to the device.
+            # Held in host memory: at deepseek-v3 the weight gradients are 22.5 GB, more than an H200 has to spare
+            # beside the next implementation's forward + backward (its first output kept while later calls write
+            # theirs). The check moves one leaf at a time back to the device.
             reference = (impl, jax.device_get(output))
     return records
 

@@ -67,6 +67,7 @@ def test_quantizer_with_transposed_copy_lowers(shape, dtype, block):
         ((128, 2048, 1536), jnp.bfloat16, ("transposed", "as_is")),  # Qwen3-30B-A3B's w_gate_up, both layouts
         ((128, 768, 2048), jnp.bfloat16, ("transposed",)),  # its w_down, the forward's layout alone
         ((32, 7168, 4096), jnp.float32, ("as_is", "transposed")),  # DeepSeek-V3's, f32: a 2-stage ring
+        ((32, 7168, 4096), jnp.float32, ("as_is",)),  # one f32 copy: a 3-stage ring, shared memory nearly full
         ((4, 2880, 320), jnp.float16, ("as_is",)),  # 64-byte swizzle on both FP8 copies
     ],
 )

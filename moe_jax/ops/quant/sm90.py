@@ -133,7 +133,7 @@ def lowering_semantics(in_dtype, transposed_reads: bool) -> plgpu.LoweringSemant
     """How a quantizer reading ``in_dtype`` tiles (also transposed, with ``transposed_reads``) lowers.
 
     The lane semantics take the kernel's explicit layouts as they are, with no layout inference over the module:
-    about a third less lowering time (the FP8 training step lowers 20 quantizer instances). Mosaic GPU has no
+    about a third less lowering time (the FP8 training step's layer launches 20 quantizers). Mosaic GPU has no
     transposing load of a 32-bit tile into the WGMMA layout under them; the warpgroup semantics' layout inference
     finds one."""
     if transposed_reads and jnp.dtype(in_dtype).itemsize == 4:
@@ -154,7 +154,10 @@ def persistent_kernel(body, *, out_type, scratch_types, kernel_name: str, semant
         num_threads=CONSUMERS + 1,
         thread_name="wg",
         kernel_name=kernel_name,
-        compiler_params=plgpu.CompilerParams(lowering_semantics=semantics),
+        # Every reduction stays within a warp (a block of a row lies in one quad of lanes; a tile's amax meets in a
+        # buffer of the kernel's own), so no shared memory is set aside for cross-warp ones: an f32 ring of three
+        # stages with one FP8 copy fits only so.
+        compiler_params=plgpu.CompilerParams(lowering_semantics=semantics, reduction_scratch_bytes=0),
         interpret=interpret,
     )
 

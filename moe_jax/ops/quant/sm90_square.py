@@ -180,7 +180,7 @@ def quantize_square_tiles(
             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=2),  # exchanged: both halves' maxima are in amax
         ],
         kernel_name="moe_quantize_square_blocks",
-        semantics=lowering_semantics(w.dtype, transposed_reads=True),
+        semantics=lowering_semantics(w.dtype, transposed_reads=transposed),
         num_sms=num_sms,
         interpret=interpret,
     )
