@@ -15,7 +15,13 @@ Side by side at each named layer shape (``benchmarks.shapes.LAYER_SHAPES``), rou
   ``moe_jax:pallas - experts:pallas - router:xla``; the gather's own cost is ``experts:pallas-gathered -
   experts:pallas``.
 - "moe_jax:<backend>-<quantization>" (with ``--quantization``): ``moe_ffn(quantization=...)``, the expert GEMMs on
-  block-scaled FP8 operands; its check against the bf16 reference shows the quantization's error, not a fault.
+  block-scaled FP8 operands; its check against the bf16 reference shows the quantization's error, not a fault. The
+  call quantizes the expert weights itself (their bf16 read once, their FP8 copies written), as a step of one
+  micro-batch does.
+- "moe_jax:<backend>-fp8_block-stored" (with ``--quantization fp8_block``, backends other than "xla"): the same layer
+  on weights whose FP8 copies were made before the call (``moe_jax.quantize_master``, outside the timing), as a
+  training step's micro-batches share them or a server stores them; the gradient reaches the bf16 weights as
+  passed. The difference from the row above is what quantizing the weights costs a call.
 - "tokamax-gemms": the same composition as ``moe_ffn`` (route, permute, gate_up, activation, down, combine, aux
   losses) with tokamax's Mosaic GPU ragged dot (default config) in place of the two grouped matmuls. A benchmark-only
   baseline: moe_jax never imports tokamax.
@@ -30,6 +36,7 @@ not differentiated). Outputs and gradients are compared with the first moe_ffn-l
 with gradients.
 """
 
+import dataclasses
 import functools
 import sys
 from collections.abc import Callable
@@ -115,6 +122,28 @@ def gathered_expert_gemms(x, sort_indices, w_gate_up, w_down, group_sizes, row_w
     return y, ()
 
 
+def stored_copies(input_set: dict) -> dict:
+    """The FP8 kernels' copies of the set's expert weights (``moe_jax.quantize_master``), made once."""
+    gate_up = input_set["w_gate_up"]
+    return {
+        "gate_up_copies": dataclasses.replace(gate_up, array=moe_jax.quantize_master(gate_up.array)),
+        "down_copies": moe_jax.quantize_master(input_set["w_down"]),
+    }
+
+
+def on_stored_copies(layer: Callable) -> Callable:
+    """``layer(x, router_kernel, w_gate_up, w_down)`` as ``(x, router_kernel, w_gate_up, w_down, gate_up_copies,
+    down_copies)``: the kernels read the copies made before the call (``stored_copies``) and the gradient reaches
+    ``w_gate_up`` and ``w_down`` as passed (the copies' masters)."""
+
+    def run(x, router_kernel, w_gate_up, w_down, gate_up_copies, down_copies):
+        gate_up_master = dataclasses.replace(gate_up_copies.array, master=w_gate_up.array)
+        gate_up = dataclasses.replace(w_gate_up, array=gate_up_master)
+        return layer(x, router_kernel, gate_up, dataclasses.replace(down_copies, master=w_down))
+
+    return run
+
+
 @functools.partial(jax.jit, static_argnames="shape")
 def _input_set(key, *, shape: LayerShape) -> dict:
     keys = iter(jax.random.split(key, 9))
@@ -156,14 +185,24 @@ def bench_shape(
     records = []
 
     def time_it(
-        impl: str, layer: Callable, arg_names: tuple[str, ...], ct_name: str, reference=None, sets=inputs, flops=flops
+        impl: str,
+        layer: Callable,
+        arg_names: tuple[str, ...],
+        ct_name: str,
+        reference=None,
+        sets=inputs,
+        flops=flops,
+        num_differentiated=None,
     ):
         record = common.Record(bench, shape.name, "router", impl, flops, dims)
         if common.past_deadline(options):
             records.append(common.skip(record))
             emit(record)
             return None
-        fn = jax.jit(common.forward_backward(lambda *params: layer(*params)[0]) if backward else layer)
+        if backward:
+            fn = jax.jit(common.forward_backward(lambda *params: layer(*params)[0], num_differentiated))
+        else:
+            fn = jax.jit(layer)
         arg_names += (ct_name,) if backward else ()
         arg_sets = [tuple(s[name] for name in arg_names) for s in sets()]
         output = common.measure(record, fn, arg_sets, options)
@@ -226,6 +265,13 @@ def bench_shape(
             # beside the next implementation's forward + backward (its first output kept while later calls write
             # theirs). The check moves one leaf at a time back to the device.
             reference = (impl, jax.device_get(output))
+    if options.quantization == "fp8_block":
+        stored_sets = functools.cache(lambda: [s | stored_copies(s) for s in inputs()])
+        stored_names = (*names, "gate_up_copies", "down_copies")
+        for backend in (b for b in options.backends if b != "xla"):
+            stored = on_stored_copies(common.moe_ffn_layer(shape, backend, route_kwargs, options.quantization))
+            impl = f"moe_jax:{backend}-{options.quantization}-stored"
+            time_it(impl, stored, stored_names, "ct", reference, sets=stored_sets, num_differentiated=len(names))
     return records
 
 
