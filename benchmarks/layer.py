@@ -9,7 +9,7 @@ Side by side at each named layer shape (``benchmarks.shapes.LAYER_SHAPES``), rou
 - "experts:pallas": the two expert kernels of moe_jax:pallas alone, ``moe_jax.glu_mlp`` on rows already sorted by the
   same routing (computed outside the timing, like its group sizes and row weights): no router, routing, permute or
   combine; "experts:pallas-gathered": the same two kernels with the gate_up kernel gathering its rows from x by the
-  sort indices (``routed_glu_mlp(backend="pallas_gather")``, what moe_ffn runs where F <= 2048); forward only,
+  sort indices (``routed_glu_mlp(backend="pallas_gather")``, what moe_ffn runs where F <= 1024); forward only,
   "router:xla": the router matmul ``router_logits(x, router_kernel)`` alone. The layer's "glue" (routing,
   permute, combine and the aux losses, including whatever the gathered gate_up loads cost over plain ones) is
   ``moe_jax:pallas - experts:pallas - router:xla``; the gather's own cost is ``experts:pallas-gathered -
@@ -107,7 +107,7 @@ def expert_gemms(rows, w_gate_up, w_down, group_sizes, row_weights, *, activatio
 
 def gathered_expert_gemms(x, sort_indices, w_gate_up, w_down, group_sizes, row_weights, *, activation: str, top_k: int):
     """The expert kernels with the gate_up kernel gathering its rows from x (the "experts:pallas-gathered" baseline;
-    what moe_ffn runs where F <= 2048)."""
+    what moe_ffn runs where F <= 1024)."""
     y = routed_glu_mlp(
         x,
         sort_indices,

@@ -116,7 +116,7 @@ def _routed_fwd_bwd(inputs, packed, group_sizes, sort_indices, *, top_k, fused):
 # The gathered gate_up kernel against the same kernels on permuted rows: the products are the same arithmetic, so
 # forward and weight gradients must be bit-identical; d_x sums each token's k row gradients in another order (TOL).
 # qwen3's layer, a gpt-oss-width one (D = 2880: no multiple of 128, so the row kernels' last chunk overlaps), a
-# deepseek-v3-width one (D = 7168, F = 2048: gathered by default), a narrow one (2F = 512: 128-wide
+# deepseek-v3-width one (D = 7168, F = 2048: permuted first by default), a narrow one (2F = 512: 128-wide
 # tiles, where the forward keeps its outputs across tiles) and qwen3's decode step (T = 128).
 @pytest.mark.parametrize(
     "t, d, d_ff, e, top_k",

@@ -174,7 +174,7 @@ def test_dense_glu_mlp_lowers_kernels_only_quantized(quantization, kernels):
 
 # routed_glu_mlp gathers the gate_up kernel's rows from the tokens (cp.async in the producer: only a real lowering
 # builds it) with each model's tuned gate_up config, in group bands (the gather forced: by default only
-# F <= 2048 fuses). Its backward adds a permute (the sorted rows for the gate_up wgrad) and a combine (d_x) to
+# F <= 1024 fuses). Its backward adds a permute (the sorted rows for the gate_up wgrad) and a combine (d_x) to
 # glu_mlp's six kernels, at gpt-oss's D = 2880 (no multiple of 128) too; the other models' tuned configs are `slow`.
 @pytest.mark.parametrize(
     "model, top_k",

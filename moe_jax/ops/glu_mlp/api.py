@@ -84,9 +84,10 @@ DOWN_NAMES = ArgNames(op="glu_mlp", lhs="x (the hidden activations' dtype)", rhs
 
 # The gather inside the gate_up kernel saves the permute, whose share of the kernel's time shrinks as 1 / F (bytes
 # ~ M D against FLOPs ~ M D F), and changes what the kernel reads: cp.async rows of x [T, D] instead of TMA boxes of
-# the sorted rows. Up to F = 2048 (qwen3-30b-a3b, deepseek-v3) gathering wins or ties at the layer and keeps the
-# smaller x for the backward; at F = 2880 (gpt-oss-120b) the gather costs the kernel more than the permute it saves.
-GATHER_MAX_D_FF = 2048
+# the sorted rows. At F = 768 (qwen3-30b-a3b) gathering wins and keeps the smaller x for the backward; at F = 2048
+# (deepseek-v3, bf16 and FP8), 2880 (gpt-oss-120b) and 14336 (mixtral) the gather costs the kernel more than the
+# permute it saves (docs/kernels/routing.md). Widths between 768 and 2048 are unmeasured.
+GATHER_MAX_D_FF = 1024
 
 
 def check_glu_mlp_args(x, w_gate_up, w_down, group_sizes, *, activation, row_scale, quantization=None) -> tuple:
