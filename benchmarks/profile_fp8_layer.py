@@ -13,8 +13,10 @@ Every kernel is put in one class by its name:
 
 and the table gives each class's median µs per call and share of the call's kernel time, plus the heaviest kernels
 by name, so that what the quantization costs (every quantize pass and scale write, and the FP8 copies' transposes) is
-read from one run. Usage (GPU machine): ``python -m benchmarks.profile_fp8_layer --shapes qwen3-30b-a3b
---calls 5 [--out FILE]``.
+read from one run. With ``--weights stored`` the FP8 layer is also profiled on weight copies made before the call
+(``moe_jax.quantize_master``, the benchmark's "-stored" layer: what a training step's micro-batches share), whose
+quantize class is then the activations' and gradients' passes alone. Usage (GPU machine): ``python -m
+benchmarks.profile_fp8_layer --shapes qwen3-30b-a3b --calls 5 [--weights per-call,stored] [--out FILE]``.
 """
 
 import argparse
@@ -67,31 +69,54 @@ def summarize(calls: list[list[tuple[str, int, int]]]) -> dict:
     }
 
 
-def profile(shape, quantization, *, backward: bool, calls: int, seed: int) -> dict:
+WEIGHTS = ("per-call", "stored")  # the FP8 layer quantizes its weights in the call, or reads copies made before
+
+
+def profile(shape, quantization, *, backward: bool, calls: int, seed: int, weights: str = "per-call") -> dict:
     inputs = layer.make_inputs(shape, seed=seed)[0]
     names = ("x", "router_kernel", "w_gate_up", "w_down")
     route_kwargs = common.routing_kwargs(shape, seed)
     forward = common.layer_output(common.moe_ffn_layer(shape, "pallas", route_kwargs, quantization))
-    fn = jax.jit(common.forward_backward(forward) if backward else forward)
-    args = tuple(inputs[n] for n in names) + ((inputs["ct"],) if backward else ())
+    args = tuple(inputs[n] for n in names)
+    if weights == "stored":
+        copies = layer.stored_copies(inputs)
+        forward = layer.on_stored_copies(forward)
+        args += (copies["gate_up_copies"], copies["down_copies"])
+    fn = jax.jit(common.forward_backward(forward, len(names)) if backward else forward)
+    args += (inputs["ct"],) if backward else ()
     return summarize(common.kernel_calls(fn, [args], calls))
+
+
+def runs(quantization: str, weights: tuple[str, ...]) -> list[tuple[str | None, str]]:
+    """(quantization, weights) of each profile at a shape and pass: the bf16 layer first, then the FP8 ones."""
+    return [(None, "per-call")] + [(quantization, w) for w in weights]
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="qwen3-30b-a3b", help="comma-separated layer shapes")
     parser.add_argument("--quantization", default="fp8_block", choices=("fp8_block",), help="what the kernels run")
+    parser.add_argument(
+        "--weights",
+        default="per-call",
+        help=f"comma-separated, of {WEIGHTS}: the FP8 layer quantizing its weights in the call, or on stored copies",
+    )
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write {meta, results} JSON here")
     args = parser.parse_args(argv)
+    weights = tuple(args.weights.split(","))
+    if not weights or not set(weights) <= set(WEIGHTS):
+        parser.error(f"--weights must name some of {WEIGHTS}, got {args.weights!r}")
     results = []
     for name in args.shapes.split(","):
         shape = LAYER_SHAPES[name]
         for backward in (False, True):
-            for quantization in (None, args.quantization):
-                summary = profile(shape, quantization, backward=backward, calls=args.calls, seed=args.seed)
-                results.append(dict(shape=name, backward=backward, quantization=quantization, **summary))
+            for quantization, kind in runs(args.quantization, weights):
+                summary = profile(
+                    shape, quantization, backward=backward, calls=args.calls, seed=args.seed, weights=kind
+                )
+                results.append(dict(shape=name, backward=backward, quantization=quantization, weights=kind, **summary))
                 _print(results[-1])
     if args.out:
         command = " ".join(["python -m benchmarks.profile_fp8_layer", *(sys.argv[1:] if argv is None else argv)])
@@ -103,7 +128,8 @@ def main(argv=None) -> None:
 def _print(result: dict) -> None:
     mode = "fwd+bwd" if result["backward"] else "fwd"
     total = result["total_us"]
-    print(f"\n{result['shape']} {mode} quantization={result['quantization']}: {total:.0f} µs of kernels per call")
+    what = f"quantization={result['quantization']}" + (", stored weights" if result["weights"] == "stored" else "")
+    print(f"\n{result['shape']} {mode} {what}: {total:.0f} µs of kernels per call")
     for name, us in result["classes_us"].items():
         print(f"  {name:9s} {us:9.0f} µs  {us / total:6.1%}")
     for name, us in result["top_kernels_us"].items():

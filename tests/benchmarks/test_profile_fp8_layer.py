@@ -1,4 +1,5 @@
-"""The FP8 layer profile's bookkeeping: kernel classes by name and the per-call medians (hand-made traces)."""
+"""The FP8 layer profile's bookkeeping: kernel classes by name, the per-call medians (hand-made traces) and which
+layers a run profiles."""
 
 import pytest
 
@@ -30,3 +31,17 @@ def test_summary_takes_medians_per_class_and_kernel():
     assert summary["total_us"] == 22.0
     assert summary["classes_us"] == {"gemm": 20.0, "quantize": 0.0, "layout": 2.0, "other": 0.0}
     assert list(summary["top_kernels_us"]) == ["moe_gmm_fp8_mosaic_gpu_kernel", "transpose_fusion"]
+
+
+def test_runs_profile_the_bf16_layer_then_each_fp8_weights_kind():
+    assert profile.runs("fp8_block", ("per-call", "stored")) == [
+        (None, "per-call"),
+        ("fp8_block", "per-call"),
+        ("fp8_block", "stored"),
+    ]
+
+
+def test_unknown_weights_kind_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit):
+        profile.main(["--weights", "cached"])
+    assert "--weights must name some of ('per-call', 'stored'), got 'cached'" in capsys.readouterr().err

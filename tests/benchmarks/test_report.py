@@ -175,20 +175,18 @@ def test_fp8_profile_and_compile_report_sections_print_their_records(tmp_path):
         "runs": [run, old, {"run": "cold", "status": "timed out"}],
         "layers": {"ref": layer},
     }
-    records = {"fp8.json": [fp8_result], "compile.json": compile_result}
+    stored_result = fp8_result | {"backward": False, "weights": "stored", "total_us": 800.0}
+    records = {"fp8.json": [fp8_result, stored_result], "compile.json": compile_result}
     for name, results in records.items():
         with open(tmp_path / name, "w") as f:
             json.dump({"meta": meta("2026-01-03", "4444444", name), "results": results}, f)
     lines = build(tmp_path).splitlines()
-    fp8_row = next(line for line in lines if line.startswith(f"| {GPU} | layer |"))
-    assert [c.strip() for c in fp8_row.strip("|").split("|")][2:9] == [
-        "fwd+bwd",
-        "fp8_block",
-        "1000",
-        "600",
-        "100",
-        "200",
-        "100",
+    fp8_rows = [line for line in lines if line.startswith(f"| {GPU} | layer |")]
+    cells = [[c.strip() for c in row.strip("|").split("|")][2:9] for row in fp8_rows]
+    # A record without "weights" (written before --weights) quantized the weights in the call.
+    assert cells == [
+        ["fwd+bwd", "fp8_block", "1000", "600", "100", "200", "100"],
+        ["fwd", "fp8_block, stored weights", "800", "600", "100", "200", "100"],
     ]
     assert "| pallas warm cache | ok | loaded | 0.0 | 0.0 | 0.5 | 3.5 | 9.0 | 5000 | 0.250 | 40.0 |" in lines
     assert "| pallas old record | ok | - | 1.0 | 2.0 | 3.0 | 7.5 | - | 5000 | 0.250 | 40.0 |" in lines
