@@ -293,12 +293,11 @@ def test_fp8_glu_mlp_against_the_xla_recipe(model, activation, kind):
 
 @pytest.mark.parametrize("model, activation", [("qwen3-30b", "swiglu"), ("gpt-oss-120b", "gpt_oss")])
 def test_fp8_routed_glu_mlp_against_the_xla_recipe(model, activation):
-    """Routed from tokens (top-4 of 8 experts), each token's rows summed: the gate_up kernel gathers each token's FP8
-    row (qwen3-30b), and the backward takes the tokens' dy, whose FP8 rows the GLU-backward kernel gathers and whose
-    rows the down wgrad's quantizer gathers (the combine inside the kernels' VJP); or the rows and scales are
-    permuted first and the rows summed after (gpt-oss-120b: D = 2880, half a last K block, which a gathered step
-    cannot copy). The gate_up wgrad's quantizer gathers the tokens' rows on both. Where both kernel paths run, they
-    quantize the same values: equal bit for bit."""
+    """Routed from tokens (top-4 of 8 experts), each token's rows summed inside the kernels' VJP, so the backward
+    takes the tokens' dy: the gate_up kernel gathers each token's FP8 row and the GLU-backward kernel dy's (qwen3-30b),
+    or x's and dy's FP8 rows and scales are permuted first (gpt-oss-120b: D = 2880, half a last K block, which a
+    gathered step cannot copy; and qwen3-30b's "pallas_sorted"). The wgrads' quantizers gather the tokens' rows of x
+    and dy on both. Where both kernel paths run, they quantize the same values: equal bit for bit."""
     shape = shapes.GMM_SHAPES[f"{model}/gate_up"]
     g, t, top_k, d, d_ff = 8, 512, 4, shape.k, shape.n // 2
     inputs = _inputs(jax.random.key(11), g, t * top_k, d, d_ff, x_scale=4.0 if activation == "gpt_oss" else 1.0)

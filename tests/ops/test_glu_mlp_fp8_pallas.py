@@ -182,10 +182,11 @@ def test_fp8_routed_glu_mlp_matches_the_xla_recipe(gathered_combine):
     """Tokens quantized once each, their FP8 rows gathered by the gate_up kernel ("pallas_gather") or permuted with
     their scales into expert order first ("pallas_sorted"; T = 67, k = 3, one empty expert, ``Routing.positions``
     moves the rows), against the XLA path, which permutes x first and quantizes the rows: the same values. Each
-    token's rows are summed (``combine``): on the gathered path inside the kernels' VJP, whose backward quantizes
-    each token's dy once and gathers its rows in the GLU-backward kernel and the down wgrad's quantizer (or, with
-    ``gathered_combine`` "after", by ``permute.combine`` after the MLP); on the others after the MLP, which then gets
-    the rows' dy. The kernel paths quantize the same values the same way, so they agree bit for bit."""
+    token's rows are summed (``combine``): on the kernel paths inside the kernels' VJP, whose backward quantizes
+    each token's dy once, gathers its FP8 rows in the GLU-backward kernel (gathered) or permutes them (sorted), and
+    gathers them in the down wgrad's quantizer (or, with ``gathered_combine`` "after", by ``permute.combine`` after
+    the gathered MLP, which then gets the rows' dy); on the XLA path after the MLP. The kernel paths quantize the
+    same values the same way, so they agree bit for bit."""
     rng = np.random.default_rng(5)
     num_tokens, top_k, d, d_ff = 67, 3, 256, 128
     inputs = glu_mlp_inputs(rng, num_tokens * top_k, d, d_ff, 4)

@@ -124,6 +124,38 @@ def test_fp8_routed_glu_mlp_lowers_gathered_or_sorted(backend, gathered):
     assert ("moe_gmm_fp8_glu" in text) != gathered
 
 
+@pytest.mark.parametrize("backend, permuted_fp8_rows", [("pallas_sorted", 2), ("pallas_gather", 0)])
+def test_fp8_routed_backward_takes_the_tokens_dy(backend, permuted_fp8_rows):
+    """With its rows summed inside the kernels' VJP (``combine``), the routed FP8 MLP's backward quantizes each
+    token's dy once: "pallas_sorted" permutes the FP8 rows of dy as it permutes x's (two permutes of one-byte rows,
+    moved as 16-bit words, [T, D / 2] -> [T * k, D / 2]) and no bf16 row of dy is written; "pallas_gather" gathers
+    both in its kernels (no permute)."""
+    t, top_k, d, d_ff, g = 64, 2, 256, 128, 4
+
+    def loss(x, w_gate_up, w_down, sort_indices, group_sizes, scale):
+        options = dict(row_scale=scale, backend=backend, quantization="fp8_block", combine="pallas")
+        args = (x, sort_indices, top_k, moe_jax.PackedGateUp(w_gate_up, 64), w_down, group_sizes)
+        return jnp.sum(glu_mlp_api.routed_glu_mlp(*args, **options).astype(jnp.float32))
+
+    args = (
+        jax.ShapeDtypeStruct((t, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((g, d, 2 * d_ff), jnp.bfloat16),
+        jax.ShapeDtypeStruct((g, d_ff, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((t * top_k,), jnp.int32),
+        jax.ShapeDtypeStruct((g,), jnp.int32),
+        jax.ShapeDtypeStruct((t * top_k,), jnp.float32),
+    )
+    calls = [
+        line for line in cuda_lowering(jax.grad(loss, argnums=(0, 1, 2)), *args).splitlines() if MOSAIC_CALL in line
+    ]
+    permutes = [line for line in calls if line.endswith(f"-> tensor<{t * top_k}x{d // 2}xf16>")]
+    bf16_rows = [line for line in calls if line.endswith(f"-> tensor<{t * top_k}x{d}xbf16>")]
+    assert len(permutes) == permuted_fp8_rows
+    assert all(f"(tensor<{t}x{d // 2}xf16>" in line for line in permutes)
+    # The one bf16 [T * k, D] a kernel writes is d_rows, x's gradient rows (the gate_up dgrad's output).
+    assert len(bf16_rows) == 1 and "f8E4M3FN" in bf16_rows[0]
+
+
 def test_glu_mlp_forward_alone_lowers():
     assert _lowered("mixtral", "swiglu", row_scale=True, recompute=False, backward=False).count(MOSAIC_CALL) == 2
 

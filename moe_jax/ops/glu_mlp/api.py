@@ -41,8 +41,9 @@ rows. Its implementations, in order: "pallas_gather" (the gate_up kernel gathers
 "pallas_sorted" (permute first, then the sorted-rows kernels) and "xla". With ``quantization`` both kernel paths
 quantize each token once; "pallas_gather" then gathers the FP8 rows (D a multiple of 128: a step of a row is one
 128-byte copy), "pallas_sorted" permutes them. With ``combine`` it also sums each token's rows; on the FP8
-"pallas_gather" path inside the kernels' VJP, whose backward then takes dy per token: quantized once per token, its
-rows gathered by the GLU-backward kernel and by the down wgrad's quantizer (no [T * k, D] copy of dy).
+kernels inside their VJP, whose backward then takes dy per token: quantized once per token, its FP8 rows gathered
+by the GLU-backward kernel ("pallas_gather") or permuted as x's ("pallas_sorted"), and gathered by the down wgrad's
+quantizer (no [T * k, D] bf16 copy of dy is written or quantized).
 """
 
 import dataclasses
@@ -343,8 +344,8 @@ def _quantized_glu_mlp(
 
     ``routed``: (sort_indices, top_k, positions) with x [T, D] tokens (the kernels quantize each token once, then
     the gate_up kernel gathers its FP8 rows with ``gather``, else they are permuted first), or Nones with x [M, D]
-    rows. ``combine`` (kernels with ``gather`` only): the backend of ``permute.combine`` summing each token's rows
-    into y [T, D] inside the custom VJP (``_pallas_fp8_glu_mlp``)."""
+    rows. ``combine`` (kernels only): the backend of ``permute.combine`` summing each token's rows into y [T, D]
+    inside the custom VJP (``_pallas_fp8_glu_mlp``)."""
     sort_indices, top_k, positions = routed
     if implementation == "xla":
         if sort_indices is not None:
@@ -372,10 +373,11 @@ def _pallas_fp8_glu_mlp(
     kernel with ``gather``, else permuted), the stored weights (packed w_gate_up [G, D, 2F], w_down [G, F, D]; high
     precision or BlockScaled), group_sizes non-negative -> [M, D] in x.dtype, on the FP8 kernels (fp8_block).
 
-    ``combine`` (a ``permute.combine`` backend, with ``gather``): y [T, D], each token's k rows summed. The backward
+    ``combine`` (a ``permute.combine`` backend, with tokens): y [T, D], each token's k rows summed. The backward
     then takes the tokens' gradient [T, D]: each token's is quantized once (its rows' 1 x 128 blocks are its own),
-    the GLU-backward kernel gathers the rows' FP8 values as the gate_up kernel does, and the down wgrad's quantizer
-    gathers the rows it reads, so no [M, D] copy of dy is written or quantized."""
+    the GLU-backward kernel gathers the rows' FP8 values as the gate_up kernel does (``gather``) or reads them
+    permuted as the forward's x (``_expert_rows``), and the down wgrad's quantizer gathers the rows it reads, so no
+    [M, D] bf16 copy of dy is written or quantized."""
     args = (x, w_gate_up, w_down, group_sizes, row_scale, sort_indices, positions, top_k, activation, gather, combine)
     return _fp8_glu_mlp_fwd(*args, with_backward=False)[0]
 
@@ -409,9 +411,7 @@ def _fp8_glu_mlp_fwd(
     w_down_nk, w_down_kn = layouts(w_down, transpose_rhs=False)
     quantized, row_tokens = quantize_kernel_rows(x), _row_tokens(sort_indices, top_k)
     if row_tokens is not None and not gather:
-        backend = _rows_backend(permute_api.kernel_rows(quantized.values))
-        values = permute_api.permute(quantized.values, sort_indices, top_k, positions=positions, backend=backend)
-        quantized = BlockScaled(values, quantized.scales[row_tokens], quantized.block_shape)
+        quantized = _expert_rows(quantized, sort_indices, top_k, positions)
     gate_up_args = (w_gate_up_nk, group_sizes, None, activation, x.dtype)
     # The pre-activation kept in FP8 (the module docstring).
     options = dict(keep=with_backward, keep_blocks=True, row_tokens=row_tokens if gather else None)
@@ -426,28 +426,38 @@ def _fp8_glu_mlp_fwd(
     return y, (x, weights, group_sizes, row_scale, sort_indices, positions, gate_up)
 
 
+def _expert_rows(tokens: BlockScaled, sort_indices, top_k: int, positions) -> BlockScaled:
+    """The tokens' FP8 rows [T, D] (1 x 128 blocks) in expert order [T * k, D]: the values permuted as one-byte rows,
+    the scales (1/32 of their bytes) gathered in XLA."""
+    backend = _rows_backend(permute_api.kernel_rows(tokens.values))
+    values = permute_api.permute(tokens.values, sort_indices, top_k, positions=positions, backend=backend)
+    return BlockScaled(values, tokens.scales[_row_tokens(sort_indices, top_k)], tokens.block_shape)
+
+
 def _fp8_glu_mlp_bwd(top_k, activation, gather, combine, residuals, d_y):
     """The recipe's backward (reference.py) on the kernels: the glu_dgrad kernel on FP8 operands, then the gate_up
     GEMM's FP8 dgrad and both FP8 wgrads; no gradient for BlockScaled weights. The gate_up wgrad's quantizer gathers
     the tokens' rows itself (no permuted copy of x is written), and x's gradient sums each token's rows
     (``combine``). With ``combine``, d_y is the tokens' [T, D] and row r's is d_y[sort_indices[r] // top_k]
     (``_pallas_fp8_glu_mlp``)."""
-    del gather  # a forward option
     x, weights, group_sizes, row_scale, sort_indices, positions, gate_up = residuals
     w_gate_up, w_gate_up_kn, w_down, w_down_kn = weights
     recipe = reference_fp8.RECIPES[FP8_KERNEL_QUANTIZATION]
     d_y = d_y.astype(x.dtype)
     row_tokens = _row_tokens(sort_indices, top_k)
     d_y_tokens = row_tokens if combine is not None else None
+    d_y_quantized, glu_row_tokens = quantize_kernel_rows(d_y), d_y_tokens
+    if combine is not None and not gather:
+        d_y_quantized, glu_row_tokens = _expert_rows(d_y_quantized, sort_indices, top_k, positions), None
     d_gate_up, hidden_scaled, d_row_scale = run_glu_dgrad(
-        quantize_kernel_rows(d_y),
+        d_y_quantized,
         w_down_kn,
         group_sizes,
         gate_up,
         row_scale,
         activation,
         out_dtype=x.dtype,
-        row_tokens=d_y_tokens,
+        row_tokens=glu_row_tokens,
     )
     d_rows = grouped_matmul_api.fp8_dgrad(d_gate_up, w_gate_up_kn, group_sizes, recipe, False, x.dtype)
     wgrad = functools.partial(grouped_matmul_api.fp8_wgrad, quantization=FP8_KERNEL_QUANTIZATION, transpose_rhs=False)
@@ -513,9 +523,9 @@ def routed_glu_mlp(
       quantization: ``glu_mlp``'s. Each token is quantized once; "pallas_gather" gathers its FP8 rows in the gate_up
         kernel (D a multiple of 128), "pallas_sorted" permutes them and their scales first.
       combine: None, or the backend of ``permute.combine`` ("auto", "xla", "pallas") that sums each token's k rows
-        (rows past the sum add nothing: zeros with ``zero_tail``, else not read). On the FP8 kernels with
-        "pallas_gather" the sum is inside their custom VJP, so the backward takes the tokens' gradient and gathers
-        its rows in the kernels: each token's dy is quantized once and no [T * k, D] copy of it is written.
+        (rows past the sum add nothing: zeros with ``zero_tail``, else not read). On the FP8 kernels the sum is
+        inside their custom VJP, so the backward takes the tokens' gradient: each token's dy is quantized once, its
+        FP8 rows gathered in the kernels or permuted, and no [T * k, D] bf16 copy of it is written.
 
     Returns:
       [T * k, D] in x.dtype, in expert-sorted order (what ``combine`` takes); with ``combine`` [T, D].
@@ -538,7 +548,8 @@ def routed_glu_mlp(
     mlp_implementation = "xla" if implementation == "xla" else "pallas"
     if quantization is not None:
         args = (activation, row_scale, quantization, mlp_implementation, (sort_indices, top_k, positions))
-        fused_combine = combine if gather else None  # the FP8 kernels' custom VJP sums the rows itself
+        # The FP8 kernels' custom VJP sums the rows itself.
+        fused_combine = combine if mlp_implementation == "pallas" else None
         y = _quantized_glu_mlp(x, w_gate_up, w_down, group_sizes, *args, gather=gather, combine=fused_combine)
         if fused_combine is not None:
             return y
