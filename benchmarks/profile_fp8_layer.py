@@ -13,10 +13,11 @@ Every kernel is put in one class by its name:
 
 and the table gives each class's median µs per call and share of the call's kernel time, plus the heaviest kernels
 by name, so that what the quantization costs (every quantize pass and scale write, and the FP8 copies' transposes) is
-read from one run. With ``--weights stored`` the FP8 layer is also profiled on weight copies made before the call
-(``moe_jax.quantize_master``, the benchmark's "-stored" layer: what a training step's micro-batches share), whose
-quantize class is then the activations' and gradients' passes alone. Usage (GPU machine): ``python -m
-benchmarks.profile_fp8_layer --shapes qwen3-30b-a3b --calls 5 [--weights per-call,stored] [--out FILE]``.
+read from one run. ``--weights`` says how the FP8 layer gets its weights: "per-call" (the default: it quantizes them
+in the call), "stored" (copies made before the call, ``moe_jax.quantize_master``, as the layer bench's "-stored" row
+and a training step's micro-batches have them: the quantize class is then the activations' and gradients' passes
+alone), or both, comma-separated. Usage (GPU machine): ``python -m benchmarks.profile_fp8_layer --shapes
+qwen3-30b-a3b --calls 5 [--weights per-call,stored] [--out FILE]``.
 """
 
 import argparse
@@ -106,7 +107,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", help="write {meta, results} JSON here")
     args = parser.parse_args(argv)
     weights = tuple(args.weights.split(","))
-    if not weights or not set(weights) <= set(WEIGHTS):
+    if not set(weights) <= set(WEIGHTS):
         parser.error(f"--weights must name some of {WEIGHTS}, got {args.weights!r}")
     results = []
     for name in args.shapes.split(","):
