@@ -124,9 +124,8 @@ def gathered_expert_gemms(x, sort_indices, w_gate_up, w_down, group_sizes, row_w
 
 def stored_copies(input_set: dict) -> dict:
     """The FP8 kernels' copies of the set's expert weights (``moe_jax.quantize_master``), made once."""
-    gate_up = input_set["w_gate_up"]
     return {
-        "gate_up_copies": dataclasses.replace(gate_up, array=moe_jax.quantize_master(gate_up.array)),
+        "gate_up_copies": moe_jax.quantize_master(input_set["w_gate_up"]),
         "down_copies": moe_jax.quantize_master(input_set["w_down"]),
     }
 
@@ -257,15 +256,14 @@ def bench_shape(
             route_kwargs=route_kwargs,
         )
         layers.append(("tokamax-gemms", gemms))
+    # No output stays on the device while the next implementation runs: at deepseek-v3 the weight gradients are
+    # 22.5 GB, more than an H200 has to spare beside another forward + backward. The reference is held in host memory
+    # (the check moves one leaf at a time back to the device).
     reference = None
     for impl, layer in layers:
         output = time_it(impl, layer, names, "ct", reference)
         if reference is None and output is not None:
-            # Held in host memory: at deepseek-v3 the weight gradients are 22.5 GB, more than an H200 has to spare
-            # beside the next implementation's forward + backward. The check moves one leaf at a time back to the
-            # device.
             reference = (impl, jax.device_get(output))
-        # Not held while the next implementation runs: at deepseek-v3 the gradients alone are 22.5 GB.
         del output
     if options.quantization == "fp8_block":
         stored_sets = functools.cache(lambda: [s | stored_copies(s) for s in inputs()])

@@ -70,16 +70,19 @@ def summarize(calls: list[list[tuple[str, int, int]]]) -> dict:
     }
 
 
-WEIGHTS = ("per-call", "stored")  # the FP8 layer quantizes its weights in the call, or reads copies made before
+# Where the FP8 layer's weight copies come from: it quantizes the weights in the call, or reads copies made before.
+WEIGHT_SOURCES = ("per-call", "stored")
 
 
-def profile(shape, quantization, *, backward: bool, calls: int, seed: int, weights: str = "per-call") -> dict:
+def profile(shape, quantization, *, backward: bool, calls: int, seed: int, weight_source: str | None = None) -> dict:
+    """The layer's kernel time by class (``summarize``); ``weight_source`` "stored" (FP8 only) runs it on copies made
+    before the call."""
     inputs = layer.make_inputs(shape, seed=seed)[0]
     names = ("x", "router_kernel", "w_gate_up", "w_down")
     route_kwargs = common.routing_kwargs(shape, seed)
     forward = common.layer_output(common.moe_ffn_layer(shape, "pallas", route_kwargs, quantization))
     args = tuple(inputs[n] for n in names)
-    if weights == "stored":
+    if weight_source == "stored":
         copies = layer.stored_copies(inputs)
         forward = layer.on_stored_copies(forward)
         args += (copies["gate_up_copies"], copies["down_copies"])
@@ -88,9 +91,10 @@ def profile(shape, quantization, *, backward: bool, calls: int, seed: int, weigh
     return summarize(common.kernel_calls(fn, [args], calls))
 
 
-def runs(quantization: str, weights: tuple[str, ...]) -> list[tuple[str | None, str]]:
-    """(quantization, weights) of each profile at a shape and pass: the bf16 layer first, then the FP8 ones."""
-    return [(None, "per-call")] + [(quantization, w) for w in weights]
+def runs(quantization: str, weight_sources: tuple[str, ...]) -> list[tuple[str | None, str | None]]:
+    """(quantization, weight source) of each profile at a shape and pass: the bf16 layer first (no FP8 weights),
+    then the FP8 ones."""
+    return [(None, None)] + [(quantization, source) for source in weight_sources]
 
 
 def main(argv=None) -> None:
@@ -100,24 +104,26 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--weights",
         default="per-call",
-        help=f"comma-separated, of {WEIGHTS}: the FP8 layer quantizing its weights in the call, or on stored copies",
+        help=f"comma-separated, of {WEIGHT_SOURCES}: the FP8 layer quantizing its weights in the call, or on stored "
+        "copies",
     )
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write {meta, results} JSON here")
     args = parser.parse_args(argv)
-    weights = tuple(args.weights.split(","))
-    if not set(weights) <= set(WEIGHTS):
-        parser.error(f"--weights must name some of {WEIGHTS}, got {args.weights!r}")
+    weight_sources = tuple(args.weights.split(","))
+    if not set(weight_sources) <= set(WEIGHT_SOURCES):
+        parser.error(f"--weights must name some of {WEIGHT_SOURCES}, got {args.weights!r}")
     results = []
     for name in args.shapes.split(","):
         shape = LAYER_SHAPES[name]
         for backward in (False, True):
-            for quantization, kind in runs(args.quantization, weights):
-                summary = profile(
-                    shape, quantization, backward=backward, calls=args.calls, seed=args.seed, weights=kind
+            for quantization, source in runs(args.quantization, weight_sources):
+                options = dict(backward=backward, calls=args.calls, seed=args.seed, weight_source=source)
+                summary = profile(shape, quantization, **options)
+                results.append(
+                    dict(shape=name, backward=backward, quantization=quantization, weights=source, **summary)
                 )
-                results.append(dict(shape=name, backward=backward, quantization=quantization, weights=kind, **summary))
                 _print(results[-1])
     if args.out:
         command = " ".join(["python -m benchmarks.profile_fp8_layer", *(sys.argv[1:] if argv is None else argv)])
@@ -129,7 +135,7 @@ def main(argv=None) -> None:
 def _print(result: dict) -> None:
     mode = "fwd+bwd" if result["backward"] else "fwd"
     total = result["total_us"]
-    what = f"quantization={result['quantization']}" + (", stored weights" if result["weights"] == "stored" else "")
+    what = f"quantization={result['quantization']}" + (", stored weights" if result.get("weights") == "stored" else "")
     print(f"\n{result['shape']} {mode} {what}: {total:.0f} µs of kernels per call")
     for name, us in result["classes_us"].items():
         print(f"  {name:9s} {us:9.0f} µs  {us / total:6.1%}")

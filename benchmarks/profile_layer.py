@@ -8,7 +8,7 @@ the jitted ``moe_ffn`` forward (backend "pallas") after a warm-up, and each kern
 
   router     the router matmul (XLA's GEMM)             gate_up    moe_gmm[_gather]_glu
   gating     moe_gating                                 down       moe_gmm_row_scale
-  xla-glue   XLA's other kernels: the counting sort's   permute    moe_scatter_rows (F > 2048: not gathered)
+  xla-glue   XLA's other kernels: the counting sort's   permute    moe_scatter_rows (F > 1024: not gathered)
              end, the rows' weights, the aux losses     combine    moe_gather_rows
   other      a Mosaic GPU kernel the forward should not run (listed, never counted as glue)
 

@@ -168,7 +168,7 @@ def fp8_profile_report(profiles: list[tuple[dict, dict, str]]) -> list[str]:
     for meta, result, path in profiles:
         classes = result["classes_us"]
         cells = [meta["device_kind"], result["shape"], "fwd+bwd" if result["backward"] else "fwd"]
-        # Records before --weights hold no "weights": their FP8 layers quantized the weights in the call.
+        # A result without "weights" is one whose FP8 layer quantized its weights in the call.
         stored = ", stored weights" if result.get("weights") == "stored" else ""
         cells += [f"{result['quantization']}{stored}", f"{result['total_us']:.0f}"]
         cells += [f"{classes[name]:.0f}" for name in ("gemm", "quantize", "layout", "other")]

@@ -1,5 +1,9 @@
-"""The layer bench's FP8 rows on CPU (backend "auto", which runs the XLA path here): the layer on weights quantized
-before the call ("-stored") computes what the layer quantizing its weights itself computes, output and gradients."""
+"""The layer bench's FP8 rows on CPU (backend "auto", which runs the XLA path here): the "-stored" row's plumbing.
+
+On the XLA path a ``QuantizedMaster`` is quantized again from its master, so these tests check what the bench builds
+around the layer (the copies' layouts, the arguments, the gradients reaching the bf16 weights as passed, the check
+against the reference), not that kernels read the copies: the kernels' use of a QuantizedMaster is checked against
+quantizing in the call in tests/ops/test_grouped_matmul_fp8.py and test_glu_mlp_fp8_pallas.py."""
 
 import dataclasses
 

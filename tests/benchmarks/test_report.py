@@ -183,7 +183,7 @@ def test_fp8_profile_and_compile_report_sections_print_their_records(tmp_path):
     lines = build(tmp_path).splitlines()
     fp8_rows = [line for line in lines if line.startswith(f"| {GPU} | layer |")]
     cells = [[c.strip() for c in row.strip("|").split("|")][2:9] for row in fp8_rows]
-    # A record without "weights" (written before --weights) quantized the weights in the call.
+    # A result without "weights" is one whose FP8 layer quantized its weights in the call.
     assert cells == [
         ["fwd+bwd", "fp8_block", "1000", "600", "100", "200", "100"],
         ["fwd", "fp8_block, stored weights", "800", "600", "100", "200", "100"],

@@ -176,17 +176,27 @@ def test_quantized_master_weights_are_read_as_they_are_and_give_their_masters_gr
         np.testing.assert_array_equal(actual, wanted)
 
 
-# The gathered MLP with its rows summed after it pairs two paths that the default case covers one by one: `slow`.
-@pytest.mark.parametrize("gathered_combine", ["inside", pytest.param("after", marks=pytest.mark.slow)])
-def test_fp8_routed_glu_mlp_matches_the_xla_recipe(gathered_combine):
+# The default case drops rows (every path of the others, plus the rows past the sum); the one without drops and the
+# gathered MLP with its rows summed after it pair paths that the default case covers one by one: `slow`.
+@pytest.mark.parametrize(
+    "gathered_combine, dropped",
+    [
+        ("inside", True),
+        pytest.param("inside", False, marks=pytest.mark.slow),
+        pytest.param("after", False, marks=pytest.mark.slow),
+    ],
+)
+def test_fp8_routed_glu_mlp_matches_the_xla_recipe(gathered_combine, dropped):
     """Tokens quantized once each, their FP8 rows gathered by the gate_up kernel ("pallas_gather") or permuted with
     their scales into expert order first ("pallas_sorted"; T = 67, k = 3, one empty expert, ``Routing.positions``
     moves the rows), against the XLA path, which permutes x first and quantizes the rows: the same values. Each
     token's rows are summed (``combine``): on the kernel paths inside the kernels' VJP, whose backward quantizes
     each token's dy once, gathers its FP8 rows in the GLU-backward kernel (gathered) or permutes them (sorted), and
     gathers them in the down wgrad's quantizer (or, with ``gathered_combine`` "after", by ``permute.combine`` after
-    the gathered MLP, which then gets the rows' dy); on the XLA path after the MLP. The kernel paths quantize the
-    same values the same way, so they agree bit for bit."""
+    the gathered MLP, which then gets the rows' dy); on the XLA path after the MLP. With ``dropped`` the last 7
+    sorted rows fall past the sum (as a capacity drop does; ``zero_tail=False``, what moe_ffn runs then): the
+    kernels write them as zeros, which the sum inside their VJP reads, and the XLA path's sum leaves them out. The
+    kernel paths quantize the same values the same way, so they agree bit for bit."""
     rng = np.random.default_rng(5)
     num_tokens, top_k, d, d_ff = 67, 3, 256, 128
     inputs = glu_mlp_inputs(rng, num_tokens * top_k, d, d_ff, 4)
@@ -195,11 +205,13 @@ def test_fp8_routed_glu_mlp_matches_the_xla_recipe(gathered_combine):
     cotangent = jnp.asarray(rng.normal(size=(num_tokens, d)), jnp.float32)
     weights = tuple(jnp.asarray(inputs[name], jnp.bfloat16) for name in ("w_gate_up", "w_down"))
     row_scale = jnp.asarray(inputs["row_scale"], jnp.float32)
+    # Expert 3 is empty, so cutting expert 2's group leaves its last rows at the end of the sorted order.
+    group_sizes = routing.group_sizes - jnp.asarray([0, 0, 7 if dropped else 0, 0], jnp.int32)
 
     def run(backend, combine_after=False):
         def loss(x, w_gate_up, w_down, row_scale):
-            options = dict(row_scale=row_scale, positions=routing.positions, backend=backend)
-            args = (x, routing.sort_indices, top_k, w_gate_up, w_down, routing.group_sizes)
+            options = dict(row_scale=row_scale, positions=routing.positions, backend=backend, zero_tail=not dropped)
+            args = (x, routing.sort_indices, top_k, w_gate_up, w_down, group_sizes)
             if combine_after:
                 rows = glu_mlp_api.routed_glu_mlp(*args, **options, quantization="fp8_block")
                 y = moe_jax.combine(rows, routing.sort_indices, top_k, positions=routing.positions, backend="xla")

@@ -86,8 +86,8 @@ DOWN_NAMES = ArgNames(op="glu_mlp", lhs="x (the hidden activations' dtype)", rhs
 # The gather inside the gate_up kernel saves the permute, whose share of the kernel's time shrinks as 1 / F (bytes
 # ~ M D against FLOPs ~ M D F), and changes what the kernel reads: cp.async rows of x [T, D] instead of TMA boxes of
 # the sorted rows. At F = 768 (qwen3-30b-a3b) gathering wins and keeps the smaller x for the backward; at F = 2048
-# (deepseek-v3, bf16 and FP8), 2880 (gpt-oss-120b) and 14336 (mixtral) the gather costs the kernel more than the
-# permute it saves (docs/kernels/routing.md). Widths between 768 and 2048 are unmeasured.
+# (deepseek-v3 on an H200, bf16 and FP8), 2880 (gpt-oss-120b) and 14336 (mixtral) the gather costs the kernel more
+# than the permute it saves (docs/kernels/routing.md). Widths between 768 and 2048 are unmeasured.
 GATHER_MAX_D_FF = 1024
 
 
@@ -376,8 +376,8 @@ def _pallas_fp8_glu_mlp(
     ``combine`` (a ``permute.combine`` backend, with tokens): y [T, D], each token's k rows summed. The backward
     then takes the tokens' gradient [T, D]: each token's is quantized once (its rows' 1 x 128 blocks are its own),
     the GLU-backward kernel gathers the rows' FP8 values as the gate_up kernel does (``gather``) or reads them
-    permuted as the forward's x (``_expert_rows``), and the down wgrad's quantizer gathers the rows it reads, so no
-    [M, D] bf16 copy of dy is written or quantized."""
+    permuted as the forward's x (``_expert_ordered_rows``), and the down wgrad's quantizer gathers the rows it reads,
+    so no [M, D] bf16 copy of dy is written or quantized."""
     args = (x, w_gate_up, w_down, group_sizes, row_scale, sort_indices, positions, top_k, activation, gather, combine)
     return _fp8_glu_mlp_fwd(*args, with_backward=False)[0]
 
@@ -411,7 +411,7 @@ def _fp8_glu_mlp_fwd(
     w_down_nk, w_down_kn = layouts(w_down, transpose_rhs=False)
     quantized, row_tokens = quantize_kernel_rows(x), _row_tokens(sort_indices, top_k)
     if row_tokens is not None and not gather:
-        quantized = _expert_rows(quantized, sort_indices, top_k, positions)
+        quantized = _expert_ordered_rows(quantized, sort_indices, top_k, positions, row_tokens)
     gate_up_args = (w_gate_up_nk, group_sizes, None, activation, x.dtype)
     # The pre-activation kept in FP8 (the module docstring).
     options = dict(keep=with_backward, keep_blocks=True, row_tokens=row_tokens if gather else None)
@@ -426,12 +426,12 @@ def _fp8_glu_mlp_fwd(
     return y, (x, weights, group_sizes, row_scale, sort_indices, positions, gate_up)
 
 
-def _expert_rows(tokens: BlockScaled, sort_indices, top_k: int, positions) -> BlockScaled:
+def _expert_ordered_rows(tokens: BlockScaled, sort_indices, top_k: int, positions, row_tokens) -> BlockScaled:
     """The tokens' FP8 rows [T, D] (1 x 128 blocks) in expert order [T * k, D]: the values permuted as one-byte rows,
-    the scales (1/32 of their bytes) gathered in XLA."""
+    the scales (1/32 of their bytes) gathered in XLA by ``row_tokens`` [T * k] (each row's token)."""
     backend = _rows_backend(permute_api.kernel_rows(tokens.values))
     values = permute_api.permute(tokens.values, sort_indices, top_k, positions=positions, backend=backend)
-    return BlockScaled(values, tokens.scales[_row_tokens(sort_indices, top_k)], tokens.block_shape)
+    return BlockScaled(values, tokens.scales[row_tokens], tokens.block_shape)
 
 
 def _fp8_glu_mlp_bwd(top_k, activation, gather, combine, residuals, d_y):
@@ -439,7 +439,8 @@ def _fp8_glu_mlp_bwd(top_k, activation, gather, combine, residuals, d_y):
     GEMM's FP8 dgrad and both FP8 wgrads; no gradient for BlockScaled weights. The gate_up wgrad's quantizer gathers
     the tokens' rows itself (no permuted copy of x is written), and x's gradient sums each token's rows
     (``combine``). With ``combine``, d_y is the tokens' [T, D] and row r's is d_y[sort_indices[r] // top_k]
-    (``_pallas_fp8_glu_mlp``)."""
+    (``_pallas_fp8_glu_mlp``): quantized per token, its FP8 rows gathered by the GLU-backward kernel (``gather``) or
+    permuted into expert order first, and gathered by the down wgrad's quantizer."""
     x, weights, group_sizes, row_scale, sort_indices, positions, gate_up = residuals
     w_gate_up, w_gate_up_kn, w_down, w_down_kn = weights
     recipe = reference_fp8.RECIPES[FP8_KERNEL_QUANTIZATION]
@@ -448,7 +449,8 @@ def _fp8_glu_mlp_bwd(top_k, activation, gather, combine, residuals, d_y):
     d_y_tokens = row_tokens if combine is not None else None
     d_y_quantized, glu_row_tokens = quantize_kernel_rows(d_y), d_y_tokens
     if combine is not None and not gather:
-        d_y_quantized, glu_row_tokens = _expert_rows(d_y_quantized, sort_indices, top_k, positions), None
+        d_y_quantized = _expert_ordered_rows(d_y_quantized, sort_indices, top_k, positions, row_tokens)
+        glu_row_tokens = None
     d_gate_up, hidden_scaled, d_row_scale = run_glu_dgrad(
         d_y_quantized,
         w_down_kn,
@@ -525,7 +527,8 @@ def routed_glu_mlp(
       combine: None, or the backend of ``permute.combine`` ("auto", "xla", "pallas") that sums each token's k rows
         (rows past the sum add nothing: zeros with ``zero_tail``, else not read). On the FP8 kernels the sum is
         inside their custom VJP, so the backward takes the tokens' gradient: each token's dy is quantized once, its
-        FP8 rows gathered in the kernels or permuted, and no [T * k, D] bf16 copy of it is written.
+        FP8 rows gathered in the kernels or permuted, and no [T * k, D] bf16 copy of it is written (those kernels
+        write zeros past the sum whatever ``zero_tail`` says, and the sum reads them).
 
     Returns:
       [T * k, D] in x.dtype, in expert-sorted order (what ``combine`` takes); with ``combine`` [T, D].

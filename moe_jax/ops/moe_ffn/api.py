@@ -244,7 +244,7 @@ def routed_experts(
     """
     with jax.named_scope("experts"):
         # The routing weights scale the down projection's rows (its epilogue), so the combine is a plain sum, which
-        # routed_glu_mlp runs (on the FP8 kernels inside their VJP: the backward then gathers dy's rows itself).
+        # routed_glu_mlp runs (on the FP8 kernels inside their VJP: the backward then takes the tokens' dy).
         # Gathered by sort_indices, which is apply_capacity's when it ran (so not Routing.sorted_weights).
         row_weights = routing.weights.reshape(-1)[sort_indices]
         return glu_mlp_api.routed_glu_mlp(
