@@ -447,10 +447,9 @@ def _fp8_glu_mlp_bwd(top_k, activation, gather, combine, residuals, d_y):
     d_y = d_y.astype(x.dtype)
     row_tokens = _row_tokens(sort_indices, top_k)
     d_y_tokens = row_tokens if combine is not None else None
-    d_y_quantized, glu_row_tokens = quantize_kernel_rows(d_y), d_y_tokens
-    if combine is not None and not gather:
+    d_y_quantized = quantize_kernel_rows(d_y)
+    if d_y_tokens is not None and not gather:
         d_y_quantized = _expert_ordered_rows(d_y_quantized, sort_indices, top_k, positions, row_tokens)
-        glu_row_tokens = None
     d_gate_up, hidden_scaled, d_row_scale = run_glu_dgrad(
         d_y_quantized,
         w_down_kn,
@@ -459,7 +458,7 @@ def _fp8_glu_mlp_bwd(top_k, activation, gather, combine, residuals, d_y):
         row_scale,
         activation,
         out_dtype=x.dtype,
-        row_tokens=glu_row_tokens,
+        row_tokens=d_y_tokens if gather else None,
     )
     d_rows = grouped_matmul_api.fp8_dgrad(d_gate_up, w_gate_up_kn, group_sizes, recipe, False, x.dtype)
     wgrad = functools.partial(grouped_matmul_api.fp8_wgrad, quantization=FP8_KERNEL_QUANTIZATION, transpose_rhs=False)
