@@ -67,6 +67,7 @@ from moe_jax.ops.grouped_matmul.schedule import (
     ZERO_TILE,
     row_tile_bands,
 )
+from moe_jax.ops.grouped_matmul.sm90_fresh_product import fresh_product
 from moe_jax.ops.quant import reference as quant_reference
 
 
@@ -378,24 +379,31 @@ def grouped_matmul_rows(
                 else:
                     prefetch()
 
-                def wgmma(acc, slot):
-                    """acc += the slot's x rows of this consumer . w."""
+                def operands(slot):
+                    """The slot's x rows of this consumer and w, as wgmma takes them."""
                     if gathered:
                         gather.acquire_rows(interpret=interpret)
+                    x_tile = x_smem.at[slot, pl.ds(pl.multiple_of(wg * wg_m, wg_m), wg_m)]
+                    w_block = w_smem.at[slot]
+                    return x_tile, w_block.transpose((1, 0)) if w_transposed else w_block
 
-                    def issue():
-                        x_tile = x_smem.at[slot, pl.ds(pl.multiple_of(wg * wg_m, wg_m), wg_m)]
-                        w_block = w_smem.at[slot]
-                        plgpu.wgmma(acc, x_tile, w_block.transpose((1, 0)) if w_transposed else w_block)
-
-                    # A warpgroup with no rows to store skips its MMAs, unless the tile is to last as long as a full
-                    # one: then every warpgroup multiplies (a tile with steps has rows), outside any branch, so the
-                    # MMA of a fresh FP8 accumulator starts from zero itself; under a branch its registers are zeroed
-                    # first, every step.
+                # A warpgroup with no rows to store skips its MMAs, unless the tile is to last as long as a full one:
+                # then every warpgroup multiplies (a tile with steps has rows).
+                def wgmma(acc, slot):
+                    """acc += the slot's x rows of this consumer . w."""
+                    issue = functools.partial(plgpu.wgmma, acc, *operands(slot))
                     if cfg.keep_ctas_in_step:
                         issue()
                     else:
                         pl.when(wg_rows > 0)(issue)
+
+                def fp8_product(slot):
+                    """The slot's x rows of this consumer . w, [wg_m, bn] f32 (FP8: a fresh accumulator a step)."""
+                    multiply = functools.partial(fresh_product, *operands(slot), interpret=interpret)
+                    if cfg.keep_ctas_in_step:
+                        return multiply()
+                    zeros = jnp.zeros((wg_m, bn), jnp.float32)
+                    return lax.cond(wg_rows > 0, multiply, lambda: plgpu.layout_cast(zeros, plgpu.Layout.WGMMA))
 
                 def mma(acc):
                     def issue(k, slot):
@@ -410,7 +418,7 @@ def grouped_matmul_rows(
                     scales = (x_scales_smem, w_scales_smem.at[wg], w_scales_loaded.at[wg])
                     fp8.load_w_scales(w_scales_gmem, tiles_gmem[TILE_GROUP, mi], ni * bn, *scales[1:], steps)
                     acc = fp8.promoted_products(
-                        first_step, steps, stages, produced, consumed, wgmma, scales, (wg_m, bn), wg, ni * bn
+                        first_step, steps, stages, produced, consumed, fp8_product, scales, (wg_m, bn), wg, ni * bn
                     )
                 else:
                     acc = pl.run_scoped(mma, plgpu.ACC((wg_m, bn), jnp.float32))

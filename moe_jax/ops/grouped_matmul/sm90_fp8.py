@@ -4,7 +4,8 @@ per row and 128-wide K block, w with one per 128 x 128 block (the "fp8_block" re
 Hopper's wgmma multiplies FP8 only with both operands K-major (w stored [G, N, K], read transposed) and has no
 block scaling, and it accumulates FP8 products with about 14 bits of precision. So every pipeline step is one
 128-wide K block (block_k = 128: one 128-byte swizzle row of FP8), and a consumer multiplies each step into a fresh
-accumulator, then folds that into an f32 total with both scales ("promotion", as DeepGEMM does):
+accumulator (sm90_fresh_product.py: its registers are never zeroed), then folds that into an f32 total with both
+scales ("promotion", as DeepGEMM does):
 
     total[r, c] += partial[r, c] * x_scale[k, r] * w_scale[g, c // 128, k]          (one w_scale per step and block)
 
@@ -121,9 +122,10 @@ def load_w_scales(w_scales_gmem, group, col0, dst_smem, barrier, steps) -> None:
         plgpu.copy_gmem_to_smem(w_scales_gmem.at[group, blocks], dst_smem, barrier)
 
 
-def promoted_products(first_step, steps, stages: int, produced, consumed, wgmma, scales, shape, wg, col0):
-    """Consumer side of one FP8 tile: each of its ``steps`` K blocks multiplied into a fresh accumulator by
-    ``wgmma(acc, slot)`` and added to the f32 total with its scales. Returns the total [wg_block_m, block_n] f32.
+def promoted_products(first_step, steps, stages: int, produced, consumed, product, scales, shape, wg, col0):
+    """Consumer side of one FP8 tile: each of its ``steps`` K blocks multiplied by ``product(slot)`` (the slot's
+    [wg_block_m, block_n] f32 product, sm90_fresh_product.py) and added to the f32 total with its scales. Returns the
+    total [wg_block_m, block_n] f32.
 
     Args:
       first_step, steps: the tile's pipeline steps (counted over the CTA's tiles, as in sm90_pipeline).
@@ -155,20 +157,15 @@ def promoted_products(first_step, steps, stages: int, produced, consumed, wgmma,
 
     def step(k, total):
         """Adds step k's product times its scales to the total and releases the step's slot."""
-
-        def product(acc):
-            slot = lax.rem(first_step + k, stages)
-            plgpu.barrier_wait(produced.at[slot])
-            scale = tile_scales(k, slot)
-            wgmma(acc, slot)
-            partial = plgpu.wgmma_accumulator_load(acc, wait_n=0)
-            # The partial is in registers; the fence orders the scales' generic-proxy reads before the producer's
-            # next TMA write into the slot.
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(consumed.at[slot])
-            return total + partial * scale
-
-        return pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
+        slot = lax.rem(first_step + k, stages)
+        plgpu.barrier_wait(produced.at[slot])
+        scale = tile_scales(k, slot)
+        partial = product(slot)
+        # The partial is in registers; the fence orders the scales' generic-proxy reads before the producer's next
+        # TMA write into the slot.
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(consumed.at[slot])
+        return total + partial * scale
 
     zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
     return pl.loop(0, steps, init_carry=zeros)(step)

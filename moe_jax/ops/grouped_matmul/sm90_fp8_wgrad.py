@@ -10,8 +10,9 @@ step reads another group's rows and none needs masking. The scales come MN-major
 tile's scales of one block are two contiguous rows, which the producer TMA-loads with the step's tiles into rings of
 their own (the step's "produced" barrier counts four copies).
 
-Promotion, as in the FP8 forward (sm90_fp8.py): each block is multiplied into a fresh accumulator, whose sums of
-128 FP8 products the tensor cores keep to about 14 bits, and added to an f32 total with both operands' scales:
+Promotion, as in the FP8 forward (sm90_fp8.py): each block is multiplied into a fresh accumulator
+(sm90_fresh_product.py), whose sums of 128 FP8 products the tensor cores keep to about 14 bits, and added to an f32
+total with both operands' scales:
 
     total[p, q] += partial[p, q] * x_scale[b, p] * y_scale[b, q]
 
@@ -34,6 +35,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moe_jax.ops.grouped_matmul import sm90_pipeline as pipe
 from moe_jax.ops.grouped_matmul.config import FP8_BLOCK, SMEM_ALIGNMENT, Config
+from moe_jax.ops.grouped_matmul.sm90_fresh_product import fresh_product
 from moe_jax.ops.grouped_matmul.token_blocks import GROUP_BLOCKS, GROUP_FIRST_BLOCK, GROUP_ID
 
 DTYPE = jnp.float8_e4m3fn
@@ -163,16 +165,12 @@ def grouped_matmul_wgrad_fp8(
                 def step(k, total):
                     slot = lax.rem(first_step + k, stages)
                     plgpu.barrier_wait(produced.at[slot])
-
-                    def mma(acc):
-                        # Read before the MMA is issued: read after it, ptxas places the 16 loads a thread between
-                        # its k-steps, and their shared-memory queue holds back the later k-steps.
-                        x_scale = plgpu.load(x_scales_smem.at[slot, rows], layout=_ROW_VECTOR)
-                        y_scale = plgpu.load(y_scales_smem.at[slot], layout=_COLUMN_VECTOR)
-                        plgpu.wgmma(acc, x_smem.at[slot, rows], y_smem.at[slot].transpose((1, 0)))
-                        return acc[...], x_scale, y_scale
-
-                    partial, x_scale, y_scale = pl.run_scoped(mma, plgpu.ACC((wg_m, bn), jnp.float32))
+                    # Read before the MMA is issued: read after it, ptxas places the 16 loads a thread between its
+                    # k-steps, and their shared-memory queue holds back the later k-steps.
+                    x_scale = plgpu.load(x_scales_smem.at[slot, rows], layout=_ROW_VECTOR)
+                    y_scale = plgpu.load(y_scales_smem.at[slot], layout=_COLUMN_VECTOR)
+                    x_tile, y_tile = x_smem.at[slot, rows], y_smem.at[slot].transpose((1, 0))
+                    partial = fresh_product(x_tile, y_tile, interpret=interpret)
                     # The slot's scales were generic-proxy reads (docs/kernels/grouped_matmul.md, "FP8 wgrad").
                     pipe.release_after_reads(consumed.at[slot], interpret=interpret)
                     x_scale = lax.broadcast_in_dim(x_scale, (wg_m, bn), [0])
