@@ -13,6 +13,7 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
+from jax._src.lib.mlir import ir
 from jax._src.mesh import AbstractDevice
 from jax.sharding import AbstractMesh
 
@@ -20,6 +21,7 @@ import moe_jax
 from benchmarks import shapes
 from moe_jax._core import backend as dispatch
 from moe_jax.ops.grouped_matmul import config, launch, sm90_fp8_wgrad
+from moe_jax.ops.grouped_matmul import sm90_fresh_product as fresh
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp, gate_up_block
 from tests.helpers import cuda_lowering
 
@@ -193,3 +195,35 @@ def test_quantize_master_inside_a_differentiated_function_lowers(monkeypatch):
     kernels = set(re.findall(r"moe_\w+?_mosaic_gpu", cuda_lowering(grad, weights, x, group_sizes)))
     expected = ("moe_quantize_square_blocks", "moe_gmm_fp8", "moe_gmm_wgrad_fp8")
     assert {f"{name}_mosaic_gpu" for name in expected} <= kernels
+
+
+class _WgmmaRecorder:
+    """Stands in for sm90_fresh_product's ``llvm``: records the scale-d operand (0 or 1) of every wgmma instruction
+    that passes through it."""
+
+    def __init__(self, llvm):
+        self.llvm = llvm
+        self.scale_d = []
+
+    def __getattr__(self, name):
+        return getattr(self.llvm, name)
+
+    def inline_asm(self, result, operands, asm, constraints, **kwargs):
+        if "wgmma.mma_async" in asm:
+            operand = int(re.search(r"setp\.ne\.b32 p, \$(\d+), 0;", asm).group(1))
+            outputs = sum(kind.startswith("=") for kind in constraints.split(","))
+            constant = operands[operand - outputs].owner.attributes["value"]
+            self.scale_d.append(ir.IntegerAttr(constant).value)
+        return self.llvm.inline_asm(result, operands, asm, constraints, **kwargs)
+
+
+@pytest.mark.parametrize("name", ["dsv3-ep8/gate_up", "gpt-oss-120b/down"])
+def test_each_step_product_ignores_its_accumulator_registers(monkeypatch, name):
+    """Every fresh product of the FP8 kernels (forward, dgrad, wgrad) lowers to wgmma instructions of which the first
+    has scale-d = 0 (its accumulator's registers are never set) and the others 1: four k-steps of 32 a 128-wide block,
+    in one 128-byte swizzle group or (gpt-oss's K = 2880: sm90_fp8.ring_swizzle_columns) two 64-byte ones."""
+    recorder = _WgmmaRecorder(fresh.llvm)
+    monkeypatch.setattr(fresh, "llvm", recorder)
+    _fwd_bwd_text(name)
+    products = [recorder.scale_d[i : i + 4] for i in range(0, len(recorder.scale_d), 4)]
+    assert len(products) == 3 and products == [[0, 1, 1, 1]] * 3, recorder.scale_d
