@@ -312,7 +312,9 @@ def received_experts(recv_x, recv_weights, recv_experts, w_gate_up, w_down, *, a
     num_local = w_down.shape[0]
     order = jnp.argsort(recv_experts, stable=True).astype(jnp.int32)
     local_sizes = jnp.sum(recv_experts[None, :] == jnp.arange(num_local)[:, None], axis=1, dtype=jnp.int32)
-    out_sorted = glu_mlp_api.routed_glu_mlp(
+    # top_k 1: the combine puts each row back in receive order (on the FP8 kernels inside their VJP, whose backward
+    # then quantizes each received row's dy once and permutes its FP8 copy).
+    return glu_mlp_api.routed_glu_mlp(
         recv_x,
         order,
         1,
@@ -324,9 +326,8 @@ def received_experts(recv_x, recv_weights, recv_experts, w_gate_up, w_down, *, a
         zero_tail=False,  # the empty slots lie past the local sum
         backend=backend.experts,
         quantization=backend.quantization,
+        combine=backend.combine,
     )
-    # top_k 1: the combine puts each row back in receive order.
-    return permute_api.combine(out_sorted, order, 1, num_rows=jnp.sum(local_sizes), backend=backend.combine)
 
 
 def dispatch(

@@ -326,14 +326,7 @@ def test_all_to_all_runs_the_pallas_kernels():
     float64 oracle. bf16: relative-norm 1e-2, the bf16 layer's tolerance (test_moe_ffn_pallas.py)."""
     t, d, f, e, k = 32, 128, 64, 4, 2
     x, router, w_gate_up, w_down, cotangent = layer_inputs(3, t, d, f, e)
-
-    def loss(x, w_gate_up, w_down):
-        y, aux = moe_ffn_expert_parallel(x, router, w_gate_up, w_down, top_k=k, dispatch="all_to_all", backend="pallas")
-        return jnp.sum(y.astype(jnp.float32) * cotangent), y
-
-    mesh = jax.make_mesh((1, 1), ("data", "expert"), axis_types=(AxisType.Explicit,) * 2)
-    with jax.set_mesh(mesh), checked_interpreter():
-        grads, y = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(x, w_gate_up, w_down)
+    y, grads = _all_to_all_on_the_kernels(x, router, w_gate_up, w_down, cotangent, k)
     arrays = [np.asarray(a, np.float64) for a in (x, router, moe_jax.unpack_gate_up(w_gate_up), w_down)]
     exact_y, _ = oracle.moe_ffn(*arrays, top_k=k)
     exact = oracle.moe_ffn_gradients(*arrays, np.asarray(cotangent, np.float64), top_k=k, load_balancing_weight=0.0)
@@ -341,3 +334,39 @@ def test_all_to_all_runs_the_pallas_kernels():
     actual = dict(x=grads[0], w_gate_up=moe_jax.unpack_gate_up(grads[1]), w_down=grads[2])
     for name, value in actual.items():
         assert oracle.relative_error(value, exact[name]) <= 1e-2, name
+
+
+def test_all_to_all_runs_the_fp8_kernels():
+    """The same with FP8 expert GEMMs, whose custom VJP also puts the received rows back in their receive order (its
+    backward quantizes each received row's dy once), against moe_ffn's FP8 XLA path on one device: the same operands
+    quantized the same way, so test_moe_ffn_fp8_pallas.py's tolerances (2e-2 for y, 3e-2 for the gradients), which a
+    received row lost or put back in the wrong place exceeds (the error of one row of 32 is O(1) / sqrt(32))."""
+    t, d, f, e, k = 32, 128, 64, 4, 2
+    x, router, w_gate_up, w_down, cotangent = layer_inputs(3, t, d, f, e)
+    y, grads = _all_to_all_on_the_kernels(x, router, w_gate_up, w_down, cotangent, k, quantization="fp8_block")
+
+    def reference_loss(x, w_gate_up, w_down):
+        y, _ = moe_jax.moe_ffn(x, router, w_gate_up, w_down, top_k=k, backend="xla", quantization="fp8_block")
+        return jnp.sum(y.astype(jnp.float32) * cotangent), y
+
+    reference = jax.jit(jax.grad(reference_loss, argnums=(0, 1, 2), has_aux=True))
+    expected_grads, expected_y = reference(x, w_gate_up, w_down)
+    assert oracle.relative_error(y, expected_y) <= 2e-2
+    # The leaves: x, the packed gate/up array, w_down.
+    pairs = zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads), strict=True)
+    for name, (value, expected) in zip(("x", "w_gate_up", "w_down"), pairs, strict=True):
+        assert oracle.relative_error(value, expected) <= 3e-2, name
+
+
+def _all_to_all_on_the_kernels(x, router, w_gate_up, w_down, cotangent, top_k, quantization=None):
+    """(y, gradients of sum(y * cotangent) by x, w_gate_up and w_down) of the all-to-all path on a (1, 1) mesh."""
+
+    def loss(x, w_gate_up, w_down):
+        options = dict(top_k=top_k, dispatch="all_to_all", backend="pallas", quantization=quantization)
+        y, _ = moe_ffn_expert_parallel(x, router, w_gate_up, w_down, **options)
+        return jnp.sum(y.astype(jnp.float32) * cotangent), y
+
+    mesh = jax.make_mesh((1, 1), ("data", "expert"), axis_types=(AxisType.Explicit,) * 2)
+    with jax.set_mesh(mesh), checked_interpreter():
+        grads, y = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(x, w_gate_up, w_down)
+    return y, grads
