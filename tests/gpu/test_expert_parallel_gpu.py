@@ -155,8 +155,9 @@ def test_pallas_over_devices_matches_reference(num_devices, case, layout):
 # FP8 expert GEMMs over the devices against moe_ffn's FP8 XLA recipe on one: the same operands quantized the same
 # way (a token's 1 x 128 blocks, an expert's 128 x 128, a group's 128-row blocks in the same row order). Each side
 # rounds its own bf16 pre-activation, which the backward keeps in e4m3, so a rounding flip next to an e4m3 boundary
-# moves a kept value by a whole e4m3 step: test_glu_mlp_gpu.py's FP8_TOL (5e-2) covers those, and a received row lost
-# or misplaced exceeds it. The router and the losses stay in high precision.
+# moves a kept value by a whole e4m3 step: test_glu_mlp_gpu.py's FP8_TOL (5e-2) covers those. In the relative norm
+# of 4096 tokens one row lost or misplaced weighs little: the interpreter test tests/parallel/test_all_to_all.py
+# (32 tokens) is the one that catches a single row. The router and the losses stay in high precision.
 FP8_TOL = 5e-2
 
 

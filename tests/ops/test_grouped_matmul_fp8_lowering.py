@@ -210,20 +210,20 @@ class _WgmmaRecorder:
 
     def inline_asm(self, result, operands, asm, constraints, **kwargs):
         if "wgmma.mma_async" in asm:
-            operand = int(re.search(r"setp\.ne\.b32 p, \$(\d+), 0;", asm).group(1))
-            outputs = sum(kind.startswith("=") for kind in constraints.split(","))
-            constant = operands[operand - outputs].owner.attributes["value"]
+            constant = operands[fresh._scale_d_index(asm, constraints)].owner.attributes["value"]
             self.scale_d.append(ir.IntegerAttr(constant).value)
         return self.llvm.inline_asm(result, operands, asm, constraints, **kwargs)
 
 
-@pytest.mark.parametrize("name", ["dsv3-ep8/gate_up", "gpt-oss-120b/down"])
+@pytest.mark.parametrize("name", ["dsv3-ep8/gate_up", "gpt-oss-120b/down", "qwen3-30b/down"])
 def test_each_step_product_ignores_its_accumulator_registers(monkeypatch, name):
     """Every fresh product of the FP8 kernels (forward, dgrad, wgrad) lowers to wgmma instructions of which the first
     has scale-d = 0 (its accumulator's registers are never set) and the others 1: four k-steps of 32 a 128-wide block,
-    in one 128-byte swizzle group or (gpt-oss's K = 2880: sm90_fp8.ring_swizzle_columns) two 64-byte ones."""
+    in one 128-byte swizzle group or (gpt-oss's K = 2880: sm90_fp8.ring_swizzle_columns) two 64-byte ones. At
+    qwen3-30b's short groups the forward and the dgrad multiply under a branch (a consumer without rows to store
+    skips its MMAs: Config.keep_ctas_in_step off), at the other two shapes outside any."""
     recorder = _WgmmaRecorder(fresh.llvm)
     monkeypatch.setattr(fresh, "llvm", recorder)
     _fwd_bwd_text(name)
     products = [recorder.scale_d[i : i + 4] for i in range(0, len(recorder.scale_d), 4)]
-    assert len(products) == 3 and products == [[0, 1, 1, 1]] * 3, recorder.scale_d
+    assert products == [[0, 1, 1, 1]] * 3, recorder.scale_d

@@ -402,8 +402,7 @@ def grouped_matmul_rows(
                     multiply = functools.partial(fresh_product, *operands(slot), interpret=interpret)
                     if cfg.keep_ctas_in_step:
                         return multiply()
-                    zeros = jnp.zeros((wg_m, bn), jnp.float32)
-                    return lax.cond(wg_rows > 0, multiply, lambda: plgpu.layout_cast(zeros, plgpu.Layout.WGMMA))
+                    return lax.cond(wg_rows > 0, multiply, lambda: pipe.empty_chunks(1, wg_m, bn, jnp.float32)[0])
 
                 def mma(acc):
                     def issue(k, slot):

@@ -2,17 +2,16 @@
 accumulator's registers (PTX's scale-d = 0), as a Pallas primitive for the FP8 kernels' steps.
 
 Every step of the FP8 kernels multiplies one 128-wide K block into a fresh accumulator and promotes it (sm90_fp8.py,
-sm90_fp8_wgrad.py). Pallas's form of that is an ``ACC`` zeroed in registers, which every wgmma instruction then adds
-to: Mosaic GPU always passes scale-d = 1. ptxas drops those zeros where the wgmma is issued unconditionally, but
-under a branch (the forward's consumers skip the MMAs of rows they do not store) it zeroes the accumulator's 64-96
-registers a thread every step, which cost the deepseek-v3 forward's 7168-deep steps 9 % on an H200 (docs/kernels/
-grouped_matmul.md, "FP8"). Here the accumulator's registers are left undefined and the first instruction is told to
-ignore them.
+sm90_fp8_wgrad.py). Pallas's form of that is an ``ACC`` set to zero in registers, which every wgmma instruction then
+adds to: Mosaic GPU always passes scale-d = 1. Here the accumulator's registers are left undefined and the first
+instruction is told to ignore them: the same values, and on an H200 the FP8 forward kernel runs 5-10 % faster at
+the deepseek-v3 and gpt-oss-120b projections (docs/kernels/grouped_matmul.md, "FP8").
 
-The lowering runs Pallas's own wgmma lowering (its operand checks and descriptors) and, for that call and in this
-thread only, rewrites the scale-d operand of the first wgmma instruction that Mosaic GPU emits to 0. It raises where
-it finds no instruction to rewrite, so a Mosaic GPU that emits wgmma differently fails at lowering, never silently.
-Under the interpreter (which runs no lowering) the product is the zeroed ``ACC``'s: the same values.
+The lowering runs Pallas's own wgmma lowering (its operand checks and descriptors) while the wgmma module's ``llvm``
+is a stand-in that, in the lowering thread only, rewrites the scale-d operand of the first wgmma instruction that
+Mosaic GPU emits to 0. It raises where it finds no instruction to rewrite, so a Mosaic GPU that emits wgmma
+differently fails at lowering, never silently. Under the interpreter (which runs no lowering) the product is the
+zeroed ``ACC``'s.
 """
 
 import contextlib
@@ -67,7 +66,7 @@ def fresh_product(a, b, *, interpret) -> jax.Array:
 def _ref_and_transforms(ref):
     if isinstance(ref, pallas_core.TransformedRef):
         return ref.ref, ref.transforms
-    return ref, ()
+    return ref, None
 
 
 _fresh_product_p = jax_core.Primitive("moe_fresh_wgmma_product")
@@ -87,7 +86,7 @@ def _fresh_product_lowering(ctx, a, b, *leaves, a_transforms_tree, b_transforms_
     undefined = mgpu.FragmentedArray.splat(llvm.mlir_undef(f32), shape, mgpu.WGMMA_LAYOUT)
     acc = mgpu.WGMMAAccumulator.from_registers(undefined)
     acc_aval = gpu_core.WGMMAAbstractAccumulatorRef(jax_core.ShapedArray(shape, jnp.float32))
-    with _first_wgmma_ignores_accumulator():
+    with _REWRITER.rewriting():
         acc = gpu_primitives._wgmma_lowering(
             ctx.replace(avals_in=(acc_aval, *ctx.avals_in)),
             acc,
@@ -102,40 +101,57 @@ def _fresh_product_lowering(ctx, a, b, *leaves, a_transforms_tree, b_transforms_
     return acc.value
 
 
-class _ScaleDRewriter:
-    """Stands in for the wgmma module's ``llvm``: passes every call through, except that the first wgmma
-    instruction emitted by ``owner`` gets scale-d = 0."""
+def _scale_d_index(asm: str, constraints: str) -> int:
+    """The position among a Mosaic GPU wgmma asm's operands (its inputs) of its scale-d immediate."""
+    match = _SCALE_D.search(asm)
+    kinds = constraints.split(",")
+    if match is None or kinds[int(match.group(1))] != "n":
+        raise NotImplementedError(f"fresh_product: a wgmma asm without a literal scale-d operand: {asm!r}")
+    outputs = sum(kind.startswith("=") for kind in kinds)
+    return int(match.group(1)) - outputs
 
-    def __init__(self, owner: int):
-        self.owner = owner
-        self.rewritten = 0
+
+class _FirstWgmmaRewriter:
+    """Stands in for the wgmma module's ``llvm`` while any thread lowers a fresh product: passes every call through,
+    except that in a thread inside ``rewriting()`` the first wgmma instruction gets scale-d = 0. Installed by the
+    first such thread and removed by the last (a lock counts them), so other threads' wgmma pass through unchanged."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._users = 0
+        self._real = None
+        self._thread = threading.local()
 
     def __getattr__(self, name):
         return getattr(llvm, name)
 
+    @contextlib.contextmanager
+    def rewriting(self):
+        with self._lock:
+            if self._users == 0:
+                self._real = _WGMMA_MODULE.llvm
+                _WGMMA_MODULE.llvm = self
+            self._users += 1
+        self._thread.pending = True
+        try:
+            yield
+        finally:
+            rewritten = not self._thread.pending
+            self._thread.pending = False
+            with self._lock:
+                self._users -= 1
+                if self._users == 0:
+                    _WGMMA_MODULE.llvm = self._real
+        if not rewritten:
+            raise NotImplementedError("fresh_product: Mosaic GPU's wgmma lowering emitted no wgmma to rewrite")
+
     def inline_asm(self, result, operands, asm, constraints, **kwargs):
-        if self.rewritten or threading.get_ident() != self.owner or "wgmma.mma_async" not in asm:
-            return llvm.inline_asm(result, operands, asm, constraints, **kwargs)
-        match = _SCALE_D.search(asm)
-        kinds = constraints.split(",")
-        outputs = sum(kind.startswith("=") for kind in kinds)
-        if match is None or kinds[int(match.group(1))] != "n":
-            raise NotImplementedError(f"fresh_product: a wgmma asm without a literal scale-d operand: {asm!r}")
-        operands = list(operands)
-        i32 = ir.IntegerType.get_signless(32)
-        operands[int(match.group(1)) - outputs] = llvm.ConstantOp(i32, ir.IntegerAttr.get(i32, 0)).result
-        self.rewritten += 1
+        if getattr(self._thread, "pending", False) and "wgmma.mma_async" in asm:
+            operands = list(operands)
+            i32 = ir.IntegerType.get_signless(32)
+            operands[_scale_d_index(asm, constraints)] = llvm.ConstantOp(i32, ir.IntegerAttr.get(i32, 0)).result
+            self._thread.pending = False
         return llvm.inline_asm(result, operands, asm, constraints, **kwargs)
 
 
-@contextlib.contextmanager
-def _first_wgmma_ignores_accumulator():
-    rewriter = _ScaleDRewriter(threading.get_ident())
-    real = _WGMMA_MODULE.llvm
-    _WGMMA_MODULE.llvm = rewriter
-    try:
-        yield
-    finally:
-        _WGMMA_MODULE.llvm = real
-    if not rewriter.rewritten:
-        raise NotImplementedError("fresh_product: Mosaic GPU's wgmma lowering emitted no wgmma instruction to rewrite")
+_REWRITER = _FirstWgmmaRewriter()
