@@ -313,7 +313,7 @@ def received_experts(recv_x, recv_weights, recv_experts, w_gate_up, w_down, *, a
     order = jnp.argsort(recv_experts, stable=True).astype(jnp.int32)
     local_sizes = jnp.sum(recv_experts[None, :] == jnp.arange(num_local)[:, None], axis=1, dtype=jnp.int32)
     # top_k 1: the combine puts each row back in receive order (on the FP8 kernels inside their VJP, whose backward
-    # then quantizes each received row's dy once and permutes its FP8 copy).
+    # then quantizes each received row's dy once).
     return glu_mlp_api.routed_glu_mlp(
         recv_x,
         order,

@@ -167,5 +167,4 @@ def promoted_products(first_step, steps, stages: int, produced, consumed, produc
         plgpu.barrier_arrive(consumed.at[slot])
         return total + partial * scale
 
-    zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
-    return pl.loop(0, steps, init_carry=zeros)(step)
+    return pl.loop(0, steps, init_carry=pipe.empty_chunks(1, *shape, jnp.float32)[0])(step)

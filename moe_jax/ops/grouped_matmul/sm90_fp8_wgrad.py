@@ -176,8 +176,7 @@ def grouped_matmul_wgrad_fp8(
                     x_scale = lax.broadcast_in_dim(x_scale, (wg_m, bn), [0])
                     return total + partial * x_scale * lax.broadcast_in_dim(y_scale, (wg_m, bn), [1])
 
-                zeros = plgpu.layout_cast(jnp.zeros((wg_m, bn), jnp.float32), plgpu.Layout.WGMMA)
-                total = pl.loop(0, steps, init_carry=zeros)(step)
+                total = pl.loop(0, steps, init_carry=pipe.empty_chunks(1, wg_m, bn, jnp.float32)[0])(step)
                 return steps, (pipe.column_chunks(total.astype(out_dtype), epi_n), (group, pi, qi))
 
             empty = (pipe.empty_chunks(bn // epi_n, wg_m, epi_n, out_dtype), (jnp.int32(0),) * 3)
