@@ -135,7 +135,7 @@ def main(argv=None) -> None:
 def _print(result: dict) -> None:
     mode = "fwd+bwd" if result["backward"] else "fwd"
     total = result["total_us"]
-    what = f"quantization={result['quantization']}" + (", stored weights" if result.get("weights") == "stored" else "")
+    what = f"quantization={result['quantization']}" + (", stored weights" if result["weights"] == "stored" else "")
     print(f"\n{result['shape']} {mode} {what}: {total:.0f} µs of kernels per call")
     for name, us in result["classes_us"].items():
         print(f"  {name:9s} {us:9.0f} µs  {us / total:6.1%}")

@@ -4,8 +4,8 @@ accumulator's registers (PTX's scale-d = 0), as a Pallas primitive for the FP8 k
 Every step of the FP8 kernels multiplies one 128-wide K block into a fresh accumulator and promotes it (sm90_fp8.py,
 sm90_fp8_wgrad.py). Pallas's form of that is an ``ACC`` set to zero in registers, which every wgmma instruction then
 adds to: Mosaic GPU always passes scale-d = 1. Here the accumulator's registers are left undefined and the first
-instruction is told to ignore them: the same values, and on an H200 the FP8 forward kernel runs 5-10 % faster at
-the deepseek-v3 and gpt-oss-120b projections (docs/kernels/grouped_matmul.md, "FP8").
+instruction is told to ignore them: the same values, and a faster FP8 forward kernel on an H200 at the long
+contractions (deepseek-v3, gpt-oss-120b; measured in docs/kernels/grouped_matmul.md, "FP8").
 
 The lowering runs Pallas's own wgmma lowering (its operand checks and descriptors) while the wgmma module's ``llvm``
 is a stand-in that, in the lowering thread only, rewrites the scale-d operand of the first wgmma instruction that
@@ -97,7 +97,7 @@ def _fresh_product_lowering(ctx, a, b, *leaves, a_transforms_tree, b_transforms_
             a_transforms_tree=a_transforms_tree,
             b_transforms_tree=b_transforms_tree,
         )
-    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "wgmma.wait_group.sync.aligned 0;", "", has_side_effects=True)
+    gpu_primitives._wgmma_wait_lowering(ctx, n=0)
     return acc.value
 
 
