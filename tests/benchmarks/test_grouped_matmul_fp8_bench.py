@@ -25,8 +25,12 @@ def test_floor_bytes_are_fp8_weights_and_bf16_activations_and_output():
     assert grouped_matmul.fp8_hbm_floor_bytes(s) == 4 * 128 * 256 + 2 * (256 * 128 + 256 * 256)
 
 
-def test_tiny_run_times_the_dense_fp8_matmul_and_checks_the_op():
-    records = grouped_matmul.run("gmm", [GMM_SHAPES["ci/gate_up"]], TINY, emit=lambda record: None)
+@pytest.mark.parametrize("quantization", ["fp8_block", "mxfp8"])
+def test_tiny_run_times_the_dense_fp8_matmul_and_checks_the_op(quantization):
+    """Both recipes' forward and dgrad rows (mxfp8's dgrad on weights quantized again along N) against the XLA
+    implementation of the same recipe."""
+    options = dataclasses.replace(TINY, quantization=quantization)
+    records = grouped_matmul.run("gmm", [GMM_SHAPES["ci/gate_up"]], options, emit=lambda record: None)
     assert [(r.bench, r.impl) for r in records] == [
         ("gmm-fp8", "dense"),
         ("gmm-fp8", "hbm-floor"),
@@ -35,7 +39,7 @@ def test_tiny_run_times_the_dense_fp8_matmul_and_checks_the_op():
     ]
     assert all(r.status == "ok" and r.timing is not None for r in records)
     for record in records[2:]:
-        assert record.rel_err < BF16_TOL and "XLA fp8_block implementation" in record.checked_against
+        assert record.rel_err < BF16_TOL and f"XLA {quantization} implementation" in record.checked_against
 
 
 def test_quantization_is_for_the_forward_bench_only():
