@@ -200,7 +200,6 @@ def _args(k=256, n=256):
 @pytest.mark.parametrize(
     "options, match",
     [
-        (dict(quantization="mxfp8"), "runs quantization='fp8_block'"),
         (dict(quantization="fp8_block", n=96), "N must be a positive multiple of 64"),
         (dict(quantization="fp8_block", activation="swiglu", unpacked=True), "PackedGateUp"),
     ],
@@ -223,12 +222,12 @@ def test_float64_inputs_whose_output_the_kernel_cannot_write_say_why():
 
 
 def test_auto_takes_the_fp8_kernel_on_sm90_where_it_runs():
-    """On an sm90 GPU "auto" runs a quantized call on the FP8 kernel where it applies (fp8_block), else in XLA
-    (mxfp8's 1 x 32 blocks)."""
+    """On an sm90 GPU "auto" runs an fp8_block call on the FP8 kernel where it applies, else in XLA (mxfp8's choice:
+    tests/ops/test_grouped_matmul_mxfp8_pallas.py)."""
     lhs, rhs, _ = _args()
     with mock.patch.object(dispatch, "has_sm90_gpu", return_value=True):
-        for quantization, expected in (("fp8_block", "pallas"), ("mxfp8", "xla")):
-            call = api._gemm_call(lhs, rhs, 256, 256, None, quantization)
+        for num_cols, expected in ((256, "pallas"), (96, "xla")):
+            call = api._gemm_call(lhs, rhs, 256, num_cols, None, "fp8_block")
             assert dispatch.select("grouped_matmul", "auto", api.IMPLEMENTATIONS, call).name == expected
 
 

@@ -28,10 +28,11 @@ on the FP8 kernels (fp8_block, "auto" / "pallas"):
 Each weight is quantized once per call into both of its layouts (the forward's and the dgrad's, the same 128 x 128
 blocks), the forward and the backward sharing them; gradients reach the high-precision weights straight through,
 and BlockScaled weights get none. reference.py defines this recipe (where it quantizes what) and is the "xla"
-implementation (mxfp8 runs there only). h is written in x's dtype and quantized by its own pass (not in the gate_up
-epilogue: a 1 x 128 block of h spans two of the FP8 kernel's 64-hidden-column tiles). Keeping gu in FP8, as
-DeepSeek-V3 caches its SwiGLU inputs, halves the largest array the backward keeps (M * 2F bytes and an f32 scale per
-128); the gate_up kernel writes it from its accumulators (``launch.run_fp8_forward_kernel``'s ``keep_blocks``; else
+implementation; "mxfp8" runs it under "pallas" too, its GEMMs on the bf16 kernels (its dequantized operands are
+exact in bf16: ``reference_fp8.Recipe.exact_in_bf16``), the rows permuted first. h is written in x's dtype and
+quantized by its own pass (not in the gate_up epilogue: a 1 x 128 block of h spans two of the FP8 kernel's
+64-hidden-column tiles). Keeping gu in FP8, as DeepSeek-V3 caches its SwiGLU inputs, halves the largest array the
+backward keeps (M * 2F bytes and an f32 scale per 128); the gate_up kernel writes it from its accumulators (``launch.run_fp8_forward_kernel``'s ``keep_blocks``; else
 a quantize pass over a bf16 copy: the same bits), and the GLU-backward kernel reads the FP8 rows and their scales and
 dequantizes them in f32 in its epilogue (half the bytes it read in x's dtype, and no dequantized copy written).
 
@@ -152,7 +153,8 @@ def _kernels_unsupported(call: MlpCall) -> str | None:
         w_gate_up, w_down = call.weights
         gemms = ((call.d_model, 2 * call.d_ff, call.activation, w_gate_up), (call.d_ff, call.d_model, None, w_down))
         problem = grouped_matmul_api.fp8_kernels_unsupported(call.dtype, gemms, call.quantization)
-        if problem is None and call.dtype not in map(jnp.dtype, KERNEL_DTYPES):
+        exact_in_bf16 = reference_fp8.RECIPES[call.quantization].exact_in_bf16
+        if problem is None and not exact_in_bf16 and call.dtype not in map(jnp.dtype, KERNEL_DTYPES):
             # Its tiles of 32-bit pre-activations would leave the pipeline no room in shared memory.
             problem = (
                 "with quantization the GLU backward kernel reads the pre-activation in x's dtype, which must be "
@@ -169,6 +171,8 @@ def _gather_preferred(call: MlpCall) -> bool:
 
 
 def _gather_unsupported(call: MlpCall) -> str | None:
+    if call.quantization is not None and reference_fp8.RECIPES[call.quantization].exact_in_bf16:
+        return f"{call.quantization!r} multiplies permuted rows (the bf16 kernels on its dequantized operands)"
     if call.quantization is not None and call.d_model % FP8_BLOCK:
         # A gathered row's step is one 128-byte copy of its FP8 values; a partial last K block has none.
         return f"the FP8 kernel gathers rows in 128-column K blocks: D must be a multiple of {FP8_BLOCK}"
@@ -226,8 +230,8 @@ def glu_mlp(
       recompute_gate_up: deprecated and ignored (results are the same either way): the backward keeps the
         pre-activation.
       quantization: None, "fp8_block" or "mxfp8": both GEMMs on block-scaled FP8 operands, as
-        ``grouped_matmul(quantization=...)`` defines them (the backward: the module docstring; the kernels need x in
-        bf16 or f16). The weights may then also be
+        ``grouped_matmul(quantization=...)`` defines them (the backward: the module docstring; the FP8 kernels need
+        x in bf16 or f16, mxfp8's bf16 kernels D and F multiples of 64). The weights may then also be
         ``BlockScaled`` (``quantize_weights``; w_gate_up as a PackedGateUp of one for the kernels), which get no
         gradient, or, with "fp8_block", ``QuantizedMaster`` (``quantize_master``, w_gate_up packed first), whose
         copies the kernels read and whose master gets the gradient; x stays high precision.
@@ -347,10 +351,12 @@ def _quantized_glu_mlp(
     rows. ``combine`` (kernels only): the backend of ``permute.combine`` summing each token's rows into y [T, D]
     inside the custom VJP (``_pallas_fp8_glu_mlp``)."""
     sort_indices, top_k, positions = routed
-    if implementation == "xla":
+    if implementation == "xla" or reference_fp8.RECIPES[quantization].exact_in_bf16:
+        on_kernels = implementation != "xla"
         if sort_indices is not None:
-            x = permute_api.permute(x, sort_indices, top_k, positions=positions, backend="xla")
-        return reference.quantized_glu_mlp(
+            rows_backend = _rows_backend(x) if on_kernels else "xla"
+            x = permute_api.permute(x, sort_indices, top_k, positions=positions, backend=rows_backend)
+        y = reference.quantized_glu_mlp(
             x,
             grouped_matmul_api.master_weights(w_gate_up),
             grouped_matmul_api.master_weights(w_down),
@@ -358,7 +364,11 @@ def _quantized_glu_mlp(
             activation=activation,
             quantization=quantization,
             row_scale=row_scale,
+            gemms=grouped_matmul_api.BF16_KERNEL_GEMMS if on_kernels else reference_fp8.XLA_GEMMS,
         )
+        if combine is None:
+            return y
+        return permute_api.combine(y, sort_indices, top_k, positions=positions, backend=combine)
     weights, _ = reference_fp8.stored_weights(w_gate_up, activation, False)
     scale = None if row_scale is None else row_scale.astype(jnp.float32)
     args = (x, weights, w_down, jnp.maximum(group_sizes, 0), scale, sort_indices, positions)

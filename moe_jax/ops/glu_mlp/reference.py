@@ -52,36 +52,37 @@ def quantized_glu_mlp(
     activation: str,
     quantization: str,
     row_scale: jax.Array | None = None,
+    gemms: reference_fp8.Gemms = reference_fp8.XLA_GEMMS,
 ) -> jax.Array:
     """Reference for ``moe_jax.glu_mlp(quantization=...)``: x [M, D] high precision; the weights [G, D, 2F] and
     [G, F, D] high precision or BlockScaled (no gradient); row_scale [M] or None -> [M, D] in x.dtype, with the FP8
-    recipe's gradients (the module docstring)."""
+    recipe's gradients (the module docstring); every GEMM's dequantized operands multiplied by ``gemms``."""
     recipe = reference_fp8.RECIPES[quantization]
     weights, block = reference_fp8.stored_weights(w_gate_up, activation, False)
     group_sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    return _quantized_mlp(x, weights, w_down, group_sizes, row_scale, block, activation, recipe)
+    return _quantized_mlp(x, weights, w_down, group_sizes, row_scale, block, activation, recipe, gemms)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _quantized_mlp(x, w_gate_up, w_down, group_sizes, row_scale, block, activation, recipe):
-    return _quantized_mlp_fwd(x, w_gate_up, w_down, group_sizes, row_scale, block, activation, recipe)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _quantized_mlp(x, w_gate_up, w_down, group_sizes, row_scale, block, activation, recipe, gemms):
+    return _quantized_mlp_fwd(x, w_gate_up, w_down, group_sizes, row_scale, block, activation, recipe, gemms)[0]
 
 
-def _quantized_mlp_fwd(x, w_gate_up, w_down, group_sizes, row_scale, block, activation, recipe):
-    pre, w_gate_up_q = reference_fp8.quantized_forward(x, w_gate_up, group_sizes, recipe, False)
+def _quantized_mlp_fwd(x, w_gate_up, w_down, group_sizes, row_scale, block, activation, recipe, gemms):
+    pre, w_gate_up_q = reference_fp8.quantized_forward(x, w_gate_up, group_sizes, recipe, False, gemms)
     hidden = reference.epilogue(pre, block, activation, None, x.dtype)
-    out, w_down_q = reference_fp8.quantized_forward(hidden, w_down, group_sizes, recipe, False)
+    out, w_down_q = reference_fp8.quantized_forward(hidden, w_down, group_sizes, recipe, False, gemms)
     y = reference.epilogue(out, None, None, row_scale, x.dtype)
     # The pre-activation is kept as the kernels keep it: written in x's dtype, then quantized along its rows.
     kept_pre = reference_fp8.quantize(pre.astype(x.dtype), recipe.lhs_block, recipe)
     return y, (x, w_gate_up, w_gate_up_q, w_down, w_down_q, group_sizes, row_scale, kept_pre)
 
 
-def _quantized_mlp_bwd(block, activation, recipe, residuals, d_y):
+def _quantized_mlp_bwd(block, activation, recipe, gemms, residuals, d_y):
     x, w_gate_up, w_gate_up_q, w_down, w_down_q, group_sizes, row_scale, kept_pre = residuals
     pre = kept_pre.dequantize(jnp.float32)  # as the GLU-backward kernel's epilogue dequantizes it
-    dgrad = functools.partial(reference_fp8.quantized_dgrad, recipe=recipe, transpose_rhs=False)
-    wgrad = functools.partial(reference_fp8.quantized_wgrad, recipe=recipe, transpose_rhs=False)
+    dgrad = functools.partial(reference_fp8.quantized_dgrad, recipe=recipe, transpose_rhs=False, gemms=gemms)
+    wgrad = functools.partial(reference_fp8.quantized_wgrad, recipe=recipe, transpose_rhs=False, gemms=gemms)
     down_weights = reference_fp8.dgrad_weights(w_down, w_down_q, recipe, False)
     e = dgrad(down_weights, group_sizes, d_y, out_dtype=jnp.float32)
     scale = jnp.ones((x.shape[0], 1), jnp.float32) if row_scale is None else row_scale.astype(jnp.float32)[:, None]

@@ -8,8 +8,9 @@ an epilogue to run in. The kernel runners below (``run_rows_kernel``, ``run_wgra
 
 With ``quantization="fp8_block"`` the "pallas" entry runs the FP8 kernel (block-scaled e4m3 operands, the same
 epilogues) for the forward and, where K is a multiple of 64, the dgrad; the wgrad runs the FP8 wgrad kernel on
-copies of x and dy quantized in row blocks per group (token_blocks.py). "auto" takes them where they
-run, as for bf16.
+copies of x and dy quantized in row blocks per group (token_blocks.py). With "mxfp8" it runs the recipe's
+dequantized products, which bf16 holds exactly, on the bf16 kernels (``launch.BF16_KERNEL_GEMMS``). "auto" takes
+them where they run, as for bf16.
 """
 
 import dataclasses
@@ -25,9 +26,11 @@ from moe_jax._core import checks
 from moe_jax.ops.grouped_matmul import reference, reference_fp8
 from moe_jax.ops.grouped_matmul.glu import ACTIVATIONS, glu
 from moe_jax.ops.grouped_matmul.launch import (
+    BF16_KERNEL_GEMMS,
     FP8_KERNEL_QUANTIZATION,
     GROUPED_MATMUL_NAMES,
     ArgNames,
+    exact_bf16_unsupported,
     fp8_dgrad_runs,
     fp8_kernel_unsupported,
     fp8_wgrad_unsupported,
@@ -239,6 +242,8 @@ def grouped_matmul(
         (XLA for an rhs of another float dtype than f32 / bf16 / f16). The forward reads the
         weights [G, N, K] and the dgrad [G, K, N]: high-precision weights are quantized into both layouts in one
         pass (``quantize_square_blocks``), BlockScaled ones transposed where their layout is not the GEMM's.
+        "mxfp8" calls run their three GEMMs on the bf16 kernels (K, N multiples of 64), on the dequantized operands,
+        which bf16 holds exactly (``reference_fp8.Recipe.exact_in_bf16``), with the epilogue in XLA.
 
     Returns:
       [M, N], or [M, N/2] with an activation.
@@ -257,7 +262,7 @@ def grouped_matmul(
     call = _gemm_call(lhs, rhs, contraction, num_cols, activation, quantization, preferred_element_type)
     group_sizes = group_sizes.astype(jnp.int32)
     implementation = dispatch.select("grouped_matmul", backend, IMPLEMENTATIONS, call)
-    if quantization is not None and implementation.name == "xla":
+    if quantization is not None and (implementation.name == "xla" or RECIPES[quantization].exact_in_bf16):
         return reference_fp8.grouped_matmul(
             lhs,
             master_weights(rhs),
@@ -267,6 +272,7 @@ def grouped_matmul(
             row_scale=row_scale,
             preferred_element_type=preferred_element_type,
             transpose_rhs=transpose_rhs,
+            gemms=reference_fp8.XLA_GEMMS if implementation.name == "xla" else BF16_KERNEL_GEMMS,
         )
     if quantization is not None:
         out_dtype = reference_fp8.output_dtype(lhs, rhs, preferred_element_type)
@@ -321,6 +327,8 @@ def _gemm_call(lhs, rhs, contraction: int, num_cols: int, activation, quantizati
 
 
 def _kernel_unsupported(call: _GemmCall) -> str | None:
+    if call.quantization is not None and RECIPES[call.quantization].exact_in_bf16:
+        return exact_bf16_unsupported(call.quantization, call.contraction, call.num_cols)
     if call.quantization is not None:
         args = (call.contraction, call.num_cols, call.activation, call.fp8_dtypes, call.unpacked_glu_weights)
         return fp8_kernel_unsupported(call.quantization, *args, out_dtype=call.out_dtype)
@@ -329,7 +337,8 @@ def _kernel_unsupported(call: _GemmCall) -> str | None:
 
 
 def fp8_kernels_unsupported(dtype, gemms, quantization: str) -> str | None:
-    """Why the FP8 kernel cannot run one of ``gemms`` on a high-precision lhs of ``dtype`` (None: it runs all).
+    """Why the quantized kernels (the FP8 kernels for fp8_block, the bf16 ones for mxfp8) cannot run one of ``gemms``
+    on a high-precision lhs of ``dtype`` (None: they run all).
 
     Args:
       gemms: (contraction, output columns, activation or None, rhs) per GEMM, rhs as the op takes it (high precision,

@@ -11,6 +11,9 @@ backward adds the "glu_dgrad" kernel); this module holds no choice between backe
                                             dy . w[g]^T on them (w read [G, K, N]: N is its contraction)
     fp8 wgrad   sm90_fp8_wgrad              d w[g] = x_g^T . d out_g on FP8 copies in row blocks per group
                                             (token_blocks.py)
+
+``BF16_KERNEL_GEMMS`` runs a recipe's dequantized products on the bf16 fwd and wgrad kernels, for the recipes whose
+dequantized values bf16 holds exactly (reference_fp8.py: MXFP8's).
 """
 
 import dataclasses
@@ -32,7 +35,7 @@ from moe_jax.ops.grouped_matmul.config import (
 )
 from moe_jax.ops.grouped_matmul.glu import glu, glu_grad, kept_pre_activation
 from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK
-from moe_jax.ops.grouped_matmul.reference_fp8 import RECIPES
+from moe_jax.ops.grouped_matmul.reference_fp8 import RECIPES, Gemms
 from moe_jax.ops.quant import api as quant
 from moe_jax.ops.quant.reference import BlockScaled
 
@@ -87,6 +90,18 @@ def kernel_unsupported(
             f"{num_cols // 2}"
         )
     return None
+
+
+def exact_bf16_unsupported(
+    quantization: str, contraction: int, num_cols: int, names: ArgNames = GROUPED_MATMUL_NAMES
+) -> str | None:
+    """Why ``BF16_KERNEL_GEMMS`` cannot multiply this quantized call's operands (None when they can): the recipe's
+    dequantized values must be exact in bf16, and the GEMMs' dimensions (K, N: the forward's, the dgrad's and the
+    wgrad's) the bf16 kernels'."""
+    if not RECIPES[quantization].exact_in_bf16:
+        return f"the bf16 kernels take only recipes whose dequantized values bf16 holds (mxfp8), got {quantization!r}"
+    shaped = jax.ShapeDtypeStruct((0, contraction), jnp.bfloat16)
+    return kernel_unsupported(shaped, contraction, num_cols, None, names)
 
 
 def fp8_kernel_unsupported(
@@ -253,6 +268,21 @@ def run_wgrad_kernel(x, y, group_sizes, *, out_dtype, config=None, transposed=Fa
         num_sms=num_sms,
         interpret=interpret,
     )
+
+
+def _bf16_kernel_products(x, w, group_sizes):
+    """reference_fp8.Gemms.products by the bf16 fwd kernel: x [M, K] . w[g] [G, K, N] -> [M, N] f32 (rows past the
+    sum zero), on dequantized values that bf16 holds exactly (so the cast loses nothing)."""
+    x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    return run_rows_kernel("fwd", x, w, group_sizes, w_transposed=False, out_dtype=jnp.float32)
+
+
+def _bf16_kernel_wgrad(x, dy, group_sizes):
+    """reference_fp8.Gemms.wgrad by the bf16 wgrad kernel: x_g^T . dy_g -> [G, K, N] f32, likewise exact."""
+    return run_wgrad_kernel(x.astype(jnp.bfloat16), dy.astype(jnp.bfloat16), group_sizes, out_dtype=jnp.float32)
+
+
+BF16_KERNEL_GEMMS = Gemms(_bf16_kernel_products, _bf16_kernel_wgrad)
 
 
 def gemm_grads(

@@ -31,6 +31,12 @@ Hopper kernel instead multiplies the FP8 values of one contraction block into a 
 both blocks' scales, to an f32 total ("promotion"): the same sum up to f32 rounding and the tensor cores' own
 accumulation within a block.
 
+The products of dequantized operands reduce to two grouped GEMMs (``Gemms``): x . w[g] per group (the forward, and
+the dgrad on dy and the transposed weights) and x_g^T . dy_g (the wgrad). ``XLA_GEMMS`` runs them as ``ragged_dot``
+in f32, which defines the recipe; a recipe with power-of-two scales (``Recipe.exact_in_bf16``) has dequantized
+values that bf16 holds exactly, so any bf16 GEMM with f32 accumulation gives the same sums (the grouped-matmul
+kernels: ``launch.BF16_KERNEL_GEMMS``).
+
 Gradients with respect to high-precision operands are straight-through (the quantization counts as the identity):
 d lhs is the dgrad and d rhs the wgrad above, in the operands' dtypes. Pre-quantized operands (``BlockScaled``) are
 constants: no gradient reaches them.
@@ -39,6 +45,7 @@ constants: no gradient reaches them.
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +94,13 @@ class Recipe:
     @property
     def scale_dtype(self) -> jnp.dtype:
         return quant.scale_dtype(self.pow2_scales)
+
+    @property
+    def exact_in_bf16(self) -> bool:
+        """Whether bf16 holds the dequantized values exactly: an e4m3 value (4 significant bits) times a power of two
+        is a bf16 number wherever it stays in bf16's normal range, that is for block scales of at least 2^-117 (the
+        smallest e4m3 value is 2^-9), which only blocks whose largest magnitude is below about 2^-108 fall under."""
+        return self.pow2_scales
 
 
 RECIPES = {"fp8_block": Recipe(128, 128, pow2_scales=False), "mxfp8": Recipe(32, 1, pow2_scales=True)}
@@ -140,6 +154,33 @@ def _products(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     return jnp.where(row_mask(group_sizes, x.shape[0])[:, None], out, 0.0)
 
 
+def _wgrad_products(x: jax.Array, dy: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """x_g^T . dy_g per group in f32: x [M, K], dy [M, N], both zero past the sum -> [G, K, N]."""
+    dims = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
+    )
+    return lax.ragged_dot_general(
+        x, dy, group_sizes, dims, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemms:
+    """The grouped GEMMs that multiply the dequantized operands (f32 arrays), both with f32 results.
+
+    Attributes:
+      products: (x [M, K], w [G, K, N], group_sizes [G]) -> [M, N], x's rows of group g times w[g], zeros past the
+        sum of group_sizes.
+      wgrad: (x [M, K], dy [M, N], group_sizes [G]) -> [G, K, N], x_g^T . dy_g (rows past the sum are zeros).
+    """
+
+    products: Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+    wgrad: Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+XLA_GEMMS = Gemms(_products, _wgrad_products)
+
+
 def quantize_rows_per_group(x: jax.Array, group_sizes: jax.Array, recipe: Recipe) -> jax.Array:
     """x [M, C] quantized in blocks of ``recipe.block`` rows per column, counted from each group's first row (the
     module docstring), and dequantized: [M, C] f32, zeros past sum(group_sizes).
@@ -181,31 +222,28 @@ def dgrad_weights(rhs, rhs_quantized: BlockScaled, recipe: Recipe, transpose_rhs
     return quantize(high_precision(rhs), recipe.dgrad_rhs_block(transpose_rhs), recipe)
 
 
-def quantized_dgrad(dgrad_w: BlockScaled, group_sizes, d_out, recipe: Recipe, transpose_rhs: bool, out_dtype):
+def quantized_dgrad(
+    dgrad_w: BlockScaled, group_sizes, d_out, recipe: Recipe, transpose_rhs: bool, out_dtype, gemms: Gemms = XLA_GEMMS
+):
     """d lhs [M, K] = dy . w[g]^T with dy = d_out [M, N] quantized along N and ``dgrad_w`` (``dgrad_weights``)."""
     dy = quantize(d_out.astype(jnp.float32), recipe.lhs_block, recipe).dequantize()
     w_nk = jnp.swapaxes(_k_major(dgrad_w.dequantize(), transpose_rhs), 1, 2)
-    return _products(dy, w_nk, group_sizes).astype(out_dtype)
+    return gemms.products(dy, w_nk, group_sizes).astype(out_dtype)
 
 
-def quantized_wgrad(lhs, group_sizes, d_out, recipe: Recipe, transpose_rhs: bool, out_dtype):
+def quantized_wgrad(lhs, group_sizes, d_out, recipe: Recipe, transpose_rhs: bool, out_dtype, gemms: Gemms = XLA_GEMMS):
     """d rhs [G, K, N] (or [G, N, K]) = x_g^T . dy_g with x (lhs, or its dequantized values) and dy = d_out [M, N]
     quantized in blocks of rows from each group's first row."""
     x_rows = quantize_rows_per_group(high_precision(lhs), group_sizes, recipe)
     dy_rows = quantize_rows_per_group(d_out.astype(jnp.float32), group_sizes, recipe)
-    # Contracting the ragged rows: [G, K, N], group g's rows only.
-    dims = lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
-    )
-    d_w = lax.ragged_dot_general(
-        x_rows, dy_rows, group_sizes, dims, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
-    )
-    return _k_major(d_w, transpose_rhs).astype(out_dtype)
+    return _k_major(gemms.wgrad(x_rows, dy_rows, group_sizes), transpose_rhs).astype(out_dtype)
 
 
-def quantized_grads(lhs, rhs, rhs_quantized: BlockScaled, group_sizes, d_out, recipe: Recipe, transpose_rhs: bool):
+def quantized_grads(
+    lhs, rhs, rhs_quantized: BlockScaled, group_sizes, d_out, recipe: Recipe, transpose_rhs: bool, gemms: Gemms
+):
     """(d lhs, d rhs) of the forward ``lhs . rhs[g]`` for the cotangent ``d_out`` [M, N], each GEMM quantized per
-    ``recipe`` (the module docstring); None for a BlockScaled operand.
+    ``recipe`` (the module docstring) and multiplied by ``gemms``; None for a BlockScaled operand.
 
     Args:
       lhs: [M, K] high precision, or BlockScaled; rhs: [G, K, N] (or [G, N, K] with ``transpose_rhs``) likewise.
@@ -215,35 +253,37 @@ def quantized_grads(lhs, rhs, rhs_quantized: BlockScaled, group_sizes, d_out, re
     d_lhs = d_rhs = None
     if not isinstance(lhs, BlockScaled):
         dgrad_w = dgrad_weights(rhs, rhs_quantized, recipe, transpose_rhs)
-        d_lhs = quantized_dgrad(dgrad_w, group_sizes, d_out, recipe, transpose_rhs, lhs.dtype)
+        d_lhs = quantized_dgrad(dgrad_w, group_sizes, d_out, recipe, transpose_rhs, lhs.dtype, gemms)
     if not isinstance(rhs, BlockScaled):
-        d_rhs = quantized_wgrad(lhs, group_sizes, d_out, recipe, transpose_rhs, rhs.dtype)
+        d_rhs = quantized_wgrad(lhs, group_sizes, d_out, recipe, transpose_rhs, rhs.dtype, gemms)
     return d_lhs, d_rhs
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def quantized_products(lhs, rhs, group_sizes, recipe: Recipe, transpose_rhs: bool) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def quantized_products(lhs, rhs, group_sizes, recipe: Recipe, transpose_rhs: bool, gemms: Gemms) -> jax.Array:
     """lhs [M, K] . rhs[g] per group on the quantized operands, f32 [M, N] (zeros past the sum), with the recipe's
-    quantized gradients. lhs and rhs (the stored weights: [G, K, N], or [G, N, K] with ``transpose_rhs``) are high
-    precision or BlockScaled; group_sizes are non-negative."""
-    return quantized_forward(lhs, rhs, group_sizes, recipe, transpose_rhs)[0]
+    quantized gradients, all multiplied by ``gemms``. lhs and rhs (the stored weights: [G, K, N], or [G, N, K] with
+    ``transpose_rhs``) are high precision or BlockScaled; group_sizes are non-negative."""
+    return quantized_forward(lhs, rhs, group_sizes, recipe, transpose_rhs, gemms)[0]
 
 
-def quantized_forward(lhs, rhs, group_sizes, recipe: Recipe, transpose_rhs: bool) -> tuple[jax.Array, BlockScaled]:
+def quantized_forward(
+    lhs, rhs, group_sizes, recipe: Recipe, transpose_rhs: bool, gemms: Gemms = XLA_GEMMS
+) -> tuple[jax.Array, BlockScaled]:
     """(``quantized_products``'s value, the quantized rhs), without its custom gradient."""
     x = as_quantized(lhs, recipe.lhs_block, recipe)
     w = as_quantized(rhs, recipe.rhs_block(transpose_rhs), recipe)
-    return _products(x.dequantize(), _k_major(w.dequantize(), transpose_rhs), group_sizes), w
+    return gemms.products(x.dequantize(), _k_major(w.dequantize(), transpose_rhs), group_sizes), w
 
 
-def _quantized_products_fwd(lhs, rhs, group_sizes, recipe, transpose_rhs):
-    out, w = quantized_forward(lhs, rhs, group_sizes, recipe, transpose_rhs)
+def _quantized_products_fwd(lhs, rhs, group_sizes, recipe, transpose_rhs, gemms):
+    out, w = quantized_forward(lhs, rhs, group_sizes, recipe, transpose_rhs, gemms)
     return out, (lhs, rhs, w, group_sizes)
 
 
-def _quantized_products_bwd(recipe, transpose_rhs, residuals, d_out):
+def _quantized_products_bwd(recipe, transpose_rhs, gemms, residuals, d_out):
     lhs, rhs, rhs_quantized, group_sizes = residuals
-    return *quantized_grads(lhs, rhs, rhs_quantized, group_sizes, d_out, recipe, transpose_rhs), None
+    return *quantized_grads(lhs, rhs, rhs_quantized, group_sizes, d_out, recipe, transpose_rhs, gemms), None
 
 
 quantized_products.defvjp(_quantized_products_fwd, _quantized_products_bwd)
@@ -259,12 +299,13 @@ def grouped_matmul(
     row_scale: jax.Array | None = None,
     preferred_element_type=None,
     transpose_rhs: bool = False,
+    gemms: Gemms = XLA_GEMMS,
 ) -> jax.Array:
-    """Reference for ``moe_jax.grouped_matmul(quantization=...)``: the product of the quantized operands, then the
-    epilogue (GLU, row scale) in f32 and the cast to the output dtype (``output_dtype``)."""
+    """Reference for ``moe_jax.grouped_matmul(quantization=...)``: the product of the quantized operands (by
+    ``gemms``), then the epilogue (GLU, row scale) in f32 and the cast to the output dtype (``output_dtype``)."""
     recipe = RECIPES[quantization]
     out_dtype = output_dtype(lhs, rhs, preferred_element_type)
     weights, block = stored_weights(rhs, activation, transpose_rhs)
     group_sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)  # negative sizes count as 0, as in the kernels
-    out = quantized_products(lhs, weights, group_sizes, recipe, transpose_rhs)
+    out = quantized_products(lhs, weights, group_sizes, recipe, transpose_rhs, gemms)
     return epilogue(out, block, activation, row_scale, out_dtype)
