@@ -15,6 +15,7 @@ Run on the GPU machine: ``PYTHONPATH=. python3 -m pytest -m gpu tests/gpu/test_g
 - The GLU forward keeping its pre-activation in FP8 blocks, quantized in its epilogue (qwen3-30b gate_up, whose
   tiles fit the epilogue's buffers without losing a stage), against the same kernel keeping bf16 and the quantizer
   kernel after it: equal bit for bit.
+- mxfp8 under "pallas" (the bf16 kernels on its exactly dequantized operands) against its XLA path.
 - The wgrad (d rhs, the FP8 wgrad kernel): at a named shape against the recipe's wgrad in XLA on three groups, each
   run alone (its row blocks start at its first row either way), and in a seeded sweep of small ragged shapes in both
   weight layouts against the XLA path's d rhs. Its tensor cores accumulate 128 rows per block (~2^-14 of a block's
@@ -267,3 +268,23 @@ def test_kept_pre_activation_blocks_match_the_quantizer(activation):
         np.asarray(kept_fused.values).view(np.uint8), np.asarray(expected.values).view(np.uint8)
     )
     np.testing.assert_array_equal(np.asarray(kept_fused.scales), np.asarray(expected.scales))
+
+
+def test_mxfp8_on_the_bf16_kernels_matches_xla():
+    """mxfp8 under "pallas" (its GEMMs on the bf16 kernels, on dequantized operands bf16 holds exactly) against its
+    XLA path: forward, d lhs and d rhs in f32, ragged groups with rows past the sum. Both sum exact products in f32,
+    the tensor cores in their own order: ``F32_OUT_TOL``."""
+    rng = np.random.default_rng(7)
+    m, k, n, g = 4096, 1024, 512, 8
+    lhs = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)
+    rhs = jnp.asarray(rng.normal(size=(g, k, n)) / np.sqrt(k), jnp.float32)
+    group_sizes = jnp.asarray(random_group_sizes(rng, g, m, "tail"), jnp.int32)
+    cotangent = jnp.asarray(rng.normal(size=(m, n)), jnp.float32)
+
+    def vjp(backend):
+        op = functools.partial(moe_jax.grouped_matmul, quantization="mxfp8", backend=backend)
+        out, pullback = jax.vjp(lambda x, w: op(x, w, group_sizes), lhs, rhs)
+        return (out, *pullback(cotangent))
+
+    for name, kernel, expected in zip(("out", "d_lhs", "d_rhs"), vjp("pallas"), vjp("xla"), strict=True):
+        assert relative_error(kernel, expected) < F32_OUT_TOL, name
