@@ -45,6 +45,7 @@ pytestmark = pytest.mark.gpu
 F32_OUT_TOL = 2e-3
 BF16_OUT_TOL = 1e-2
 GLU_DGRAD_TOL = 3e-2
+MXFP8_TOL = 1e-4
 ACCUMULATOR_BITS = 14  # significant bits Hopper's FP8 wgmma keeps while accumulating (DeepSeek-V3 report)
 WGMMA_K = 32  # FP8 products one wgmma instruction adds to the accumulator
 BLOCK = 128
@@ -272,8 +273,9 @@ def test_kept_pre_activation_blocks_match_the_quantizer(activation):
 
 def test_mxfp8_on_the_bf16_kernels_matches_xla():
     """mxfp8 under "pallas" (its GEMMs on the bf16 kernels, on dequantized operands bf16 holds exactly) against its
-    XLA path: forward, d lhs and d rhs in f32, ragged groups with rows past the sum. Both sum exact products in f32,
-    the tensor cores in their own order: ``F32_OUT_TOL``."""
+    XLA path: forward, d lhs and d rhs in f32, ragged groups with rows past the sum (zeros in out and d lhs). Both
+    sum exact products in f32, the tensor cores in their own order: ``MXFP8_TOL``, under what rounding one operand to
+    bf16 would cost at K = 1024 (about 1.7e-3; tests/gpu/test_grouped_matmul_gpu.py says why)."""
     rng = np.random.default_rng(7)
     m, k, n, g = 4096, 1024, 512, 8
     lhs = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)
@@ -286,5 +288,9 @@ def test_mxfp8_on_the_bf16_kernels_matches_xla():
         out, pullback = jax.vjp(lambda x, w: op(x, w, group_sizes), lhs, rhs)
         return (out, *pullback(cotangent))
 
-    for name, kernel, expected in zip(("out", "d_lhs", "d_rhs"), vjp("pallas"), vjp("xla"), strict=True):
-        assert relative_error(kernel, expected) < F32_OUT_TOL, name
+    kernel_results = vjp("pallas")
+    for name, kernel, expected in zip(("out", "d_lhs", "d_rhs"), kernel_results, vjp("xla"), strict=True):
+        assert relative_error(kernel, expected) < MXFP8_TOL, name
+    rows = int(group_sizes.sum())
+    for name, result in zip(("out", "d_lhs"), kernel_results, strict=False):
+        assert float(jnp.abs(result[rows:]).max()) == 0.0, name

@@ -28,18 +28,21 @@ on the FP8 kernels (fp8_block, "auto" / "pallas"):
 Each weight is quantized once per call into both of its layouts (the forward's and the dgrad's, the same 128 x 128
 blocks), the forward and the backward sharing them; gradients reach the high-precision weights straight through,
 and BlockScaled weights get none. reference.py defines this recipe (where it quantizes what) and is the "xla"
-implementation; "mxfp8" runs it under "pallas" too, its GEMMs on the bf16 kernels (its dequantized operands are
-exact in bf16: ``reference_fp8.Recipe.exact_in_bf16``), the rows permuted first. h is written in x's dtype and
-quantized by its own pass (not in the gate_up epilogue: a 1 x 128 block of h spans two of the FP8 kernel's
-64-hidden-column tiles). Keeping gu in FP8, as DeepSeek-V3 caches its SwiGLU inputs, halves the largest array the
-backward keeps (M * 2F bytes and an f32 scale per 128); the gate_up kernel writes it from its accumulators (``launch.run_fp8_forward_kernel``'s ``keep_blocks``; else
-a quantize pass over a bf16 copy: the same bits), and the GLU-backward kernel reads the FP8 rows and their scales and
-dequantizes them in f32 in its epilogue (half the bytes it read in x's dtype, and no dequantized copy written).
+implementation. h is written in x's dtype and quantized by its own pass (not in the gate_up epilogue: a 1 x 128
+block of h spans two of the FP8 kernel's 64-hidden-column tiles). Keeping gu in FP8, as DeepSeek-V3 caches its
+SwiGLU inputs, halves the largest array the backward keeps (M * 2F bytes and an f32 scale per 128); the gate_up
+kernel writes it from its accumulators (``launch.run_fp8_forward_kernel``'s ``keep_blocks``; else a quantize pass
+over a bf16 copy: the same bits), and the GLU-backward kernel reads the FP8 rows and their scales and dequantizes
+them in f32 in its epilogue (half the bytes it read in x's dtype, and no dequantized copy written).
+
+"mxfp8" has no FP8 kernel: under "pallas" it runs reference.py's recipe with every GEMM on the bf16 kernels
+(``launch.BF16_KERNEL_GEMMS``: its dequantized operands are bf16 numbers, ``reference_fp8.Recipe.exact_in_bf16``),
+the routed rows permuted first in high precision and each quantized, the rows' sum (``combine``) after it.
 
 ``routed_glu_mlp`` (what ``moe_ffn`` calls) takes the tokens [T, D] and the routing's sort indices instead of sorted
 rows. Its implementations, in order: "pallas_gather" (the gate_up kernel gathers its rows from the tokens, so the
 [T * k, D] permuted copy is never written and the backward keeps the tokens; preferred up to ``GATHER_MAX_D_FF``),
-"pallas_sorted" (permute first, then the sorted-rows kernels) and "xla". With ``quantization`` both kernel paths
+"pallas_sorted" (permute first, then the sorted-rows kernels) and "xla". With "fp8_block" both kernel paths
 quantize each token once; "pallas_gather" then gathers the FP8 rows (D a multiple of 128: a step of a row is one
 128-byte copy), "pallas_sorted" permutes them. With ``combine`` it also sums each token's rows; on the FP8
 kernels inside their VJP, whose backward then takes dy per token: quantized once per token, its FP8 rows gathered
@@ -63,6 +66,7 @@ from moe_jax.ops.grouped_matmul.api import check_grouped_matmul_args
 from moe_jax.ops.grouped_matmul.config import FP8_BLOCK
 from moe_jax.ops.grouped_matmul.glu import ACTIVATIONS, glu, glu_grad
 from moe_jax.ops.grouped_matmul.launch import (
+    BF16_KERNEL_GEMMS,
     FP8_KERNEL_QUANTIZATION,
     KERNEL_DTYPES,
     ArgNames,
@@ -152,7 +156,7 @@ def _kernels_unsupported(call: MlpCall) -> str | None:
     if call.quantization is not None:
         w_gate_up, w_down = call.weights
         gemms = ((call.d_model, 2 * call.d_ff, call.activation, w_gate_up), (call.d_ff, call.d_model, None, w_down))
-        problem = grouped_matmul_api.fp8_kernels_unsupported(call.dtype, gemms, call.quantization)
+        problem = grouped_matmul_api.quantized_kernels_unsupported(call.dtype, gemms, call.quantization)
         exact_in_bf16 = reference_fp8.RECIPES[call.quantization].exact_in_bf16
         if problem is None and not exact_in_bf16 and call.dtype not in map(jnp.dtype, KERNEL_DTYPES):
             # Its tiles of 32-bit pre-activations would leave the pipeline no room in shared memory.
@@ -226,7 +230,8 @@ def glu_mlp(
         e.g. ``combine(..., num_rows=sum(group_sizes))``. Gradients stay exact. With ``quantization`` the FP8
         kernels write zeros there either way.
       backend: "auto", "xla" or "pallas" ("pallas" needs bf16/f16, D and F multiples of 64; with ``quantization``
-        bf16/f16/f32, D and F multiples of 128, and weights high precision or packed).
+        bf16/f16/f32, D and F multiples of 128, and weights high precision or packed; with "mxfp8" any float x, D
+        and F multiples of 64).
       recompute_gate_up: deprecated and ignored (results are the same either way): the backward keeps the
         pre-activation.
       quantization: None, "fp8_block" or "mxfp8": both GEMMs on block-scaled FP8 operands, as
@@ -348,8 +353,8 @@ def _quantized_glu_mlp(
 
     ``routed``: (sort_indices, top_k, positions) with x [T, D] tokens (the kernels quantize each token once, then
     the gate_up kernel gathers its FP8 rows with ``gather``, else they are permuted first), or Nones with x [M, D]
-    rows. ``combine`` (kernels only): the backend of ``permute.combine`` summing each token's rows into y [T, D]
-    inside the custom VJP (``_pallas_fp8_glu_mlp``)."""
+    rows. ``combine`` (kernels only): the backend of ``permute.combine`` summing each token's rows into y [T, D],
+    inside the custom VJP of the FP8 kernels (``_pallas_fp8_glu_mlp``), after the recipe on the bf16 kernels (mxfp8)."""
     sort_indices, top_k, positions = routed
     if implementation == "xla" or reference_fp8.RECIPES[quantization].exact_in_bf16:
         on_kernels = implementation != "xla"
@@ -364,7 +369,7 @@ def _quantized_glu_mlp(
             activation=activation,
             quantization=quantization,
             row_scale=row_scale,
-            gemms=grouped_matmul_api.BF16_KERNEL_GEMMS if on_kernels else reference_fp8.XLA_GEMMS,
+            gemms=BF16_KERNEL_GEMMS if on_kernels else reference_fp8.XLA_GEMMS,
         )
         if combine is None:
             return y
@@ -531,10 +536,11 @@ def routed_glu_mlp(
       w_gate_up, w_down, group_sizes, activation, row_scale, zero_tail: as ``glu_mlp``'s, for the T * k sorted rows.
       positions: optional [T, k] int32, the inverse of ``sort_indices`` (``Routing.positions``), for ``permute``.
       backend: "auto", "xla", "pallas", or one implementation by name: "pallas_gather", "pallas_sorted".
-      quantization: ``glu_mlp``'s. Each token is quantized once; "pallas_gather" gathers its FP8 rows in the gate_up
-        kernel (D a multiple of 128), "pallas_sorted" permutes them and their scales first.
+      quantization: ``glu_mlp``'s. With "fp8_block" each token is quantized once; "pallas_gather" gathers its FP8
+        rows in the gate_up kernel (D a multiple of 128), "pallas_sorted" permutes them and their scales first. With
+        "mxfp8" the rows are permuted in high precision and quantized each ("pallas_sorted").
       combine: None, or the backend of ``permute.combine`` ("auto", "xla", "pallas") that sums each token's k rows
-        (rows past the sum add nothing: zeros with ``zero_tail``, else not read). On the FP8 kernels the sum is
+        (rows past the sum add nothing: zeros with ``zero_tail``, else not read). On fp8_block's kernels the sum is
         inside their custom VJP, so the backward takes the tokens' gradient: each token's dy is quantized once, its
         FP8 rows gathered in the kernels or permuted, and no [T * k, D] bf16 copy of it is written (those kernels
         write zeros past the sum whatever ``zero_tail`` says, and the sum reads them).

@@ -9,8 +9,8 @@ an epilogue to run in. The kernel runners below (``run_rows_kernel``, ``run_wgra
 With ``quantization="fp8_block"`` the "pallas" entry runs the FP8 kernel (block-scaled e4m3 operands, the same
 epilogues) for the forward and, where K is a multiple of 64, the dgrad; the wgrad runs the FP8 wgrad kernel on
 copies of x and dy quantized in row blocks per group (token_blocks.py). With "mxfp8" it runs the recipe's
-dequantized products, which bf16 holds exactly, on the bf16 kernels (``launch.BF16_KERNEL_GEMMS``). "auto" takes
-them where they run, as for bf16.
+dequantized products, which bf16 holds exactly (but for blocks of magnitudes below about 2^-109), on the bf16
+kernels (``launch.BF16_KERNEL_GEMMS``). "auto" takes them where they run, as for bf16.
 """
 
 import dataclasses
@@ -30,7 +30,7 @@ from moe_jax.ops.grouped_matmul.launch import (
     FP8_KERNEL_QUANTIZATION,
     GROUPED_MATMUL_NAMES,
     ArgNames,
-    exact_bf16_unsupported,
+    bf16_gemms_unsupported,
     fp8_dgrad_runs,
     fp8_kernel_unsupported,
     fp8_wgrad_unsupported,
@@ -243,7 +243,8 @@ def grouped_matmul(
         weights [G, N, K] and the dgrad [G, K, N]: high-precision weights are quantized into both layouts in one
         pass (``quantize_square_blocks``), BlockScaled ones transposed where their layout is not the GEMM's.
         "mxfp8" calls run their three GEMMs on the bf16 kernels (K, N multiples of 64), on the dequantized operands,
-        which bf16 holds exactly (``reference_fp8.Recipe.exact_in_bf16``), with the epilogue in XLA.
+        which bf16 holds exactly but for blocks of magnitudes below about 2^-109
+        (``reference_fp8.Recipe.exact_in_bf16``), with the epilogue in XLA.
 
     Returns:
       [M, N], or [M, N/2] with an activation.
@@ -328,7 +329,7 @@ def _gemm_call(lhs, rhs, contraction: int, num_cols: int, activation, quantizati
 
 def _kernel_unsupported(call: _GemmCall) -> str | None:
     if call.quantization is not None and RECIPES[call.quantization].exact_in_bf16:
-        return exact_bf16_unsupported(call.quantization, call.contraction, call.num_cols)
+        return bf16_gemms_unsupported(call.contraction, call.num_cols)
     if call.quantization is not None:
         args = (call.contraction, call.num_cols, call.activation, call.fp8_dtypes, call.unpacked_glu_weights)
         return fp8_kernel_unsupported(call.quantization, *args, out_dtype=call.out_dtype)
@@ -336,7 +337,7 @@ def _kernel_unsupported(call: _GemmCall) -> str | None:
     return kernel_unsupported(shaped, call.contraction, call.num_cols, call.activation)
 
 
-def fp8_kernels_unsupported(dtype, gemms, quantization: str) -> str | None:
+def quantized_kernels_unsupported(dtype, gemms, quantization: str) -> str | None:
     """Why the quantized kernels (the FP8 kernels for fp8_block, the bf16 ones for mxfp8) cannot run one of ``gemms``
     on a high-precision lhs of ``dtype`` (None: they run all).
 

@@ -13,7 +13,7 @@ backward adds the "glu_dgrad" kernel); this module holds no choice between backe
                                             (token_blocks.py)
 
 ``BF16_KERNEL_GEMMS`` runs a recipe's dequantized products on the bf16 fwd and wgrad kernels, for the recipes whose
-dequantized values bf16 holds exactly (reference_fp8.py: MXFP8's).
+dequantized values bf16 holds exactly (reference_fp8.py: MXFP8's, but for blocks of magnitudes below about 2^-109).
 """
 
 import dataclasses
@@ -92,14 +92,10 @@ def kernel_unsupported(
     return None
 
 
-def exact_bf16_unsupported(
-    quantization: str, contraction: int, num_cols: int, names: ArgNames = GROUPED_MATMUL_NAMES
-) -> str | None:
-    """Why ``BF16_KERNEL_GEMMS`` cannot multiply this quantized call's operands (None when they can): the recipe's
-    dequantized values must be exact in bf16, and the GEMMs' dimensions (K, N: the forward's, the dgrad's and the
-    wgrad's) the bf16 kernels'."""
-    if not RECIPES[quantization].exact_in_bf16:
-        return f"the bf16 kernels take only recipes whose dequantized values bf16 holds (mxfp8), got {quantization!r}"
+def bf16_gemms_unsupported(contraction: int, num_cols: int, names: ArgNames = GROUPED_MATMUL_NAMES) -> str | None:
+    """Why ``BF16_KERNEL_GEMMS`` cannot multiply a quantized call's dequantized operands (None when they can): its
+    K and N (the forward's, the dgrad's and the wgrad's dimensions) must be the bf16 kernels'. The recipe must be
+    one whose dequantized values bf16 holds (``Recipe.exact_in_bf16``), which the caller checks."""
     shaped = jax.ShapeDtypeStruct((0, contraction), jnp.bfloat16)
     return kernel_unsupported(shaped, contraction, num_cols, None, names)
 
@@ -272,7 +268,7 @@ def run_wgrad_kernel(x, y, group_sizes, *, out_dtype, config=None, transposed=Fa
 
 def _bf16_kernel_products(x, w, group_sizes):
     """reference_fp8.Gemms.products by the bf16 fwd kernel: x [M, K] . w[g] [G, K, N] -> [M, N] f32 (rows past the
-    sum zero), on dequantized values that bf16 holds exactly (so the cast loses nothing)."""
+    sum zero), on dequantized values that bf16 holds (``Recipe.exact_in_bf16``: the cast loses nothing)."""
     x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
     return run_rows_kernel("fwd", x, w, group_sizes, w_transposed=False, out_dtype=jnp.float32)
 

@@ -34,7 +34,8 @@ accumulation within a block.
 The products of dequantized operands reduce to two grouped GEMMs (``Gemms``): x . w[g] per group (the forward, and
 the dgrad on dy and the transposed weights) and x_g^T . dy_g (the wgrad). ``XLA_GEMMS`` runs them as ``ragged_dot``
 in f32, which defines the recipe; a recipe with power-of-two scales (``Recipe.exact_in_bf16``) has dequantized
-values that bf16 holds exactly, so any bf16 GEMM with f32 accumulation gives the same sums (the grouped-matmul
+values that bf16 holds exactly (but for blocks of magnitudes below about 2^-109), so a bf16 GEMM with f32
+accumulation multiplies them to the same products and sums those in f32, in its own order (the grouped-matmul
 kernels: ``launch.BF16_KERNEL_GEMMS``).
 
 Gradients with respect to high-precision operands are straight-through (the quantization counts as the identity):
@@ -97,9 +98,11 @@ class Recipe:
 
     @property
     def exact_in_bf16(self) -> bool:
-        """Whether bf16 holds the dequantized values exactly: an e4m3 value (4 significant bits) times a power of two
-        is a bf16 number wherever it stays in bf16's normal range, that is for block scales of at least 2^-117 (the
-        smallest e4m3 value is 2^-9), which only blocks whose largest magnitude is below about 2^-108 fall under."""
+        """Whether bf16 holds the dequantized values exactly, but for blocks of tiny magnitudes: an e4m3 value (at most
+        4 significant bits) times a power of two is a bf16 number wherever it stays in bf16's normal range, that is
+        for block scales of at least 2^-117 (the smallest e4m3 value is 2^-9; 2^-110 for e5m2's 2^-16). The
+        quantizer's power-of-two scales fall below 2^-117 only for blocks whose largest magnitude is below 448 x
+        2^-118, about 2^-109, where the two paths may differ by bf16's subnormal rounding."""
         return self.pow2_scales
 
 
@@ -268,7 +271,7 @@ def quantized_products(lhs, rhs, group_sizes, recipe: Recipe, transpose_rhs: boo
 
 
 def quantized_forward(
-    lhs, rhs, group_sizes, recipe: Recipe, transpose_rhs: bool, gemms: Gemms = XLA_GEMMS
+    lhs, rhs, group_sizes, recipe: Recipe, transpose_rhs: bool, gemms: Gemms
 ) -> tuple[jax.Array, BlockScaled]:
     """(``quantized_products``'s value, the quantized rhs), without its custom gradient."""
     x = as_quantized(lhs, recipe.lhs_block, recipe)
