@@ -67,7 +67,8 @@ def _forward_and_gradients(inputs, w_gate_up, backend, **options):
         return loss + aux.load_balancing_loss + 0.1 * aux.z_loss, (y, aux)
 
     args = (inputs["x"], inputs["router_kernel"], w_gate_up, inputs["w_down"])
-    (_, outputs), grads = jax.value_and_grad(objective, argnums=(0, 1, 2, 3), has_aux=True)(*args)
+    # One program: dispatched op by op, the layer's glue would compile one small program per operation.
+    (_, outputs), grads = jax.jit(jax.value_and_grad(objective, argnums=(0, 1, 2, 3), has_aux=True))(*args)
     return outputs, grads
 
 
