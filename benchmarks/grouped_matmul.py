@@ -41,6 +41,7 @@ from benchmarks import common, tokamax_peer
 from benchmarks.shapes import GroupedMatmulShape
 from moe_jax.ops.grouped_matmul import launch, reference_fp8
 from moe_jax.ops.grouped_matmul.api import quantize_weights
+from moe_jax.ops.quant.api import swap_last_axes
 from tests.oracle import GroupOracle
 
 
@@ -202,8 +203,8 @@ def bench_shape(
 @functools.partial(jax.jit, static_argnames=("g", "m", "k", "n", "quantization"))
 def _fp8_input_set(key, *, g: int, m: int, k: int, n: int, quantization: str) -> dict:
     """The forward's operands (rhs [G, N, K], FP8 and bf16), the dgrad's (d_out [M, N]; the same weights as [G, K, N],
-    quantized along N, the dgrad GEMM's contraction: for fp8_block the forward's 128 x 128 blocks transposed, for
-    mxfp8 new 1 x 32 blocks), and the dense FP8 matmul's."""
+    quantized along N, the dgrad GEMM's contraction, as the op's backward does: ``reference_fp8.dgrad_weights``), and
+    the dense FP8 matmul's."""
     keys = jax.random.split(key, 5)
     rhs = (jax.random.normal(keys[1], (g, n, k), jnp.float32) * k**-0.5).astype(jnp.bfloat16)
     rhs_fp8 = quantize_weights(rhs, quantization, transpose_rhs=True)
@@ -212,7 +213,9 @@ def _fp8_input_set(key, *, g: int, m: int, k: int, n: int, quantization: str) ->
         "rhs": rhs_fp8,
         "rhs_bf16": rhs,
         "d_out": jax.random.normal(keys[4], (m, n), jnp.bfloat16),
-        "rhs_dgrad": quantize_weights(jnp.swapaxes(rhs, 1, 2), quantization, transpose_rhs=True),
+        "rhs_dgrad": swap_last_axes(
+            reference_fp8.dgrad_weights(rhs, rhs_fp8, reference_fp8.RECIPES[quantization], True)
+        ),
         "dense_lhs": jax.random.normal(keys[2], (m, k), jnp.float32).astype(jnp.float8_e4m3fn),
         "dense_rhs": jax.random.normal(keys[3], (n, k), jnp.float32).astype(jnp.float8_e4m3fn),
     }
