@@ -66,7 +66,6 @@ from moe_jax.ops.grouped_matmul.api import check_grouped_matmul_args
 from moe_jax.ops.grouped_matmul.config import FP8_BLOCK
 from moe_jax.ops.grouped_matmul.glu import ACTIVATIONS, glu, glu_grad
 from moe_jax.ops.grouped_matmul.launch import (
-    BF16_KERNEL_GEMMS,
     FP8_KERNEL_QUANTIZATION,
     KERNEL_DTYPES,
     ArgNames,
@@ -357,9 +356,8 @@ def _quantized_glu_mlp(
     inside the custom VJP of the FP8 kernels (``_pallas_fp8_glu_mlp``), after the recipe on the bf16 kernels (mxfp8)."""
     sort_indices, top_k, positions = routed
     if implementation == "xla" or reference_fp8.RECIPES[quantization].exact_in_bf16:
-        on_kernels = implementation != "xla"
         if sort_indices is not None:
-            rows_backend = _rows_backend(x) if on_kernels else "xla"
+            rows_backend = "xla" if implementation == "xla" else _rows_backend(x)
             x = permute_api.permute(x, sort_indices, top_k, positions=positions, backend=rows_backend)
         y = reference.quantized_glu_mlp(
             x,
@@ -369,7 +367,7 @@ def _quantized_glu_mlp(
             activation=activation,
             quantization=quantization,
             row_scale=row_scale,
-            gemms=BF16_KERNEL_GEMMS if on_kernels else reference_fp8.XLA_GEMMS,
+            gemms=grouped_matmul_api.quantized_gemms(implementation),
         )
         if combine is None:
             return y

@@ -273,7 +273,7 @@ def grouped_matmul(
             row_scale=row_scale,
             preferred_element_type=preferred_element_type,
             transpose_rhs=transpose_rhs,
-            gemms=reference_fp8.XLA_GEMMS if implementation.name == "xla" else BF16_KERNEL_GEMMS,
+            gemms=quantized_gemms(implementation.name),
         )
     if quantization is not None:
         out_dtype = reference_fp8.output_dtype(lhs, rhs, preferred_element_type)
@@ -335,6 +335,12 @@ def _kernel_unsupported(call: _GemmCall) -> str | None:
         return fp8_kernel_unsupported(call.quantization, *args, out_dtype=call.out_dtype)
     shaped = jax.ShapeDtypeStruct((0, call.contraction), call.dtype)
     return kernel_unsupported(shaped, call.contraction, call.num_cols, call.activation)
+
+
+def quantized_gemms(implementation: str) -> reference_fp8.Gemms:
+    """What multiplies a recipe's dequantized operands under ``implementation``: XLA's ``ragged_dot`` ("xla"), else
+    the bf16 kernels (recipes whose dequantized values bf16 holds, ``Recipe.exact_in_bf16``)."""
+    return reference_fp8.XLA_GEMMS if implementation == "xla" else BF16_KERNEL_GEMMS
 
 
 def quantized_kernels_unsupported(dtype, gemms, quantization: str) -> str | None:
