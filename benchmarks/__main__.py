@@ -32,6 +32,7 @@ BENCHES = ("gmm", "layer", "skew", "gmm-bwd", "routing", "glu", "ep", "quant")
 TITLES = {
     "gmm": "Grouped matmul, forward",
     "gmm-fp8": "Grouped matmul, forward, block-scaled FP8 (vs a per-tensor FP8 dense matmul)",
+    "gmm-mxfp8": "Grouped matmul, forward, MXFP8 (vs a per-tensor FP8 dense matmul)",
     "gmm-bwd": "Grouped matmul, forward + backward (gradients of lhs and rhs)",
     "skew": "Grouped matmul, forward, skewed routings",
     "layer": "moe_ffn layer, forward",

@@ -17,7 +17,7 @@ Every ragged implementation's output (and gradients) is checked against ``tests.
 f32 products of a few groups computed from their slices, independent of every implementation timed (ragged_dot may run
 out of memory).
 
-With ``--quantization fp8_block`` the forward runs as "gmm-fp8" (``bench_shape_fp8``): our op on bf16 activations
+With ``--quantization fp8_block`` the forward runs as "gmm-fp8" (``bench_shape_fp8``; "gmm-mxfp8" with ``mxfp8``): our op on bf16 activations
 (quantized per call, as a forward does) and weights quantized beforehand in the FP8 kernel's [G, N, K] layout,
 against "dense", one XLA matmul of e4m3 operands (rhs K-major, per-tensor: no block scales) accumulating in f32, of
 the same FLOPs, and "hbm-floor" for the FP8 bytes; beside them the dgrad's GEMM (d_out [M, N] times the same
@@ -99,6 +99,7 @@ def make_inputs(shape: GroupedMatmulShape, *, backward: bool, seed: int) -> list
     return common.input_sets(functools.partial(_input_set, **dims), seed)
 
 
+FP8_BENCHES = {"fp8_block": "gmm-fp8", "mxfp8": "gmm-mxfp8"}  # bench of each recipe's rows (each its own table)
 READ_BYTES_CAP = 2**30  # bytes the read-rate measurement reads at most: far past the 50-MB L2
 READ_ROW = 2048  # columns of the buffer it reduces
 
@@ -272,8 +273,9 @@ class QuantizedGroupOracle:
 def bench_shape_fp8(
     shape: GroupedMatmulShape, routing: str, options: common.Options, *, emit: Callable[[common.Record], None]
 ) -> list[common.Record]:
-    """The "gmm-fp8" rows of one shape and routing: dense FP8, hbm-floor and ``options.backends``."""
-    bench, quantization = "gmm-fp8", options.quantization
+    """The "gmm-fp8" ("gmm-mxfp8") rows of one shape and routing: dense FP8, hbm-floor and ``options.backends``."""
+    quantization = options.quantization
+    bench = FP8_BENCHES[quantization]
     flops = common.gmm_flops(shape.m, shape.k, shape.n, backward=False)
     dims = {"g": shape.g, "m": shape.m, "k": shape.k, "n": shape.n}
     records = []
