@@ -18,12 +18,13 @@ f32 products of a few groups computed from their slices, independent of every im
 out of memory).
 
 With ``--quantization fp8_block`` the forward runs as "gmm-fp8" (``bench_shape_fp8``; "gmm-mxfp8" with ``mxfp8``): our
-op on bf16 activations (quantized per call, as a forward does) and weights quantized beforehand in the FP8 kernel's [G,
-N, K] layout, against "dense", one XLA matmul of e4m3 operands (rhs K-major, per-tensor: no block scales) accumulating
-in f32, of the same FLOPs, and "hbm-floor" for the FP8 bytes; beside them the dgrad's GEMM (d_out [M, N] times the same
-quantized weights, contraction N), with the pallas backend the wgrad's (x and d_out quantized in row blocks per group,
-as the backward does, by the FP8 wgrad kernel) and all three GEMMs by our bf16 kernels (``_fp8_candidates``). The check
-is the XLA implementation of the same quantization on three groups, each run alone (``QuantizedGroupOracle``).
+op on bf16 activations (quantized per call, as a forward does) and weights quantized beforehand in the FP8 kernel's
+[G, N, K] layout, against "dense", one XLA matmul of e4m3 operands (rhs K-major, per-tensor: no block scales)
+accumulating in f32, of the same FLOPs, and "hbm-floor" for the FP8 bytes; beside them the dgrad's GEMM (d_out [M, N]
+times the same quantized weights, contraction N), with the pallas backend the wgrad's (x and d_out quantized in row
+blocks per group, as the backward does, by the FP8 wgrad kernel) and all three GEMMs by our bf16 kernels
+(``_fp8_candidates``). The check is the XLA implementation of the same quantization on three groups, each run alone
+(``QuantizedGroupOracle``).
 """
 
 import dataclasses
