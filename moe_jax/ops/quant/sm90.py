@@ -16,9 +16,10 @@ so every element of x is read from memory once and each FP8 copy written once. B
 the wgmma layout, the columns read through a transposed view of the buffer (ldmatrix's transposing form): each thread
 holds 32 elements of each of two rows, and a block's amax is a reduction within a thread and across the four threads
 sharing the row. The FP8 rows leave through a double buffer per consumer and copy; the scales are stored from
-registers (a TMA box needs 16-byte rows, and a [M, K / b] f32 array rarely has them). Rows past M (columns past K)
-read as zeros, which no amax notices; the FP8 stores drop them, and the scales arrays get whole tiles of rows, sliced
-to size after the kernel.
+registers (a TMA box needs 16-byte rows, and a [M, K / b] f32 array rarely has them), x^T's MN-major, [M / b, K], so
+that a consumer's 64 scales of a block are contiguous, and transposed after the kernel. Rows past M (columns past K)
+read as zeros, which no amax notices; the FP8 stores drop them, and the scales arrays get whole tiles, sliced to size
+after the kernel.
 
 The arithmetic per block is the reference's (``scales_from_amax``, ``reciprocals``, ``scaled_values``) on the
 registers, so the kernel and the XLA path agree bit for bit. Power-of-two scales leave as their exponent byte (uint8:
@@ -257,7 +258,7 @@ def quantize_tiles(
                     values_t, scales_t = quantize_rows(x_cols, block, dtype, pow2_scales)
                     out_t_smem[wg, buffer] = values_t
                     for c, scale in enumerate(scales_t):
-                        scales_t_gmem[pl.ds(col0 + wg * _ROWS, _ROWS), row_tile * blocks_per_tile + c] = scale
+                        scales_t_gmem[row_tile * blocks_per_tile + c, pl.ds(col0 + wg * _ROWS, _ROWS)] = scale
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(
                     out_smem.at[wg, buffer],
@@ -283,7 +284,9 @@ def quantize_tiles(
     if with_transpose:
         out_types += [
             jax.ShapeDtypeStruct((cols, rows), dtype),
-            jax.ShapeDtypeStruct((grid[1] * TILE, grid[0] * blocks_per_tile), scale_bits),
+            # x^T's scales MN-major, [M blocks, K]: stored [K, M blocks], each of a consumer's 64 would start a row
+            # of its own, and the pass takes about 9 % longer (an H200; docs/design.md, "FP8").
+            jax.ShapeDtypeStruct((grid[0] * blocks_per_tile, grid[1] * TILE), scale_bits),
         ]
         out_buffers.append(plgpu.SMEM((CONSUMERS, 2, _ROWS, TILE), dtype, transforms=swizzled(dtype, (cols, rows))))
     kernel = persistent_kernel(
@@ -305,5 +308,5 @@ def quantize_tiles(
     results = [values, scales[:rows, : pl.cdiv(cols, block)]]
     if with_transpose:
         values_t, scales_t = transposed
-        results += [values_t, scales_t[:cols, : pl.cdiv(rows, block)]]
+        results += [values_t, scales_t[: pl.cdiv(rows, block), :cols].T]
     return tuple(results)
