@@ -49,6 +49,18 @@ def checked_interpreter():
     assert not raced, f"the interpreter detected a data race in {raced} of {len(states)} kernel runs"
 
 
+def jitted_vjp(fn, primals, cotangent) -> tuple:
+    """``(fn(*primals), *its VJP at cotangent)`` as one jitted program: dispatched op by op, the glue around the kernels
+    (and a pure-JAX reference) compiles one small program per operation and shape, which takes longer than running it.
+    """
+
+    def value_and_pullback(primals, cotangent):
+        out, pullback = jax.vjp(fn, *primals)
+        return (out, *pullback(cotangent))
+
+    return jax.jit(value_and_pullback)(primals, cotangent)
+
+
 def simulated_sms(num_sms: int):
     """A context in which persistent kernels see ``num_sms`` SMs on the CPU (``hardware.num_sms`` reads an abstract
     device's core count): the interpreter's time grows with them."""

@@ -31,7 +31,14 @@ from moe_jax.ops.glu_mlp import reference as mlp_reference
 from moe_jax.ops.grouped_matmul import launch, reference
 from moe_jax.ops.grouped_matmul.config import GLU_DGRAD_LONG_D_TILES, GLU_DGRAD_TILES, Config, get_config
 from tests import oracle
-from tests.helpers import check_glu_backward, checked_interpreter, expert_weights, glu_mlp_inputs, simulated_sms
+from tests.helpers import (
+    check_glu_backward,
+    checked_interpreter,
+    expert_weights,
+    glu_mlp_inputs,
+    jitted_vjp,
+    simulated_sms,
+)
 
 Y_TOL = 1e-3
 OUT_TOL = 5e-3
@@ -106,8 +113,8 @@ def _check_glu_mlp(activation, case, with_row_scale, recompute, zero_tail):
     packed = moe_jax.pack_gate_up(w_gate_up)
 
     def vjp(fn, w_gate_up):
-        out, pullback = jax.vjp(lambda a, b, c, s: fn(a, b, c, group_sizes, s), x, w_gate_up, w_down, row_scale)
-        return (out, *pullback(inputs["cotangent"]))
+        primals = (x, w_gate_up, w_down, row_scale)
+        return jitted_vjp(lambda a, b, c, s: fn(a, b, c, group_sizes, s), primals, inputs["cotangent"])
 
     kernel = vjp(
         lambda *a: glu_mlp_api._glu_mlp(*a[:4], activation, a[4], zero_tail, "pallas", recompute_gate_up=recompute),
@@ -170,8 +177,7 @@ def test_routed_glu_mlp_matches_permuted_reference(activation, dropped, fuse_gat
     group_sizes, indices = jnp.asarray(sizes, jnp.int32), jnp.asarray(sort_indices)
 
     def vjp(fn, w):
-        out, pullback = jax.vjp(fn, x, w, w_down, row_scale)
-        return (out, *pullback(cotangent))
+        return jitted_vjp(fn, (x, w, w_down, row_scale), cotangent)
 
     kernel = vjp(
         lambda a, b, c, s: glu_mlp_api.routed_glu_mlp(

@@ -30,7 +30,7 @@ from moe_jax._core import backend as dispatch
 from moe_jax.ops.grouped_matmul import api, config, launch
 from moe_jax.ops.grouped_matmul.packing import pack_gate_up
 from tests import oracle
-from tests.helpers import checked_interpreter, grouped_matmul_inputs, simulated_sms
+from tests.helpers import checked_interpreter, grouped_matmul_inputs, jitted_vjp, simulated_sms
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 F32_OUT_TOL = 1e-5
@@ -183,8 +183,7 @@ def test_gradients_match_xla(activation, case):
                 backend=backend,
             )
 
-        out, pullback = jax.vjp(op, lhs, rhs, row_scale)
-        return (out, *pullback(cotangent))
+        return jitted_vjp(op, (lhs, rhs, row_scale), cotangent)
 
     names = ("out", "d_lhs", "d_rhs", "d_row_scale")
     for name, actual, exact in zip(names, vjp("pallas"), vjp("xla"), strict=True):

@@ -21,7 +21,7 @@ from moe_jax._core import backend as dispatch
 from moe_jax.ops.glu_mlp import api as glu_mlp_api
 from moe_jax.ops.grouped_matmul import api, reference_fp8
 from tests import oracle
-from tests.helpers import checked_interpreter, grouped_matmul_inputs, moe_layer_inputs, simulated_sms
+from tests.helpers import checked_interpreter, grouped_matmul_inputs, jitted_vjp, moe_layer_inputs, simulated_sms
 
 F32_TOL = 1e-5
 GLU_GRAD_TOL = 1e-3
@@ -64,8 +64,7 @@ def test_grouped_matmul_and_its_gradients_match_xla(activation, transpose_rhs):
             options.update(quantization="mxfp8", backend=backend)
             return moe_jax.grouped_matmul(lhs, rhs, group_sizes, **options)
 
-        out, pullback = jax.vjp(op, lhs, rhs, row_scale)
-        return (out, *pullback(cotangent))
+        return jitted_vjp(op, (lhs, rhs, row_scale), cotangent)
 
     names = ("out", "d_lhs", "d_rhs", "d_row_scale")
     kernel_results = vjp("pallas")
@@ -99,8 +98,7 @@ def test_routed_glu_mlp_and_its_gradients_match_xla():
             options = dict(row_scale=row_scale, quantization="mxfp8", backend=backend, combine="xla")
             return glu_mlp_api.routed_glu_mlp(x, sort_indices, top_k, w_gate_up, w_down, group_sizes, **options)
 
-        out, pullback = jax.vjp(op, x, w_gate_up, w_down, row_scale)
-        return (out, *pullback(cotangent))
+        return jitted_vjp(op, (x, w_gate_up, w_down, row_scale), cotangent)
 
     names = ("y", "d_x", "d_w_gate_up", "d_w_down", "d_row_scale")
     for name, actual, expected in zip(names, vjp("pallas"), vjp("xla"), strict=True):

@@ -15,6 +15,7 @@ reference's from f32 (measured 3.3e-3).
 """
 
 import dataclasses
+import functools
 from contextlib import nullcontext
 from unittest import mock
 
@@ -26,7 +27,7 @@ import pytest
 import moe_jax
 from moe_jax.ops.grouped_matmul import config, glu, launch, reference, schedule
 from tests import oracle
-from tests.helpers import checked_interpreter, grouped_matmul_inputs
+from tests.helpers import checked_interpreter, grouped_matmul_inputs, jitted_vjp
 
 BF16_OUT_TOL = 5e-3
 F32_OUT_TOL = 1e-5
@@ -47,6 +48,12 @@ CASES = {
 def _inputs(seed, m, k, n, sizes, transpose_rhs):
     lhs, rhs = grouped_matmul_inputs(np.random.default_rng(seed), m, k, n, len(sizes), transpose_rhs)
     return jnp.asarray(lhs, jnp.bfloat16), jnp.asarray(rhs, jnp.bfloat16), jnp.asarray(sizes, jnp.int32)
+
+
+def _jitted_reference(lhs, rhs, group_sizes, transpose_rhs=False):
+    """The reference's f32 product as one jitted program (op by op, each operation would compile on its own)."""
+    fn = functools.partial(reference.grouped_matmul, transpose_rhs=transpose_rhs, preferred_element_type=jnp.float32)
+    return jax.jit(fn)(lhs, rhs, group_sizes)
 
 
 @pytest.fixture
@@ -97,13 +104,12 @@ def test_forward_matches_reference(case, transpose_rhs, out_dtype, tiling):
         if tiling == "other"
         else nullcontext()
     )
-    with patch:
-        out = moe_jax.grouped_matmul(
-            lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, preferred_element_type=out_dtype, backend="pallas"
-        )
-    expected = reference.grouped_matmul(
-        lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, preferred_element_type=jnp.float32
+    kernel = functools.partial(
+        moe_jax.grouped_matmul, transpose_rhs=transpose_rhs, preferred_element_type=out_dtype, backend="pallas"
     )
+    with patch:
+        out = jax.jit(kernel)(lhs, rhs, group_sizes)
+    expected = _jitted_reference(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs)
     assert out.shape == (m, n) and out.dtype == out_dtype
     tol = F32_OUT_TOL if out_dtype == jnp.float32 else BF16_OUT_TOL
     assert oracle.relative_error(out, expected) < tol
@@ -118,8 +124,7 @@ def test_gradients_match_reference(case, transpose_rhs):
     cotangent = jnp.asarray(np.random.default_rng(8).normal(size=(m, n)), jnp.bfloat16)
 
     def vjp(fn):
-        out, pullback = jax.vjp(lambda a, b: fn(a, b, group_sizes, transpose_rhs=transpose_rhs), lhs, rhs)
-        return (out, *pullback(cotangent))
+        return jitted_vjp(lambda a, b: fn(a, b, group_sizes, transpose_rhs=transpose_rhs), (lhs, rhs), cotangent)
 
     kernel = vjp(lambda *a, **kw: moe_jax.grouped_matmul(*a, backend="pallas", **kw))
     expected = vjp(reference.grouped_matmul)
@@ -144,8 +149,7 @@ def test_negative_sizes_and_sizes_past_m(transpose_rhs):
     def vjp(sizes, backend):
         group_sizes = jnp.asarray(sizes, jnp.int32)
         fn = lambda a, b: moe_jax.grouped_matmul(a, b, group_sizes, transpose_rhs=transpose_rhs, backend=backend)
-        out, pullback = jax.vjp(fn, lhs, rhs)
-        return (out, *pullback(cotangent))
+        return jitted_vjp(fn, (lhs, rhs), cotangent)
 
     kernel = vjp([-5, 100, 60], "pallas")
     expected = vjp([0, 100, 36], "xla")
@@ -175,18 +179,18 @@ def test_overlapped_epilogue_matches_reference(case, kind):
     dout = jnp.asarray(np.random.default_rng(32).normal(size=(m, n)), jnp.bfloat16)
     bf16 = jnp.bfloat16
     if kind == "wgrad":
-        out = launch.run_wgrad_kernel(lhs, dout, group_sizes, out_dtype=bf16, config=OVERLAPPED)
+        wgrad = functools.partial(launch.run_wgrad_kernel, out_dtype=bf16, config=OVERLAPPED)
+        out = jax.jit(wgrad)(lhs, dout, group_sizes)
         offsets = np.concatenate([[0], np.cumsum(sizes)])
         a, b = (np.asarray(v, np.float64) for v in (lhs, dout))
         expected = np.stack([a[s:e].T @ b[s:e] for s, e in zip(offsets[:-1], offsets[1:], strict=True)])
     else:
         x, transposed = (lhs, False) if kind == "fwd" else (dout, True)
-        out = launch.run_rows_kernel(
-            kind, x, rhs, group_sizes, w_transposed=transposed, out_dtype=bf16, config=OVERLAPPED
+        rows = functools.partial(
+            launch.run_rows_kernel, kind, w_transposed=transposed, out_dtype=bf16, config=OVERLAPPED
         )
-        expected = reference.grouped_matmul(
-            x, rhs, group_sizes, transpose_rhs=transposed, preferred_element_type=jnp.float32
-        )
+        out = jax.jit(rows)(x, rhs, group_sizes)
+        expected = _jitted_reference(x, rhs, group_sizes, transpose_rhs=transposed)
         np.testing.assert_array_equal(np.asarray(out, np.float32)[sum(sizes) :], 0.0)
     assert oracle.relative_error(out, expected) < BF16_OUT_TOL
 
@@ -211,18 +215,11 @@ def test_tail_tiles_kept_in_step_match_reference(case, kind):
     dout = jnp.asarray(np.random.default_rng(52).normal(size=(m, n)), jnp.bfloat16)
     x, transposed = (lhs, False) if kind == "fwd" else (dout, True)
     in_step = config.Config(block_m=128, block_n=64, keep_ctas_in_step=True)
-    out = launch.run_rows_kernel(
-        kind,
-        x.at[total:].set(jnp.nan),
-        rhs,
-        group_sizes,
-        w_transposed=transposed,
-        out_dtype=jnp.float32,
-        config=in_step,
+    rows = functools.partial(
+        launch.run_rows_kernel, kind, w_transposed=transposed, out_dtype=jnp.float32, config=in_step
     )
-    expected = reference.grouped_matmul(
-        x, rhs, group_sizes, transpose_rhs=transposed, preferred_element_type=jnp.float32
-    )
+    out = jax.jit(rows)(x.at[total:].set(jnp.nan), rhs, group_sizes)
+    expected = _jitted_reference(x, rhs, group_sizes, transpose_rhs=transposed)
     assert oracle.relative_error(out, expected) < F32_OUT_TOL
     np.testing.assert_array_equal(np.asarray(out)[total:], 0.0)
 
@@ -245,8 +242,9 @@ def test_group_bands_match_reference(case, grid_width, in_step):
         overlap_epilogue=in_step,
         keep_ctas_in_step=in_step,
     )
-    out = launch.run_rows_kernel("fwd", lhs, rhs, group_sizes, w_transposed=False, out_dtype=jnp.float32, config=banded)
-    expected = reference.grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+    rows = functools.partial(launch.run_rows_kernel, "fwd", w_transposed=False, out_dtype=jnp.float32, config=banded)
+    out = jax.jit(rows)(lhs, rhs, group_sizes)
+    expected = _jitted_reference(lhs, rhs, group_sizes)
     assert oracle.relative_error(out, expected) < F32_OUT_TOL
     np.testing.assert_array_equal(np.asarray(out)[sum(sizes) :], 0.0)
 
@@ -279,16 +277,8 @@ def test_gathered_rows_match_reference(case):
     _, rhs, group_sizes = _inputs(42, m, k, n, sizes, False)
     x = jnp.asarray(x, jnp.bfloat16)
     cfg = config.Config(block_m=128, block_n=64)
-    out = launch.run_rows_kernel(
-        "fwd",
-        x,
-        rhs,
-        group_sizes,
-        w_transposed=False,
-        out_dtype=jnp.float32,
-        config=cfg,
-        row_tokens=jnp.asarray(row_tokens, jnp.int32),
-    )
+    rows = functools.partial(launch.run_rows_kernel, "fwd", w_transposed=False, out_dtype=jnp.float32, config=cfg)
+    out = jax.jit(rows)(x, rhs, group_sizes, row_tokens=jnp.asarray(row_tokens, jnp.int32))
     expected = oracle.grouped_matmul(np.asarray(x, np.float32)[row_tokens], rhs, sizes)
     assert out.shape == (m, n)
     assert oracle.relative_error(out, expected) < F32_OUT_TOL
@@ -313,7 +303,7 @@ def test_jax_grad_through_gated_activation_and_row_scale(activation):
             out = moe_jax.grouped_matmul(a, b, group_sizes, activation=activation, row_scale=scale, backend=backend)
             return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.size).reshape(out.shape))), out
 
-        return jax.grad(fn, argnums=(0, 1, 2), has_aux=True)(lhs, rhs, row_scale)
+        return jax.jit(jax.grad(fn, argnums=(0, 1, 2), has_aux=True))(lhs, rhs, row_scale)
 
     kernel, kernel_out = loss("pallas")
     # The forward the gradient's residuals come from, against the float64 oracle.
@@ -353,7 +343,8 @@ def _wgrad_and_oracle(x, y, sizes, wgrad_config=None):
     """The wgrad kernel on x [M, P], y [M, Q] (f32, rounded to bf16) and its exact per-group oracle [G, P, Q] f64."""
     xb, yb = (jnp.asarray(a, jnp.bfloat16) for a in (x, y))
     group_sizes = jnp.asarray(sizes, jnp.int32)
-    out = launch.run_wgrad_kernel(xb, yb, group_sizes, out_dtype=jnp.float32, config=wgrad_config)
+    wgrad = functools.partial(launch.run_wgrad_kernel, out_dtype=jnp.float32, config=wgrad_config)
+    out = jax.jit(wgrad)(xb, yb, group_sizes)
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     a, b = (np.asarray(v, np.float64) for v in (xb, yb))
     return out, np.stack([a[s:e].T @ b[s:e] for s, e in zip(offsets[:-1], offsets[1:], strict=True)])

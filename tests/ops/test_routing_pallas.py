@@ -21,12 +21,12 @@ TOL = 1e-6  # f32 weights / probs: a few ulps of values in [0, scale]
 
 
 def _route(logits, top_k, bias=None, **options):
+    """The kernel's routing (NumPy arrays) and the reference's of ``logits``, each as one jitted program."""
+    args = (jnp.asarray(logits), None if bias is None else jnp.asarray(bias))
     with checked_interpreter():
-        kernel = moe_jax.route(
-            jnp.asarray(logits), top_k, bias=None if bias is None else jnp.asarray(bias), backend="pallas", **options
-        )
+        kernel = jax.jit(lambda x, b: moe_jax.route(x, top_k, bias=b, backend="pallas", **options))(*args)
         kernel = jax.tree.map(np.asarray, kernel)
-    expected = reference.route(jnp.asarray(logits), top_k, bias=None if bias is None else jnp.asarray(bias), **options)
+    expected = jax.jit(lambda x, b: reference.route(x, top_k, bias=b, **options))(*args)
     return kernel, expected
 
 
@@ -160,10 +160,12 @@ def test_gradients_match_reference(score, with_aux_losses):
         return loss
 
     with checked_interpreter():
-        kernel = jax.grad(lambda x: objective(lambda y: moe_jax.route(y, 3, backend="pallas", **options), x))(
+        kernel = jax.jit(jax.grad(lambda x: objective(lambda y: moe_jax.route(y, 3, backend="pallas", **options), x)))(
             jnp.asarray(logits)
         )
-    expected = jax.grad(lambda x: objective(lambda y: reference.route(y, 3, **options), x))(jnp.asarray(logits))
+    expected = jax.jit(jax.grad(lambda x: objective(lambda y: reference.route(y, 3, **options), x)))(
+        jnp.asarray(logits)
+    )
     np.testing.assert_allclose(kernel, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -194,8 +196,8 @@ def test_sigmoid_statistics_from_the_kernel(monkeypatch, num_tokens, num_experts
         grad = jax.grad(
             lambda x: aux_losses(lambda y: moe_jax.route(y, 4, score="sigmoid", backend="pallas", **options), x)
         )
-        got = grad(jnp.asarray(logits))
-    expected = jax.grad(lambda x: aux_losses(lambda y: reference.route(y, 4, score="sigmoid", **options), x))
+        got = jax.jit(grad)(jnp.asarray(logits))
+    expected = jax.jit(jax.grad(lambda x: aux_losses(lambda y: reference.route(y, 4, score="sigmoid", **options), x)))
     np.testing.assert_allclose(got, expected(jnp.asarray(logits)), rtol=1e-5, atol=1e-6)
 
 
