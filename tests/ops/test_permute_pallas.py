@@ -15,7 +15,7 @@ import moe_jax
 from benchmarks import shapes
 from moe_jax.ops.permute import reference, sm90
 from moe_jax.ops.permute.config import Config, heuristic_config
-from tests.helpers import checked_interpreter, cuda_lowering, normal, random_routing
+from tests.helpers import checked_interpreter, cuda_lowering, jitted_vjp, normal, random_routing
 from tests.oracle import relative_error
 
 # One rounding to the output dtype of an f32 sum (the reference rounds once too, from another summation order).
@@ -27,8 +27,9 @@ def _rows(seed: int, shape, dtype) -> jax.Array:
 
 
 def _interpreted(fn, *args):
+    """fn(*args) as one jitted program under the checking interpreter (op by op, its glue would compile per op)."""
     with checked_interpreter():
-        return jax.block_until_ready(fn(*args))
+        return jax.block_until_ready(jax.jit(fn)(*args))
 
 
 # (T, D, E, k, dtype): D picks the register chunk (bf16 1024 -> one 16-byte chunk; 384 -> three 2-byte chunks).
@@ -145,12 +146,11 @@ def test_gradients_match_reference(dtype, d_model):
         lambda x: reference.permute(x, routing.sort_indices, top_k),
         lambda y, w: reference.combine(y, routing.sort_indices, top_k, w),
     )
-    cotangents = (d_rows, d_y, d_y)
+    primals, cotangents = (x, y_sorted, routing.weights), (d_rows, d_y, d_y)
     with checked_interpreter():
-        _, kernel_vjp = jax.vjp(kernel, x, y_sorted, routing.weights)
-        got = jax.block_until_ready(kernel_vjp(cotangents))
-    _, expected_vjp = jax.vjp(expected, x, y_sorted, routing.weights)
-    for name, g, e in zip(("dx", "dy_sorted", "dweights"), got, expected_vjp(cotangents), strict=True):
+        _, *got = jax.block_until_ready(jitted_vjp(kernel, primals, cotangents))
+    _, *wanted = jitted_vjp(expected, primals, cotangents)
+    for name, g, e in zip(("dx", "dy_sorted", "dweights"), got, wanted, strict=True):
         assert g.dtype == e.dtype, name
         # The reference's dx sums k bf16 rows in bf16 (scatter-add), the kernel in f32: two roundings apart.
         tol = 2 * TOL[dtype] if name == "dx" else TOL[dtype]
