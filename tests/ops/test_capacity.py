@@ -63,9 +63,13 @@ def test_apply_capacity_keeps_the_earlier_of_tied_assignments(backend, score):
     inputs = _inputs(0)
     logits = jnp.asarray(inputs["x"] @ inputs["router_kernel"])  # exact: see the module docstring
     capacity_factor = _splitting_capacity_factor(inputs, score=score)
-    with checked_interpreter():
+
+    def route_with_capacity(logits):
         routing = moe_jax.route(logits, K, score=score, backend=backend)
-        group_sizes, sort_indices = jax.device_get(moe_jax.apply_capacity(routing, capacity_factor))
+        return routing, moe_jax.apply_capacity(routing, capacity_factor)
+
+    with checked_interpreter():
+        routing, (group_sizes, sort_indices) = jax.device_get(jax.jit(route_with_capacity)(logits))
     tied = np.asarray(routing.selected_scores)[COPIES, 0]
     assert np.all(tied == tied[0]), f"the copies' scores do not tie exactly: {tied}"
 
@@ -108,7 +112,7 @@ def test_moe_ffn_forward_and_gradients_match_the_oracle(activation, routing):
         return jnp.sum(y * cotangent) + aux.load_balancing_loss + 0.1 * aux.z_loss, (y, aux)
 
     arrays = [jnp.asarray(inputs[name]) for name in NAMES]
-    grads, (y, aux) = jax.grad(objective, argnums=(0, 1, 2, 3), has_aux=True)(*arrays)
+    grads, (y, aux) = jax.jit(jax.grad(objective, argnums=(0, 1, 2, 3), has_aux=True))(*arrays)
     _check_layer(y, aux, dict(zip(NAMES, grads, strict=True)), inputs, options)
 
 
@@ -126,7 +130,8 @@ def test_nn_moe_forward_and_gradients_match_the_oracle():
         (aux,) = intermediates["moe_aux"].get_value()
         return jnp.sum(y * cotangent) + aux.load_balancing_loss + 0.1 * aux.z_loss, (y, aux)
 
-    (param_grads, d_x), (y, aux) = nnx.grad(objective, argnums=(0, 1), has_aux=True)(model, jnp.asarray(inputs["x"]))
+    gradients = nnx.jit(nnx.grad(objective, argnums=(0, 1), has_aux=True))
+    (param_grads, d_x), (y, aux) = gradients(model, jnp.asarray(inputs["x"]))
     packed = moe_jax.PackedGateUp(param_grads.w_gate_up[...], gate_up_block(F))
     grads = dict(
         x=d_x,

@@ -18,7 +18,7 @@ from moe_jax.ops.glu_mlp import reference as mlp_reference
 from moe_jax.ops.grouped_matmul import glu, schedule
 from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, gate_up_block, join_gate_up, split_gate_up
 from tests import oracle
-from tests.helpers import glu_mlp_inputs
+from tests.helpers import glu_mlp_inputs, jitted_vjp
 
 F32_TOL = 1e-5  # f32 end to end
 
@@ -69,8 +69,9 @@ def test_packed_weights_are_a_pytree_whose_gradient_stays_packed():
     def loss(weights):
         return jnp.sum(moe_jax.grouped_matmul(jnp.asarray(x), weights, jnp.asarray(sizes), activation="swiglu"))
 
-    grad_packed = jax.grad(loss)(packed)
-    grad_plain = jax.grad(loss)(jnp.asarray(w_gate_up))
+    grad = jax.jit(jax.grad(loss))
+    grad_packed = grad(packed)
+    grad_plain = grad(jnp.asarray(w_gate_up))
     assert isinstance(grad_packed, moe_jax.PackedGateUp)
     assert oracle.relative_error(moe_jax.unpack_gate_up(grad_packed), grad_plain) < F32_TOL
 
@@ -79,8 +80,8 @@ def test_packed_weights_are_a_pytree_whose_gradient_stays_packed():
 def test_reference_reads_packed_weights_without_unpacking(activation):
     x, w_gate_up, _, sizes, row_scale = _mlp_problem(2, 30, 16, PACK_BLOCK, [10, 0, 17], x_scale=4.0)
     packed = moe_jax.pack_gate_up(jnp.asarray(w_gate_up))
-    args = dict(activation=activation, row_scale=jnp.asarray(row_scale), backend="xla")
-    out = moe_jax.grouped_matmul(jnp.asarray(x), packed, jnp.asarray(sizes), **args)
+    op = jax.jit(functools.partial(moe_jax.grouped_matmul, activation=activation, backend="xla"))
+    out = op(jnp.asarray(x), packed, jnp.asarray(sizes), row_scale=jnp.asarray(row_scale))
     expected = oracle.grouped_matmul(x, w_gate_up, sizes, activation=activation, row_scale=row_scale)
     assert oracle.relative_error(out, expected) < F32_TOL
 
@@ -105,10 +106,10 @@ def test_glu_and_its_hand_derived_gradient(activation):
     gate, up, d_h = (jnp.asarray(rng.normal(scale=5.0, size=(64, 32)), jnp.float32) for _ in range(3))
     # Hit the clamp bounds exactly too: there the derivative is 1/2, as jax.numpy's min/max give it.
     gate, up = gate.at[0, :4].set(7.0), up.at[1, :4].set(jnp.array([7.0, -7.0, 7.0, -7.0]))
-    h, d_gate, d_up = glu.glu_grad(gate, up, d_h, activation)
-    expected_h, pullback = jax.vjp(lambda g, u: glu.glu(g, u, activation), gate, up)
-    expected_d_gate, expected_d_up = pullback(d_h)
-    assert oracle.relative_error(glu.glu(gate, up, activation), expected_h) < F32_TOL
+    h, d_gate, d_up = jax.jit(functools.partial(glu.glu_grad, activation=activation))(gate, up, d_h)
+    forward = functools.partial(glu.glu, activation=activation)
+    expected_h, expected_d_gate, expected_d_up = jitted_vjp(forward, (gate, up), d_h)
+    assert oracle.relative_error(jax.jit(forward)(gate, up), expected_h) < F32_TOL
     assert oracle.relative_error(h, expected_h) < F32_TOL
     assert oracle.relative_error(d_gate, expected_d_gate) < F32_TOL
     assert oracle.relative_error(d_up, expected_d_up) < F32_TOL
@@ -140,11 +141,9 @@ def test_kept_pre_activation_never_rounds_across_a_clamp_bound(dtype):
 def test_glu_mlp_matches_the_oracle(activation, with_row_scale):
     x, w_gate_up, w_down, sizes, row_scale = _mlp_problem(5, 40, 16, 12, [0, 15, 3, 14], x_scale=4.0)
     row_scale = row_scale if with_row_scale else None
-    y = moe_jax.glu_mlp(
+    y = jax.jit(functools.partial(moe_jax.glu_mlp, activation=activation, backend="xla"))(
         *map(jnp.asarray, (x, w_gate_up, w_down, sizes)),
-        activation=activation,
         row_scale=None if row_scale is None else jnp.asarray(row_scale),
-        backend="xla",
     )
     hidden = oracle.grouped_matmul(x, w_gate_up, sizes, activation=activation)
     expected = oracle.grouped_matmul(hidden, w_down, sizes, row_scale=row_scale)
@@ -209,13 +208,13 @@ def test_dense_glu_mlp_matches_the_oracle_and_its_gradients(activation, dtype, t
     w_gate_up_arg = moe_jax.pack_gate_up(weights) if packed else weights
     args = (jnp.asarray(x, dtype), w_gate_up_arg, jnp.asarray(w_down, dtype))
     exact = [np.asarray(a, np.float64) for a in (args[0], weights, args[2])]
-    y, vjp = jax.vjp(functools.partial(moe_jax.dense_glu_mlp, activation=activation, backend="pallas"), *args)
+    cotangent = np.random.default_rng(8).normal(size=(t, d))
+    layer = functools.partial(moe_jax.dense_glu_mlp, activation=activation, backend="pallas")
+    y, d_x, d_w_gate_up, d_w_down = jitted_vjp(layer, args, jnp.asarray(cotangent, dtype))
     hidden = oracle.grouped_matmul(exact[0], exact[1], [t], activation=activation)
     assert y.shape == (t, d) and y.dtype == dtype
     assert oracle.relative_error(y, oracle.grouped_matmul(hidden, exact[2], [t])) < tol
 
-    cotangent = np.random.default_rng(8).normal(size=(t, d))
-    d_x, d_w_gate_up, d_w_down = vjp(jnp.asarray(cotangent, dtype))
     one_expert_router = np.zeros((d, 1))
     expected = oracle.moe_ffn_gradients(
         exact[0], one_expert_router, *exact[1:], cotangent, top_k=1, activation=activation, load_balancing_weight=0.0
@@ -233,8 +232,10 @@ def test_dense_glu_mlp_quantized_is_the_one_group_glu_mlp():
     x, w_gate_up, w_down, _, _ = _mlp_problem(9, t, d, f, [t])
     args = (jnp.asarray(x), moe_jax.pack_gate_up(jnp.asarray(w_gate_up)), jnp.asarray(w_down))
     options = dict(activation="geglu", backend="xla", quantization="fp8_block")
-    y = moe_jax.dense_glu_mlp(*args, **options)
-    np.testing.assert_array_equal(y, moe_jax.glu_mlp(*args, jnp.array([t], jnp.int32), **options))
+    y = jax.jit(functools.partial(moe_jax.dense_glu_mlp, **options))(*args)
+    np.testing.assert_array_equal(
+        y, jax.jit(functools.partial(moe_jax.glu_mlp, **options))(*args, jnp.array([t], jnp.int32))
+    )
     hidden = oracle.grouped_matmul(x, w_gate_up, [t], activation="geglu")
     assert oracle.relative_error(y, oracle.grouped_matmul(hidden, w_down, [t])) < 8e-2
 

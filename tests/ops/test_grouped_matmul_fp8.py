@@ -12,6 +12,8 @@ gate and the up product both err (5.3-5.5% measured), and the gradients quantize
 a GLU, 5.3-5.6% through swiglu): ``UNQUANTIZED_GLU_TOL`` and ``UNQUANTIZED_GRAD_TOL``.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +23,7 @@ import moe_jax
 from moe_jax.ops.grouped_matmul import api, reference
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp, pack_gate_up, stored_array, unpack_gate_up
 from tests import oracle
-from tests.helpers import grouped_matmul_inputs
+from tests.helpers import grouped_matmul_inputs, jitted_vjp
 
 EXACT_TOL = 1e-5
 UNQUANTIZED_TOL = 5e-2
@@ -41,6 +43,15 @@ CASES = {
 }
 
 
+# The op and the weight quantizer, each call one jitted program with the options static: op by op, every operation of
+# the glue and of the quantizer would compile on its own.
+_grouped_matmul = jax.jit(
+    moe_jax.grouped_matmul,
+    static_argnames=("activation", "preferred_element_type", "transpose_rhs", "quantization", "backend"),
+)
+_quantize_weights = jax.jit(api.quantize_weights, static_argnames=("quantization", "transpose_rhs"))
+
+
 def _problem(seed, m, k, n, sizes, *, transpose_rhs=False, dtype=jnp.float32):
     lhs, rhs = grouped_matmul_inputs(np.random.default_rng(seed), m, k, n, len(sizes), transpose_rhs)
     return jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype), jnp.asarray(sizes, jnp.int32)
@@ -55,7 +66,9 @@ def _dequantized(quantized) -> np.ndarray:
 
 
 def _quantize(x, block_shape, quantization):
-    return moe_jax.quantize_blockwise(x, block_shape, pow2_scales=RECIPES[quantization][2], backend="xla")
+    pow2_scales = RECIPES[quantization][2]
+    quantize = functools.partial(moe_jax.quantize_blockwise, pow2_scales=pow2_scales, backend="xla")
+    return jax.jit(quantize, static_argnums=1)(x, block_shape)
 
 
 def _forward_weights(rhs, quantization, transpose_rhs):
@@ -89,9 +102,7 @@ def _per_group_rows(x, sizes, quantization) -> np.ndarray:
 def test_forward_matches_float64_product_of_the_quantized_operands(quantization, case, transpose_rhs):
     m, k, n, sizes = CASES[case]
     lhs, rhs, group_sizes = _problem(0, m, k, n, sizes, transpose_rhs=transpose_rhs)
-    out = moe_jax.grouped_matmul(
-        lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, quantization=quantization, backend="xla"
-    )
+    out = _grouped_matmul(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, quantization=quantization, backend="xla")
     block = RECIPES[quantization][0]
     expected = oracle.grouped_matmul(
         _dequantized(_quantize(lhs, (1, block), quantization)),
@@ -113,7 +124,7 @@ def test_glu_and_row_scale_quantize_the_packed_weights(quantization, activation,
     lhs = lhs * 3.0  # past gpt_oss's clamp
     row_scale = jnp.asarray(np.random.default_rng(2).uniform(size=m), jnp.float32)
     weights = pack_gate_up(rhs) if packed else rhs
-    out = moe_jax.grouped_matmul(
+    out = _grouped_matmul(
         lhs, weights, group_sizes, activation=activation, row_scale=row_scale, quantization=quantization
     )
     # Quantized in the packed layout (64 gate and 64 up columns per 128-column block), multiplied as [gate | up].
@@ -138,7 +149,7 @@ def test_glu_and_row_scale_quantize_the_packed_weights(quantization, activation,
 def test_close_to_the_unquantized_product(quantization, activation):
     m, k, n, sizes = CASES["edges"]
     lhs, rhs, group_sizes = _problem(3, m, k, n, sizes, dtype=jnp.bfloat16)
-    out = moe_jax.grouped_matmul(lhs, rhs, group_sizes, activation=activation, quantization=quantization)
+    out = _grouped_matmul(lhs, rhs, group_sizes, activation=activation, quantization=quantization)
     assert out.dtype == jnp.bfloat16
     expected = oracle.grouped_matmul(lhs.astype(jnp.float32), rhs.astype(jnp.float32), sizes, activation=activation)
     tol = UNQUANTIZED_TOL if activation is None else UNQUANTIZED_GLU_TOL
@@ -160,8 +171,7 @@ def test_gradients_are_the_recipes_quantized_gemms(quantization, case, transpose
     def op(lhs, rhs):
         return moe_jax.grouped_matmul(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, quantization=quantization)
 
-    _, pullback = jax.vjp(op, lhs, rhs)
-    d_lhs, d_rhs = pullback(cotangent)
+    _, d_lhs, d_rhs = jitted_vjp(op, (lhs, rhs), cotangent)
 
     block, _, _ = RECIPES[quantization]
     dy = _dequantized(_quantize(cotangent, (1, block), quantization))
@@ -203,10 +213,10 @@ def test_gradients_close_to_the_unquantized_ones(quantization, activation):
     def exact(lhs, rhs, row_scale):
         return reference.grouped_matmul(lhs, rhs, group_sizes, activation=activation, row_scale=row_scale)
 
-    grads = jax.vjp(quantized, lhs, rhs, row_scale)[1](cotangent)
+    _, *grads = jitted_vjp(quantized, (lhs, rhs, row_scale), cotangent)
     with jax.enable_x64(True):
         args = [jnp.asarray(np.asarray(a), jnp.float64) for a in (lhs, rhs, row_scale, cotangent)]
-        expected = jax.vjp(exact, *args[:3])[1](args[3])
+        _, *expected = jitted_vjp(exact, args[:3], args[3])
     for name, actual, exact_grad in zip(("d_lhs", "d_rhs", "d_row_scale"), grads, expected, strict=True):
         assert oracle.relative_error(actual, exact_grad) < UNQUANTIZED_GRAD_TOL, name
 
@@ -222,13 +232,13 @@ def test_block_scaled_operands_are_taken_as_they_are(quantization, transpose_rhs
     options = dict(transpose_rhs=transpose_rhs, quantization=quantization)
     block = RECIPES[quantization][0]
     lhs_q = _quantize(lhs, (1, block), quantization)
-    rhs_q = api.quantize_weights(rhs, quantization, transpose_rhs=transpose_rhs)
-    expected = moe_jax.grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=jnp.float32, **options)
-    both = moe_jax.grouped_matmul(lhs_q, rhs_q, group_sizes, **options)
+    rhs_q = _quantize_weights(rhs, quantization, transpose_rhs=transpose_rhs)
+    expected = _grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=jnp.float32, **options)
+    both = _grouped_matmul(lhs_q, rhs_q, group_sizes, **options)
     assert both.dtype == jnp.bfloat16  # no high-precision input to take the dtype from
     np.testing.assert_array_equal(both, expected.astype(jnp.bfloat16))
     for operands in ((lhs_q, rhs), (lhs, rhs_q)):
-        out = moe_jax.grouped_matmul(*operands, group_sizes, preferred_element_type=jnp.float32, **options)
+        out = _grouped_matmul(*operands, group_sizes, preferred_element_type=jnp.float32, **options)
         np.testing.assert_array_equal(out, expected)
 
 
@@ -237,11 +247,11 @@ def test_quantized_packed_weights_serve_the_glu(quantization):
     m, k, n, sizes = CASES["edges"]
     lhs, rhs, group_sizes = _problem(10, m, k, n, sizes)
     options = dict(activation="swiglu", quantization=quantization)
-    quantized = api.quantize_weights(pack_gate_up(rhs), quantization)
+    quantized = _quantize_weights(pack_gate_up(rhs), quantization)
     assert isinstance(quantized, PackedGateUp) and isinstance(quantized.array, moe_jax.BlockScaled)
-    out = moe_jax.grouped_matmul(lhs, quantized, group_sizes, **options)
-    np.testing.assert_array_equal(out, moe_jax.grouped_matmul(lhs, rhs, group_sizes, **options))
-    both = moe_jax.grouped_matmul(
+    out = _grouped_matmul(lhs, quantized, group_sizes, **options)
+    np.testing.assert_array_equal(out, _grouped_matmul(lhs, rhs, group_sizes, **options))
+    both = _grouped_matmul(
         _quantize(lhs, (1, RECIPES[quantization][0]), quantization), quantized, group_sizes, **options
     )
     assert both.dtype == jnp.bfloat16
@@ -258,9 +268,9 @@ def test_fp8_block_weights_pre_quantized_give_the_same_input_gradient():
         def op(lhs):
             return moe_jax.grouped_matmul(lhs, weights, group_sizes, quantization="fp8_block")
 
-        return jax.vjp(op, lhs)[1](cotangent)[0]
+        return jitted_vjp(op, (lhs,), cotangent)[1]
 
-    np.testing.assert_array_equal(d_lhs(api.quantize_weights(rhs)), d_lhs(rhs))
+    np.testing.assert_array_equal(d_lhs(_quantize_weights(rhs)), d_lhs(rhs))
 
 
 def _values_and_gradients(weights, lhs, group_sizes, cotangent, **options):
@@ -269,8 +279,7 @@ def _values_and_gradients(weights, lhs, group_sizes, cotangent, **options):
     def op(lhs, weights):
         return moe_jax.grouped_matmul(lhs, weights, group_sizes, quantization="fp8_block", **options)
 
-    out, pullback = jax.vjp(op, lhs, weights)
-    d_lhs, d_weights = pullback(cotangent)
+    out, d_lhs, d_weights = jitted_vjp(op, (lhs, weights), cotangent)
     d_rhs = api.master_weights(d_weights)
     return out, d_lhs, d_rhs.array if isinstance(d_rhs, PackedGateUp) else d_rhs
 
@@ -286,7 +295,7 @@ def test_quantized_master_gives_the_values_and_gradients_of_its_master(transpose
     cols = n // 2 if activation else n
     cotangent = jnp.asarray(np.random.default_rng(22).normal(size=(m, cols)), jnp.float32)
     options = dict(activation=activation, transpose_rhs=transpose_rhs)
-    master = api.quantize_master(rhs, transpose_rhs=transpose_rhs)
+    master = jax.jit(api.quantize_master, static_argnames="transpose_rhs")(rhs, transpose_rhs=transpose_rhs)
     expected = _values_and_gradients(rhs, lhs, group_sizes, cotangent, **options)
     got = _values_and_gradients(master, lhs, group_sizes, cotangent, **options)
     assert isinstance(stored_array(master), moe_jax.QuantizedMaster)
@@ -352,10 +361,10 @@ def test_quantize_weights_checks_its_arguments():
 def test_mxfp8_weight_blocks_lie_along_k():
     """An MXFP8 rhs has one e8m0 scale per 32 elements of K and per column."""
     _, rhs, _ = _args()
-    quantized = api.quantize_weights(rhs, "mxfp8")
+    quantized = _quantize_weights(rhs, "mxfp8")
     assert quantized.block_shape == (1, 32, 1)
     assert quantized.scales.shape == (2, 4, 128) and quantized.scales.dtype == jnp.float8_e8m0fnu
-    assert api.quantize_weights(rhs, "mxfp8", transpose_rhs=True).block_shape == (1, 1, 32)
+    assert _quantize_weights(rhs, "mxfp8", transpose_rhs=True).block_shape == (1, 1, 32)
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ or an output tile the kernel forgot shows up.
 """
 
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,7 @@ import pytest
 import moe_jax
 from moe_jax.ops.grouped_matmul import launch, reference_fp8
 from tests import oracle
-from tests.helpers import checked_interpreter, simulated_sms
+from tests.helpers import checked_interpreter, jitted_vjp, simulated_sms
 
 F32_OUT_TOL = 1e-5
 BF16_OUT_TOL = 2e-3
@@ -43,6 +44,19 @@ def interpret():
         yield
 
 
+def _kernel(x, y, group_sizes, out_dtype, **row_tokens):
+    """The kernel as one jitted program (op by op, the glue around it would compile per operation)."""
+    return jax.jit(functools.partial(launch.run_fp8_wgrad_kernel, out_dtype=out_dtype))(x, y, group_sizes, **row_tokens)
+
+
+def _recipes_wgrad(x, group_sizes, y, transpose_rhs, out_dtype):
+    """``reference_fp8.quantized_wgrad`` as one jitted program."""
+    wgrad = functools.partial(
+        reference_fp8.quantized_wgrad, recipe=RECIPE, transpose_rhs=transpose_rhs, out_dtype=out_dtype
+    )
+    return jax.jit(wgrad)(x, group_sizes, y)
+
+
 def _operands(seed, m, p, q, dtype):
     rng = np.random.default_rng(seed)
     return jnp.asarray(rng.normal(size=(m, p)), dtype), jnp.asarray(rng.normal(size=(m, q)), dtype)
@@ -62,8 +76,8 @@ def test_kernel_matches_the_recipes_wgrad(case, in_dtype, out_dtype, tol):
     x, y = _operands(0, m, p, q, in_dtype)
     group_sizes = jnp.asarray(sizes, jnp.int32)
     with simulated_sms(num_sms) if num_sms else contextlib.nullcontext():
-        out = launch.run_fp8_wgrad_kernel(x, y, group_sizes, out_dtype=out_dtype)
-    expected = reference_fp8.quantized_wgrad(x, group_sizes, y, RECIPE, False, out_dtype)
+        out = _kernel(x, y, group_sizes, out_dtype)
+    expected = _recipes_wgrad(x, group_sizes, y, False, out_dtype)
     assert out.shape == (len(sizes), p, q) and out.dtype == out_dtype
     assert oracle.relative_error(out, expected) < tol
     empty = [g for g, size in enumerate(sizes) if size == 0 or sum(sizes[:g]) >= m]
@@ -83,12 +97,10 @@ def test_gathered_rows_give_the_wgrad_of_the_gathered_copy(gathered):
     group_sizes = jnp.asarray(sizes, jnp.int32)
     copy = dict(x=x, y=y) | {gathered: tokens[row_tokens]}
     operands = dict(x=x, y=y) | {gathered: tokens}
-    out = launch.run_fp8_wgrad_kernel(
-        operands["x"], operands["y"], group_sizes, out_dtype=jnp.bfloat16, **{f"{gathered}_row_tokens": row_tokens}
-    )
-    copy_out = launch.run_fp8_wgrad_kernel(copy["x"], copy["y"], group_sizes, out_dtype=jnp.bfloat16)
+    out = _kernel(operands["x"], operands["y"], group_sizes, jnp.bfloat16, **{f"{gathered}_row_tokens": row_tokens})
+    copy_out = _kernel(copy["x"], copy["y"], group_sizes, jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(copy_out, np.float32))
-    expected = reference_fp8.quantized_wgrad(copy["x"], group_sizes, copy["y"], RECIPE, False, jnp.bfloat16)
+    expected = _recipes_wgrad(copy["x"], group_sizes, copy["y"], False, jnp.bfloat16)
     assert oracle.relative_error(out, expected) < BF16_OUT_TOL
 
 
@@ -108,9 +120,8 @@ def test_op_gradient_runs_the_kernel_in_either_weight_layout(transpose_rhs):
             lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, quantization="fp8_block", backend="pallas"
         )
 
-    _, pullback = jax.vjp(op, rhs)
-    (d_rhs,) = pullback(d_out)
-    expected = reference_fp8.quantized_wgrad(lhs, group_sizes, d_out, RECIPE, transpose_rhs, jnp.float32)
+    _, d_rhs = jitted_vjp(op, (rhs,), d_out)
+    expected = _recipes_wgrad(lhs, group_sizes, d_out, transpose_rhs, jnp.float32)
     assert d_rhs.shape == rhs.shape and d_rhs.dtype == jnp.float32
     assert oracle.relative_error(d_rhs, expected) < F32_OUT_TOL
 

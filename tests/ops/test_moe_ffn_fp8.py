@@ -7,6 +7,8 @@ four operands on the way to y (x, the gate_up weights, the hidden activations, t
 ``GRAD_TOL``. ``MIN_QUANTIZATION_ERROR`` is the floor that shows the operands were quantized at all.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,9 @@ Y_TOL = 8e-2
 GRAD_TOL = 1.5e-1
 MIN_QUANTIZATION_ERROR = 5e-3
 QUANTIZATIONS = ["fp8_block", "mxfp8"]
+
+# The fp8_block layer (k = 2, XLA) as one jitted program: op by op, each operation would compile on its own.
+_fp8_block_layer = jax.jit(functools.partial(moe_jax.moe_ffn, top_k=2, backend="xla", quantization="fp8_block"))
 
 
 def _layer(seed, num_tokens=64, d_model=256, d_ff=128, num_experts=4):
@@ -45,7 +50,7 @@ def test_layer_and_gradients_are_close_to_the_unquantized_oracle(quantization, o
         return jnp.sum(y * cotangent), y
 
     arrays = tuple(map(jnp.asarray, (x, router_kernel, w_gate_up, w_down)))
-    grads, y = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(*arrays)
+    grads, y = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(*arrays)
     expected_y, _ = oracle.moe_ffn(x, router_kernel, w_gate_up, w_down, **options)
     error = oracle.relative_error(y, expected_y)
     assert MIN_QUANTIZATION_ERROR < error < Y_TOL
@@ -63,12 +68,8 @@ def test_glu_mlp_is_close_to_the_unquantized_oracle(quantization):
     sizes = np.array([0, 40, 1, 19], np.int32)  # an empty group, a one-row group, 4 rows past the sum
     x = rng.normal(size=(64, 256)).astype(np.float32)
     row_scale = rng.uniform(0.2, 1.0, size=64).astype(np.float32)
-    y = moe_jax.glu_mlp(
-        *map(jnp.asarray, (x, w_gate_up, w_down, sizes)),
-        row_scale=jnp.asarray(row_scale),
-        backend="xla",
-        quantization=quantization,
-    )
+    layer = functools.partial(moe_jax.glu_mlp, backend="xla", quantization=quantization)
+    y = jax.jit(layer)(*map(jnp.asarray, (x, w_gate_up, w_down, sizes)), row_scale=jnp.asarray(row_scale))
     hidden = oracle.grouped_matmul(x, w_gate_up, sizes, activation="swiglu")
     expected = oracle.grouped_matmul(hidden, w_down, sizes, row_scale=row_scale)
     assert MIN_QUANTIZATION_ERROR < oracle.relative_error(y, expected) < Y_TOL
@@ -78,10 +79,9 @@ def test_glu_mlp_is_close_to_the_unquantized_oracle(quantization):
 def test_pre_quantized_weights_give_the_same_layer():
     x, router_kernel, w_gate_up, w_down = map(jnp.asarray, _layer(4))
     packed = moe_jax.pack_gate_up(w_gate_up)
-    quantized = [moe_jax.ops.grouped_matmul.api.quantize_weights(w) for w in (packed, w_down)]
-    run = dict(top_k=2, backend="xla", quantization="fp8_block")
-    y, _ = moe_jax.moe_ffn(x, router_kernel, packed, w_down, **run)
-    y_quantized, _ = moe_jax.moe_ffn(x, router_kernel, *quantized, **run)
+    quantized = [jax.jit(moe_jax.ops.grouped_matmul.api.quantize_weights)(w) for w in (packed, w_down)]
+    y, _ = _fp8_block_layer(x, router_kernel, packed, w_down)
+    y_quantized, _ = _fp8_block_layer(x, router_kernel, *quantized)
     np.testing.assert_array_equal(y_quantized, y)
 
 
@@ -108,13 +108,5 @@ def test_nn_moe_with_quantization_is_moe_ffn_with_it():
     layer = moe_jax.nn.MoE(256, 128, 4, 2, quantization="fp8_block", backend="xla", rngs=nnx.Rngs(0))
     x = jnp.asarray(np.random.default_rng(6).normal(size=(2, 16, 256)), jnp.float32)
     w_gate_up = moe_jax.PackedGateUp(layer.w_gate_up[...], moe_jax.ops.grouped_matmul.packing.gate_up_block(128))
-    expected, _ = moe_jax.moe_ffn(
-        x.reshape(-1, 256),
-        layer.router.kernel[...],
-        w_gate_up,
-        layer.w_down[...],
-        top_k=2,
-        backend="xla",
-        quantization="fp8_block",
-    )
-    np.testing.assert_array_equal(layer(x).reshape(-1, 256), expected)
+    expected, _ = _fp8_block_layer(x.reshape(-1, 256), layer.router.kernel[...], w_gate_up, layer.w_down[...])
+    np.testing.assert_array_equal(nnx.jit(lambda layer, x: layer(x))(layer, x).reshape(-1, 256), expected)

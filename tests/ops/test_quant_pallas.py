@@ -1,6 +1,8 @@
 """The sm90 quantizer kernels under the Mosaic GPU interpreter (races detected, memory NaN-poisoned) against the XLA
 reference: the same f32 arithmetic per block, so values and scales must be equal bit for bit."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,6 +30,26 @@ def _random(seed: int, shape, dtype) -> jax.Array:
 def _interpreted(fn, *args):
     with checked_interpreter():
         return jax.block_until_ready(jax.jit(fn)(*args))
+
+
+def _reference(x, block_shape, dtype, pow2_scales, transpose=None):
+    """``reference.quantize_blockwise`` of x (or of ``x.transpose(transpose)``) as one jitted program: op by op, each
+    operation would compile on its own."""
+
+    def quantize(x):
+        return reference.quantize_blockwise(
+            x if transpose is None else x.transpose(transpose), block_shape, dtype, pow2_scales
+        )
+
+    return jax.jit(quantize)(x)
+
+
+def _reference_row_blocks(x, first_rows, row_counts, dtype, pow2_scales):
+    """``reference.quantize_row_blocks_transposed`` in 128-row blocks as one jitted program."""
+    quantize = functools.partial(
+        reference.quantize_row_blocks_transposed, block=128, dtype=dtype, pow2_scales=pow2_scales
+    )
+    return jax.jit(quantize)(x, first_rows, row_counts)
 
 
 def _bits(array) -> np.ndarray:
@@ -60,7 +82,7 @@ def test_kernel_matches_reference_bit_for_bit(rows, cols, block, x_dtype, dtype,
     def quantize(x):
         return quantize_blockwise(x, (1, block), dtype=dtype, pow2_scales=pow2_scales, backend="pallas")
 
-    _assert_same(_interpreted(quantize, x), reference.quantize_blockwise(x, (1, block), dtype, pow2_scales))
+    _assert_same(_interpreted(quantize, x), _reference(x, (1, block), dtype, pow2_scales))
 
 
 # M and K multiples of 64, off the 128-row tile (192); MXFP8 blocks along both.
@@ -72,8 +94,8 @@ def test_transposed_copy_matches_reference_of_x_transposed(rows, cols, block, po
         return quantize_blockwise_with_transpose(x, block, pow2_scales=pow2_scales, backend="pallas")
 
     quantized, transposed = _interpreted(quantize, x)
-    _assert_same(quantized, reference.quantize_blockwise(x, (1, block), E4M3, pow2_scales))
-    _assert_same(transposed, reference.quantize_blockwise(x.T, (1, block), E4M3, pow2_scales))
+    _assert_same(quantized, _reference(x, (1, block), E4M3, pow2_scales))
+    _assert_same(transposed, _reference(x, (1, block), E4M3, pow2_scales, transpose=(1, 0)))
 
 
 def test_zero_and_non_finite_blocks_match_reference():
@@ -87,8 +109,8 @@ def test_zero_and_non_finite_blocks_match_reference():
         return quantize_blockwise_with_transpose(x, backend="pallas")
 
     quantized, transposed = _interpreted(quantize, x)
-    _assert_same(quantized, reference.quantize_blockwise(x, (1, 128), E4M3, False))
-    _assert_same(transposed, reference.quantize_blockwise(x.T, (1, 128), E4M3, False))
+    _assert_same(quantized, _reference(x, (1, 128), E4M3, False))
+    _assert_same(transposed, _reference(x, (1, 128), E4M3, False, transpose=(1, 0)))
 
 
 def test_the_ring_wraps_around_on_one_sm():
@@ -109,7 +131,7 @@ def test_the_ring_wraps_around_on_one_sm():
         )
 
     values, scales, values_t, scales_t = _interpreted(quantize, x)
-    expected, expected_t = (reference.quantize_blockwise(a, (1, 128), E4M3, False) for a in (x, x.T))
+    expected, expected_t = (_reference(x, (1, 128), E4M3, False, transpose) for transpose in (None, (1, 0)))
     for actual, wanted in ((values, expected.values), (scales, expected.scales)):
         np.testing.assert_array_equal(_bits(actual), _bits(wanted))
     for actual, wanted in ((values_t, expected_t.values), (scales_t, expected_t.scales)):
@@ -130,8 +152,11 @@ def test_square_blocks_refuse_power_of_two_scales_on_the_kernel():
     with pytest.raises(NotImplementedError, match="power-of-two"):
         quantize_square_blocks(w, pow2_scales=True, backend="pallas")
     # "auto" quantizes them in XLA, the reference's way.
-    reference_copies = quantize_square_blocks(w, pow2_scales=True, backend="xla")
-    for actual, wanted in zip(quantize_square_blocks(w, pow2_scales=True), reference_copies, strict=True):
+    auto, xla = (
+        jax.jit(functools.partial(quantize_square_blocks, pow2_scales=True, backend=backend))(w)
+        for backend in ("auto", "xla")
+    )
+    for actual, wanted in zip(auto, xla, strict=True):
         np.testing.assert_array_equal(np.asarray(actual.scales, np.float32), np.asarray(wanted.scales, np.float32))
 
 
@@ -144,8 +169,8 @@ def test_square_blocks_match_reference_in_both_layouts(shape, w_dtype, dtype, po
 
     as_is, transposed = _interpreted(quantize, w)
     block = (1, 128, 128)
-    _assert_same(as_is, reference.quantize_blockwise(w, block, dtype, pow2_scales))
-    _assert_same(transposed, reference.quantize_blockwise(w.transpose(0, 2, 1), block, dtype, pow2_scales))
+    _assert_same(as_is, _reference(w, block, dtype, pow2_scales))
+    _assert_same(transposed, _reference(w, block, dtype, pow2_scales, transpose=(0, 2, 1)))
 
 
 @pytest.mark.parametrize("copies", [("transposed",), ("as_is",), ("transposed", "as_is")])
@@ -157,8 +182,8 @@ def test_square_blocks_write_the_copies_asked_for_in_order(copies):
 
     made = _interpreted(quantize, w)
     expected = {
-        "as_is": reference.quantize_blockwise(w, (1, 128, 128), E4M3, False),
-        "transposed": reference.quantize_blockwise(w.transpose(0, 2, 1), (1, 128, 128), E4M3, False),
+        "as_is": _reference(w, (1, 128, 128), E4M3, False),
+        "transposed": _reference(w, (1, 128, 128), E4M3, False, transpose=(0, 2, 1)),
     }
     assert len(made) == len(copies)
     for copy, actual in zip(copies, made, strict=True):
@@ -176,13 +201,13 @@ def test_square_blocks_of_zeros_and_non_finite_values_match_reference():
         return quantize_square_blocks(w, backend="pallas") + (quantize_blockwise(w, (1, 128, 128), backend="pallas"),)
 
     as_is, transposed, alone = _interpreted(quantize, w)
-    expected = reference.quantize_blockwise(w, (1, 128, 128), E4M3, False)
+    expected = _reference(w, (1, 128, 128), E4M3, False)
     _assert_same(as_is, expected)
     _assert_same(alone, expected)
-    _assert_same(transposed, reference.quantize_blockwise(w.transpose(0, 2, 1), (1, 128, 128), E4M3, False))
+    _assert_same(transposed, _reference(w, (1, 128, 128), E4M3, False, transpose=(0, 2, 1)))
     assert np.all(np.asarray(as_is.values[0, :128]).astype(np.float32) == 0)
     # An Inf makes its block's scale infinite: no finite value comes back from the block. A NaN stays NaN.
-    dequantized = np.asarray(as_is.dequantize())
+    dequantized = np.asarray(jax.jit(lambda q: q.dequantize())(as_is))
     assert not np.isfinite(dequantized[1, 128:]).any() and not np.isfinite(dequantized[0, 128:]).any()
     assert np.isnan(dequantized[1, 5, 7])
 
@@ -198,7 +223,7 @@ def test_square_blocks_ring_and_amax_exchange_wrap_around_on_one_sm():
         )
 
     values, scales, values_t, scales_t = _interpreted(quantize, w)
-    expected = reference.quantize_blockwise(w, (1, 128, 128), E4M3, False)
+    expected = _reference(w, (1, 128, 128), E4M3, False)
     np.testing.assert_array_equal(_bits(values), _bits(expected.values))
     np.testing.assert_array_equal(_bits(scales), _bits(expected.scales))
     np.testing.assert_array_equal(_bits(values_t), _bits(jnp.swapaxes(expected.values, 1, 2)))
@@ -229,7 +254,7 @@ def test_row_blocks_transposed_match_reference(cols, x_dtype, dtype, pow2_scales
         )
 
     values_t, scales = _interpreted(quantize, x, first_rows, row_counts)
-    expected = reference.quantize_row_blocks_transposed(x, first_rows, row_counts, 128, dtype, pow2_scales)
+    expected = _reference_row_blocks(x, first_rows, row_counts, dtype, pow2_scales)
     assert values_t.shape == (cols, 128 * 6) and scales.shape == (6, cols)
     assert values_t.dtype == expected[0].dtype and scales.dtype == expected[1].dtype
     np.testing.assert_array_equal(_bits(values_t), _bits(expected[0]))
@@ -263,7 +288,7 @@ def test_gathered_row_blocks_are_the_row_blocks_of_the_gathered_rows():
         )
 
     actual = _interpreted(quantize, tokens, first_rows, row_counts, row_tokens)
-    expected = reference.quantize_row_blocks_transposed(tokens[row_tokens], first_rows, row_counts, 128, E4M3, False)
+    expected = _reference_row_blocks(tokens[row_tokens], first_rows, row_counts, E4M3, False)
     assert actual[0].shape == (192, 128 * 3)
     for a, e in zip(actual, expected, strict=True):
         np.testing.assert_array_equal(_bits(a), _bits(e))
@@ -281,6 +306,6 @@ def test_row_blocks_ring_wraps_around_on_one_sm():
         )
 
     actual = _interpreted(quantize, x, first_rows, row_counts)
-    expected = reference.quantize_row_blocks_transposed(x, first_rows, row_counts, 128, E4M3, False)
+    expected = _reference_row_blocks(x, first_rows, row_counts, E4M3, False)
     for a, e in zip(actual, expected, strict=True):
         np.testing.assert_array_equal(_bits(a), _bits(e))

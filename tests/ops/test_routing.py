@@ -12,7 +12,7 @@ import moe_jax
 from moe_jax.ops.routing import reference
 from moe_jax.ops.routing.api import router_logits
 from tests import oracle
-from tests.helpers import normal
+from tests.helpers import jitted_vjp, normal
 
 WEIGHT_TOL = 1e-5  # f32 scores against float64: a few ulps
 
@@ -42,7 +42,8 @@ def test_route_matches_oracle(score, renormalize, top_k, num_groups, top_groups,
     logits = normal(seed, (33, 16), 2.0)
     bias = np.random.default_rng(seed + 1).normal(size=16).astype(np.float32) * 0.3 if use_bias else None
     options = dict(score=score, renormalize=renormalize, num_groups=num_groups, top_groups=top_groups, scale=1.5)
-    routing = moe_jax.route(jnp.asarray(logits), top_k, bias=None if bias is None else jnp.asarray(bias), **options)
+    route = jax.jit(lambda logits, bias: moe_jax.route(logits, top_k, bias=bias, **options))
+    routing = route(jnp.asarray(logits), None if bias is None else jnp.asarray(bias))
     _assert_routing_equal(routing, oracle.route(logits, top_k, bias=bias, **options))
 
 
@@ -109,8 +110,11 @@ def test_perfectly_balanced_load_balancing_loss_is_one():
 def test_apply_capacity_matches_oracle(num_tokens, top_k, score, capacity_factor):
     logits = normal(7, (num_tokens, 8), 2.0)
     logits[:, 0] += 3.0  # make expert 0 overflow
-    routing = moe_jax.route(jnp.asarray(logits), top_k, score=score)
-    group_sizes, sort_indices = moe_jax.apply_capacity(routing, capacity_factor)
+
+    def route_with_capacity(logits):
+        return moe_jax.apply_capacity(moe_jax.route(logits, top_k, score=score), capacity_factor)
+
+    group_sizes, sort_indices = jax.jit(route_with_capacity)(jnp.asarray(logits))
     capacity = oracle.expert_capacity(num_tokens, top_k, 8, capacity_factor)
     expected = oracle.route(logits, top_k, score=score)
     keep = oracle.capacity_keep(expected["experts"], expected["selected_scores"], capacity).reshape(-1)
@@ -168,8 +172,7 @@ def test_router_logits_are_f32_products_of_the_inputs(x_dtype, kernel_dtype):
     x = jnp.asarray(rng.normal(size=(48, 256)), x_dtype)
     kernel = jnp.asarray(rng.normal(size=(256, 24)) / 16, kernel_dtype)
     cotangent = rng.normal(size=(48, 24)).astype(np.float32)
-    logits, pullback = jax.vjp(router_logits, x, kernel)
-    d_x, d_kernel = pullback(jnp.asarray(cotangent))
+    logits, d_x, d_kernel = jitted_vjp(router_logits, (x, kernel), jnp.asarray(cotangent))
     x64, kernel64 = np.asarray(x, np.float64), np.asarray(kernel, np.float64)
     assert logits.dtype == jnp.float32 and d_x.dtype == x.dtype and d_kernel.dtype == kernel.dtype
     np.testing.assert_allclose(np.asarray(logits), x64 @ kernel64, rtol=1e-5, atol=1e-5)
