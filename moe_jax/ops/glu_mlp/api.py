@@ -355,7 +355,8 @@ def _quantized_glu_mlp(
     rows. ``combine`` (kernels only): the backend of ``permute.combine`` summing each token's rows into y [T, D],
     inside the custom VJP of the FP8 kernels (``_pallas_fp8_glu_mlp``), after the recipe on the bf16 kernels (mxfp8)."""
     sort_indices, top_k, positions = routed
-    if implementation == "xla" or reference_fp8.RECIPES[quantization].exact_in_bf16:
+    recipe_gemms = grouped_matmul_api.quantized_gemms(implementation, quantization)
+    if recipe_gemms is not None:
         if sort_indices is not None:
             rows_backend = "xla" if implementation == "xla" else _rows_backend(x)
             x = permute_api.permute(x, sort_indices, top_k, positions=positions, backend=rows_backend)
@@ -367,7 +368,7 @@ def _quantized_glu_mlp(
             activation=activation,
             quantization=quantization,
             row_scale=row_scale,
-            gemms=grouped_matmul_api.quantized_gemms(implementation),
+            gemms=recipe_gemms,
         )
         if combine is None:
             return y

@@ -263,7 +263,8 @@ def grouped_matmul(
     call = _gemm_call(lhs, rhs, contraction, num_cols, activation, quantization, preferred_element_type)
     group_sizes = group_sizes.astype(jnp.int32)
     implementation = dispatch.select("grouped_matmul", backend, IMPLEMENTATIONS, call)
-    if quantization is not None and (implementation.name == "xla" or RECIPES[quantization].exact_in_bf16):
+    recipe_gemms = quantized_gemms(implementation.name, quantization) if quantization is not None else None
+    if recipe_gemms is not None:
         return reference_fp8.grouped_matmul(
             lhs,
             master_weights(rhs),
@@ -273,7 +274,7 @@ def grouped_matmul(
             row_scale=row_scale,
             preferred_element_type=preferred_element_type,
             transpose_rhs=transpose_rhs,
-            gemms=quantized_gemms(implementation.name),
+            gemms=recipe_gemms,
         )
     if quantization is not None:
         out_dtype = reference_fp8.output_dtype(lhs, rhs, preferred_element_type)
@@ -337,10 +338,13 @@ def _kernel_unsupported(call: _GemmCall) -> str | None:
     return kernel_unsupported(shaped, call.contraction, call.num_cols, call.activation)
 
 
-def quantized_gemms(implementation: str) -> reference_fp8.Gemms:
-    """What multiplies a recipe's dequantized operands under ``implementation``: XLA's ``ragged_dot`` ("xla"), else
-    the bf16 kernels (recipes whose dequantized values bf16 holds, ``Recipe.exact_in_bf16``)."""
-    return reference_fp8.XLA_GEMMS if implementation == "xla" else BF16_KERNEL_GEMMS
+def quantized_gemms(implementation: str, quantization: str) -> reference_fp8.Gemms | None:
+    """The GEMMs that multiply a quantized call's dequantized operands under ``implementation``, which then runs the
+    recipe as reference_fp8.py writes it: XLA's ``ragged_dot`` ("xla"), the bf16 kernels for a recipe whose
+    dequantized values bf16 holds (``Recipe.exact_in_bf16``); None where the FP8 kernels run the call instead."""
+    if implementation == "xla":
+        return reference_fp8.XLA_GEMMS
+    return BF16_KERNEL_GEMMS if RECIPES[quantization].exact_in_bf16 else None
 
 
 def quantized_kernels_unsupported(dtype, gemms, quantization: str) -> str | None:
