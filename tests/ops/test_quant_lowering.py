@@ -14,6 +14,7 @@ from jax.sharding import AbstractMesh
 
 import moe_jax
 from moe_jax._core import backend as dispatch
+from moe_jax.ops.quant import config as quant_config
 from moe_jax.ops.quant.api import (
     quantize_blockwise,
     quantize_blockwise_with_transpose,
@@ -140,3 +141,23 @@ def test_equal_quantizer_launches_in_one_program_share_one_kernel():
 
     text = _lowered_args(quantize_all, *arrays, *weights, table, table)
     assert text.count(MOSAIC_CALL) == 2 + 2 + 1
+
+
+@pytest.mark.smoke
+def test_quantizer_rings_take_the_measured_depths_and_fit():
+    """heuristic_config keeps x's layout passes on the shallow ring, gives the others the deepest that fits, never
+    more than shared memory holds, and names a pass it does not know."""
+    for in_dtype in quant_config.INPUT_DTYPES:
+        for pass_name in quant_config.PASSES:
+            for with_transpose in (False, True):
+                ring = quant_config.heuristic_config(in_dtype, with_transpose, pass_name)
+                assert ring.smem_bytes(in_dtype, with_transpose) <= quant_config.SMEM_BYTES
+    shallow, deepest = quant_config.SHALLOW_STAGES, quant_config.MAX_STAGES
+    assert quant_config.heuristic_config(jnp.bfloat16, False, "1 x 128").stages == shallow
+    assert quant_config.heuristic_config(jnp.bfloat16, True, "square").stages == shallow
+    assert quant_config.heuristic_config(jnp.bfloat16, True, "1 x 128").stages == deepest
+    assert quant_config.heuristic_config(jnp.bfloat16, False, "1 x 32").stages == deepest
+    assert quant_config.heuristic_config(jnp.bfloat16, False, "row blocks").stages == deepest
+    assert quant_config.heuristic_config(jnp.float32, True, "1 x 128").stages == 2  # 3 f32 tiles do not fit beside x^T
+    with pytest.raises(ValueError, match="pass_name"):
+        quant_config.heuristic_config(jnp.bfloat16, False, "1 x 64")

@@ -89,7 +89,7 @@ def _kernel(x, block: int, dtype, pow2_scales: bool, with_transpose: bool) -> li
         dtype=dtype,
         pow2_scales=pow2_scales,
         with_transpose=with_transpose,
-        config=config.heuristic_config(x.dtype, with_transpose),
+        config=config.heuristic_config(x.dtype, with_transpose, f"1 x {block}"),
         num_sms=num_sms(),
         interpret=interpret_params(),
     )
@@ -104,7 +104,7 @@ def _square_kernel(w, dtype, pow2_scales: bool, as_is: bool, transposed: bool) -
         pow2_scales=pow2_scales,
         as_is=as_is,
         transposed=transposed,
-        config=config.heuristic_config(w.dtype, as_is and transposed),
+        config=config.heuristic_config(w.dtype, as_is and transposed, "square"),
         num_sms=num_sms(),
         interpret=interpret_params(),
     )
@@ -292,7 +292,7 @@ def quantize_row_blocks_transposed(
             row_tokens=row_tokens,
             dtype=dtype,
             pow2_scales=pow2_scales,
-            config=config.heuristic_config(x.dtype, False),
+            config=config.heuristic_config(x.dtype, False, "row blocks"),
             num_sms=num_sms(),
             interpret=interpret_params(),
         )

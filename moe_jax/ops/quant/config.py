@@ -14,6 +14,8 @@ CONSUMERS = 2  # compute warpgroups; each takes TILE / CONSUMERS rows (and colum
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = (512 - PRODUCER_REGISTERS) // CONSUMERS // 8 * 8
 MAX_STAGES = 4
+SHALLOW_STAGES = 2
+PASSES = ("1 x 128", "1 x 32", "square", "row blocks")  # heuristic_config's passes
 SMEM_BYTES = 227 * 1024  # shared memory of one CTA on sm90
 INPUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 # A buffer's swizzle is the widest whose columns divide the array's (Mosaic GPU's rule for TMA with a tiled buffer):
@@ -43,9 +45,17 @@ class Config:
         return inputs + outputs
 
 
-def heuristic_config(in_dtype, with_transpose: bool) -> Config:
-    """The deepest ring (at most MAX_STAGES) that fits in shared memory: a memory-bound kernel wants bytes in flight."""
-    stages = MAX_STAGES
+def heuristic_config(in_dtype, with_transpose: bool, pass_name: str) -> Config:
+    """The ring of one launch of ``pass_name`` (one of PASSES; ``with_transpose``: it writes two FP8 copies).
+
+    The passes that keep x's layout (1 x 128 blocks of x's rows alone, the weights' 128 x 128 blocks in one or both
+    layouts) take SHALLOW_STAGES, the others the deepest ring that fits in shared memory (at most MAX_STAGES): the
+    depth each ran fastest at on an H200 at the benchmark shapes (docs/design.md, "FP8").
+    """
+    if pass_name not in PASSES:
+        raise ValueError(f"pass_name must be one of {PASSES}, got {pass_name!r}")
+    keeps_layout = pass_name == "square" or (pass_name == "1 x 128" and not with_transpose)
+    stages = SHALLOW_STAGES if keeps_layout else MAX_STAGES
     while Config(stages).smem_bytes(in_dtype, with_transpose) > SMEM_BYTES:
         stages -= 1
     return Config(stages)

@@ -72,7 +72,7 @@ def quantize_row_blocks_transposed(
       row_tokens: optional [M] int32 in [0, T): row r is x[row_tokens[r]].
       dtype: float8_e4m3fn or float8_e5m2.
       pow2_scales: scales rounded up to powers of two, stored as their exponent bytes.
-      config: see ``Config`` (``heuristic_config(x.dtype, False)``).
+      config: see ``Config`` (``heuristic_config(x.dtype, False, "row blocks")``).
       num_sms: CTAs of the persistent grid.
       interpret: Mosaic GPU interpreter parameters, or None on a GPU.
 

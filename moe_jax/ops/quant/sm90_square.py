@@ -70,7 +70,7 @@ def quantize_square_tiles(
       dtype: float8_e4m3fn or float8_e5m2.
       pow2_scales: scales rounded up to powers of two, stored as their exponent bytes.
       as_is, transposed: which copies to write (at least one).
-      config: see ``Config`` (``heuristic_config(w.dtype, as_is and transposed)``).
+      config: see ``Config`` (``heuristic_config(w.dtype, as_is and transposed, "square")``).
       num_sms: CTAs of the persistent grid.
       interpret: Mosaic GPU interpreter parameters, or None on a GPU.
 
