@@ -6,12 +6,15 @@ to the dtypes it checks (``jnp.asarray(w, jnp.bfloat16)``), so the oracle can re
 """
 
 import contextlib
+import functools
+import itertools
 import os
 from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # the interpreter's race state has no public API
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import AbstractDevice, AbstractMesh
@@ -72,6 +75,23 @@ def virtual_devices_flags(count: int) -> str:
     """XLA_FLAGS for a subprocess that sees ``count`` virtual CPU devices: this process's flags (tools/test.sh's
     unoptimised code generation, ``configure_cpu_interpreter``'s scheduler option) and the device count."""
     return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}".strip()
+
+
+# ------------------------------------------------------------------------------------------------- cross-products
+
+
+def pairwise_by_default(*value_lists) -> list:
+    """The cross-product of three or more ``value_lists`` (of two values or more each) as pytest params, those whose
+    values' indices add up to an odd number marked ``slow``: every pair of values of two of the lists still runs by
+    default, the values of the others chosen to make the sum even (tests/README.md, "The default run and the full
+    one"). A value that is a tuple fills as many arguments."""
+    assert len(value_lists) >= 3 and all(len(values) >= 2 for values in value_lists)
+    cases = []
+    for indices in itertools.product(*(range(len(values)) for values in value_lists)):
+        chosen = [values[index] for values, index in zip(value_lists, indices, strict=True)]
+        args = [arg for value in chosen for arg in (value if isinstance(value, tuple) else (value,))]
+        cases.append(pytest.param(*args, marks=() if sum(indices) % 2 == 0 else pytest.mark.slow))
+    return cases
 
 
 # ------------------------------------------------------------------------------------------------- lowering for CUDA
@@ -141,8 +161,12 @@ def normal(seed: int, shape, scale: float = 1.0) -> np.ndarray:
 
 
 def random_routing(seed: int, num_tokens: int, num_experts: int, top_k: int) -> moe_jax.Routing:
-    """``moe_jax.route`` (the XLA reference) of standard normal f32 logits drawn from ``seed``."""
-    return moe_jax.route(jnp.asarray(normal(seed, (num_tokens, num_experts))), top_k, backend="xla")
+    """``moe_jax.route`` (the XLA reference, one jitted program) of standard normal f32 logits drawn from ``seed``."""
+    return _route_on_xla(jnp.asarray(normal(seed, (num_tokens, num_experts))), top_k)
+
+
+# Op by op, routing compiles one small program per operation and shape.
+_route_on_xla = jax.jit(functools.partial(moe_jax.route, backend="xla"), static_argnums=1)
 
 
 def check_glu_backward(outputs, gate, up, d_h, row_scale, activation: str, routed_rows: int, *, hidden_tol, grad_tol):
@@ -152,16 +176,27 @@ def check_glu_backward(outputs, gate, up, d_h, row_scale, activation: str, route
     for h, over the first ``routed_rows`` rows; past them the product is 0, so d_gate_up and d_row_scale are exactly
     0 (h depends on the pre-activation alone and is written for every row)."""
     d_gate_up, hidden, d_row_scale = outputs
-    scale = 1.0 if row_scale is None else row_scale[:, None]
-    expected_hidden, pullback = jax.vjp(lambda g, u: glu.glu(g, u, activation), gate, up)
-    expected_d_gate_up = jnp.concatenate(pullback(d_h * scale), axis=1)
-    d_gate_up = jnp.concatenate(split_gate_up(d_gate_up, PACK_BLOCK), axis=1)
+    d_gate_up, expected_d_gate_up, expected_hidden, expected_d_row_scale = _glu_backward_expected(
+        d_gate_up, gate, up, d_h, row_scale, activation
+    )
     assert oracle.relative_error(d_gate_up[:routed_rows], expected_d_gate_up[:routed_rows]) < grad_tol
     np.testing.assert_array_equal(np.asarray(d_gate_up, np.float32)[routed_rows:], 0.0)
-    assert oracle.relative_error(hidden, expected_hidden * scale) < hidden_tol
+    assert oracle.relative_error(hidden, expected_hidden) < hidden_tol
     if row_scale is None:
         assert d_row_scale is None
         return
-    expected_d_row_scale = jnp.sum(expected_hidden * d_h, axis=1)
     assert oracle.relative_error(d_row_scale[:routed_rows], expected_d_row_scale[:routed_rows]) < grad_tol
     np.testing.assert_array_equal(np.asarray(d_row_scale)[routed_rows:], 0.0)
+
+
+@functools.partial(jax.jit, static_argnames="activation")
+def _glu_backward_expected(d_gate_up, gate, up, d_h, row_scale, activation):
+    """``check_glu_backward``'s arrays as one jitted program (op by op, each would compile a small program): the
+    kernel's d_gate_up unpacked to [gate | up], and jax.vjp's d_gate_up, h * row_scale and d_row_scale (None without
+    a row scale)."""
+    scale = 1.0 if row_scale is None else row_scale[:, None]
+    hidden, pullback = jax.vjp(lambda g, u: glu.glu(g, u, activation), gate, up)
+    expected_d_gate_up = jnp.concatenate(pullback(d_h * scale), axis=1)
+    expected_d_row_scale = None if row_scale is None else jnp.sum(hidden * d_h, axis=1)
+    d_gate_up = jnp.concatenate(split_gate_up(d_gate_up, PACK_BLOCK), axis=1)
+    return d_gate_up, expected_d_gate_up, hidden * scale, expected_d_row_scale

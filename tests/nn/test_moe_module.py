@@ -11,6 +11,10 @@ import moe_jax
 from moe_jax.ops.grouped_matmul.packing import gate_up_block
 from tests import oracle
 
+# The modules' calls as jitted programs: op by op, each call would compile one small program per operation and shape.
+_apply = nnx.jit(lambda module, x: module(x))
+_capture = nnx.jit(lambda module, x: nnx.capture(module, nnx.Intermediate)(x))
+
 
 def _moe(**overrides):
     options = dict(activation="swiglu", rngs=nnx.Rngs(0)) | overrides
@@ -43,7 +47,7 @@ def _routed_oracle(model, x, **options) -> np.ndarray:
 def test_module_applies_moe_ffn_to_its_parameters(d_ff):
     model = moe_jax.nn.MoE(16, d_ff, 6, 2, activation="swiglu", rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (3, 5, 16))
-    y = model(x)
+    y = _apply(model, x)
     assert y.shape == x.shape
     expected = _routed_oracle(model, np.asarray(x).reshape(15, 16))
     assert oracle.relative_error(np.asarray(y).reshape(15, 16), expected) < 1e-5
@@ -79,7 +83,7 @@ def test_shared_experts_add_an_always_on_glu_mlp(activation):
     gate_up = np.asarray(x, np.float64) @ shared_gate_up
     half = gate_up.shape[1] // 2
     shared = oracle.gated_activation(gate_up[:, :half], gate_up[:, half:], activation) @ shared_down
-    assert oracle.relative_error(model(x), routed + shared) < 1e-5
+    assert oracle.relative_error(_apply(model, x), routed + shared) < 1e-5
 
 
 def test_compute_dtype():
@@ -87,7 +91,7 @@ def test_compute_dtype():
     of x, the weights and the hidden activations: 2e-2)."""
     model = _moe(dtype=jnp.bfloat16)
     x = jax.random.normal(jax.random.key(2), (12, 16))
-    y = model(x)
+    y = _apply(model, x)
     assert y.dtype == jnp.bfloat16 and model.w_gate_up[...].dtype == jnp.float32
     assert oracle.relative_error(y, _routed_oracle(model, x)) < 2e-2
 
@@ -99,7 +103,7 @@ def test_aux_values_are_sown_and_captured():
     bias = np.linspace(-0.3, 0.3, 6, dtype=np.float32)
     model.router.bias[...] = jnp.asarray(bias)
     x = jax.random.normal(jax.random.key(3), (10, 16))
-    _, intermediates = nnx.capture(model, nnx.Intermediate)(x)
+    _, intermediates = _capture(model, x)
     (aux,) = intermediates["moe_aux"].get_value()
     assert isinstance(aux, moe_jax.MoEAux)
     assert int(aux.expert_counts.sum()) == 20
@@ -153,7 +157,7 @@ def test_gradients_reach_every_parameter():
         y = model(x)
         return jnp.sum(y**2), y
 
-    grads, y = nnx.grad(loss, has_aux=True)(model)
+    grads, y = nnx.jit(nnx.grad(loss, has_aux=True))(model)
     for path, grad in nnx.to_flat_state(grads):
         assert float(jnp.abs(grad[...]).sum()) > 0, path
 
@@ -188,7 +192,7 @@ def test_update_balancing_biases_reaches_nested_layers():
 
     model = Stack(nnx.Rngs(6))
     x = jax.random.normal(jax.random.key(7), (20, 16))
-    _, intermediates = nnx.capture(model, nnx.Intermediate)(x)
+    _, intermediates = _capture(model, x)
     moe_jax.nn.update_balancing_biases(model, intermediates, 0.5)
     for i, layer in enumerate(model.layers):
         assert np.abs(np.asarray(layer.router.bias[...])).max() == pytest.approx(0.5)
@@ -200,7 +204,7 @@ def test_update_balancing_biases_reaches_nested_layers():
 def test_router_module_returns_a_routing():
     router = moe_jax.nn.Router(16, 6, 2, score="sigmoid", rngs=nnx.Rngs(8))
     x = jax.random.normal(jax.random.key(9), (5, 16))
-    routing = router(x)
+    routing = _apply(router, x)
     expected = oracle.route(np.asarray(x) @ np.asarray(router.kernel[...]), 2, score="sigmoid")
     np.testing.assert_array_equal(routing.experts, expected["experts"])
 

@@ -1,4 +1,7 @@
-"""The committed notebooks execute top to bottom (at their "tiny" size, on CPU) without an error."""
+"""The committed notebooks execute top to bottom (at their "tiny" size, on CPU) without an error.
+
+"tiny" is the smallest size each notebook runs at: the test checks that every cell runs, not its numbers, and on CPU
+the kernels' interpreter takes time with every token."""
 
 import pathlib
 

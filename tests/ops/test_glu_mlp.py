@@ -18,7 +18,7 @@ from moe_jax.ops.glu_mlp import reference as mlp_reference
 from moe_jax.ops.grouped_matmul import glu, schedule
 from moe_jax.ops.grouped_matmul.packing import PACK_BLOCK, gate_up_block, join_gate_up, split_gate_up
 from tests import oracle
-from tests.helpers import glu_mlp_inputs, jitted_vjp
+from tests.helpers import glu_mlp_inputs, jitted_vjp, pairwise_by_default
 
 F32_TOL = 1e-5  # f32 end to end
 
@@ -163,7 +163,7 @@ def test_glu_mlp_reference_gradients(activation):
 
     with jax.enable_x64(True):
         args = tuple(map(jnp.asarray, (x, w_gate_up, w_down, row_scale)))
-        check_grads(f, args, order=1, modes=("rev",))
+        check_grads(jax.jit(f), args, order=1, modes=("rev",))  # jitted: op by op, each operation would compile
 
 
 @pytest.mark.parametrize(
@@ -196,9 +196,10 @@ def test_glu_mlp_rejects_bad_arguments(overrides, error, match):
 BF16_DENSE_TOL = 2e-2  # bf16 operands, the pre-activation and hidden rows rounded to bf16 (a few bf16 epsilons)
 
 
-@pytest.mark.parametrize("activation", glu.ACTIVATIONS)
-@pytest.mark.parametrize("dtype, tol", [(jnp.float32, F32_TOL), (jnp.bfloat16, BF16_DENSE_TOL)])
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize(
+    "packed, dtype, tol, activation",
+    pairwise_by_default([False, True], [(jnp.float32, F32_TOL), (jnp.bfloat16, BF16_DENSE_TOL)], glu.ACTIVATIONS),
+)
 def test_dense_glu_mlp_matches_the_oracle_and_its_gradients(activation, dtype, tol, packed):
     """Values and gradients against float64 NumPy (the gradients through ``oracle.moe_ffn_gradients`` as a layer of one
     expert that every token picks with weight 1, as the module test of the shared experts does)."""
@@ -268,11 +269,12 @@ def test_dense_glu_mlp_rejects_bad_arguments(overrides, match):
 def test_row_sums_gathered_from_tile_partials(block_m):
     rng = np.random.default_rng(7)
     num_rows, sizes = 400, np.array([0, 130, 3, 0, 97, 64, 1], np.int32)  # 105 rows past the sum
-    tiles, count = schedule.row_tiles(jnp.asarray(sizes), num_rows, block_m)
+    # Jitted: op by op, each call would compile one small program per operation and shape.
+    tiles, count = jax.jit(schedule.row_tiles, static_argnums=(1, 2))(jnp.asarray(sizes), num_rows, block_m)
     col_tiles, capacity = 3, tiles.shape[1]
     values = rng.normal(size=(col_tiles, num_rows))  # what each column tile contributes to each row
     partials = np.full((col_tiles, capacity, block_m), np.nan)  # entries no tile stores stay NaN
     for t, (_, box, skip, rows, *_) in enumerate(np.asarray(tiles).T[: int(count[0])]):
         partials[:, t, skip : skip + rows] = values[:, box + skip : box + skip + rows]
-    sums = schedule.gather_row_partials(jnp.asarray(partials), tiles, count, num_rows)
+    sums = jax.jit(schedule.gather_row_partials, static_argnums=3)(jnp.asarray(partials), tiles, count, num_rows)
     np.testing.assert_allclose(sums, values.sum(0), rtol=1e-5, atol=1e-5)

@@ -80,29 +80,35 @@ def test_fp8_glu_backward_epilogue(activation, case, with_row_scale, fp8_pre):
     inputs = _inputs(case, seed=3)
     group_sizes, d_y = inputs["group_sizes"], inputs["cotangent"]
     row_scale = inputs["row_scale"] if with_row_scale else None
-    d_y_fp8 = moe_jax.quantize_blockwise(d_y, (1, 128))
-    w_down_fp8 = quantize_weights(inputs["w_down"])  # [G, F, D] in 128 x 128 blocks: K-major for this GEMM
     m, d_ff = d_y.shape[0], inputs["w_down"].shape[1]
+    # The bf16 rounding of gate and up outside the jitted program below, whose XLA may skip it (excess precision).
     gate_up = 5.0 * jax.random.normal(jax.random.key(1), (m, 2 * d_ff), jnp.float32)
     gate, up = (half.astype(jnp.bfloat16).astype(jnp.float32) for half in jnp.split(gate_up, 2, axis=1))
-    packed_rows = moe_jax.pack_gate_up(jnp.concatenate([gate, up], axis=1)[None]).array[0].astype(jnp.bfloat16)
-    out_dtype = None
-    if fp8_pre:
-        packed_rows = moe_jax.quantize_blockwise(packed_rows, (1, 128))
-        gate, up = split_gate_up(packed_rows.dequantize(), PACK_BLOCK)
-        out_dtype = jnp.bfloat16
 
-    d_gate_up, hidden, d_row_scale = launch.run_glu_dgrad(
-        d_y_fp8, w_down_fp8, group_sizes, packed_rows, row_scale, activation, out_dtype=out_dtype
-    )
+    def run(d_y, w_down, gate, up, row_scale):
+        """(the kernel's outputs, gate, up, d_h) as one jitted program: op by op, the quantizations and the reference
+        would compile one small program per operation and shape."""
+        d_y_fp8 = moe_jax.quantize_blockwise(d_y, (1, 128))
+        w_down_fp8 = quantize_weights(w_down)  # [G, F, D] in 128 x 128 blocks: K-major for this GEMM
+        packed_rows = moe_jax.pack_gate_up(jnp.concatenate([gate, up], axis=1)[None]).array[0].astype(jnp.bfloat16)
+        out_dtype = None
+        if fp8_pre:
+            packed_rows = moe_jax.quantize_blockwise(packed_rows, (1, 128))
+            gate, up = split_gate_up(packed_rows.dequantize(), PACK_BLOCK)
+            out_dtype = jnp.bfloat16
+        outputs = launch.run_glu_dgrad(
+            d_y_fp8, w_down_fp8, group_sizes, packed_rows, row_scale, activation, out_dtype=out_dtype
+        )
+        d_h = reference.grouped_matmul(
+            d_y_fp8.dequantize(),
+            w_down_fp8.dequantize(),
+            group_sizes,
+            transpose_rhs=True,
+            preferred_element_type=jnp.float32,
+        )
+        return outputs, gate, up, d_h
 
-    d_h = reference.grouped_matmul(
-        d_y_fp8.dequantize(),
-        w_down_fp8.dequantize(),
-        group_sizes,
-        transpose_rhs=True,
-        preferred_element_type=jnp.float32,
-    )
+    (d_gate_up, hidden, d_row_scale), gate, up, d_h = jax.jit(run)(d_y, inputs["w_down"], gate, up, row_scale)
     assert d_gate_up.dtype == hidden.dtype == jnp.bfloat16
     routed_rows = int(np.sum(CASES[case][3]))
     outputs = (d_gate_up, hidden, d_row_scale)

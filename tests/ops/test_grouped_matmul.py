@@ -99,5 +99,5 @@ def test_gradients(activation):
     def f(lhs, rhs, row_scale):
         return reference.grouped_matmul(lhs, rhs, jnp.asarray(group_sizes), activation=activation, row_scale=row_scale)
 
-    with jax.enable_x64(True):
-        check_grads(f, (jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(row_scale)), order=1, modes=("rev",))
+    with jax.enable_x64(True):  # jitted: op by op, each operation would compile a program of its own
+        check_grads(jax.jit(f), (jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(row_scale)), order=1, modes=("rev",))

@@ -23,7 +23,7 @@ import moe_jax
 from moe_jax.ops.grouped_matmul import api, reference
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp, pack_gate_up, stored_array, unpack_gate_up
 from tests import oracle
-from tests.helpers import grouped_matmul_inputs, jitted_vjp
+from tests.helpers import grouped_matmul_inputs, jitted_vjp, pairwise_by_default
 
 EXACT_TOL = 1e-5
 UNQUANTIZED_TOL = 5e-2
@@ -96,9 +96,9 @@ def _per_group_rows(x, sizes, quantization) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------------------- forward
 
 
-@pytest.mark.parametrize("quantization", QUANTIZATIONS)
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.parametrize(
+    "transpose_rhs, case, quantization", pairwise_by_default([False, True], list(CASES), QUANTIZATIONS)
+)
 def test_forward_matches_float64_product_of_the_quantized_operands(quantization, case, transpose_rhs):
     m, k, n, sizes = CASES[case]
     lhs, rhs, group_sizes = _problem(0, m, k, n, sizes, transpose_rhs=transpose_rhs)
@@ -115,9 +115,9 @@ def test_forward_matches_float64_product_of_the_quantized_operands(quantization,
     np.testing.assert_array_equal(np.asarray(out)[sum(sizes) :], 0.0)
 
 
-@pytest.mark.parametrize("quantization", QUANTIZATIONS)
-@pytest.mark.parametrize("activation", ["swiglu", "gpt_oss"])
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize(
+    "packed, activation, quantization", pairwise_by_default([False, True], ["swiglu", "gpt_oss"], QUANTIZATIONS)
+)
 def test_glu_and_row_scale_quantize_the_packed_weights(quantization, activation, packed):
     m, k, n, sizes = CASES["edges"]
     lhs, rhs, group_sizes = _problem(1, m, k, n, sizes)
@@ -159,9 +159,9 @@ def test_close_to_the_unquantized_product(quantization, activation):
 # -------------------------------------------------------------------------------------------------------- gradients
 
 
-@pytest.mark.parametrize("quantization", QUANTIZATIONS)
-@pytest.mark.parametrize("case", ["edges", "hot"])
-@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.parametrize(
+    "transpose_rhs, case, quantization", pairwise_by_default([False, True], ["edges", "hot"], QUANTIZATIONS)
+)
 def test_gradients_are_the_recipes_quantized_gemms(quantization, case, transpose_rhs):
     """d lhs = dy (blocks along N) . w^T, d rhs = x_g^T . dy_g (blocks of rows from each group's start)."""
     m, k, n, sizes = CASES[case]

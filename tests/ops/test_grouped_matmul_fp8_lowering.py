@@ -23,7 +23,7 @@ from moe_jax._core import backend as dispatch
 from moe_jax.ops.grouped_matmul import config, launch, sm90_fp8_wgrad
 from moe_jax.ops.grouped_matmul import sm90_fresh_product as fresh
 from moe_jax.ops.grouped_matmul.packing import PackedGateUp, gate_up_block
-from tests.helpers import cuda_lowering
+from tests.helpers import cuda_lowering, pairwise_by_default
 
 pytestmark = pytest.mark.smoke  # lowering and config checks: no numbers (tests/README.md)
 
@@ -91,9 +91,10 @@ def test_contractions_with_a_partial_block_lower_to_the_fp8_kernels(name):
     assert names == {"moe_gmm_fp8", "moe_gmm_wgrad_fp8"}
 
 
-@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("row_scale", [False, True])
-@pytest.mark.parametrize("block_n, consumers", [(128, None), (config.FP8_WIDE_BLOCK_N, 2)])
+@pytest.mark.parametrize(
+    "block_n, consumers, row_scale, out_dtype",
+    pairwise_by_default([(128, None), (config.FP8_WIDE_BLOCK_N, 2)], [False, True], [jnp.bfloat16, jnp.float32]),
+)
 def test_config_takes_the_stages_that_fit(out_dtype, row_scale, block_n, consumers):
     """Config.smem_bytes counts the scales' buffers as laid out: fp8_config's stages lower at dsv3-ep8 gate_up (the
     longest K: the most weight scales), one more stage does not, and Config.fits says the same; 192-column tiles

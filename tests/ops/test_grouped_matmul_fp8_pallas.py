@@ -65,10 +65,15 @@ def interpret():
 
 
 def _both(lhs, rhs, group_sizes, **options):
-    """(the kernel's result, the XLA implementation's) of one quantized call."""
+    """(the kernel's result, the XLA implementation's) of one quantized call, as one jitted program: dispatched op by
+    op, the quantization around the kernel and the XLA path compile one small program per operation and shape."""
     options = dict(quantization="fp8_block", **options)
-    kernel = moe_jax.grouped_matmul(lhs, rhs, group_sizes, backend="pallas", **options)
-    return kernel, moe_jax.grouped_matmul(lhs, rhs, group_sizes, backend="xla", **options)
+
+    def both(lhs, rhs, group_sizes):
+        kernel = moe_jax.grouped_matmul(lhs, rhs, group_sizes, backend="pallas", **options)
+        return kernel, moe_jax.grouped_matmul(lhs, rhs, group_sizes, backend="xla", **options)
+
+    return jax.jit(both)(lhs, rhs, group_sizes)
 
 
 @pytest.mark.parametrize(
@@ -102,20 +107,17 @@ def test_tiles_match_xla(consumers, block_n, n):
     last tile holds 64 columns and loads the padded block past the last."""
     m, k, sizes = 200, 3 * 128, [0, 77, 123]
     lhs, rhs, group_sizes = _problem(9, m, k, n, sizes)
-    x = moe_jax.quantize_blockwise(lhs, (1, 128))
-    w = api.quantize_weights(rhs, transpose_rhs=True)
     tiles = config.fp8_config(m=m, k=k, n=n, g=len(sizes), out_itemsize=4, consumers=consumers, block_n=block_n)
     assert (tiles.block_m, tiles.block_n, tiles.num_compute_wgs) == (64 * consumers, block_n, consumers)
-    out = launch.run_fp8_forward_kernel(x, w, group_sizes, None, None, jnp.float32, keep=False, config=tiles)
-    expected = moe_jax.grouped_matmul(
-        x,
-        w,
-        group_sizes,
-        transpose_rhs=True,
-        quantization="fp8_block",
-        backend="xla",
-        preferred_element_type=jnp.float32,
-    )
+
+    def both(lhs, rhs, group_sizes):  # one jitted program, as in _both
+        x = moe_jax.quantize_blockwise(lhs, (1, 128))
+        w = api.quantize_weights(rhs, transpose_rhs=True)
+        out = launch.run_fp8_forward_kernel(x, w, group_sizes, None, None, jnp.float32, keep=False, config=tiles)
+        options = dict(transpose_rhs=True, quantization="fp8_block", preferred_element_type=jnp.float32)
+        return out, moe_jax.grouped_matmul(x, w, group_sizes, backend="xla", **options)
+
+    out, expected = jax.jit(both)(lhs, rhs, group_sizes)
     assert oracle.relative_error(out, expected) < F32_OUT_TOL
 
 

@@ -2,12 +2,19 @@
 group-padded token axis) against ``reference_fp8.quantize_rows_per_group``, the recipe's own quantization: the same
 values and scales, rearranged, so the comparison is bit for bit (no tolerance); zeros everywhere else."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from moe_jax.ops.grouped_matmul import reference_fp8, token_blocks
 from moe_jax.ops.grouped_matmul.token_blocks import GROUP_BLOCKS, GROUP_FIRST_BLOCK, GROUP_ID
+from tests.helpers import pairwise_by_default
+
+# Jitted: dispatched op by op, each call would compile one small program per operation and shape.
+quantize_token_blocks = jax.jit(token_blocks.quantize_token_blocks, static_argnums=2)
+quantize_rows_per_group = jax.jit(reference_fp8.quantize_rows_per_group, static_argnums=2)
+group_table = jax.jit(token_blocks.group_table, static_argnums=(1, 2))
 
 # (M, C, group sizes): empty, one row, one short of / exactly / one past a 128-row block and 35 rows past the sum; one
 # hot group; sizes past M (the last group is cut) and a negative one (counts as 0); M shorter than one block.
@@ -30,15 +37,16 @@ def _padded_token(group_sizes, num_rows, block) -> np.ndarray:
     return token
 
 
-@pytest.mark.parametrize("quantization", list(reference_fp8.RECIPES))
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "dtype, case, quantization",
+    pairwise_by_default([jnp.float32, jnp.bfloat16], list(CASES), list(reference_fp8.RECIPES)),
+)
 def test_layout_is_the_recipes_quantization_rearranged(case, quantization, dtype):
     num_rows, cols, sizes = CASES[case]
     recipe = reference_fp8.RECIPES[quantization]
     x = jnp.asarray(np.random.default_rng(0).normal(size=(num_rows, cols)) * 3, dtype)
     group_sizes = jnp.asarray(sizes, jnp.int32)
-    layout = token_blocks.quantize_token_blocks(x, group_sizes, recipe)
+    layout = quantize_token_blocks(x, group_sizes, recipe)
 
     capacity = token_blocks.max_token_blocks(num_rows, len(sizes), recipe.block)
     assert layout.values_t.shape == (cols, capacity * recipe.block) and layout.values_t.dtype == jnp.float8_e4m3fn
@@ -49,7 +57,7 @@ def test_layout_is_the_recipes_quantization_rearranged(case, quantization, dtype
     rows = token >= 0
     dequantized = np.zeros((num_rows, cols), np.float32)
     dequantized[rows] = values[token[rows]] * scales[token[rows] // recipe.block]
-    expected = np.asarray(reference_fp8.quantize_rows_per_group(x, group_sizes, recipe))
+    expected = np.asarray(quantize_rows_per_group(x, group_sizes, recipe))
     np.testing.assert_array_equal(dequantized, expected)
     padding = np.ones(len(values), bool)
     padding[token[rows]] = False
@@ -60,16 +68,14 @@ def test_non_finite_rows_stay_in_their_block():
     """An Inf makes its own block (one group's 128 rows of one column) non-finite and no other."""
     x = np.random.default_rng(1).normal(size=(300, 64)).astype(np.float32)
     x[130, 5] = np.inf  # group 1's first block (rows 100-227)
-    layout = token_blocks.quantize_token_blocks(
-        jnp.asarray(x), jnp.asarray([100, 200]), reference_fp8.RECIPES["fp8_block"]
-    )
+    layout = quantize_token_blocks(jnp.asarray(x), jnp.asarray([100, 200]), reference_fp8.RECIPES["fp8_block"])
     finite = np.isfinite(np.asarray(layout.scales))
     assert not finite[1, 5] and finite.sum() == finite.size - 1
 
 
 def test_group_table_lists_largest_groups_first_with_their_blocks():
     sizes = [0, 1, 127, 128, 129, 300]
-    table = np.asarray(token_blocks.group_table(jnp.asarray(sizes, jnp.int32), 1000, 128))
+    table = np.asarray(group_table(jnp.asarray(sizes, jnp.int32), 1000, 128))
     blocks = [-(-s // 128) for s in sizes]
     firsts = np.concatenate([[0], np.cumsum(blocks)[:-1]])
     assert list(table[GROUP_ID]) == [5, 4, 1, 2, 3, 0]

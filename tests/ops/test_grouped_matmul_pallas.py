@@ -402,6 +402,11 @@ def test_wgrad_orders_match_reference(layout):
 
 # ------------------------------------------------------------------------------------------------ schedule, configs
 
+# The schedule's tables as jitted programs: op by op, each call would compile one small program per operation and shape.
+row_tiles = jax.jit(schedule.row_tiles, static_argnums=(1, 2), static_argnames="zero_tail")
+row_tile_bands = jax.jit(schedule.row_tile_bands, static_argnums=2)
+wgrad_groups = jax.jit(schedule.wgrad_groups, static_argnums=2)
+
 
 @pytest.mark.parametrize("block_m", [64, 128])
 @pytest.mark.parametrize("zero_tail", [True, False])
@@ -411,7 +416,7 @@ def test_row_tiles_cover_every_row_once(block_m, zero_tail):
     rng = np.random.default_rng(14)
     for num_groups, num_rows, fill in [(7, 500, 3 / 4), (1, 64, 3 / 4), (16, 1000, 3 / 4), (5, 96, 0)]:
         sizes = oracle.random_group_sizes(rng, num_groups, int(num_rows * fill), "uniform")
-        tiles, count = schedule.row_tiles(jnp.asarray(sizes), num_rows, block_m, zero_tail=zero_tail)
+        tiles, count = row_tiles(jnp.asarray(sizes), num_rows, block_m, zero_tail=zero_tail)
         tiles = np.asarray(tiles)[:, : int(count[0])]
         owner = np.full(num_rows, -2)
         groups = tiles[schedule.TILE_GROUP]
@@ -455,8 +460,8 @@ def test_row_tile_bands_walk_every_item_once_in_group_bands(max_width):
     n_tiles, block_m, num_rows = 3, 64, 3000
     for fill in (0.9, 1.0):
         sizes = oracle.random_group_sizes(rng, 9, int(num_rows * fill), "zipf")
-        tiles, count = schedule.row_tiles(jnp.asarray(sizes), num_rows, block_m)
-        table = np.asarray(schedule.row_tile_bands(tiles, count, max_width))
+        tiles, count = row_tiles(jnp.asarray(sizes), num_rows, block_m)
+        table = np.asarray(row_tile_bands(tiles, count, max_width))
         groups = np.asarray(tiles)[schedule.TILE_GROUP, : int(count[0])].tolist()
         order = []
         for lin in range(int(count[0]) * n_tiles):
@@ -468,7 +473,7 @@ def test_row_tile_bands_walk_every_item_once_in_group_bands(max_width):
 
 
 def test_wgrad_groups_are_largest_first():
-    table = np.asarray(schedule.wgrad_groups(jnp.asarray([5, 0, 9, 9, 2]), jnp.zeros((20, 64)), 64))
+    table = np.asarray(wgrad_groups(jnp.asarray([5, 0, 9, 9, 2]), jnp.zeros((20, 64)), 64))
     np.testing.assert_array_equal(table[schedule.GROUP_ID], [2, 3, 0, 1, 4])
     np.testing.assert_array_equal(table[schedule.GROUP_START], [5, 14, 0, 5, 20])
     np.testing.assert_array_equal(table[schedule.GROUP_SIZE], [9, 6, 5, 0, 0])  # group 3 clipped at M = 20
@@ -484,7 +489,7 @@ def test_wgrad_groups_flag_nonfinite_foreign_rows(num_rows, block_k):
     y = rng.normal(size=(num_rows, 16)).astype(np.float32)
     bad = rng.choice(num_rows, size=8, replace=False)
     y[bad, rng.integers(0, 16, size=8)] = rng.choice([np.nan, np.inf, -np.inf], size=8)
-    table = np.asarray(schedule.wgrad_groups(jnp.asarray(sizes), jnp.asarray(y, jnp.bfloat16), block_k))
+    table = np.asarray(wgrad_groups(jnp.asarray(sizes), jnp.asarray(y, jnp.bfloat16), block_k))
     ends = np.minimum(np.cumsum(sizes), num_rows)
     starts = np.concatenate([[0], ends[:-1]])
     expected = {}

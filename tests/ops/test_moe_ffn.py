@@ -1,5 +1,7 @@
 """The composed layer (backend "xla") against the NumPy float64 oracle; jit-once; gradients."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,11 +35,10 @@ def _layer(seed, num_tokens=24, d_model=16, d_ff=8, num_experts=6, dtype=np.floa
 def test_matches_token_by_token_oracle(options):
     x, router_kernel, w_gate_up, w_down = _layer(0)
     bias = np.linspace(-0.2, 0.2, 6).astype(np.float32) if options.get("num_groups") else None
-    y, aux = moe_jax.moe_ffn(
-        *map(jnp.asarray, (x, router_kernel, w_gate_up, w_down)),
-        bias=None if bias is None else jnp.asarray(bias),
-        backend="xla",
-        **options,
+    # One jitted program: op by op, the layer would compile one small program per operation and shape.
+    layer = jax.jit(functools.partial(moe_jax.moe_ffn, backend="xla", **options))
+    y, aux = layer(
+        *map(jnp.asarray, (x, router_kernel, w_gate_up, w_down)), bias=None if bias is None else jnp.asarray(bias)
     )
     expected_y, expected_aux = oracle.moe_ffn(x, router_kernel, w_gate_up, w_down, bias=bias, **options)
     assert y.shape == x.shape and y.dtype == jnp.float32
@@ -92,4 +93,4 @@ def test_gradients_float64():
 
     with jax.enable_x64(True):
         args = tuple(map(jnp.asarray, (x, router_kernel, w_gate_up, w_down)))
-        check_grads(loss, args, order=1, modes=("rev",), eps=1e-6)
+        check_grads(jax.jit(loss), args, order=1, modes=("rev",), eps=1e-6)  # jitted: as above

@@ -26,6 +26,11 @@ def _rows(seed: int, shape, dtype) -> jax.Array:
     return jnp.asarray(normal(seed, shape), dtype)
 
 
+# The references called outside a kernel's jitted program: jitted too (op by op, each op compiles).
+reference_permute = jax.jit(reference.permute, static_argnums=2)
+reference_combine = jax.jit(reference.combine, static_argnums=2)
+
+
 def _interpreted(fn, *args):
     """fn(*args) as one jitted program under the checking interpreter (op by op, its glue would compile per op)."""
     with checked_interpreter():
@@ -52,7 +57,7 @@ def test_permute_matches_reference_exactly(num_tokens, d_model, num_experts, top
     x = _rows(1, (num_tokens, d_model), dtype)
     rows = _interpreted(lambda x: moe_jax.permute(x, routing.sort_indices, top_k, backend="pallas"), x)
     assert rows.dtype == dtype
-    np.testing.assert_array_equal(rows, reference.permute(x, routing.sort_indices, top_k))
+    np.testing.assert_array_equal(rows, reference_permute(x, routing.sort_indices, top_k))
 
 
 # FP8 rows move as pairs of bytes: every bit pattern (NaNs, infinities and subnormals of a 16-bit float among them)
@@ -79,7 +84,7 @@ def test_combine_matches_reference(num_tokens, d_model, num_experts, top_k, dtyp
     weights = routing.weights if weighted else None
     y = _interpreted(lambda y: moe_jax.combine(y, routing.sort_indices, top_k, weights, backend="pallas"), y_sorted)
     assert y.dtype == dtype
-    expected = reference.combine(y_sorted, routing.sort_indices, top_k, weights)
+    expected = reference_combine(y_sorted, routing.sort_indices, top_k, weights)
     assert relative_error(y, expected) < TOL[dtype]
 
 
@@ -89,9 +94,9 @@ def test_combine_after_capacity_drops():
     _, sort_indices = moe_jax.apply_capacity(routing, 0.5)
     y_sorted = _rows(4, (48, 256), jnp.bfloat16)
     y = _interpreted(lambda y: moe_jax.combine(y, sort_indices, 2, routing.weights, backend="pallas"), y_sorted)
-    assert relative_error(y, reference.combine(y_sorted, sort_indices, 2, routing.weights)) < TOL[jnp.bfloat16]
+    assert relative_error(y, reference_combine(y_sorted, sort_indices, 2, routing.weights)) < TOL[jnp.bfloat16]
     rows = _interpreted(lambda y: moe_jax.permute(y, sort_indices, 2, backend="pallas"), y)
-    np.testing.assert_array_equal(rows, reference.permute(y, sort_indices, 2))
+    np.testing.assert_array_equal(rows, reference_permute(y, sort_indices, 2))
 
 
 def test_the_routings_positions_move_the_same_rows_without_a_scatter():
@@ -108,9 +113,9 @@ def test_the_routings_positions_move_the_same_rows_without_a_scatter():
         return rows, y
 
     rows, y = _interpreted(moved, x, y_sorted, routing.positions)
-    np.testing.assert_array_equal(rows, reference.permute(x, routing.sort_indices, top_k))
+    np.testing.assert_array_equal(rows, reference_permute(x, routing.sort_indices, top_k))
     assert (
-        relative_error(y, reference.combine(y_sorted, routing.sort_indices, top_k, routing.weights)) < TOL[jnp.bfloat16]
+        relative_error(y, reference_combine(y_sorted, routing.sort_indices, top_k, routing.weights)) < TOL[jnp.bfloat16]
     )
 
     # Given positions, neither op inverts sort_indices (the scatter they save).
@@ -194,7 +199,7 @@ def test_unsupported_width_falls_back_or_raises():
     with pytest.raises(NotImplementedError, match="D >= 128"):
         moe_jax.permute(x, routing.sort_indices, 2, backend="pallas")
     np.testing.assert_array_equal(
-        moe_jax.permute(x, routing.sort_indices, 2, backend="auto"), reference.permute(x, routing.sort_indices, 2)
+        moe_jax.permute(x, routing.sort_indices, 2, backend="auto"), reference_permute(x, routing.sort_indices, 2)
     )
 
 
@@ -227,7 +232,7 @@ def test_gather_rows_with_several_tokens_per_block():
     y_sorted = _rows(16, (num_tokens * top_k, d_model), jnp.bfloat16)
     config = Config(vec_size=1, tokens_per_block=3)
     y = _interpreted(lambda y: sm90.gather_rows(y, routing.positions, routing.weights, config=config), y_sorted)
-    expected = reference.combine(y_sorted, routing.sort_indices, top_k, routing.weights)
+    expected = reference_combine(y_sorted, routing.sort_indices, top_k, routing.weights)
     assert relative_error(y, expected) < TOL[jnp.bfloat16]
 
 

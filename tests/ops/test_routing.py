@@ -12,7 +12,7 @@ import moe_jax
 from moe_jax.ops.routing import reference
 from moe_jax.ops.routing.api import router_logits
 from tests import oracle
-from tests.helpers import jitted_vjp, normal
+from tests.helpers import jitted_vjp, normal, pairwise_by_default
 
 WEIGHT_TOL = 1e-5  # f32 scores against float64: a few ulps
 
@@ -31,11 +31,13 @@ def _assert_routing_equal(routing, expected) -> None:
     np.testing.assert_array_equal(sorted_assignments, np.arange(num_assignments))
 
 
-@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
-@pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize(
-    "top_k, num_groups, top_groups, use_bias",
-    [(1, 1, 1, False), (2, 1, 1, True), (4, 4, 2, False), (3, 8, 3, True), (12, 1, 1, False)],
+    "top_k, num_groups, top_groups, use_bias, renormalize, score",
+    pairwise_by_default(
+        [(1, 1, 1, False), (2, 1, 1, True), (4, 4, 2, False), (3, 8, 3, True), (12, 1, 1, False)],
+        [True, False],
+        ["softmax", "sigmoid"],
+    ),
 )
 def test_route_matches_oracle(score, renormalize, top_k, num_groups, top_groups, use_bias):
     seed = zlib.crc32(repr((score, renormalize, top_k, num_groups)).encode())
@@ -58,8 +60,10 @@ def test_ties_go_to_the_lower_expert_index():
     # Many exact ties: logits drawn from three values, so scores tie exactly in f32 and float64 alike.
     rng = np.random.default_rng(11)
     logits = rng.choice(np.array([-1.0, 0.0, 2.0], np.float32), size=(40, 12))
+    # Jitted: op by op, each operation would compile a program of its own.
+    route = jax.jit(moe_jax.route, static_argnums=1, static_argnames=("score", "num_groups", "top_groups"))
     for score in ("softmax", "sigmoid"):
-        routing = moe_jax.route(jnp.asarray(logits), 3, score=score, num_groups=4, top_groups=2)
+        routing = route(jnp.asarray(logits), 3, score=score, num_groups=4, top_groups=2)
         _assert_routing_equal(routing, oracle.route(logits, 3, score=score, num_groups=4, top_groups=2))
     all_equal = moe_jax.route(jnp.zeros((2, 5)), 3)
     np.testing.assert_array_equal(all_equal.experts, [[0, 1, 2], [0, 1, 2]])
@@ -159,8 +163,8 @@ def test_weight_and_aux_gradients(score):
             + reference.z_loss_from(routing.logsumexp)
         )
 
-    with jax.enable_x64(True):
-        check_grads(objective, (jnp.asarray(logits),), order=1, modes=("rev",), atol=1e-6, rtol=1e-6)
+    with jax.enable_x64(True):  # jitted, as above
+        check_grads(jax.jit(objective), (jnp.asarray(logits),), order=1, modes=("rev",), atol=1e-6, rtol=1e-6)
 
 
 # 16-bit operands multiply as they are (their products are exact in f32) and accumulate in f32; mixed dtypes
