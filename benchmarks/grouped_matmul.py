@@ -19,11 +19,12 @@ out of memory).
 
 With ``--quantization fp8_block`` the forward runs as "gmm-fp8" (``bench_shape_fp8``; "gmm-mxfp8" with ``mxfp8``): our
 op on bf16 activations (quantized per call, as a forward does) and weights quantized beforehand in the FP8 kernel's
-[G, N, K] layout, against "dense", one XLA matmul of e4m3 operands (rhs K-major, per-tensor: no block scales)
-accumulating in f32, of the same FLOPs, and "hbm-floor" for the FP8 bytes; beside them the dgrad's GEMM (d_out [M, N]
-times the same quantized weights, contraction N), with the pallas backend the wgrad's (x and d_out quantized in row
-blocks per group, as the backward does, by the FP8 wgrad kernel) and all three GEMMs by our bf16 kernels
-(``_fp8_candidates``). The check is the XLA implementation of the same quantization on three groups, each run alone
+[G, N, K] layout (and "-x-stored-fp8": on activations quantized beforehand too, the GEMM alone), against "dense",
+one XLA matmul of e4m3 operands (rhs K-major, per-tensor: no block scales) accumulating in f32, of the same FLOPs,
+and "hbm-floor" for the FP8 bytes; beside them the dgrad's GEMM (d_out [M, N] times the same quantized weights,
+contraction N), with the pallas backend the wgrad's (x and d_out quantized in row blocks per group, as the backward
+does, by the FP8 wgrad kernel) and all three GEMMs by our bf16 kernels (``_fp8_candidates``). The check is the XLA
+implementation of the same quantization on three groups, each run alone
 (``QuantizedGroupOracle``).
 """
 
@@ -222,6 +223,14 @@ def _fp8_input_set(key, *, g: int, m: int, k: int, n: int, quantization: str) ->
     }
 
 
+@functools.partial(jax.jit, static_argnames="quantization")
+def _quantized_lhs(lhs, quantization: str) -> moe_jax.BlockScaled:
+    """x [M, K] quantized as the op quantizes it, in a program of its own: made where x is drawn, XLA may quantize
+    the values before their bf16 rounding (excess precision), and the op would get other blocks than x's."""
+    recipe = reference_fp8.RECIPES[quantization]
+    return moe_jax.quantize_blockwise(lhs, recipe.lhs_block, pow2_scales=recipe.pow2_scales)
+
+
 def _fp8_dense(lhs, rhs):
     """[M, K] . [N, K]^T of e4m3 operands, f32 accumulation and output: the per-tensor FP8 matmul XLA has."""
     return jax.lax.dot_general(lhs, rhs, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -293,7 +302,7 @@ def bench_shape_fp8(
         return records
 
     make_set = functools.partial(_fp8_input_set, **dims, quantization=quantization)
-    sets = common.input_sets(make_set, options.seed)
+    sets = [dict(s, lhs_fp8=_quantized_lhs(s["lhs"], quantization)) for s in common.input_sets(make_set, options.seed)]
     group_sizes = shape.group_sizes(routing, seed=options.seed)
     dims["max_group"] = int(group_sizes.max())
     if with_dense:
@@ -324,9 +333,10 @@ FP8_IMPL_SUFFIX = "-fp8"
 
 def _fp8_candidates(quantization: str, backends, shape: GroupedMatmulShape) -> list[tuple]:
     """(impl, GEMM, input-set keys, op) per timed row: for each backend the forward x . w[g]^T and the dgrad GEMM
-    d_out . w[g] (contraction N), quantized ("moe_jax:<backend>-fp8", "...-dgrad-fp8"), and with the pallas backend
-    the same two GEMMs by our bf16 kernel ("moe_jax:pallas-bf16", "moe_jax:pallas-dgrad-bf16"). The dgrad rows time
-    only its GEMM (d_out quantized per call, as the backward does), not a whole backward.
+    d_out . w[g] (contraction N), quantized ("moe_jax:<backend>-fp8", "...-dgrad-fp8"), the forward on x quantized
+    beforehand ("...-x-stored-fp8": the GEMM alone, as the layer runs it on tokens quantized once), and with the
+    pallas backend the same two GEMMs by our bf16 kernel ("moe_jax:pallas-bf16", "moe_jax:pallas-dgrad-bf16"). The
+    dgrad rows time only its GEMM (d_out quantized per call, as the backward does), not a whole backward.
 
     With the pallas backend and fp8_block also the wgrad GEMM d w[g] = d_out_g^T . x_g in the [G, N, K] layout of the
     forward's weights (the 2MKN FLOPs of the forward): "moe_jax:pallas-wgrad-fp8" (the FP8 wgrad kernel, both
@@ -337,6 +347,7 @@ def _fp8_candidates(quantization: str, backends, shape: GroupedMatmulShape) -> l
         fp8 = functools.partial(moe_jax.grouped_matmul, transpose_rhs=True, quantization=quantization, backend=backend)
         candidates += [
             (f"moe_jax:{backend}{FP8_IMPL_SUFFIX}", "fwd", ("lhs", "rhs"), fp8),
+            (f"moe_jax:{backend}-x-stored{FP8_IMPL_SUFFIX}", "fwd", ("lhs_fp8", "rhs"), fp8),
             (f"moe_jax:{backend}-dgrad{FP8_IMPL_SUFFIX}", "dgrad", ("d_out", "rhs_dgrad"), fp8),
         ]
         if backend == "pallas":

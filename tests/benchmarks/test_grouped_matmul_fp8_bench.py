@@ -27,8 +27,8 @@ def test_floor_bytes_are_fp8_weights_and_bf16_activations_and_output():
 
 @pytest.mark.parametrize("quantization", ["fp8_block", "mxfp8"])
 def test_tiny_run_times_the_dense_fp8_matmul_and_checks_the_op(quantization):
-    """Both recipes' forward and dgrad rows (mxfp8's dgrad on weights quantized again along N) against the XLA
-    implementation of the same recipe."""
+    """Both recipes' forward rows (x quantized in the call, and beforehand) and dgrad row (mxfp8's on weights
+    quantized again along N) against the XLA implementation of the same recipe."""
     options = dataclasses.replace(TINY, quantization=quantization)
     records = grouped_matmul.run("gmm", [GMM_SHAPES["ci/gate_up"]], options, emit=lambda record: None)
     bench = {"fp8_block": "gmm-fp8", "mxfp8": "gmm-mxfp8"}[quantization]  # each recipe's table of RESULTS.md
@@ -36,6 +36,7 @@ def test_tiny_run_times_the_dense_fp8_matmul_and_checks_the_op(quantization):
         (bench, "dense"),
         (bench, "hbm-floor"),
         (bench, "moe_jax:xla-fp8"),
+        (bench, "moe_jax:xla-x-stored-fp8"),
         (bench, "moe_jax:xla-dgrad-fp8"),
     ]
     assert all(r.status == "ok" and r.timing is not None for r in records)
