@@ -399,10 +399,7 @@ def grouped_matmul_rows(
 
                 def fp8_product(slot):
                     """The slot's x rows of this consumer . w, [wg_m, bn] f32 (FP8: a fresh accumulator a step)."""
-                    multiply = functools.partial(fresh_product, *operands(slot), interpret=interpret)
-                    if cfg.keep_ctas_in_step:
-                        return multiply()
-                    return lax.cond(wg_rows > 0, multiply, lambda: pipe.empty_chunks(1, wg_m, bn, jnp.float32)[0])
+                    return fresh_product(*operands(slot), interpret=interpret)
 
                 def mma(acc):
                     def issue(k, slot):
@@ -416,8 +413,19 @@ def grouped_matmul_rows(
                     x_scales_smem, w_scales_smem, w_scales_loaded = fp8_scratch
                     scales = (x_scales_smem, w_scales_smem.at[wg], w_scales_loaded.at[wg])
                     fp8.load_w_scales(w_scales_gmem, tiles_gmem[TILE_GROUP, mi], ni * bn, *scales[1:], steps)
+                    has_rows = None if cfg.keep_ctas_in_step else wg_rows > 0
                     acc = fp8.promoted_products(
-                        first_step, steps, stages, produced, consumed, fp8_product, scales, (wg_m, bn), wg, ni * bn
+                        first_step,
+                        steps,
+                        stages,
+                        produced,
+                        consumed,
+                        fp8_product,
+                        scales,
+                        (wg_m, bn),
+                        wg,
+                        ni * bn,
+                        has_rows,
                     )
                 else:
                     acc = pl.run_scoped(mma, plgpu.ACC((wg_m, bn), jnp.float32))

@@ -122,10 +122,16 @@ def load_w_scales(w_scales_gmem, group, col0, dst_smem, barrier, steps) -> None:
         plgpu.copy_gmem_to_smem(w_scales_gmem.at[group, blocks], dst_smem, barrier)
 
 
-def promoted_products(first_step, steps, stages: int, produced, consumed, product, scales, shape, wg, col0):
+def promoted_products(
+    first_step, steps, stages: int, produced, consumed, product, scales, shape, wg, col0, has_rows=None
+):
     """Consumer side of one FP8 tile: each of its ``steps`` K blocks multiplied by ``product(slot)`` (the slot's
     [wg_block_m, block_n] f32 product, sm90_fresh_product.py) and added to the f32 total with its scales. Returns the
     total [wg_block_m, block_n] f32.
+
+    A consumer whose rows of the tile are all past its group (``has_rows`` false) multiplies nothing: it waits for
+    each step's slot and releases it, and its total is zeros. The choice is made once a tile, not a step: a product
+    chosen per step between the MMA and zeros makes ptxas zero its registers at every step.
 
     Args:
       first_step, steps: the tile's pipeline steps (counted over the CTA's tiles, as in sm90_pipeline).
@@ -133,6 +139,7 @@ def promoted_products(first_step, steps, stages: int, produced, consumed, produc
       scales: (x scales' ring [stages, block_m], this consumer's w scales [tile blocks, K blocks], its "loaded"
         barrier).
       shape: (wg_block_m, block_n); wg: this consumer; col0: the tile's first column.
+      has_rows: whether this consumer has rows to store in the tile (a traced bool), or None: it always multiplies.
     """
     x_scales_smem, w_scales_smem, w_scales_loaded = scales
     rows = pl.ds(pl.multiple_of(wg * shape[0], shape[0]), shape[0])
@@ -167,4 +174,16 @@ def promoted_products(first_step, steps, stages: int, produced, consumed, produc
         plgpu.barrier_arrive(consumed.at[slot])
         return total + partial * scale
 
-    return pl.loop(0, steps, init_carry=pipe.empty_chunks(1, *shape, jnp.float32)[0])(step)
+    def release(k, total):
+        """Releases step k's slot once it is filled (an earlier arrival would count toward its previous use)."""
+        slot = lax.rem(first_step + k, stages)
+        plgpu.barrier_wait(produced.at[slot])
+        plgpu.barrier_arrive(consumed.at[slot])
+        return total
+
+    def over_steps(body):
+        return lambda: pl.loop(0, steps, init_carry=pipe.empty_chunks(1, *shape, jnp.float32)[0])(body)
+
+    if has_rows is None:
+        return over_steps(step)()
+    return lax.cond(has_rows, over_steps(step), over_steps(release))
