@@ -228,7 +228,7 @@ def _quantized_lhs(lhs, quantization: str) -> moe_jax.BlockScaled:
     """x [M, K] quantized as the op quantizes it, in a program of its own: made where x is drawn, XLA may quantize
     the values before their bf16 rounding (excess precision), and the op would get other blocks than x's."""
     recipe = reference_fp8.RECIPES[quantization]
-    return moe_jax.quantize_blockwise(lhs, recipe.lhs_block, pow2_scales=recipe.pow2_scales)
+    return reference_fp8.quantize(lhs, recipe.lhs_block, recipe)
 
 
 def _fp8_dense(lhs, rhs):
