@@ -37,6 +37,16 @@ def _lowered(fn, *args) -> str:
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def _lowers(fn, *args) -> bool:
+    """Whether ``fn`` lowers for the H200; any failure but a shared-memory overflow fails the test."""
+    try:
+        _lowered(fn, *args)
+        return True
+    except ValueError as error:
+        assert "exceeds available shared memory" in str(error)
+        return False
+
+
 def _fwd_bwd_text(name, *, activation=None, row_scale=False, transpose_rhs=True, out_dtype=jnp.bfloat16) -> str:
     s = shapes.GMM_SHAPES[name]
     lhs = jax.ShapeDtypeStruct((s.m, s.k), jnp.bfloat16)
@@ -139,13 +149,43 @@ def test_config_takes_the_stages_that_fit(out_dtype, row_scale, block_n, consume
                 w_scales=jnp.pad(w.scales, [(0, 0), (0, 1), (0, buffers["scale_k_blocks"] - s.k // 128)]),
             )
 
-        try:
-            _lowered(forward, x, w, group_sizes, scale)
-            lowers = True
-        except ValueError as error:
-            assert "exceeds available shared memory" in str(error)
-            lowers = False
-        assert lowers == expected == c.fits(1, itemsize, **buffers), stages
+        assert _lowers(forward, x, w, group_sizes, scale) == expected == c.fits(1, itemsize, **buffers), stages
+
+
+@pytest.mark.parametrize("scaled_gate_up", [False, True])
+def test_glu_backward_config_takes_the_stages_that_fit(scaled_gate_up):
+    """fp8_config(glu_backward=True)'s stages lower for the FP8 GLU backward at deepseek-v3's widths (D 7168: the
+    most weight scales), one more stage does not, and Config.fits says the same, with the pre-activation in FP8
+    blocks (its one-byte rows and their scales counted as laid out) or in bf16."""
+    m, d, f, g = 32768, 7168, 2048, 32
+    chosen = config.fp8_config(m=m, k=d, n=f, g=g, row_scale=True, glu_backward=True, scaled_gate_up=scaled_gate_up)
+    buffers = dict(
+        operand_cols=2 * config.FP8_BLOCK,
+        operand_fp8=scaled_gate_up,
+        row_vectors=config.row_vector_count(True, True, False),
+        scale_k_blocks=config.fp8_scale_k_blocks(d),
+    )
+
+    def block_scaled(shape, block_shape):
+        scales = tuple(-(-size // block) for size, block in zip(shape, block_shape, strict=True))
+        return moe_jax.BlockScaled(
+            jax.ShapeDtypeStruct(shape, jnp.float8_e4m3fn), jax.ShapeDtypeStruct(scales, jnp.float32), block_shape
+        )
+
+    d_y, w_down = block_scaled((m, d), (1, 128)), block_scaled((g, f, d), (1, 128, 128))
+    gate_up = block_scaled((m, 2 * f), (1, 128)) if scaled_gate_up else jax.ShapeDtypeStruct((m, 2 * f), jnp.bfloat16)
+    row_scale = jax.ShapeDtypeStruct((m,), jnp.float32)
+    group_sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
+    for stages, expected in ((chosen.num_stages, True), (chosen.num_stages + 1, False)):
+        c = dataclasses.replace(chosen, num_stages=stages)
+
+        def backward(d_y, w_down, group_sizes, gate_up, row_scale, c=c):
+            return launch.run_glu_dgrad(
+                d_y, w_down, group_sizes, gate_up, row_scale, "swiglu", config=c, out_dtype=jnp.bfloat16
+            )
+
+        lowers = _lowers(backward, d_y, w_down, group_sizes, gate_up, row_scale)
+        assert lowers == expected == c.fits(1, 2, **buffers), stages
 
 
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
@@ -160,19 +200,14 @@ def test_wgrad_config_takes_the_stages_that_fit(out_dtype):
     group_sizes = jax.ShapeDtypeStruct((s.g,), jnp.int32)
     for stages, expected in ((chosen.num_stages, True), (chosen.num_stages + 1, False)):
         c = dataclasses.replace(chosen, num_stages=stages)
-        try:
-            _lowered(
-                lambda x, y, group_sizes, c=c: launch.run_fp8_wgrad_kernel(
-                    x, y, group_sizes, out_dtype=out_dtype, config=c
-                ),
-                x,
-                y,
-                group_sizes,
-            )
-            lowers = True
-        except ValueError as error:
-            assert "exceeds available shared memory" in str(error)
-            lowers = False
+        lowers = _lowers(
+            lambda x, y, group_sizes, c=c: launch.run_fp8_wgrad_kernel(
+                x, y, group_sizes, out_dtype=out_dtype, config=c
+            ),
+            x,
+            y,
+            group_sizes,
+        )
         fits = sm90_fp8_wgrad.smem_bytes(c, itemsize) <= config.SMEM_BYTES - 2048
         assert lowers == expected == fits, stages
 

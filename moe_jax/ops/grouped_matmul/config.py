@@ -140,6 +140,7 @@ class Config:
         out_itemsize: int,
         *,
         operand_cols: int = 0,
+        operand_fp8: bool = False,
         row_vectors: int = 0,
         scale_k_blocks: int = 0,
         kept_fp8: bool = False,
@@ -150,6 +151,8 @@ class Config:
           in_itemsize, out_itemsize: bytes per input / output element.
           operand_cols: columns of the [wg_block_m, operand_cols] output-dtype tile each consumer's epilogue loads
             itself (the GLU backward's packed gate/up rows, 2 * block_n, where the ring does not carry them).
+          operand_fp8: that tile is FP8 instead (one byte an element), with an f32 scale per row and FP8_BLOCK
+            columns in a buffer of its own (the GLU backward's pre-activation kept in FP8 blocks).
           row_vectors: [wg_block_m] f32 vectors per consumer (row_scale in, partial sums out), in one buffer.
           scale_k_blocks: FP8 operands (sm90_fp8.py): ``fp8_scale_k_blocks(K)``, the f32 weight scales each
             consumer holds per weight block under its tile (``fp8_tile_scale_blocks``); the x scales then take a
@@ -162,7 +165,8 @@ class Config:
             self.num_stages * self.block_n * self.block_k * in_itemsize,  # w ring
             2 * self.block_m * self.epilogue_n * out_itemsize,
             self.block_m * FP8_BLOCK * kept_fp8,
-            self.block_m * operand_cols * out_itemsize,
+            self.block_m * operand_cols * (1 if operand_fp8 else out_itemsize),
+            (operand_cols // FP8_BLOCK * self.block_m * 4) if operand_fp8 else 0,
             row_vectors * self.block_m * 4,
             (self.num_stages * self.block_m * 4) if scale_k_blocks else 0,
             self.num_compute_wgs * fp8_tile_scale_blocks(self.block_n) * scale_k_blocks * 4,
@@ -171,7 +175,7 @@ class Config:
         return sum(-(-size // SMEM_ALIGNMENT) * SMEM_ALIGNMENT for size in buffers)
 
     def fits(self, in_itemsize: int = 2, out_itemsize: int = 2, **epilogue) -> bool:
-        """Whether the CTA's shared memory fits (``epilogue``: smem_bytes's operand_cols / row_vectors)."""
+        """Whether the CTA's shared memory fits (``epilogue``: smem_bytes's keywords)."""
         # Leave room for the barriers and the compiler's own scratch.
         return self.smem_bytes(in_itemsize, out_itemsize, **epilogue) <= SMEM_BYTES - 2048
 
@@ -341,6 +345,7 @@ def fp8_config(
     consumers: int | None = None,
     glu_forward: bool = False,
     glu_backward: bool = False,
+    scaled_gate_up: bool = False,
     block_n: int | None = None,
     keep_blocks: bool = False,
 ) -> Config:
@@ -356,6 +361,8 @@ def fp8_config(
     dgrad with the GLU backward in its epilogue (n = F), whose consumers load their [wg_block_m, 2 * block_n] packed
     gate/up rows themselves (the pipeline's ring carries them only for 64-wide steps) and keep two row vectors with a
     row scale; always two consumers, whose registers hold the GLU backward's temporaries beside the f32 total.
+    ``scaled_gate_up`` (with ``glu_backward``): those rows are FP8 with their 1 x 128 blocks' scales
+    (sm90.Epilogue.scaled_gate_up), half the bytes of 16-bit ones: at the bench layers' widths a stage more fits.
     ``keep_blocks``: the GLU forward also stores its pre-activation in FP8 blocks (sm90.Epilogue.keep_blocks), whose
     buffers take shared memory from the pipeline.
 
@@ -372,6 +379,7 @@ def fp8_config(
         config = dataclasses.replace(config, block_m=WGMMA_M * consumers, num_compute_wgs=consumers)
     epilogue = dict(
         operand_cols=2 * FP8_BLOCK if glu_backward else 0,
+        operand_fp8=glu_backward and scaled_gate_up,
         row_vectors=row_vector_count(row_scale, glu_backward, keep_blocks),
         scale_k_blocks=fp8_scale_k_blocks(k),
         kept_fp8=keep_blocks,

@@ -591,6 +591,7 @@ def run_glu_dgrad(
                 out_itemsize=itemsize,
                 row_scale=row_scale is not None,
                 glu_backward=True,
+                scaled_gate_up=scaled_gate_up,
             )
         d_y, w_down, x_scales, w_scales = _fp8_kernel_operands(d_y, w_down, row_tokens)
         fp8_scales.update(x_scales=x_scales, w_scales=w_scales)

@@ -472,8 +472,8 @@ def grouped_matmul_rows(
         gate_up_transforms = pipe.swizzled(epi.pack, gate_up.dtype)
         scratch.append(plgpu.SMEM((num_wgs, wg_m, gate_up_cols), gate_up.dtype, transforms=gate_up_transforms))
     if epi.scaled_gate_up:
-        # The scales of the tile's packed blocks, [blocks, wg_block_m] per consumer (accounted for in config.fits
-        # by the pre-activation's tile, taken there at 16 bits an element).
+        # The scales of the tile's packed blocks, [blocks, wg_block_m] per consumer (config.Config.smem_bytes's
+        # operand_fp8).
         scratch.append(plgpu.SMEM((num_wgs, gate_up_cols // SCALED_GATE_UP_BLOCK, wg_m), jnp.float32))
     if epi.keep_blocks:
         # One buffer a consumer: the block is a tile's first store (forward_targets), after the wait for every
