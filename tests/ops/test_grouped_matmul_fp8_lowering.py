@@ -47,6 +47,14 @@ def _lowers(fn, *args) -> bool:
         return False
 
 
+def _block_scaled(shape, block_shape) -> moe_jax.BlockScaled:
+    """An abstract e4m3 BlockScaled of ``shape`` in ``block_shape`` blocks, with its f32 scales."""
+    scales = tuple(-(-size // block) for size, block in zip(shape, block_shape, strict=True))
+    return moe_jax.BlockScaled(
+        jax.ShapeDtypeStruct(shape, jnp.float8_e4m3fn), jax.ShapeDtypeStruct(scales, jnp.float32), block_shape
+    )
+
+
 def _fwd_bwd_text(name, *, activation=None, row_scale=False, transpose_rhs=True, out_dtype=jnp.bfloat16) -> str:
     s = shapes.GMM_SHAPES[name]
     lhs = jax.ShapeDtypeStruct((s.m, s.k), jnp.bfloat16)
@@ -118,16 +126,7 @@ def test_config_takes_the_stages_that_fit(out_dtype, row_scale, block_n, consume
     buffers = dict(row_vectors=int(row_scale), scale_k_blocks=config.fp8_scale_k_blocks(s.k))
     # Every consumer's row of weight scales starts on 128 bytes (a TMA destination): 32 f32, the least such count.
     assert buffers["scale_k_blocks"] % 32 == 0 and 0 <= buffers["scale_k_blocks"] - s.k // 128 < 32
-    x = moe_jax.BlockScaled(
-        jax.ShapeDtypeStruct((s.m, s.k), jnp.float8_e4m3fn),
-        jax.ShapeDtypeStruct((s.m, s.k // 128), jnp.float32),
-        (1, 128),
-    )
-    w = moe_jax.BlockScaled(
-        jax.ShapeDtypeStruct((s.g, s.n, s.k), jnp.float8_e4m3fn),
-        jax.ShapeDtypeStruct((s.g, s.n // 128, s.k // 128), jnp.float32),
-        (1, 128, 128),
-    )
+    x, w = _block_scaled((s.m, s.k), (1, 128)), _block_scaled((s.g, s.n, s.k), (1, 128, 128))
     scale = jax.ShapeDtypeStruct((s.m,), jnp.float32) if row_scale else None
     group_sizes = jax.ShapeDtypeStruct((s.g,), jnp.int32)
     for stages, expected in ((chosen.num_stages, True), (chosen.num_stages + 1, False)):
@@ -165,15 +164,8 @@ def test_glu_backward_config_takes_the_stages_that_fit(scaled_gate_up):
         row_vectors=config.row_vector_count(True, True, False),
         scale_k_blocks=config.fp8_scale_k_blocks(d),
     )
-
-    def block_scaled(shape, block_shape):
-        scales = tuple(-(-size // block) for size, block in zip(shape, block_shape, strict=True))
-        return moe_jax.BlockScaled(
-            jax.ShapeDtypeStruct(shape, jnp.float8_e4m3fn), jax.ShapeDtypeStruct(scales, jnp.float32), block_shape
-        )
-
-    d_y, w_down = block_scaled((m, d), (1, 128)), block_scaled((g, f, d), (1, 128, 128))
-    gate_up = block_scaled((m, 2 * f), (1, 128)) if scaled_gate_up else jax.ShapeDtypeStruct((m, 2 * f), jnp.bfloat16)
+    d_y, w_down = _block_scaled((m, d), (1, 128)), _block_scaled((g, f, d), (1, 128, 128))
+    gate_up = _block_scaled((m, 2 * f), (1, 128)) if scaled_gate_up else jax.ShapeDtypeStruct((m, 2 * f), jnp.bfloat16)
     row_scale = jax.ShapeDtypeStruct((m,), jnp.float32)
     group_sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
     for stages, expected in ((chosen.num_stages, True), (chosen.num_stages + 1, False)):
