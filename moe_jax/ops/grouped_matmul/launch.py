@@ -27,6 +27,7 @@ from moe_jax.ops.grouped_matmul import schedule, sm90, sm90_fp8_wgrad, sm90_wgra
 from moe_jax.ops.grouped_matmul.config import (
     FP8_BLOCK,
     SMEM_BYTES,
+    WGMMA_M,
     Config,
     fp8_config,
     fp8_scale_k_blocks,
@@ -49,6 +50,9 @@ KERNEL_ROW_MULTIPLE = 8
 FP8_KERNEL_QUANTIZATION = "fp8_block"
 FP8_KERNEL_DTYPE = jnp.float8_e4m3fn
 FP8_KERNEL_OUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+# The FP8 wgrad's consumer warpgroups: each step's chain (MMA, wait, promotion) leaves the tensor cores idle most of
+# a step, which a third consumer fills.
+FP8_WGRAD_CONSUMERS = 3
 
 # The GLU backwards that compute h, d_gate and d_up each in its own store's branch (sm90.Epilogue.recompute_grads),
 # on tiles of at most RECOMPUTE_MAX_BLOCK_N columns: computed together next to a 128-column accumulator, gpt_oss's
@@ -476,11 +480,17 @@ def fp8_wgrad_unsupported(quantization: str, contraction: int, num_cols: int, ou
 
 
 def fp8_wgrad_config(*, m: int, p: int, q: int, g: int, out_itemsize: int) -> Config:
-    """The FP8 wgrad's config: the heuristic wgrad's tile order within a group, 128 x 128 tiles of 128-token steps
-    (sm90_fp8_wgrad.check), and as many stages as fit in shared memory. Not tuned."""
+    """The FP8 wgrad's config: the heuristic wgrad's tile order within a group, [192, 128] tiles on three consumers
+    (64 rows each) of 128-token steps (sm90_fp8_wgrad.check), and as many stages as fit in shared memory. Not tuned:
+    three consumers ran 1.12-1.22x two on [128, 128] tiles (docs/kernels/grouped_matmul.md, "FP8 wgrad")."""
     order = heuristic_config("wgrad", m=m, k=p, n=q, g=g, out_itemsize=out_itemsize)
     config = dataclasses.replace(
-        order, block_m=FP8_BLOCK, block_n=FP8_BLOCK, block_k=FP8_BLOCK, num_compute_wgs=2, overlap_epilogue=False
+        order,
+        block_m=FP8_WGRAD_CONSUMERS * WGMMA_M,
+        block_n=FP8_BLOCK,
+        block_k=FP8_BLOCK,
+        num_compute_wgs=FP8_WGRAD_CONSUMERS,
+        overlap_epilogue=False,
     )
     for stages in range(8, 1, -1):
         config = dataclasses.replace(config, num_stages=stages)

@@ -16,9 +16,11 @@ total with both operands' scales:
 
     total[p, q] += partial[p, q] * x_scale[b, p] * y_scale[b, q]
 
-x's scales are a column of the tile (wgmma's row layout), y's a row (its column layout: each thread holds the 32
-scales of its 32 columns). The total and the partial of a [64, 128] tile take 64 registers a thread each, hence
-block_n = 128, and the epilogue runs between tiles.
+x's scales are a column of the tile (wgmma's row layout), y's a row (its column layout). The total and the partial
+of a consumer's [64, 128] tile take 64 registers a thread each; three consumers on [192, 128] tiles get 152 registers
+a thread, which leave no room for the 32 y scales of a thread's 32 columns held at once. So the total is kept as
+column chunks of SCALE_COLUMNS, each promoted with the two y scales a thread loads for it just before, and the slot
+is released after the promotion. The epilogue runs between tiles.
 
 Work: every group owns ceil(P / block_m) * ceil(Q / block_n) output tiles, handed out round-robin over the SMs,
 largest group first (token_blocks.group_table); within a group the tiles follow the planar snake of
@@ -41,6 +43,8 @@ from moe_jax.ops.grouped_matmul.token_blocks import GROUP_BLOCKS, GROUP_FIRST_BL
 DTYPE = jnp.float8_e4m3fn
 _ROW_VECTOR = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
 _COLUMN_VECTOR = plgpu.Layout.WGMMA.reduce(0)  # one value per column
+# The promotion's column chunk: a thread's two columns of it, whose two y scales it loads just before their use.
+SCALE_COLUMNS = 8
 
 
 def check(config: Config) -> None:
@@ -90,8 +94,8 @@ def grouped_matmul_wgrad_fp8(
       x_scales: [M' / 128, P] f32 and y_scales: [M' / 128, Q] f32, block b's scale of column p at [b, p].
       groups: token_blocks.group_table(group_sizes, M, 128), [3, G] int32.
       out_dtype: f32, bf16 or f16 (accumulation is f32).
-      config: block_m over P, block_n = block_k = 128, the tile order within a group (``check``); num_sms:
-        persistent CTAs; interpret: Mosaic GPU interpreter params or None.
+      config: block_m over P (64 rows a consumer), block_n = block_k = 128, the tile order within a group
+        (``check``); num_sms: persistent CTAs; interpret: Mosaic GPU interpreter params or None.
 
     Returns:
       [G, P, Q], zeros for empty groups.
@@ -165,18 +169,23 @@ def grouped_matmul_wgrad_fp8(
                 def step(k, total):
                     slot = lax.rem(first_step + k, stages)
                     plgpu.barrier_wait(produced.at[slot])
-                    # Read before the MMA is issued: read after it, ptxas places the 16 loads a thread between its
-                    # k-steps, and their shared-memory queue holds back the later k-steps.
                     x_scale = plgpu.load(x_scales_smem.at[slot, rows], layout=_ROW_VECTOR)
-                    y_scale = plgpu.load(y_scales_smem.at[slot], layout=_COLUMN_VECTOR)
                     x_tile, y_tile = x_smem.at[slot, rows], y_smem.at[slot].transpose((1, 0))
                     partial = fresh_product(x_tile, y_tile, interpret=interpret)
-                    # The slot's scales were generic-proxy reads (docs/kernels/grouped_matmul.md, "FP8 wgrad").
+                    x_scale = lax.broadcast_in_dim(x_scale, (wg_m, SCALE_COLUMNS), [0])
+                    promoted = []
+                    for c, chunk in enumerate(total):
+                        col = c * SCALE_COLUMNS
+                        y_scale = plgpu.load(y_scales_smem.at[slot, pl.ds(col, SCALE_COLUMNS)], layout=_COLUMN_VECTOR)
+                        y_scale = lax.broadcast_in_dim(y_scale, (wg_m, SCALE_COLUMNS), [1])
+                        promoted.append(chunk + partial[:, col : col + SCALE_COLUMNS] * x_scale * y_scale)
+                    # Released once promoted: its y scales are read in the promotion. They were generic-proxy reads
+                    # (docs/kernels/grouped_matmul.md, "FP8 wgrad").
                     pipe.release_after_reads(consumed.at[slot], interpret=interpret)
-                    x_scale = lax.broadcast_in_dim(x_scale, (wg_m, bn), [0])
-                    return total + partial * x_scale * lax.broadcast_in_dim(y_scale, (wg_m, bn), [1])
+                    return tuple(promoted)
 
-                total = pl.loop(0, steps, init_carry=pipe.empty_chunks(1, wg_m, bn, jnp.float32)[0])(step)
+                init = pipe.empty_chunks(bn // SCALE_COLUMNS, wg_m, SCALE_COLUMNS, jnp.float32)
+                total = jnp.concatenate(pl.loop(0, steps, init_carry=init)(step), axis=1)
                 return steps, (pipe.column_chunks(total.astype(out_dtype), epi_n), (group, pi, qi))
 
             empty = (pipe.empty_chunks(bn // epi_n, wg_m, epi_n, out_dtype), (jnp.int32(0),) * 3)
@@ -186,7 +195,8 @@ def grouped_matmul_wgrad_fp8(
     scratch = [
         plgpu.SMEM((stages, bm, bk), DTYPE, transforms=pipe.swizzled(bk, DTYPE)),
         plgpu.SMEM((stages, bn, bk), DTYPE, transforms=pipe.swizzled(bk, DTYPE)),
-        # A slot's scales are 512 bytes: every slot starts on the 128 bytes a TMA destination needs.
+        # A slot's scales are block_m or block_n floats, multiples of 32: every slot starts on the 128 bytes a TMA
+        # destination needs.
         plgpu.SMEM((stages, bm), jnp.float32),
         plgpu.SMEM((stages, bn), jnp.float32),
         pipe.epilogue_smem(num_wgs, wg_m, epi_n, out_dtype),
