@@ -29,8 +29,9 @@ RECIPE = reference_fp8.RECIPES["fp8_block"]
 # (M, P, Q, group sizes, SMs); the kernel's tiles are [192, 128], 64 rows a consumer. "edges": empty, one row, one
 # short of / exactly / one past a 128-row block, 35 rows past the sum, P = 128 (a row tile whose third consumer stores
 # nothing), Q = 192 (a last column tile of 64). "hot": one group takes every row, P = 256 (a last row tile whose
-# second and third consumers store nothing), sizes past M. "wraps": nine blocks on one SM, more steps than the ring has slots,
-# so the producer refills slots whose scales the consumers read (a missing fence before their release races).
+# second and third consumers store nothing), sizes past M. "wraps": nine blocks on one SM, more steps than the ring
+# has slots, so the producer refills slots whose scales the consumers read (a missing fence before their release
+# races).
 CASES = {
     "edges": (420, 128, 192, [0, 1, 127, 128, 129], None),
     "hot": (300, 256, 128, [0, 300, 0, 40], None),
