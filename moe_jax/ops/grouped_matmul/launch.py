@@ -481,8 +481,8 @@ def fp8_wgrad_unsupported(quantization: str, contraction: int, num_cols: int, ou
 
 def fp8_wgrad_config(*, m: int, p: int, q: int, g: int, out_itemsize: int) -> Config:
     """The FP8 wgrad's config: the heuristic wgrad's tile order within a group, [192, 128] tiles on three consumers
-    (64 rows each) of 128-token steps (sm90_fp8_wgrad.check), and as many stages as fit in shared memory. Not tuned:
-    three consumers ran 1.12-1.22x two on [128, 128] tiles (docs/kernels/grouped_matmul.md, "FP8 wgrad")."""
+    (64 rows each) of 128-token steps (sm90_fp8_wgrad.check), and as many stages as fit in shared memory. Not tuned;
+    measurements: docs/kernels/grouped_matmul.md, "FP8 wgrad"."""
     order = heuristic_config("wgrad", m=m, k=p, n=q, g=g, out_itemsize=out_itemsize)
     config = dataclasses.replace(
         order,

@@ -169,6 +169,7 @@ def grouped_matmul_wgrad_fp8(
                 def step(k, total):
                     slot = lax.rem(first_step + k, stages)
                     plgpu.barrier_wait(produced.at[slot])
+                    # Read before the MMA is issued: read after it, ptxas places the loads between its k-steps.
                     x_scale = plgpu.load(x_scales_smem.at[slot, rows], layout=_ROW_VECTOR)
                     x_tile, y_tile = x_smem.at[slot, rows], y_smem.at[slot].transpose((1, 0))
                     partial = fresh_product(x_tile, y_tile, interpret=interpret)
