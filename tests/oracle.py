@@ -27,6 +27,13 @@ def relative_error(actual, expected) -> float:
     return float(difference / denominator) if denominator else float(difference)
 
 
+def max_relative_error(actual, expected) -> float:
+    """``max |actual - expected| / max |expected|`` in float64 (NumPy: no program compiled per shape or sharding)."""
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
+    return float(np.max(np.abs(actual - expected)) / max(np.max(np.abs(expected)), 1e-30))
+
+
 # ---------------------------------------------------------------------------------------------------------- routings
 
 

@@ -91,24 +91,20 @@ def exact_results(options):  # the float64 oracle's, in results' order
     return [y, aux["load_balancing_loss"], aux["z_loss"], aux["expert_counts"], *grads.values()]
 
 
-def error(expected, actual):  # in NumPy: jnp would compile a program per operation, shape and sharding
-    expected, actual = np.asarray(expected, np.float64), np.asarray(actual, np.float64)
-    return float(np.max(np.abs(actual - expected)) / max(np.max(np.abs(expected)), 1e-30))
-
-
 report, exact_report = {}, {}
 for name, options in CASES.items():
     exact = exact_results(options)
     reference = results(moe_jax.moe_ffn, options)
-    exact_report[f"{name} moe_ffn"] = [error(e, a) for e, a in zip(exact, reference, strict=True)]
+    exact_report[f"{name} moe_ffn"] = [oracle.max_relative_error(a, e) for e, a in zip(exact, reference, strict=True)]
     for shape, kind in (((2, 2), AxisType.Explicit), ((1, 4), AxisType.Auto), ((4, 1), AxisType.Explicit)):
         if "capacity_factor" in options and shape[0] > 1:
             continue  # the capacity is per expert-axis group: equal to moe_ffn's where one group holds the batch
         mesh = jax.make_mesh(shape, ("data", "expert"), axis_types=(kind, kind))
         with jax.set_mesh(mesh):
             got = results(moe_ffn_expert_parallel, options)
-        report[f"{name} {shape} {kind.name}"] = [error(e, a) for e, a in zip(reference, got, strict=True)]
-        exact_report[f"{name} {shape} {kind.name}"] = [error(e, a) for e, a in zip(exact, got, strict=True)]
+        case = f"{name} {shape} {kind.name}"
+        report[case] = [oracle.max_relative_error(a, e) for e, a in zip(reference, got, strict=True)]
+        exact_report[case] = [oracle.max_relative_error(a, e) for e, a in zip(exact, got, strict=True)]
 
 errors = {}
 mesh = jax.make_mesh((2, 2), ("data", "expert"), axis_types=(AxisType.Explicit,) * 2)
