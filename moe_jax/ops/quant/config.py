@@ -34,10 +34,13 @@ class Config:
     """
 
     stages: int
+    block_band: int = 1
 
     def __post_init__(self):
         if not 2 <= self.stages <= MAX_STAGES:
             raise ValueError(f"stages must be in [2, {MAX_STAGES}], got {self.stages}")
+        if self.block_band < 1:
+            raise ValueError(f"block_band must be >= 1, got {self.block_band}")
 
     def smem_bytes(self, in_dtype, with_transpose: bool) -> int:
         inputs = self.stages * TILE * TILE * jnp.dtype(in_dtype).itemsize

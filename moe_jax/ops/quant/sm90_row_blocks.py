@@ -83,7 +83,13 @@ def quantize_row_blocks_transposed(
     gathered = row_tokens is not None
     rows = row_tokens.shape[0] if gathered else x.shape[0]
     (num_blocks,) = first_rows.shape
-    grid = (num_blocks, pl.cdiv(cols, TILE))
+    col_tiles = pl.cdiv(cols, TILE)
+    grid = (num_blocks * col_tiles,)
+
+    def tile_index(index) -> tuple:
+        """A linear tile -> (block, column tile), ``config.block_band`` blocks walked before the next column tile."""
+        return plgpu.planar_snake(index[0], (num_blocks, col_tiles), 0, config.block_band)
+
     stages = config.stages
 
     def body(x_gmem, first_rows_gmem, row_counts_gmem, *refs):
@@ -95,11 +101,11 @@ def quantize_row_blocks_transposed(
         @pl.when(wg == CONSUMERS)
         def _producer():
             def window(index):
-                block, col_tile = index
+                block, col_tile = tile_index(index)
                 return x_gmem.at[pl.ds(first_rows_gmem[block], TILE), pl.ds(col_tile * TILE, TILE)]
 
             def gather(index, slot):
-                block, col_tile = index
+                block, col_tile = tile_index(index)
                 for piece in range(CONSUMERS):
                     # A piece past C (C % 128 == 64) copies the last 64 columns again instead: cp.async has no
                     # bounds, and what the consumer makes of them is stored past C, which the outputs drop.
@@ -121,7 +127,7 @@ def quantize_row_blocks_transposed(
             plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
 
             def quantize(info):
-                block, col_tile = info.index
+                block, col_tile = tile_index(info.index)
                 step = info.local_index
                 slot = lax.rem(step, stages)
                 # The block's table entries come from global memory: read here, used after the wait and the tile's
@@ -155,7 +161,7 @@ def quantize_row_blocks_transposed(
             plgpu.nd_loop(grid, collective_axes="sm")(quantize)
             plgpu.wait_smem_to_gmem(0)
 
-    padded_cols = grid[1] * TILE
+    padded_cols = col_tiles * TILE
     if gathered:
         # The GPU's cp.async rows arrive once per copy call and warpgroup, the interpreter's copies once per row.
         transforms = sm90_gather.smem_transforms(_ROWS, x.dtype, interpret)
