@@ -12,12 +12,13 @@ Every kernel is put in one class by its name:
   other      everything else (routing, permute / combine, the GLU's backward in XLA, the aux losses)
 
 and the table gives each class's median µs per call and share of the call's kernel time, plus the heaviest kernels
-by name, so that what the quantization costs (every quantize pass and scale write, and the FP8 copies' transposes) is
-read from one run. ``--weights`` says how the FP8 layer gets its weights: "per-call" (the default: it quantizes them
-in the call), "stored" (copies made before the call, ``moe_jax.quantize_master``, as the layer bench's "-stored" row
-and a training step's micro-batches have them: the quantize class is then the activations' and gradients' passes
-alone), or both, comma-separated. Usage (GPU machine): ``python -m benchmarks.profile_fp8_layer --shapes
-qwen3-30b-a3b --calls 5 [--weights per-call,stored] [--out FILE]``.
+by name with their launches per call, so that what the quantization costs (every quantize pass and scale write, and
+the FP8 copies' transposes) is read from one run. ``--weights`` says how the FP8 layer gets its weights:
+"per-call" (the default: it quantizes them in the call), "stored" (copies made before the call,
+``moe_jax.quantize_master``, as the layer bench's "-stored" row and a training step's micro-batches have them: the
+quantize class is then the activations' and gradients' passes alone), or both, comma-separated. Usage (GPU
+machine): ``python -m benchmarks.profile_fp8_layer --shapes qwen3-30b-a3b --calls 5 [--weights per-call,stored]
+[--out FILE]``.
 """
 
 import argparse
@@ -49,24 +50,28 @@ def kernel_class(name: str) -> str:
 
 def summarize(calls: list[list[tuple[str, int, int]]]) -> dict:
     """Median µs per class and per kernel name over the calls, and the median total."""
-    per_class, per_kernel = [], []
+    per_class, per_kernel, per_kernel_launches = [], [], []
     for call in calls:
         classes, kernels = collections.defaultdict(float), collections.defaultdict(float)
+        launches = collections.Counter(name for name, _, _ in call)
         for name, _, duration in call:
             classes[kernel_class(name)] += duration / 1e3
             kernels[name] += duration / 1e3
         per_class.append(classes)
         per_kernel.append(kernels)
+        per_kernel_launches.append(launches)
 
     def median(rows, key):
         return float(np.median([row.get(key, 0.0) for row in rows]))
 
     names = sorted({name for row in per_kernel for name in row})
     kernels = {name: median(per_kernel, name) for name in names}
+    top = dict(sorted(kernels.items(), key=lambda item: -item[1])[:TOP_KERNELS])
     return {
         "total_us": float(np.median([sum(row.values()) for row in per_class])),
         "classes_us": {c: median(per_class, c) for c in CLASSES},
-        "top_kernels_us": dict(sorted(kernels.items(), key=lambda item: -item[1])[:TOP_KERNELS]),
+        "top_kernels_us": top,
+        "top_kernel_launches": {name: median(per_kernel_launches, name) for name in top},
     }
 
 
@@ -140,7 +145,7 @@ def _print(result: dict) -> None:
     for name, us in result["classes_us"].items():
         print(f"  {name:9s} {us:9.0f} µs  {us / total:6.1%}")
     for name, us in result["top_kernels_us"].items():
-        print(f"    {us:9.0f} µs  {name[:100]}")
+        print(f"    {us:9.0f} µs  {result['top_kernel_launches'][name]:3.0f} x  {name[:100]}")
 
 
 if __name__ == "__main__":

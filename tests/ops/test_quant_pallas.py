@@ -267,7 +267,8 @@ def test_gathered_row_blocks_are_the_row_blocks_of_the_gathered_rows():
     unaligned starts, one running past M (the gather reads a token there, which must count as zeros), and C = 192 (a
     last column tile of 64; the interpreter's copies read zeros past C, so that the producer keeps its cp.async reads
     inside the rows is tests/gpu/test_quant_gpu.py's to check); on one SM with two ring slots, so that the producer
-    refills slots. Under the interpreter each row is a copy of its own, hence the small size."""
+    refills slots, in bands of 2 blocks (the last one short). Under the interpreter each row is a copy of its own, hence
+    the small size."""
     tokens = np.array(_random(7, (117, 192), jnp.float32))
     tokens[4, 5] = np.inf
     tokens = jnp.asarray(tokens, jnp.bfloat16)
@@ -282,7 +283,7 @@ def test_gathered_row_blocks_are_the_row_blocks_of_the_gathered_rows():
             row_tokens=row_tokens,
             dtype=E4M3,
             pow2_scales=False,
-            config=Config(stages=2),
+            config=Config(stages=2, block_band=2),
             num_sms=1,
             interpret=interpret_params(),
         )
@@ -294,15 +295,18 @@ def test_gathered_row_blocks_are_the_row_blocks_of_the_gathered_rows():
         np.testing.assert_array_equal(_bits(a), _bits(e))
 
 
-def test_row_blocks_ring_wraps_around_on_one_sm():
+@pytest.mark.parametrize("block_band", [1, 3])
+def test_row_blocks_ring_wraps_around_on_one_sm(block_band):
+    # 7 blocks x 2 column tiles; a band of 3 blocks leaves a last band of 1, walked the other way (planar snake).
     x = _random(5, (1000, 256), jnp.bfloat16)
     rng = np.random.default_rng(6)
     first_rows = jnp.asarray(rng.integers(0, 1000, size=7), jnp.int32)
     row_counts = jnp.asarray(rng.integers(0, 129, size=7), jnp.int32)
+    config = Config(stages=2, block_band=block_band)
 
     def quantize(x, first_rows, row_counts):
         return sm90_row_blocks.quantize_row_blocks_transposed(
-            x, first_rows, row_counts, dtype=E4M3, pow2_scales=False, config=Config(stages=2), num_sms=1
+            x, first_rows, row_counts, dtype=E4M3, pow2_scales=False, config=config, num_sms=1
         )
 
     actual = _interpreted(quantize, x, first_rows, row_counts)

@@ -292,7 +292,9 @@ def quantize_row_blocks_transposed(
             row_tokens=row_tokens,
             dtype=dtype,
             pow2_scales=pow2_scales,
-            config=config.heuristic_config(x.dtype, False, "row blocks"),
+            config=config.heuristic_config(
+                x.dtype, False, "row blocks" if row_tokens is None else "gathered row blocks"
+            ),
             num_sms=num_sms(),
             interpret=interpret_params(),
         )

@@ -15,7 +15,10 @@ PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = (512 - PRODUCER_REGISTERS) // CONSUMERS // 8 * 8
 MAX_STAGES = 4
 SHALLOW_STAGES = 2
-PASSES = ("1 x 128", "1 x 32", "square", "row blocks")  # heuristic_config's passes
+PASSES = ("1 x 128", "1 x 32", "square", "row blocks", "gathered row blocks")  # heuristic_config's passes
+# The row-block passes' tile order (Config.block_band): the band each ran fastest at on an H200 at the FP8 layers'
+# wgrad operands (docs/design.md, "FP8").
+ROW_BLOCK_BANDS = {"row blocks": 16, "gathered row blocks": 4}
 SMEM_BYTES = 227 * 1024  # shared memory of one CTA on sm90
 INPUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 # A buffer's swizzle is the widest whose columns divide the array's (Mosaic GPU's rule for TMA with a tiled buffer):
@@ -31,6 +34,9 @@ class Config:
     Attributes:
       stages: input tiles in the ring. The consumers release a slot as soon as its tile is in registers, so up to
         ``stages`` loads are in flight while they compute. Each consumer double-buffers its FP8 outputs.
+      block_band: the row-block pass's tile order (sm90_row_blocks.py): its CTAs walk ``block_band`` blocks of a
+        column tile before the next column tile, so that the tiles in flight together write longer runs of each row
+        of the transposed output (1: a block's column tiles one after another).
     """
 
     stages: int
@@ -61,7 +67,7 @@ def heuristic_config(in_dtype, with_transpose: bool, pass_name: str) -> Config:
     stages = SHALLOW_STAGES if keeps_layout else MAX_STAGES
     while Config(stages).smem_bytes(in_dtype, with_transpose) > SMEM_BYTES:
         stages -= 1
-    return Config(stages)
+    return Config(stages, block_band=ROW_BLOCK_BANDS.get(pass_name, 1))
 
 
 def refusal(
