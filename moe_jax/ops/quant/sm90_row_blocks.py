@@ -6,11 +6,13 @@ The FP8 wgrad contracts over each group's rows in 128-row blocks counted from th
 axis contiguous (grouped_matmul/token_blocks.py lays the blocks out on a group-padded axis): a block starts at any row
 of x, and its scale per column is the amax over its own rows only.
 
-One CTA per SM walks the (block, 128-column tile) pairs round-robin. A producer warpgroup TMA-loads rows
-[r_b, r_b + 128) of the column tile into a ring of ``config.stages`` buffers (rows past M read as zeros); the two
-consumer warpgroups each read 64 of its columns as rows of x^T (ldmatrix's transposing form), zero the rows past
-n_b (the next group's, or none), and quantize each row of x^T (a column of the block) as one 1 x 128 block, as
-sm90.py's transposed copy does, then TMA-store the FP8 rows and store the scales from registers.
+One CTA per SM walks the (block, 128-column tile) pairs round-robin, ``config.block_band`` blocks of a column tile
+before the next column tile (a planar snake), so that the tiles in flight together write runs of that many 128-byte
+pieces of each row of values_t. A producer warpgroup TMA-loads rows [r_b, r_b + 128) of the column tile into a ring
+of ``config.stages`` buffers (rows past M read as zeros); the two consumer warpgroups each read 64 of its columns as
+rows of x^T (ldmatrix's transposing form), zero the rows past n_b (the next group's, or none), and quantize each row
+of x^T (a column of the block) as one 1 x 128 block, as sm90.py's transposed copy does, then TMA-store the FP8 rows
+and store the scales from registers.
 
 A block starts on any row, and TMA addresses a tiled buffer by whole tiles of rows: the input buffer takes one-row
 tiles (sm90.py's ``swizzled``: 2-way bank conflicts on the transposing reads, against an 8-row tiling's none). Each
