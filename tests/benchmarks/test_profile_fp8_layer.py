@@ -26,15 +26,17 @@ def test_kernels_are_classified_by_name(name, kernel_class):
 
 
 def test_summary_takes_medians_per_class_and_kernel():
+    # Per call: the GEMM launched 1, 3, 2 times (median 2; neither the last call's count nor the largest), the
+    # transpose 5, 4, 6 times (median 5).
     calls = [
-        [("moe_gmm_fp8_mosaic_gpu_kernel", 0, 1000 * us), ("transpose_fusion", 0, 2000)] * launches
-        for us, launches in ((10, 1), (30, 2), (20, 2))
+        [("moe_gmm_fp8_mosaic_gpu_kernel", 0, 1000 * us)] * gemms + [("transpose_fusion", 0, 2000)] * transposes
+        for us, gemms, transposes in ((10, 1, 5), (30, 3, 4), (20, 2, 6))
     ]
     summary = profile.summarize(calls)
-    assert summary["total_us"] == 44.0
-    assert summary["classes_us"] == {"gemm": 40.0, "quantize": 0.0, "layout": 4.0, "other": 0.0}
+    assert summary["total_us"] == 52.0
+    assert summary["classes_us"] == {"gemm": 40.0, "quantize": 0.0, "layout": 10.0, "other": 0.0}
     assert list(summary["top_kernels_us"]) == ["moe_gmm_fp8_mosaic_gpu_kernel", "transpose_fusion"]
-    assert summary["top_kernel_launches"] == {"moe_gmm_fp8_mosaic_gpu_kernel": 2.0, "transpose_fusion": 2.0}
+    assert summary["top_kernel_launches"] == {"moe_gmm_fp8_mosaic_gpu_kernel": 2.0, "transpose_fusion": 5.0}
 
 
 def test_runs_profile_the_bf16_layer_then_each_fp8_weights_kind():

@@ -161,5 +161,7 @@ def test_quantizer_rings_take_the_measured_depths_and_fit():
     assert quant_config.heuristic_config(jnp.float32, True, "1 x 128").stages == 2  # 3 f32 tiles do not fit beside x^T
     bands = {name: quant_config.heuristic_config(jnp.bfloat16, False, name).block_band for name in quant_config.PASSES}
     assert bands == {"1 x 128": 1, "1 x 32": 1, "square": 1, "row blocks": 16, "gathered row blocks": 4}
+    with pytest.raises(ValueError, match="block_band must be a power of two, got 3"):
+        quant_config.Config(2, block_band=3)
     with pytest.raises(ValueError, match="pass_name"):
         quant_config.heuristic_config(jnp.bfloat16, False, "1 x 64")

@@ -16,7 +16,7 @@ from moe_jax.ops.quant.api import (
     quantize_row_blocks_transposed,
     quantize_square_blocks,
 )
-from moe_jax.ops.quant.config import Config
+from moe_jax.ops.quant.config import ROW_BLOCK_BANDS, Config
 from tests.helpers import checked_interpreter
 
 E4M3 = jnp.float8_e4m3fn
@@ -295,9 +295,35 @@ def test_gathered_row_blocks_are_the_row_blocks_of_the_gathered_rows():
         np.testing.assert_array_equal(_bits(a), _bits(e))
 
 
-@pytest.mark.parametrize("block_band", [1, 3])
+def test_row_block_tiles_go_in_bands_of_blocks():
+    """7 blocks x 2 column tiles in bands of 4: a band's blocks of one column tile, then of the next; the second band
+    (3 blocks) walks the column tiles the other way; every tile once."""
+    order = [tuple(int(i) for i in sm90_row_blocks.tile_of(jnp.int32(t), 7, 2, 4)) for t in range(14)]
+    first_band = [(b, c) for c in (0, 1) for b in range(4)]
+    second_band = [(b, c) for c in (1, 0) for b in range(4, 7)]
+    assert order == first_band + second_band
+
+
+@pytest.mark.parametrize("gathered", [False, True])
+def test_row_block_kernel_takes_its_pass_band(monkeypatch, gathered):
+    """``quantize_row_blocks_transposed`` launches the kernel with the band of its pass: sorted or gathered rows."""
+    launched = []
+
+    def kernel(x, first_rows, row_counts, *, row_tokens, dtype, pow2_scales, config, num_sms, interpret):
+        launched.append(config.block_band)
+        blocks = first_rows.shape[0]
+        return jnp.zeros((x.shape[1], 128 * blocks), dtype), jnp.zeros((blocks, x.shape[1]), jnp.float32)
+
+    monkeypatch.setattr(sm90_row_blocks, "quantize_row_blocks_transposed", kernel)
+    x, table = jnp.zeros((256, 128), jnp.bfloat16), jnp.zeros((2,), jnp.int32)
+    row_tokens = jnp.zeros((256,), jnp.int32) if gathered else None
+    quantize_row_blocks_transposed(x, table, table, row_tokens=row_tokens, backend="pallas")
+    assert launched == [ROW_BLOCK_BANDS["gathered row blocks" if gathered else "row blocks"]]
+
+
+@pytest.mark.parametrize("block_band", [1, 4])
 def test_row_blocks_ring_wraps_around_on_one_sm(block_band):
-    # 7 blocks x 2 column tiles; a band of 3 blocks leaves a last band of 1, walked the other way (planar snake).
+    # 7 blocks x 2 column tiles; a band of 4 blocks leaves a last band of 3, walked the other way (planar snake).
     x = _random(5, (1000, 256), jnp.bfloat16)
     rng = np.random.default_rng(6)
     first_rows = jnp.asarray(rng.integers(0, 1000, size=7), jnp.int32)

@@ -16,8 +16,8 @@ CONSUMER_REGISTERS = (512 - PRODUCER_REGISTERS) // CONSUMERS // 8 * 8
 MAX_STAGES = 4
 SHALLOW_STAGES = 2
 PASSES = ("1 x 128", "1 x 32", "square", "row blocks", "gathered row blocks")  # heuristic_config's passes
-# The row-block passes' tile order (Config.block_band): the band each ran fastest at on an H200 at the FP8 layers'
-# wgrad operands (docs/design.md, "FP8").
+# The row-block passes' tile order (Config.block_band): of the bands tried (1, 4, 8, 16, 32) on an H200, the one that
+# did best over the FP8 layers' wgrad operands (docs/design.md, "FP8").
 ROW_BLOCK_BANDS = {"row blocks": 16, "gathered row blocks": 4}
 SMEM_BYTES = 227 * 1024  # shared memory of one CTA on sm90
 INPUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -45,8 +45,10 @@ class Config:
     def __post_init__(self):
         if not 2 <= self.stages <= MAX_STAGES:
             raise ValueError(f"stages must be in [2, {MAX_STAGES}], got {self.stages}")
-        if self.block_band < 1:
-            raise ValueError(f"block_band must be >= 1, got {self.block_band}")
+        # A power of two: planar_snake then computes only the branch it takes, never a division by the width of a last
+        # band that is empty.
+        if self.block_band < 1 or self.block_band & (self.block_band - 1):
+            raise ValueError(f"block_band must be a power of two, got {self.block_band}")
 
     def smem_bytes(self, in_dtype, with_transpose: bool) -> int:
         inputs = self.stages * TILE * TILE * jnp.dtype(in_dtype).itemsize

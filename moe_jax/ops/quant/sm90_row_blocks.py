@@ -52,6 +52,13 @@ _LAYOUT = plgpu.Layout.WGMMA
 _ROWS = TILE // CONSUMERS
 
 
+def tile_of(index, num_blocks: int, col_tiles: int, block_band: int) -> tuple:
+    """The linear tile ``index`` -> (block, column tile): bands of ``block_band`` blocks (the last one possibly
+    shorter), each walking its blocks of a column tile before the next column tile, every other band's column tiles
+    in reverse (``plgpu.planar_snake``)."""
+    return plgpu.planar_snake(index, (num_blocks, col_tiles), 0, block_band)
+
+
 @launch_per_signature("dtype", "pow2_scales", "config", "num_sms", "interpret")
 def quantize_row_blocks_transposed(
     x: jax.Array,
@@ -74,7 +81,8 @@ def quantize_row_blocks_transposed(
       row_tokens: optional [M] int32 in [0, T): row r is x[row_tokens[r]].
       dtype: float8_e4m3fn or float8_e5m2.
       pow2_scales: scales rounded up to powers of two, stored as their exponent bytes.
-      config: see ``Config`` (``heuristic_config(x.dtype, False, "row blocks")``).
+      config: see ``Config`` (``heuristic_config(x.dtype, False, "row blocks")``, "gathered row blocks" with
+        ``row_tokens``).
       num_sms: CTAs of the persistent grid.
       interpret: Mosaic GPU interpreter parameters, or None on a GPU.
 
@@ -89,8 +97,7 @@ def quantize_row_blocks_transposed(
     grid = (num_blocks * col_tiles,)
 
     def tile_index(index) -> tuple:
-        """A linear tile -> (block, column tile), ``config.block_band`` blocks walked before the next column tile."""
-        return plgpu.planar_snake(index[0], (num_blocks, col_tiles), 0, config.block_band)
+        return tile_of(index[0], num_blocks, col_tiles, config.block_band)
 
     stages = config.stages
 
