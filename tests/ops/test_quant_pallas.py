@@ -16,7 +16,7 @@ from moe_jax.ops.quant.api import (
     quantize_row_blocks_transposed,
     quantize_square_blocks,
 )
-from moe_jax.ops.quant.config import ROW_BLOCK_BANDS, Config
+from moe_jax.ops.quant.config import ROW_BLOCK_BANDS, TILE, Config
 from tests.helpers import checked_interpreter
 
 E4M3 = jnp.float8_e4m3fn
@@ -312,7 +312,7 @@ def test_row_block_kernel_takes_its_pass_band(monkeypatch, gathered):
     def kernel(x, first_rows, row_counts, *, row_tokens, dtype, pow2_scales, config, num_sms, interpret):
         launched.append(config.block_band)
         blocks = first_rows.shape[0]
-        return jnp.zeros((x.shape[1], 128 * blocks), dtype), jnp.zeros((blocks, x.shape[1]), jnp.float32)
+        return jnp.zeros((x.shape[1], TILE * blocks), dtype), jnp.zeros((blocks, x.shape[1]), jnp.float32)
 
     monkeypatch.setattr(sm90_row_blocks, "quantize_row_blocks_transposed", kernel)
     x, table = jnp.zeros((256, 128), jnp.bfloat16), jnp.zeros((2,), jnp.int32)

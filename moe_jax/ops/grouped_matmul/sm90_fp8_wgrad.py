@@ -180,7 +180,7 @@ def grouped_matmul_wgrad_fp8(
                         y_scale = plgpu.load(y_scales_smem.at[slot, pl.ds(col, SCALE_COLUMNS)], layout=_COLUMN_VECTOR)
                         y_scale = lax.broadcast_in_dim(y_scale, (wg_m, SCALE_COLUMNS), [1])
                         promoted.append(chunk + partial[:, col : col + SCALE_COLUMNS] * x_scale * y_scale)
-                    # Released once promoted: its y scales are read in the promotion. They were generic-proxy reads
+                    # Released once promoted: the promotion reads the slot's y scales, with generic-proxy loads
                     # (docs/kernels/grouped_matmul.md, "FP8 wgrad").
                     pipe.release_after_reads(consumed.at[slot], interpret=interpret)
                     return tuple(promoted)
