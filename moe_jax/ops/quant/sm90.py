@@ -104,35 +104,28 @@ def tma_windows(window, x_smem, loaded):
     return fill
 
 
-def produce_tiles(grid: tuple[int, ...], fill, stages: int, consumed, needs_load=None) -> None:
+def produce_tiles(grid: tuple[int, ...], fill, stages: int, consumed) -> None:
     """The producer warpgroup of a quantizer: ``fill(tile index, slot)`` loads each tile of ``grid`` that this CTA
     takes (``nd_loop``'s round-robin) into ring slot ``slot`` of ``stages`` (e.g. ``tma_windows``); a slot is
-    refilled once both consumers arrived at ``consumed[slot]``.
-
-    With ``needs_load(tile index) -> bool``, a tile for which it is false is not loaded and takes no slot: the
-    consumers, with the same predicate, count the tiles loaded so far to find a tile's slot."""
+    refilled once both consumers arrived at ``consumed[slot]``."""
     plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
     def load(info, carry):
-        loads = carry
-        slot = lax.rem(loads, stages)
-        wanted = jnp.bool_(True) if needs_load is None else needs_load(info.index)
+        step = info.local_index
+        slot = lax.rem(step, stages)
 
-        @pl.when(wanted)
+        # The slot held the tile `stages` steps back: wait until both consumers have read it.
+        @pl.when(step >= stages)
         def _():
-            # The slot held the tile `stages` loads back: wait until both consumers have read it.
-            @pl.when(loads >= stages)
-            def _():
-                plgpu.barrier_wait(consumed.at[slot])
+            plgpu.barrier_wait(consumed.at[slot])
 
-            fill(info.index, slot)
+        fill(info.index, slot)
+        return carry + 1
 
-        return loads + wanted.astype(jnp.int32)
-
-    loads = plgpu.nd_loop(grid, collective_axes="sm", init_carry=jnp.int32(0))(load)
+    steps = plgpu.nd_loop(grid, collective_axes="sm", init_carry=jnp.int32(0))(load)
 
     # Observe the release of the last slots too, so that every barrier ends with no phase pending.
-    @pl.loop(jnp.maximum(loads - stages, 0), loads)
+    @pl.loop(jnp.maximum(steps - stages, 0), steps)
     def _drain(step):
         plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
 

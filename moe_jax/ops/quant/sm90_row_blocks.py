@@ -129,39 +129,25 @@ def quantize_row_blocks_transposed(
                         interpret=interpret,
                     )
 
-            def has_rows(index):
-                block, _ = tile_index(index)
-                return row_counts_gmem[block] > 0
-
-            fill = gather if gathered else tma_windows(window, x_smem, loaded)
-            produce_tiles(grid, fill, stages, consumed, needs_load=has_rows)
+            produce_tiles(grid, gather if gathered else tma_windows(window, x_smem, loaded), stages, consumed)
 
         @pl.when(wg < CONSUMERS)
         def _consumer():
             plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
 
-            def quantize(info, carry):
-                loads = carry  # the tiles of this CTA loaded before this one
+            def quantize(info):
                 block, col_tile = tile_index(info.index)
                 step = info.local_index
+                slot = lax.rem(step, stages)
                 # The block's table entries come from global memory: read here, used after the wait and the tile's
                 # load, so that their latency passes during those instead of holding up every tile before the wait.
                 first_row, row_count = first_rows_gmem[block], row_counts_gmem[block]
-                loaded_tile = row_count > 0
-
-                def read_tile():
-                    slot = lax.rem(loads, stages)
-                    plgpu.barrier_wait(loaded.at[slot])
-                    x_cols = plgpu.load(x_smem.at[slot, wg].T, layout=_LAYOUT)
-                    # The tile is in registers; with the reads ordered before the async proxy's next write to the
-                    # slot (commit_smem's fence), the producer may refill it.
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(consumed.at[slot])
-                    return x_cols
-
-                # An empty block's tile is not loaded (the producer's ``has_rows``): its columns quantize as zeros.
-                zeros = plgpu.layout_cast(jnp.zeros((_ROWS, TILE), x.dtype), _LAYOUT)
-                x_cols = lax.cond(loaded_tile, read_tile, lambda: zeros)
+                plgpu.barrier_wait(loaded.at[slot])
+                x_cols = plgpu.load(x_smem.at[slot, wg].T, layout=_LAYOUT)
+                # The tile is in registers; with the reads ordered before the async proxy's next write to the slot
+                # (commit_smem's fence), the producer may refill it.
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(consumed.at[slot])
                 # A gathered row past M has a token (row_tokens is padded), not zeros: count it out here.
                 count = jnp.minimum(row_count, rows - first_row)
 
@@ -180,9 +166,8 @@ def quantize_row_blocks_transposed(
                 plgpu.commit_smem()
                 window = values_t_gmem.at[pl.ds(col0, _ROWS), pl.ds(block * TILE, TILE)]
                 plgpu.copy_smem_to_gmem(out_smem.at[wg, buffer], window)
-                return loads + loaded_tile.astype(jnp.int32)
 
-            plgpu.nd_loop(grid, collective_axes="sm", init_carry=jnp.int32(0))(quantize)
+            plgpu.nd_loop(grid, collective_axes="sm")(quantize)
             plgpu.wait_smem_to_gmem(0)
 
     padded_cols = col_tiles * TILE
