@@ -264,16 +264,16 @@ def test_row_blocks_transposed_match_reference(cols, x_dtype, dtype, pow2_scales
 def test_gathered_row_blocks_are_the_row_blocks_of_the_gathered_rows():
     """Rows gathered from 117 tokens by ``row_tokens`` (each token several times, in any order): bit for bit the
     kernel's blocks of the gathered copy x[row_tokens], computed by XLA and quantized by the reference. Blocks at
-    unaligned starts, one running past M (the gather reads a token there, which must count as zeros), and C = 192 (a
-    last column tile of 64; the interpreter's copies read zeros past C, so that the producer keeps its cp.async reads
-    inside the rows is tests/gpu/test_quant_gpu.py's to check); on one SM with two ring slots, so that the producer
-    refills slots, in bands of 2 blocks (the last one short). Under the interpreter each row is a copy of its own, hence
-    the small size."""
+    unaligned starts, an empty one, one running past M (the gather reads a token there, which must count
+    as zeros), and C = 192 (a last column tile of 64; the interpreter's copies read zeros past C, so that the producer
+    keeps its cp.async reads inside the rows is tests/gpu/test_quant_gpu.py's to check); on one SM with two ring
+    slots, so that the producer refills slots, in bands of 2 blocks. Under the interpreter each row is a copy of its
+    own, hence the small size."""
     tokens = np.array(_random(7, (117, 192), jnp.float32))
     tokens[4, 5] = np.inf
     tokens = jnp.asarray(tokens, jnp.bfloat16)
     row_tokens = jnp.asarray(np.random.default_rng(8).integers(0, 117, size=300), jnp.int32)
-    first_rows, row_counts = jnp.asarray([5, 133, 290], jnp.int32), jnp.asarray([3, 128, 20], jnp.int32)
+    first_rows, row_counts = jnp.asarray([5, 133, 7, 290], jnp.int32), jnp.asarray([3, 128, 0, 20], jnp.int32)
 
     def quantize(tokens, first_rows, row_counts, row_tokens):
         return sm90_row_blocks.quantize_row_blocks_transposed(
@@ -290,7 +290,7 @@ def test_gathered_row_blocks_are_the_row_blocks_of_the_gathered_rows():
 
     actual = _interpreted(quantize, tokens, first_rows, row_counts, row_tokens)
     expected = _reference_row_blocks(tokens[row_tokens], first_rows, row_counts, E4M3, False)
-    assert actual[0].shape == (192, 128 * 3)
+    assert actual[0].shape == (192, 128 * 4)
     for a, e in zip(actual, expected, strict=True):
         np.testing.assert_array_equal(_bits(a), _bits(e))
 
@@ -323,11 +323,13 @@ def test_row_block_kernel_takes_its_pass_band(monkeypatch, gathered):
 
 @pytest.mark.parametrize("block_band", [1, 4])
 def test_row_blocks_ring_wraps_around_on_one_sm(block_band):
-    # 7 blocks x 2 column tiles; a band of 4 blocks leaves a last band of 3, walked the other way (planar snake).
+    """7 blocks x 2 column tiles on one SM with two ring slots; a band of 4 blocks leaves a last band of 3, walked the
+    other way (planar snake). Blocks 1 and 4 are empty (the padded token axis has such blocks): their columns must be
+    zero values with the smallest scale, whatever rows their table entries name."""
     x = _random(5, (1000, 256), jnp.bfloat16)
     rng = np.random.default_rng(6)
     first_rows = jnp.asarray(rng.integers(0, 1000, size=7), jnp.int32)
-    row_counts = jnp.asarray(rng.integers(0, 129, size=7), jnp.int32)
+    row_counts = jnp.asarray(rng.integers(1, 129, size=7), jnp.int32).at[jnp.array([1, 4])].set(0)
     config = Config(stages=2, block_band=block_band)
 
     def quantize(x, first_rows, row_counts):
