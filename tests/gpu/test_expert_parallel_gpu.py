@@ -1,7 +1,7 @@
 """``moe_ffn_expert_parallel`` with the Pallas kernels over several GPUs, against the float64 oracle and against
 ``moe_ffn``'s XLA reference on one.
 
-Run on a machine with 2 or more GPUs (the device tool's nvidia-h100-x2):
+Run on a machine with 2 or more GPUs (the device tool's nvidia-h200-x2, for one):
 ``PYTHONPATH=. python3 -m pytest -m gpu tests/gpu/test_expert_parallel_gpu.py``. On fewer GPUs these tests skip:
 what they check is the collectives and the per-device expert slices, which one device cannot exercise.
 
