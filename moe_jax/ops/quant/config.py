@@ -16,8 +16,8 @@ CONSUMER_REGISTERS = (512 - PRODUCER_REGISTERS) // CONSUMERS // 8 * 8
 MAX_STAGES = 4
 SHALLOW_STAGES = 2
 PASSES = ("1 x 128", "1 x 32", "square", "row blocks", "gathered row blocks")  # heuristic_config's passes
-# The row-block passes' tile order (Config.block_band): of the bands tried (1, 4, 8, 16, 32) on an H200, the one that
-# did best over the FP8 layers' wgrad operands (docs/design.md, "FP8").
+# The row-block passes' tile order (Config.block_band): the band of 1-32 that runs fastest over the FP8 layers' wgrad
+# operands on an H200 (docs/design.md, "FP8").
 ROW_BLOCK_BANDS = {"row blocks": 16, "gathered row blocks": 4}
 SMEM_BYTES = 227 * 1024  # shared memory of one CTA on sm90
 INPUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
