@@ -243,9 +243,15 @@ def test_wgrad_random_shapes_against_xla(g, m, k, n, sizes, dtype):
     assert relative_error(kernel, expected) < (F32_OUT_TOL if dtype == jnp.float32 else BF16_OUT_TOL)
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "gpt_oss"])
-def test_kept_pre_activation_blocks_match_the_quantizer(activation):
-    s = shapes.GMM_SHAPES["qwen3-30b/gate_up"]
+@pytest.mark.parametrize(
+    "shape, activation",
+    [("qwen3-30b/gate_up", "swiglu"), ("qwen3-30b/gate_up", "gpt_oss"), ("gpt-oss-120b/gate_up", "gpt_oss")],
+)
+def test_kept_pre_activation_blocks_match_the_quantizer(shape, activation):
+    """The epilogue's FP8 blocks against the 1 x 128 quantizer on the kernel's bf16 copy, bit for bit: on two
+    consumers (qwen3-30b) and on three, where the block buffer costs a stage (gpt-oss-120b: its K of 2880 ends in a
+    half block)."""
+    s = shapes.GMM_SHAPES[shape]
     m = s.m // 4
     keys = jax.random.split(jax.random.key(3), 2)
     x = moe_jax.quantize_blockwise(4.0 * jax.random.normal(keys[0], (m, s.k), jnp.bfloat16), (1, 128))
@@ -261,9 +267,6 @@ def test_kept_pre_activation_blocks_match_the_quantizer(activation):
     hidden, kept = forward(x, w, group_sizes, False)
     hidden_fused, kept_fused = forward(x, w, group_sizes, True)
     expected = moe_jax.quantize_blockwise(kept, (1, 128), backend="pallas")
-    assert launch.fp8_config(m=m, k=s.k, n=s.n, g=s.g, glu_forward=True, keep_blocks=True).num_stages == (
-        launch.fp8_config(m=m, k=s.k, n=s.n, g=s.g, glu_forward=True).num_stages
-    ), "the epilogue's buffers cost a stage here: the kernel would not quantize"
     np.testing.assert_array_equal(np.asarray(hidden_fused).view(np.uint16), np.asarray(hidden).view(np.uint16))
     np.testing.assert_array_equal(
         np.asarray(kept_fused.values).view(np.uint8), np.asarray(expected.values).view(np.uint8)

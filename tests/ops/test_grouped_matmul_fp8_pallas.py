@@ -232,18 +232,30 @@ def test_auto_takes_the_fp8_kernel_on_sm90_where_it_runs():
             assert dispatch.select("grouped_matmul", "auto", api.IMPLEMENTATIONS, call).name == expected
 
 
-def kept_blocks_match_the_quantizer(activation: str) -> None:
-    """The GLU forward keeping its pre-activation in FP8 blocks (``keep_blocks``: quantized in the epilogue) against
-    the same kernel keeping it in bf16, then quantized by the 1 x 128 quantizer: h, the values and the scales equal bit
-    for bit. Groups of 1, 129, 0 and 100 rows and 70 rows past the sum (ZERO_TILE tiles: zeros, the smallest
-    scale); gpt_oss's inputs cross its clamps, which its rounding keeps values on their side of."""
+def kept_blocks_match_the_quantizer(activation: str, consumers: int) -> None:
+    """The GLU forward keeping its pre-activation in FP8 blocks (``keep_blocks``: quantized in the epilogue, by
+    ``consumers`` warpgroups of 64 rows) against the same kernel keeping it in bf16, then quantized by the 1 x 128
+    quantizer: h, the values and the scales equal bit for bit. Groups of 1, 129, 0 and 100 rows and 70 rows past the
+    sum (ZERO_TILE tiles: zeros, the smallest scale); gpt_oss's inputs cross its clamps, which its rounding keeps
+    values on their side of."""
     x_scale = 4.0 if activation == "gpt_oss" else 1.0
     lhs, rhs, sizes = _problem(7, 300, 256, 256, [1, 129, 0, 100])
     x = moe_jax.quantize_blockwise((x_scale * lhs.astype(jnp.float32)).astype(jnp.bfloat16), (1, 128))
     w = moe_jax.quantize_blockwise(rhs, (1, 128, 128))
+    shape = dict(m=300, k=256, n=256, g=4, glu_forward=True, consumers=consumers)
     with simulated_sms(2), checked_interpreter():
         run = [
-            launch.run_fp8_forward_kernel(x, w, sizes, None, activation, jnp.bfloat16, keep=True, keep_blocks=blocks)
+            launch.run_fp8_forward_kernel(
+                x,
+                w,
+                sizes,
+                None,
+                activation,
+                jnp.bfloat16,
+                keep=True,
+                keep_blocks=blocks,
+                config=config.fp8_config(**shape, keep_blocks=blocks),
+            )
             for blocks in (False, True)
         ]
     (hidden, kept), (hidden_fused, kept_fused) = run
@@ -258,20 +270,31 @@ def kept_blocks_match_the_quantizer(activation: str) -> None:
 
 KEPT_BLOCKS_SCRIPT = """
 from tests.ops.test_grouped_matmul_fp8_pallas import kept_blocks_match_the_quantizer
-for activation in ("swiglu", "gpt_oss"):
-    print("checking", activation, flush=True)
-    kept_blocks_match_the_quantizer(activation)
+for activation, consumers in (("swiglu", 2), ("gpt_oss", 2), ("swiglu", 3)):
+    print("checking", activation, consumers, flush=True)
+    kept_blocks_match_the_quantizer(activation, consumers)
 """
 
 
 def test_glu_forward_keeps_the_pre_activation_in_fp8_blocks():
-    """``kept_blocks_match_the_quantizer`` for swiglu and gpt_oss in a process whose XLA:CPU, which runs the
-    interpreted kernels, rounds every f32 -> bf16 -> f32 round trip as the GPU does (by default it may keep the f32
-    value: excess precision). One process for both activations: its start-up and the kernels' shared programs once."""
+    """``kept_blocks_match_the_quantizer`` for swiglu and gpt_oss on two consumers, and swiglu on three (the
+    layers' gate_up from 4096 packed columns), in a process whose XLA:CPU, which runs the interpreted kernels, rounds
+    every f32 -> bf16 -> f32 round trip as the GPU does (by default it may keep the f32 value: excess precision). One
+    process for all three: its start-up and the kernels' shared programs once."""
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_allow_excess_precision=false".strip()
     env = dict(os.environ, XLA_FLAGS=flags)
     completed = subprocess.run(
         [sys.executable, "-c", KEPT_BLOCKS_SCRIPT], env=env, cwd=REPO, capture_output=True, text=True, timeout=900
     )
     assert completed.returncode == 0, completed.stdout[-200:] + completed.stderr[-4000:]
-    assert completed.stdout.split() == ["checking", "swiglu", "checking", "gpt_oss"]
+    assert completed.stdout.split() == [
+        "checking",
+        "swiglu",
+        "2",
+        "checking",
+        "gpt_oss",
+        "2",
+        "checking",
+        "swiglu",
+        "3",
+    ]

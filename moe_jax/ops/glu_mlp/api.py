@@ -20,7 +20,7 @@ on the FP8 kernels (fp8_block, "auto" / "pallas"):
 
     forward   gate_up: x quantized 1 x 128; FP8 kernel, GLU epilogue, keeps gu    down: h quantized; FP8 kernel
               gu kept in FP8, 1 x 128 along its packed columns (64 gate and their 64 up columns a block: one
-              block a row of a gate_up tile, quantized in its epilogue where that costs the pipeline no stage)
+              block a row of a gate_up tile, quantized in its epilogue)
     backward  dy quantized 1 x 128; glu_dgrad FP8 kernel on the FP8 gu (dequantized and the GLU backward run in its
               epilogue)
               d W_d = FP8 wgrad (h*s, dy);  d x = FP8 dgrad (d_gu quantized, W_gu^T);  d W_gu = FP8 wgrad (x, d_gu)
@@ -31,8 +31,8 @@ and BlockScaled weights get none. reference.py defines this recipe (where it qua
 implementation. h is written in x's dtype and quantized by its own pass (not in the gate_up epilogue: a 1 x 128
 block of h spans two of the FP8 kernel's 64-hidden-column tiles). Keeping gu in FP8, as DeepSeek-V3 caches its
 SwiGLU inputs, halves the largest array the backward keeps (M * 2F bytes and an f32 scale per 128); the gate_up
-kernel writes it from its accumulators (``launch.run_fp8_forward_kernel``'s ``keep_blocks``; else a quantize pass
-over a bf16 copy: the same bits), and the GLU-backward kernel reads the FP8 rows and their scales and dequantizes
+kernel writes it from its accumulators (``launch.run_fp8_forward_kernel``'s ``keep_blocks``: the bits a quantize
+pass over a bf16 copy would write), and the GLU-backward kernel reads the FP8 rows and their scales and dequantizes
 them in f32 in its epilogue (half the bytes it read in x's dtype, and no dequantized copy written).
 
 "mxfp8" has no FP8 kernel: under "pallas" it runs reference.py's recipe with every GEMM on the bf16 kernels

@@ -383,9 +383,10 @@ def run_fp8_forward_kernel(
     rhs [G, K, N]).
 
     ``keep_blocks`` (with ``keep`` and an activation): the pre-activation comes as a BlockScaled of (1, 128) FP8
-    blocks, the GLU backward's operand. The epilogue quantizes it from its accumulators where its buffers cost the
-    pipeline no stage (``fp8_config(keep_blocks=True)``; an explicit ``config`` is taken to fit them), else the
-    quantizer does, from the kept bf16 copy: the same values and scales, bit for bit.
+    blocks, the GLU backward's operand, which the epilogue quantizes from its accumulators: the 1 x 128 quantizer's
+    values and scales of the bf16 copy, bit for bit. ``fp8_config(keep_blocks=True)`` counts its buffers (an
+    explicit ``config`` is taken to fit them); where they cost the pipeline a stage (three consumers), the kernel is
+    still faster than keeping the bf16 copy and quantizing it in a pass.
 
     Args:
       x: [M, R] float8_e4m3fn in (1, 128) blocks; R, the contraction, any size. With ``row_tokens`` [M] int32,
@@ -405,9 +406,8 @@ def run_fp8_forward_kernel(
     m = x.shape[0] if row_tokens is None else row_tokens.shape[0]
     itemsize = jnp.dtype(out_dtype).itemsize
     keep_blocks = keep_blocks and keep and activation is not None
-    fused = keep_blocks
     if config is None:
-        options = dict(
+        config = fp8_config(
             m=m,
             k=k,
             n=n,
@@ -415,14 +415,10 @@ def run_fp8_forward_kernel(
             out_itemsize=itemsize,
             row_scale=row_scale is not None,
             glu_forward=activation is not None,
+            keep_blocks=keep_blocks,
         )
-        config = fp8_config(**options)
-        if keep_blocks:
-            fused_config = fp8_config(**options, keep_blocks=True)
-            fused = fused_config.num_stages == config.num_stages
-            config = fused_config if fused else config
     x_values, w_values, x_scales, w_scales = _fp8_kernel_operands(x, w, row_tokens)
-    outs = run_forward_kernel(
+    return run_forward_kernel(
         x_values,
         w_values,
         group_sizes,
@@ -431,16 +427,12 @@ def run_fp8_forward_kernel(
         out_dtype,
         True,
         keep=keep,
-        keep_blocks=fused,
+        keep_blocks=keep_blocks,
         row_tokens=row_tokens,
         config=config,
         x_scales=x_scales,
         w_scales=w_scales,
     )
-    if keep_blocks and not fused:
-        out, kept = outs
-        return out, quantize_kernel_rows(kept)
-    return outs
 
 
 def quantize_kernel_rows(rows: jax.Array) -> BlockScaled:
