@@ -270,31 +270,22 @@ def kept_blocks_match_the_quantizer(activation: str, consumers: int) -> None:
 
 KEPT_BLOCKS_SCRIPT = """
 from tests.ops.test_grouped_matmul_fp8_pallas import kept_blocks_match_the_quantizer
-for activation, consumers in (("swiglu", 2), ("gpt_oss", 2), ("swiglu", 3)):
+for activation, consumers in (("swiglu", 2), ("gpt_oss", 3)):
     print("checking", activation, consumers, flush=True)
     kept_blocks_match_the_quantizer(activation, consumers)
 """
 
 
 def test_glu_forward_keeps_the_pre_activation_in_fp8_blocks():
-    """``kept_blocks_match_the_quantizer`` for swiglu and gpt_oss on two consumers, and swiglu on three (the
-    layers' gate_up from 4096 packed columns), in a process whose XLA:CPU, which runs the interpreted kernels, rounds
-    every f32 -> bf16 -> f32 round trip as the GPU does (by default it may keep the f32 value: excess precision). One
-    process for all three: its start-up and the kernels' shared programs once."""
+    """``kept_blocks_match_the_quantizer`` for swiglu on two consumers and gpt_oss on three (the layers' gate_up
+    from 4096 packed columns; the rounding at gpt_oss's clamps is the same code on either), in a process whose
+    XLA:CPU, which runs the interpreted kernels, rounds every f32 -> bf16 -> f32 round trip as the GPU does (by
+    default it may keep the f32 value: excess precision). One process for both: its start-up and the kernels' shared
+    programs once."""
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_allow_excess_precision=false".strip()
     env = dict(os.environ, XLA_FLAGS=flags)
     completed = subprocess.run(
         [sys.executable, "-c", KEPT_BLOCKS_SCRIPT], env=env, cwd=REPO, capture_output=True, text=True, timeout=900
     )
     assert completed.returncode == 0, completed.stdout[-200:] + completed.stderr[-4000:]
-    assert completed.stdout.split() == [
-        "checking",
-        "swiglu",
-        "2",
-        "checking",
-        "gpt_oss",
-        "2",
-        "checking",
-        "swiglu",
-        "3",
-    ]
+    assert completed.stdout.split() == ["checking", "swiglu", "2", "checking", "gpt_oss", "3"]
