@@ -78,8 +78,8 @@ class Config:
       num_stages: shared-memory buffers of the TMA -> wgmma pipeline.
       num_compute_wgs: consumer warpgroups; one more producer warpgroup issues every TMA load. Each of 1, 2 or 3
         consumers gets 256, 232 or 152 registers a thread (sm90_pipeline.compute_registers).
-      epilogue_n: columns written back per TMA store (the epilogue buffer is double-buffered per warpgroup, but
-        for a forward keeping FP8 blocks: epilogue_buffers); a multiple of 64.
+      epilogue_n: columns written back per TMA store (the epilogue buffer is double-buffered per warpgroup); a
+        multiple of 64.
       grid_minor: which output-tile axis varies fastest over the persistent grid ("m" or "n"); for wgrad, over
         one group's [K, N] output tiles. fwd / dgrad / glu_dgrad also take "g": row tiles fastest, in bands that
         never mix two groups (schedule.row_tile_bands: a group's row tiles split evenly into bands of at most
@@ -134,14 +134,6 @@ class Config:
         """Rows of the tile owned by one compute warpgroup."""
         return self.block_m // self.num_compute_wgs
 
-    @staticmethod
-    def epilogue_buffers(kept_fp8: bool) -> int:
-        """Slots of each consumer's epilogue buffer (sm90_pipeline.store_chunk): two, so that a chunk is written while
-        the one before it is stored; one where the forward keeps its pre-activation in FP8 blocks, whose tile stores
-        the block (from a buffer of its own) and then its one hidden chunk: that chunk's slot was freed by the
-        block's wait for the previous tile's stores, and the slot left over pays for the block's buffer."""
-        return 1 if kept_fp8 else 2
-
     def smem_bytes(
         self,
         in_itemsize: int,
@@ -171,7 +163,7 @@ class Config:
         buffers = [
             self.num_stages * self.block_m * self.block_k * in_itemsize,  # x ring
             self.num_stages * self.block_n * self.block_k * in_itemsize,  # w ring
-            self.epilogue_buffers(kept_fp8) * self.block_m * self.epilogue_n * out_itemsize,
+            2 * self.block_m * self.epilogue_n * out_itemsize,
             self.block_m * FP8_BLOCK * kept_fp8,
             self.block_m * operand_cols * (1 if operand_fp8 else out_itemsize),
             (operand_cols // FP8_BLOCK * self.block_m * 4) if operand_fp8 else 0,

@@ -453,7 +453,7 @@ def grouped_matmul_rows(
             in_dtype,
             transforms=pipe.swizzled(ring_minor if w_transposed else w_block_shape[1], in_dtype),
         ),
-        pipe.epilogue_smem(num_wgs, wg_m, epi_n, out_dtype, cfg.epilogue_buffers(epi.keep_blocks)),
+        pipe.epilogue_smem(num_wgs, wg_m, epi_n, out_dtype),
         # produced: the TMA loads of a step landed (x, w and with FP8 x's scales; gathered rows: see sm90_gather.py)
         plgpu.Barrier(num_arrivals=produced_arrivals, num_barriers=stages),
         pipe.consumed_barriers(num_wgs, stages),
@@ -477,7 +477,7 @@ def grouped_matmul_rows(
         scratch.append(plgpu.SMEM((num_wgs, gate_up_cols // SCALED_GATE_UP_BLOCK, wg_m), jnp.float32))
     if epi.keep_blocks:
         # One buffer a consumer: the block is a tile's first store (forward_targets), after the wait for every
-        # earlier one; the epilogue buffer gives up its second slot for it (Config.epilogue_buffers).
+        # earlier one.
         kept_transforms = pipe.swizzled(SCALED_GATE_UP_BLOCK, KEPT_BLOCKS_DTYPE, 1)
         kept_shape = (num_wgs, 1, wg_m, SCALED_GATE_UP_BLOCK)
         scratch.append(plgpu.SMEM(kept_shape, KEPT_BLOCKS_DTYPE, transforms=kept_transforms))

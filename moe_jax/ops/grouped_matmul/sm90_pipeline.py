@@ -203,37 +203,32 @@ def store_rows(src_smem, index, dst_gmem, row0, start, rows, col) -> None:
         pl.loop(0, rows - boxes * _PARTIAL_BOX_ROWS)(lambda row: copy(first + row, 1))
 
 
-def epilogue_smem(num_compute_wgs: int, rows: int, epilogue_n: int, dtype, buffers: int = 2):
-    """Each consumer's buffer for the epilogue, of ``buffers`` slots (Config.epilogue_buffers): [wgs, buffers, rows,
-    epilogue_n], 1-row tiled (see store_rows)."""
-    return plgpu.SMEM((num_compute_wgs, buffers, rows, epilogue_n), dtype, transforms=swizzled(epilogue_n, dtype, 1))
+def epilogue_smem(num_compute_wgs: int, rows: int, epilogue_n: int, dtype):
+    """Each consumer's double buffer for the epilogue: [wgs, 2, rows, epilogue_n], 1-row tiled (see store_rows)."""
+    return plgpu.SMEM((num_compute_wgs, 2, rows, epilogue_n), dtype, transforms=swizzled(epilogue_n, dtype, 1))
 
 
 def store_chunk(c: int, value, out_smem, wg, dst_gmem, row0, start, rows, col, num_cols) -> None:
-    """Store number c (static) of one consumer's tile epilogue: TMA-stores a register chunk through slot c % S of its
-    buffer's S slots (two: a double buffer; one: a buffer that one chunk of each tile passes through,
-    Config.epilogue_buffers).
+    """Store number c (static) of one consumer's tile epilogue: TMA-stores a register chunk through buffer c % 2.
 
     ``value`` [R, epilogue_n] in the buffer's dtype, or a function computing it: rows [start, start + rows) of it go
     to dst_gmem[row0 + start.., col..]. A function runs inside the store's branch, so its arithmetic is emitted next
     to the store and skipped where nothing is stored. A chunk at or past num_cols touches nothing (its bulk group is
     empty); callers number their stores so that none of those comes before a stored one of the same tile.
     """
-    # Chunk c reuses the slot of chunk c - 2; chunk 0 first waits for the previous tile's stores, which also frees a
-    # one-slot buffer for the tile's one chunk through it.
+    # Chunk c reuses the buffer of chunk c - 2; chunk 0 first waits for the previous tile's stores.
     # (The interpreter counts copies, not bulk groups: an empty group between two stores of one buffer would
     # look like a race to it, hence the numbering rule above.)
     if c == 0:
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     elif c >= 2:
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-    slot = c % out_smem.shape[1]
 
     @pl.when(col < num_cols)
     def _store():
-        out_smem[wg, slot] = value() if callable(value) else value
+        out_smem[wg, c % 2] = value() if callable(value) else value
         plgpu.commit_smem()
-        store_rows(out_smem, (wg, slot), dst_gmem, row0, start, rows, col)
+        store_rows(out_smem, (wg, c % 2), dst_gmem, row0, start, rows, col)
 
     plgpu.commit_smem_to_gmem_group()
 
