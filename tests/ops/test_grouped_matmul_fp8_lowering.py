@@ -151,6 +151,30 @@ def test_config_takes_the_stages_that_fit(out_dtype, row_scale, block_n, consume
         assert _lowers(forward, x, w, group_sizes, scale) == expected == c.fits(1, itemsize, **buffers), stages
 
 
+@pytest.mark.parametrize("consumers", [3, 2])
+def test_glu_forward_keeping_fp8_blocks_takes_the_stages_that_fit(consumers):
+    """fp8_config(glu_forward=True, keep_blocks=True)'s stages lower for the GLU forward that keeps its
+    pre-activation in FP8 blocks, at dsv3-ep8 gate_up (the most weight scales), one more stage does not, and
+    Config.fits says the same, the block's buffer and its scales counted as laid out."""
+    s = shapes.GMM_SHAPES["dsv3-ep8/gate_up"]
+    chosen = config.fp8_config(m=s.m, k=s.k, n=s.n, g=s.g, glu_forward=True, consumers=consumers, keep_blocks=True)
+    buffers = dict(
+        row_vectors=config.row_vector_count(False, False, True),
+        scale_k_blocks=config.fp8_scale_k_blocks(s.k),
+        kept_fp8=True,
+    )
+    x, w = _block_scaled((s.m, s.k), (1, 128)), _block_scaled((s.g, s.n, s.k), (1, 128, 128))
+    group_sizes = jax.ShapeDtypeStruct((s.g,), jnp.int32)
+    for stages, expected in ((chosen.num_stages, True), (chosen.num_stages + 1, False)):
+        c = dataclasses.replace(chosen, num_stages=stages)
+
+        def forward(x, w, group_sizes, c=c):
+            options = dict(keep=True, keep_blocks=True, config=c)
+            return launch.run_fp8_forward_kernel(x, w, group_sizes, None, "swiglu", jnp.bfloat16, **options)
+
+        assert _lowers(forward, x, w, group_sizes) == expected == c.fits(1, 2, **buffers), stages
+
+
 @pytest.mark.parametrize("scaled_gate_up", [False, True])
 def test_glu_backward_config_takes_the_stages_that_fit(scaled_gate_up):
     """fp8_config(glu_backward=True)'s stages lower for the FP8 GLU backward at deepseek-v3's widths (D 7168: the
