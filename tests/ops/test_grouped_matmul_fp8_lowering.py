@@ -8,6 +8,7 @@ three Mosaic GPU kernels: the forward with its epilogue, the plain dgrad and the
 """
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -45,6 +46,13 @@ def _lowers(fn, *args) -> bool:
     except ValueError as error:
         assert "exceeds available shared memory" in str(error)
         return False
+
+
+def _assert_the_most_stages_that_fit(chosen, kernel, args, fits) -> None:
+    """``kernel(*args, cfg=...)`` lowers at ``chosen``'s stages and not at one more, and ``fits(cfg)`` says the same."""
+    for stages, expected in ((chosen.num_stages, True), (chosen.num_stages + 1, False)):
+        cfg = dataclasses.replace(chosen, num_stages=stages)
+        assert _lowers(functools.partial(kernel, cfg=cfg), *args) == expected == fits(cfg), stages
 
 
 def _block_scaled(shape, block_shape) -> moe_jax.BlockScaled:
@@ -129,26 +137,25 @@ def test_config_takes_the_stages_that_fit(out_dtype, row_scale, block_n, consume
     x, w = _block_scaled((s.m, s.k), (1, 128)), _block_scaled((s.g, s.n, s.k), (1, 128, 128))
     scale = jax.ShapeDtypeStruct((s.m,), jnp.float32) if row_scale else None
     group_sizes = jax.ShapeDtypeStruct((s.g,), jnp.int32)
-    for stages, expected in ((chosen.num_stages, True), (chosen.num_stages + 1, False)):
-        c = dataclasses.replace(chosen, num_stages=stages)
 
-        def forward(x, w, group_sizes, row_scale, c=c):
-            return launch.run_forward_kernel(
-                x.values,
-                w.values,
-                group_sizes,
-                row_scale,
-                None,
-                out_dtype,
-                True,
-                keep=False,
-                config=c,
-                x_scales=x.scales.T,
-                # The kernel's layout: blocks padded as run_fp8_forward_kernel pads them.
-                w_scales=jnp.pad(w.scales, [(0, 0), (0, 1), (0, buffers["scale_k_blocks"] - s.k // 128)]),
-            )
+    def forward(x, w, group_sizes, row_scale, cfg):
+        return launch.run_forward_kernel(
+            x.values,
+            w.values,
+            group_sizes,
+            row_scale,
+            None,
+            out_dtype,
+            True,
+            keep=False,
+            config=cfg,
+            x_scales=x.scales.T,
+            # The kernel's layout: blocks padded as run_fp8_forward_kernel pads them.
+            w_scales=jnp.pad(w.scales, [(0, 0), (0, 1), (0, buffers["scale_k_blocks"] - s.k // 128)]),
+        )
 
-        assert _lowers(forward, x, w, group_sizes, scale) == expected == c.fits(1, itemsize, **buffers), stages
+    fits = functools.partial(config.Config.fits, in_itemsize=1, out_itemsize=itemsize, **buffers)
+    _assert_the_most_stages_that_fit(chosen, forward, (x, w, group_sizes, scale), fits)
 
 
 @pytest.mark.parametrize("consumers", [3, 2])
@@ -165,14 +172,13 @@ def test_glu_forward_keeping_fp8_blocks_takes_the_stages_that_fit(consumers):
     )
     x, w = _block_scaled((s.m, s.k), (1, 128)), _block_scaled((s.g, s.n, s.k), (1, 128, 128))
     group_sizes = jax.ShapeDtypeStruct((s.g,), jnp.int32)
-    for stages, expected in ((chosen.num_stages, True), (chosen.num_stages + 1, False)):
-        c = dataclasses.replace(chosen, num_stages=stages)
 
-        def forward(x, w, group_sizes, c=c):
-            options = dict(keep=True, keep_blocks=True, config=c)
-            return launch.run_fp8_forward_kernel(x, w, group_sizes, None, "swiglu", jnp.bfloat16, **options)
+    def forward(x, w, group_sizes, cfg):
+        options = dict(keep=True, keep_blocks=True, config=cfg)
+        return launch.run_fp8_forward_kernel(x, w, group_sizes, None, "swiglu", jnp.bfloat16, **options)
 
-        assert _lowers(forward, x, w, group_sizes) == expected == c.fits(1, 2, **buffers), stages
+    fits = functools.partial(config.Config.fits, in_itemsize=1, out_itemsize=2, **buffers)
+    _assert_the_most_stages_that_fit(chosen, forward, (x, w, group_sizes), fits)
 
 
 @pytest.mark.parametrize("scaled_gate_up", [False, True])
@@ -192,16 +198,14 @@ def test_glu_backward_config_takes_the_stages_that_fit(scaled_gate_up):
     gate_up = _block_scaled((m, 2 * f), (1, 128)) if scaled_gate_up else jax.ShapeDtypeStruct((m, 2 * f), jnp.bfloat16)
     row_scale = jax.ShapeDtypeStruct((m,), jnp.float32)
     group_sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
-    for stages, expected in ((chosen.num_stages, True), (chosen.num_stages + 1, False)):
-        c = dataclasses.replace(chosen, num_stages=stages)
 
-        def backward(d_y, w_down, group_sizes, gate_up, row_scale, c=c):
-            return launch.run_glu_dgrad(
-                d_y, w_down, group_sizes, gate_up, row_scale, "swiglu", config=c, out_dtype=jnp.bfloat16
-            )
+    def backward(d_y, w_down, group_sizes, gate_up, row_scale, cfg):
+        return launch.run_glu_dgrad(
+            d_y, w_down, group_sizes, gate_up, row_scale, "swiglu", config=cfg, out_dtype=jnp.bfloat16
+        )
 
-        lowers = _lowers(backward, d_y, w_down, group_sizes, gate_up, row_scale)
-        assert lowers == expected == c.fits(1, 2, **buffers), stages
+    fits = functools.partial(config.Config.fits, in_itemsize=1, out_itemsize=2, **buffers)
+    _assert_the_most_stages_that_fit(chosen, backward, (d_y, w_down, group_sizes, gate_up, row_scale), fits)
 
 
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
@@ -214,18 +218,14 @@ def test_wgrad_config_takes_the_stages_that_fit(out_dtype):
     x = jax.ShapeDtypeStruct((s.m, s.k), jnp.bfloat16)
     y = jax.ShapeDtypeStruct((s.m, s.n), jnp.bfloat16)
     group_sizes = jax.ShapeDtypeStruct((s.g,), jnp.int32)
-    for stages, expected in ((chosen.num_stages, True), (chosen.num_stages + 1, False)):
-        c = dataclasses.replace(chosen, num_stages=stages)
-        lowers = _lowers(
-            lambda x, y, group_sizes, c=c: launch.run_fp8_wgrad_kernel(
-                x, y, group_sizes, out_dtype=out_dtype, config=c
-            ),
-            x,
-            y,
-            group_sizes,
-        )
-        fits = sm90_fp8_wgrad.smem_bytes(c, itemsize) <= config.SMEM_BYTES - 2048
-        assert lowers == expected == fits, stages
+
+    def wgrad(x, y, group_sizes, cfg):
+        return launch.run_fp8_wgrad_kernel(x, y, group_sizes, out_dtype=out_dtype, config=cfg)
+
+    def fits(cfg):
+        return sm90_fp8_wgrad.smem_bytes(cfg, itemsize) <= config.SMEM_BYTES - 2048
+
+    _assert_the_most_stages_that_fit(chosen, wgrad, (x, y, group_sizes), fits)
 
 
 def test_quantize_master_inside_a_differentiated_function_lowers(monkeypatch):

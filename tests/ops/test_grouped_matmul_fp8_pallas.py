@@ -242,22 +242,16 @@ def kept_blocks_match_the_quantizer(activation: str, consumers: int) -> None:
     lhs, rhs, sizes = _problem(7, 300, 256, 256, [1, 129, 0, 100])
     x = moe_jax.quantize_blockwise((x_scale * lhs.astype(jnp.float32)).astype(jnp.bfloat16), (1, 128))
     w = moe_jax.quantize_blockwise(rhs, (1, 128, 128))
-    shape = dict(m=300, k=256, n=256, g=4, glu_forward=True, consumers=consumers)
+    (m, k), (g, n, _) = x.shape, w.shape
+    tiles = dict(m=m, k=k, n=n, g=g, glu_forward=True, consumers=consumers)
     with simulated_sms(2), checked_interpreter():
         run = [
             launch.run_fp8_forward_kernel(
-                x,
-                w,
-                sizes,
-                None,
-                activation,
-                jnp.bfloat16,
-                keep=True,
-                keep_blocks=blocks,
-                config=config.fp8_config(**shape, keep_blocks=blocks),
+                x, w, sizes, None, activation, jnp.bfloat16, keep=True, keep_blocks=blocks,
+                config=config.fp8_config(**tiles, keep_blocks=blocks),
             )
             for blocks in (False, True)
-        ]
+        ]  # fmt: skip
     (hidden, kept), (hidden_fused, kept_fused) = run
     expected = moe_jax.quantize_blockwise(kept, (1, 128), backend="xla")
     np.testing.assert_array_equal(np.asarray(hidden_fused).view(np.uint16), np.asarray(hidden).view(np.uint16))
