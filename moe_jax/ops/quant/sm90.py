@@ -16,10 +16,11 @@ so every element of x is read from memory once and each FP8 copy written once. B
 the wgmma layout, the columns read through a transposed view of the buffer (ldmatrix's transposing form): each thread
 holds 32 elements of each of two rows, and a block's amax is a reduction within a thread and across the four threads
 sharing the row. The FP8 rows leave through a double buffer per consumer and copy; the scales are stored from
-registers (a TMA box needs 16-byte rows, and a [M, K / b] f32 array rarely has them), x^T's MN-major, [M / b, K], so
-that a consumer's 64 scales of a block are contiguous, and transposed after the kernel. Rows past M (columns past K)
-read as zeros, which no amax notices; the FP8 stores drop them, and the scales arrays get whole tiles, sliced to size
-after the kernel.
+registers (a TMA box needs 16-byte rows, and a [M, K / b] array rarely has them) MN-major, [K / b, M] for x and
+[M / b, K] for x^T, so that a consumer's 64 scales of a block are one contiguous run, and transposed after the kernel
+(the FP8 kernels read them MN-major: there the two transposes cancel). Rows past M (columns past K) read as zeros,
+which no amax notices; the FP8 stores drop them, and the scales arrays get whole tiles, sliced to size after the
+kernel.
 
 The arithmetic per block is the reference's (``scales_from_amax``, ``reciprocals``, ``scaled_values``) on the
 registers, so the kernel and the XLA path agree bit for bit. Power-of-two scales leave as their exponent byte (uint8:
@@ -253,7 +254,7 @@ def quantize_tiles(
                 values, scales = quantize_rows(x_rows, block, dtype, pow2_scales)
                 out_smem[wg, buffer] = values
                 for c, scale in enumerate(scales):
-                    scales_gmem[pl.ds(row0, _ROWS), col_tile * blocks_per_tile + c] = scale
+                    scales_gmem[col_tile * blocks_per_tile + c, pl.ds(row0, _ROWS)] = scale
                 if with_transpose:
                     values_t, scales_t = quantize_rows(x_cols, block, dtype, pow2_scales)
                     out_t_smem[wg, buffer] = values_t
@@ -278,14 +279,15 @@ def quantize_tiles(
 
     out_types = [
         jax.ShapeDtypeStruct((rows, cols), dtype),
-        jax.ShapeDtypeStruct((grid[0] * TILE, grid[1] * blocks_per_tile), scale_bits),
+        # MN-major: stored [M, K blocks], each of a consumer's 64 scales would be a write of its own.
+        jax.ShapeDtypeStruct((grid[1] * blocks_per_tile, grid[0] * TILE), scale_bits),
     ]
     out_buffers = [plgpu.SMEM((CONSUMERS, 2, _ROWS, TILE), dtype, transforms=swizzled(dtype, (rows, cols)))]
     if with_transpose:
         out_types += [
             jax.ShapeDtypeStruct((cols, rows), dtype),
-            # x^T's scales MN-major, [M blocks, K]: stored [K, M blocks], each of a consumer's 64 would start a row
-            # of its own, and the pass takes about 9 % longer (an H200; docs/design.md, "FP8").
+            # x^T's scales MN-major likewise, [M blocks, K] (stored [K, M blocks], the pass takes about 9 % longer
+            # on an H200; docs/design.md, "FP8").
             jax.ShapeDtypeStruct((grid[0] * blocks_per_tile, grid[1] * TILE), scale_bits),
         ]
         out_buffers.append(plgpu.SMEM((CONSUMERS, 2, _ROWS, TILE), dtype, transforms=swizzled(dtype, (cols, rows))))
@@ -303,9 +305,9 @@ def quantize_tiles(
         interpret=interpret,
     )
     outputs = kernel(x)
-    # The scales arrays have whole tiles of rows; keep those of x (and of x^T).
+    # The scales arrays have whole tiles; keep those of x (and of x^T), each block's row of scales a column again.
     values, scales, *transposed = outputs
-    results = [values, scales[:rows, : pl.cdiv(cols, block)]]
+    results = [values, scales[: pl.cdiv(cols, block), :rows].T]
     if with_transpose:
         values_t, scales_t = transposed
         results += [values_t, scales_t[: pl.cdiv(rows, block), :cols].T]
