@@ -50,9 +50,9 @@ KERNEL_ROW_MULTIPLE = 8
 FP8_KERNEL_QUANTIZATION = "fp8_block"
 FP8_KERNEL_DTYPE = jnp.float8_e4m3fn
 FP8_KERNEL_OUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-# The FP8 wgrad's consumer warpgroups: each holds its total and two products in registers (sm90_fp8_wgrad.py), which
-# fit in two consumers' 232 registers a thread, not in three's 152.
-FP8_WGRAD_CONSUMERS = 2
+# The FP8 wgrad's consumer warpgroups: each step's chain (MMA, wait, promotion) leaves the tensor cores idle most of
+# a step, which a third consumer's MMAs partly fill.
+FP8_WGRAD_CONSUMERS = 3
 
 # The GLU backwards that compute h, d_gate and d_up each in its own store's branch (sm90.Epilogue.recompute_grads),
 # on tiles of at most RECOMPUTE_MAX_BLOCK_N columns: computed together next to a 128-column accumulator, gpt_oss's

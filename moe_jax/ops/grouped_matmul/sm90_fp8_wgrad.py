@@ -37,7 +37,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moe_jax.ops.grouped_matmul import sm90_pipeline as pipe
 from moe_jax.ops.grouped_matmul.config import FP8_BLOCK, SMEM_ALIGNMENT, Config
-from moe_jax.ops.grouped_matmul.sm90_fresh_product import fresh_issue, settle
+from moe_jax.ops.grouped_matmul.sm90_fresh_product import fresh_product
 from moe_jax.ops.grouped_matmul.token_blocks import GROUP_BLOCKS, GROUP_FIRST_BLOCK, GROUP_ID
 
 DTYPE = jnp.float8_e4m3fn
@@ -54,11 +54,6 @@ def check(config: Config) -> None:
     if config.overlap_epilogue:
         raise ValueError(
             "the FP8 wgrad runs without the overlapped epilogue (the total and the partial fill the registers)"
-        )
-    if config.num_compute_wgs > 2:
-        raise ValueError(
-            "the FP8 wgrad runs on at most 2 consumers (a total and two products fill their registers), got "
-            f"num_compute_wgs={config.num_compute_wgs}"
         )
     if config.grid_minor == "g":
         raise ValueError(f"the FP8 wgrad tiles one group's [P, Q] output: grid_minor must be 'm' or 'n', got {config}")
@@ -171,20 +166,13 @@ def grouped_matmul_wgrad_fp8(
                 del overlapped  # the epilogue runs between tiles (``check``)
                 group, _, steps, pi, qi = tile_of(info.index[0])
 
-                def slot_of(k):
-                    return lax.rem(first_step + k, stages)
-
-                def issue(k):
-                    """Step k's product, in flight."""
-                    slot = slot_of(k)
+                def step(k, total):
+                    slot = lax.rem(first_step + k, stages)
                     plgpu.barrier_wait(produced.at[slot])
-                    x_tile, y_tile = x_smem.at[slot, rows], y_smem.at[slot].transpose((1, 0))
-                    return fresh_issue(x_tile, y_tile, interpret=interpret)
-
-                def promote(total, partial, k):
-                    """total + step k's (settled) partial times its scales; releases the step's slot."""
-                    slot = slot_of(k)
+                    # Read before the MMA is issued: read after it, ptxas places the loads between its k-steps.
                     x_scale = plgpu.load(x_scales_smem.at[slot, rows], layout=_ROW_VECTOR)
+                    x_tile, y_tile = x_smem.at[slot, rows], y_smem.at[slot].transpose((1, 0))
+                    partial = fresh_product(x_tile, y_tile, interpret=interpret)
                     x_scale = lax.broadcast_in_dim(x_scale, (wg_m, SCALE_COLUMNS), [0])
                     promoted = []
                     for c, chunk in enumerate(total):
@@ -192,39 +180,13 @@ def grouped_matmul_wgrad_fp8(
                         y_scale = plgpu.load(y_scales_smem.at[slot, pl.ds(col, SCALE_COLUMNS)], layout=_COLUMN_VECTOR)
                         y_scale = lax.broadcast_in_dim(y_scale, (wg_m, SCALE_COLUMNS), [1])
                         promoted.append(chunk + partial[:, col : col + SCALE_COLUMNS] * x_scale * y_scale)
-                    # Released once promoted: the promotion reads the slot's scales with generic-proxy loads
+                    # Released once promoted: the promotion reads the slot's y scales, with generic-proxy loads
                     # (docs/kernels/grouped_matmul.md, "FP8 wgrad").
                     pipe.release_after_reads(consumed.at[slot], interpret=interpret)
                     return tuple(promoted)
 
-                def pair(j, carry):
-                    """Steps 2j and 2j + 1 promoted, each while the next step's product computes."""
-                    total, in_flight = carry
-                    k = 2 * j
-                    following = issue(k + 1)
-                    total = promote(total, settle(in_flight, pending=1, interpret=interpret), k)
-                    in_flight = issue(k + 2)
-                    total = promote(total, settle(following, pending=1, interpret=interpret), k + 1)
-                    return total, in_flight
-
-                def last_two(total, in_flight):
-                    following = issue(steps - 1)
-                    total = promote(total, settle(in_flight, pending=1, interpret=interpret), steps - 2)
-                    return promote(total, settle(following, pending=0, interpret=interpret), steps - 1)
-
-                def last_one(total, in_flight):
-                    return promote(total, settle(in_flight, pending=0, interpret=interpret), steps - 1)
-
-                def promoted_steps(init):
-                    """The tile's steps, one product always in flight: its registers hold the total and two
-                    products. The loop body takes two steps, so that each product keeps its registers across the
-                    back edge (a one-step body would copy an in-flight product there)."""
-                    total, in_flight = pl.loop(0, (steps - 1) // 2, init_carry=(init, issue(0)))(pair)
-                    return lax.cond(lax.rem(steps, 2) == 0, last_two, last_one, total, in_flight)
-
                 init = pipe.empty_chunks(bn // SCALE_COLUMNS, wg_m, SCALE_COLUMNS, jnp.float32)
-                total = lax.cond(steps > 0, promoted_steps, lambda init: init, init)
-                total = jnp.concatenate(total, axis=1)
+                total = jnp.concatenate(pl.loop(0, steps, init_carry=init)(step), axis=1)
                 return steps, (pipe.column_chunks(total.astype(out_dtype), epi_n), (group, pi, qi))
 
             empty = (pipe.empty_chunks(bn // epi_n, wg_m, epi_n, out_dtype), (jnp.int32(0),) * 3)

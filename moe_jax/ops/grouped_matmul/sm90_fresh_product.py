@@ -44,28 +44,9 @@ def fresh_product(a, b, *, interpret) -> jax.Array:
     """a . b [64, N] f32 in the WGMMA layout, waited for: a [64, K] and b [K, N] shared-memory refs (b possibly
     ``.transpose((1, 0))``), as ``plgpu.wgmma`` takes them; 64 rows, one wgmma row group, whose first instruction is
     the one that ignores the accumulator. ``interpret``: the kernel's interpreter params (None on the GPU)."""
-    return _bind(_fresh_product_p, a, b, interpret=interpret)
-
-
-def fresh_issue(a, b, *, interpret) -> jax.Array:
-    """``fresh_product`` issued and committed as one wgmma group, not waited for: its registers are in flight until
-    ``settle`` waits for the group. Lets a consumer promote the previous product while this one computes."""
-    return _bind(_fresh_issue_p, a, b, interpret=interpret)
-
-
-def settle(product: jax.Array, *, pending: int, interpret) -> jax.Array:
-    """``product`` (from ``fresh_issue``) once its group is done: waits until at most ``pending`` wgmma groups, all
-    committed after it, are in flight. The returned registers are ordered after the wait, so no arithmetic on them
-    runs before it."""
-    if interpret is not None:
-        return product  # the interpreter's product is computed when issued
-    return _settle_p.bind(product, pending=pending)
-
-
-def _bind(primitive, a, b, *, interpret) -> jax.Array:
     shape = (a.shape[0], b.shape[1])
     if shape[0] != _ROWS:
-        raise ValueError(f"a fresh product multiplies {_ROWS} rows (one wgmma row group), got a of shape {a.shape}")
+        raise ValueError(f"fresh_product multiplies {_ROWS} rows (one wgmma row group), got a of shape {a.shape}")
     if interpret is not None:
 
         def product(acc):
@@ -77,7 +58,9 @@ def _bind(primitive, a, b, *, interpret) -> jax.Array:
     b, b_transforms = _ref_and_transforms(b)
     a_leaves, a_tree = jax.tree.flatten(a_transforms)
     b_leaves, b_tree = jax.tree.flatten(b_transforms)
-    return primitive.bind(a, b, *a_leaves, *b_leaves, a_transforms_tree=a_tree, b_transforms_tree=b_tree, shape=shape)
+    return _fresh_product_p.bind(
+        a, b, *a_leaves, *b_leaves, a_transforms_tree=a_tree, b_transforms_tree=b_tree, shape=shape
+    )
 
 
 def _ref_and_transforms(ref):
@@ -87,35 +70,24 @@ def _ref_and_transforms(ref):
 
 
 _fresh_product_p = jax_core.Primitive("moe_fresh_wgmma_product")
-_fresh_issue_p = jax_core.Primitive("moe_fresh_wgmma_issue")
-_settle_p = jax_core.Primitive("moe_wgmma_settle")
 
 
-def _product_abstract_eval(*args, shape, **params):
+@_fresh_product_p.def_effectful_abstract_eval
+def _fresh_product_abstract_eval(*args, shape, **params):
     del args, params
     effects = {gpu_core._wgmma_pipeline_effect, state_types.ReadEffect(0), state_types.ReadEffect(1)}
     return jax_core.ShapedArray(shape, jnp.float32), effects
 
 
-_fresh_product_p.def_effectful_abstract_eval(_product_abstract_eval)
-_fresh_issue_p.def_effectful_abstract_eval(_product_abstract_eval)
-
-
-@_settle_p.def_effectful_abstract_eval
-def _settle_abstract_eval(product, *, pending):
-    del pending
-    return product, {gpu_core._wgmma_pipeline_effect}
-
-
-def _issue(ctx, a, b, leaves, a_transforms_tree, b_transforms_tree, shape) -> mgpu.WGMMAAccumulator:
-    """Emits the wgmma instructions of a . b (the first with scale-d = 0) and commits them as one group."""
+@mgpu_lowering.register_lowering_rule(_fresh_product_p, mgpu.LoweringSemantics.Lane)
+def _fresh_product_lowering(ctx, a, b, *leaves, a_transforms_tree, b_transforms_tree, shape):
     f32 = ir.F32Type.get()
     # Registers the first instruction ignores: left undefined, so nothing sets them.
     undefined = mgpu.FragmentedArray.splat(llvm.mlir_undef(f32), shape, mgpu.WGMMA_LAYOUT)
     acc = mgpu.WGMMAAccumulator.from_registers(undefined)
     acc_aval = gpu_core.WGMMAAbstractAccumulatorRef(jax_core.ShapedArray(shape, jnp.float32))
     with _REWRITER.rewriting():
-        return gpu_primitives._wgmma_lowering(
+        acc = gpu_primitives._wgmma_lowering(
             ctx.replace(avals_in=(acc_aval, *ctx.avals_in)),
             acc,
             a,
@@ -125,26 +97,8 @@ def _issue(ctx, a, b, leaves, a_transforms_tree, b_transforms_tree, shape) -> mg
             a_transforms_tree=a_transforms_tree,
             b_transforms_tree=b_transforms_tree,
         )
-
-
-@mgpu_lowering.register_lowering_rule(_fresh_product_p, mgpu.LoweringSemantics.Lane)
-def _fresh_product_lowering(ctx, a, b, *leaves, a_transforms_tree, b_transforms_tree, shape):
-    acc = _issue(ctx, a, b, leaves, a_transforms_tree, b_transforms_tree, shape)
     gpu_primitives._wgmma_wait_lowering(ctx, n=0)
     return acc.value
-
-
-@mgpu_lowering.register_lowering_rule(_fresh_issue_p, mgpu.LoweringSemantics.Lane)
-def _fresh_issue_lowering(ctx, a, b, *leaves, a_transforms_tree, b_transforms_tree, shape):
-    return _issue(ctx, a, b, leaves, a_transforms_tree, b_transforms_tree, shape).value
-
-
-@mgpu_lowering.register_lowering_rule(_settle_p, mgpu.LoweringSemantics.Lane)
-def _settle_lowering(ctx, product, *, pending):
-    gpu_primitives._wgmma_wait_lowering(ctx, n=pending)
-    # LLVM treats arithmetic on the registers as pure: passing them through a side-effecting asm keeps it after
-    # the wait (Mosaic GPU's wgmma_fence does the same before an MMA).
-    return mgpu.optimization_barrier(product)
 
 
 def _scale_d_index(asm: str, constraints: str) -> int:
