@@ -15,11 +15,14 @@ At each named shape (``SHAPES``, bf16 inputs), per variant (``variants``):
 - "128x128+t": ``quantize_square_blocks(w)``: both copies, [G, K, N] (the dgrad's) and [G, N, K], from one read of w
              (what a training step quantizes).
 
-Rows: "moe_jax:<backend>" per backend, and "hbm-floor": not an implementation but the least time the variant can take,
+Rows: "moe_jax:<backend>" per backend; "hbm-floor": not an implementation but the least time the variant can take,
 its bytes (x read once, every output written once: ``moved_bytes``) at the read rate measured in the same run
-(``grouped_matmul.measure_hbm_floor``). A backend's roofline fraction is the floor's time over its own. Check: every
-backend's values and scales equal the "xla" backend's bit for bit (status "wrong" otherwise). GB/s: those bytes over
-a backend's time. Target: the kernel at >= 85% of its roofline.
+(``grouped_matmul.measure_hbm_floor``); and "xla-stream", the peer: XLA's elementwise pass over x writing as many
+bytes as the variant's FP8 copies (``streaming_pass``), the rate a plain pass reaches at the variant's mix of reads
+and writes (the floor counts written bytes at the read rate; at one byte written per byte read XLA's pass runs well
+below it). A row's roofline fraction is its rate over the floor's (for the backends, whose bytes are the
+floor's: the floor's time over its own). Check: every backend's values and scales equal the "xla" backend's bit for
+bit (status "wrong" otherwise). GB/s: a row's bytes over its time. Target: the kernel at >= 85% of its roofline.
 """
 
 import dataclasses
@@ -34,8 +37,10 @@ import numpy as np
 from benchmarks import common, grouped_matmul
 from moe_jax.ops.grouped_matmul import reference_fp8, token_blocks
 from moe_jax.ops.quant.api import quantize_blockwise, quantize_blockwise_with_transpose, quantize_square_blocks
+from moe_jax.ops.quant.reference import FP8_DTYPES
 
 REFERENCE = "xla"
+PEER = "xla-stream"
 TARGET_ROOFLINE = 0.85
 GROUPS = 128  # the wgrad variant's groups (Qwen3-30B-A3B's experts), sized by a seeded multinomial
 
@@ -96,6 +101,24 @@ def moved_bytes(fn: Callable, x: jax.ShapeDtypeStruct) -> int:
     return common.nbytes(x) + common.nbytes(jax.eval_shape(fn, x))
 
 
+def fp8_copies(fn: Callable, x: jax.ShapeDtypeStruct) -> int:
+    """How many FP8 value arrays ``fn`` writes (x's, x^T's): one or two."""
+    fp8 = set(map(jnp.dtype, FP8_DTYPES))
+    return sum(jnp.dtype(leaf.dtype) in fp8 for leaf in jax.tree.leaves(jax.eval_shape(fn, x)))
+
+
+@functools.partial(jax.jit, static_argnames=("copies",))
+def streaming_pass(x: jax.Array, *, copies: int) -> jax.Array:
+    """XLA's elementwise pass over x [..., K] bf16 (K even) writing the bytes of ``copies`` FP8 copies of x, in bf16:
+    [..., K / 2], pairs of columns summed, for one copy; [..., K], x * 1.5, for two. The quantizers' scales and the
+    wgrad blocks' padding (a few % of their bytes) are left out: the pass measures a rate, not a time."""
+    if copies == 2:
+        return x * jnp.asarray(1.5, x.dtype)
+    if copies != 1:
+        raise ValueError(f"copies must be 1 or 2, got {copies}")
+    return x.reshape(*x.shape[:-1], -1, 2).sum(axis=-1, dtype=x.dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("dims",))
 def _input_set(key, *, dims: tuple[int, ...]) -> dict:
     return {"x": jax.random.normal(key, dims, jnp.bfloat16)}
@@ -123,16 +146,20 @@ def bench_shape(
         def new_record(impl: str, variant=variant, dims=dims) -> common.Record:
             return common.Record("quant", shape.name, "-", impl, 0, dims, stage=variant)
 
-        row = [new_record("hbm-floor"), *(new_record(f"moe_jax:{backend}") for backend in backends)]
+        row = [new_record("hbm-floor"), new_record(PEER), *(new_record(f"moe_jax:{backend}") for backend in backends)]
         if common.past_deadline(options):
             for record in row:
                 records.append(common.skip(record))
                 emit(record)
             continue
-        floor, *timed = row
+        floor, peer, *timed = row
         grouped_matmul.measure_hbm_floor(floor, num_bytes, options)
-        records.append(floor)
-        emit(floor)
+        peer_fn = functools.partial(streaming_pass, copies=fp8_copies(functools.partial(fn, backend=REFERENCE), spec))
+        peer.dims = {**dims, "bytes": moved_bytes(peer_fn, spec)}
+        common.measure(peer, peer_fn, arg_sets, options)
+        for record in (floor, peer):
+            records.append(record)
+            emit(record)
         outputs = {}
         for backend, record in zip(backends, timed, strict=True):
             outputs[backend] = common.measure(
@@ -169,29 +196,46 @@ def _ms(record: common.Record | None) -> str:
     return f"{record.timing.median_s * 1e3:.3f} ({record.timing.spread * 100:.0f}%)"
 
 
-def _gb_per_s(record: common.Record | None) -> str:
-    """The bytes the variant must move (``moved_bytes``) over the record's time; older records lack the bytes."""
+def _rate(record: common.Record | None) -> float | None:
+    """The record's bytes (``moved_bytes``) per second; None for a record without a time or (older ones) bytes."""
     if record is None or record.timing is None or "bytes" not in record.dims:
+        return None
+    return record.dims["bytes"] / record.timing.median_s
+
+
+def _gb_per_s(record: common.Record | None) -> str:
+    rate = _rate(record)
+    return "" if rate is None else f"{rate / 1e9:.0f}"
+
+
+def _fraction(record: common.Record | None, of: common.Record | None) -> str:
+    """``record``'s rate over ``of``'s; over the floor: its roofline fraction (floor ms / its ms where it lacks
+    bytes, which it then shares with the floor)."""
+    if record is None or of is None or record.timing is None or of.timing is None:
         return ""
-    return f"{record.dims['bytes'] / record.timing.median_s / 1e9:.0f}"
+    rate, of_rate = _rate(record), _rate(of)
+    if rate is None or of_rate is None:
+        return f"{of.timing.median_s / record.timing.median_s:.0%}"
+    return f"{rate / of_rate:.0%}"
 
 
 def markdown_table(records: list[common.Record]) -> str:
-    """One row per (shape, variant): the floor and each backend's ms, each backend's GB/s and fraction of the
-    roofline (floor ms / its ms), and its check against xla."""
+    """One row per (shape, variant): the floor's and each row's ms, each row's GB/s and fraction of the roofline
+    (its rate over the floor's), each backend's rate over the peer's, and each backend's check against xla."""
     by_key = {(r.shape, r.stage, r.impl): r for r in records}
     impls = [impl for impl in dict.fromkeys(r.impl for r in records) if impl != "hbm-floor"]
+    backends = [impl for impl in impls if impl.startswith("moe_jax:")] if PEER in impls else []
     header = ["shape", "variant", "hbm-floor ms", *(f"{i} ms" for i in impls), *(f"{i} GB/s" for i in impls)]
-    header += [*(f"{i} roofline" for i in impls), "check"]
-    align = ["---", "---", *["---:"] * (1 + 3 * len(impls)), "---"]
+    header += [*(f"{i} roofline" for i in impls), *(f"{i} / {PEER}" for i in backends), "check"]
+    align = ["---", "---", *["---:"] * (1 + 3 * len(impls) + len(backends)), "---"]
     rows = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
     for shape, variant in dict.fromkeys((r.shape, r.stage) for r in records):
         floor = by_key.get((shape, variant, "hbm-floor"))
         row = [by_key.get((shape, variant, impl)) for impl in impls]
         cells = [shape, variant, _ms(floor), *map(_ms, row), *map(_gb_per_s, row)]
-        for record in row:
-            timed = floor and floor.timing and record and record.timing
-            cells.append(f"{floor.timing.median_s / record.timing.median_s:.0%}" if timed else "")
+        cells += [_fraction(record, floor) for record in row]
+        peer = by_key.get((shape, variant, PEER))
+        cells += [_fraction(by_key.get((shape, variant, impl)), peer) for impl in backends]
         checks = [r.note if r.status == "wrong" else "bit-exact" for r in row if r and r.checked_against]
         cells.append("; ".join(checks))
         rows.append("| " + " | ".join(cells) + " |")
@@ -201,6 +245,9 @@ def markdown_table(records: list[common.Record]) -> str:
 TABLE_NOTE = (
     "quant: ms = median per call (spread = (p90 - p10) / median); hbm-floor = x read once and every output (FP8 values "
     "and scales of x, and of x^T for 1x128+t and 128x128+t; of w^T alone for 128x128 fwd) written once, at the read "
-    "rate measured in this run; GB/s = those bytes / ms; roofline = floor ms / ms (target for the kernels: >= "
-    f"{TARGET_ROOFLINE:.0%}); check = values and scales equal to xla's bit for bit"
+    f"rate measured in this run; {PEER} = XLA's elementwise pass over x writing the bytes of the variant's FP8 copies "
+    "(bf16 out; scales and padding aside), the rate a plain pass reaches at that mix of reads and writes; "
+    "GB/s = a row's bytes / ms; roofline = its GB/s / the floor's (target for the kernels: >= "
+    f"{TARGET_ROOFLINE:.0%}); / {PEER} = a kernel's GB/s over the pass's; check = values and scales equal to xla's "
+    "bit for bit"
 )
