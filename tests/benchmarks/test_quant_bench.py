@@ -1,5 +1,5 @@
-"""The quantizer bench on CPU: its floor's bytes, and one tiny run through both backends (the kernel under the GPU
-interpreter) with its bit-for-bit check and table."""
+"""The quantizer bench on CPU: its floor's bytes, its streaming peer's, and one tiny run through both backends (the
+kernel under the GPU interpreter) with its bit-for-bit check and table."""
 
 import functools
 
