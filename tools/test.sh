@@ -7,7 +7,7 @@
 # each holds its own jax and interpreter state), which steal queued tests from each other; the longest tests start
 # first (tests/conftest.py's LONG_TESTS). A worker waits part of its time (on the subprocesses of the mesh, benchmark
 # and notebook tests, on the interpreter's blocked barrier waits), so one worker more than the cores keeps them busy:
-# on 2 cores the default run's pytest takes 11.5-18 minutes with 3 workers (fresh clone, CI machine; the same code
+# on 2 cores the default run's pytest takes 11.5-19.5 minutes with 3 workers (fresh clone, CI machine; the same code
 # varies that much with the machine's speed on the day). A fresh clone's set-up (tools/env.sh) adds half a minute when
 # pip has the packages cached, 2-3 minutes when it downloads them.
 source "$(dirname "$0")/env.sh" || exit 1
