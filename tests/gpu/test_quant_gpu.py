@@ -160,6 +160,33 @@ def test_row_blocks_transposed_match_reference():
     _assert_same_bits(kernel.scales, scales)
 
 
+@pytest.mark.parametrize("num_rows, cols", [(131072, 1536), (32768, 2880)])
+def test_token_blocks_and_rows_match_their_two_quantizations(num_rows, cols):
+    """The row-block pass that also writes the 1 x 128 copy (the GLU backward's d_gate_up, both FP8 GEMMs' operand):
+    at Qwen3-30B-A3B's d_gate_up width over 128 uneven groups that leave 300 rows past their sum, and at a width
+    ending on half a column tile, with NaN and Inf, bit for bit ``quantize_token_blocks`` and
+    ``quantize_blockwise`` on XLA, every row included."""
+    from moe_jax.ops.grouped_matmul import token_blocks
+    from moe_jax.ops.grouped_matmul.reference_fp8 import RECIPES
+
+    x = np.array(_random(9, (num_rows, cols), jnp.float32))
+    x[5, 7], x[num_rows // 2, cols - 1], x[num_rows - 400, 3] = np.nan, np.inf, -np.inf
+    x = jnp.asarray(x, jnp.bfloat16)
+    sizes = np.random.default_rng(10).multinomial(num_rows - 300, np.random.default_rng(11).dirichlet(np.ones(128)))
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    recipe = RECIPES["fp8_block"]
+    blocks, rows = jax.jit(lambda x, g: token_blocks.quantize_token_blocks_and_rows(x, g, recipe))(x, group_sizes)
+
+    def separately(x, group_sizes):
+        expected_blocks = token_blocks.quantize_token_blocks(x, group_sizes, recipe, backend="xla")
+        return expected_blocks, quantize_blockwise(x, (1, 128), backend="xla")
+
+    expected_blocks, expected_rows = jax.jit(separately)(x, group_sizes)
+    _assert_same_bits(blocks.values_t, expected_blocks.values_t)
+    _assert_same_bits(blocks.scales, expected_blocks.scales)
+    _assert_same(rows, expected_rows)
+
+
 @pytest.mark.parametrize("num_tokens, cols", [(16384, 2048), (4096, 2880)])
 def test_gathered_row_blocks_are_the_row_blocks_of_the_gathered_rows(num_tokens, cols):
     """Rows gathered from tokens as a top-8 routing sorts them (each token's 8 rows, shuffled), in the token blocks of

@@ -9,6 +9,7 @@ import pytest
 
 from moe_jax.ops.grouped_matmul import reference_fp8, token_blocks
 from moe_jax.ops.grouped_matmul.token_blocks import GROUP_BLOCKS, GROUP_FIRST_BLOCK, GROUP_ID
+from moe_jax.ops.quant.api import quantize_blockwise
 from tests.helpers import pairwise_by_default
 
 # Jitted: dispatched op by op, each call would compile one small program per operation and shape.
@@ -81,3 +82,50 @@ def test_group_table_lists_largest_groups_first_with_their_blocks():
     assert list(table[GROUP_ID]) == [5, 4, 1, 2, 3, 0]
     np.testing.assert_array_equal(table[GROUP_BLOCKS], np.asarray(blocks)[table[GROUP_ID]])
     np.testing.assert_array_equal(table[GROUP_FIRST_BLOCK], firsts[table[GROUP_ID]])
+
+
+# Group sizes where every group's last block is one row long (the most padded blocks), sums short of M, no rows at
+# all, one group past M.
+WINDOW_CASES = [
+    (700, [1, 129, 257]),
+    (1000, [1, 1, 1, 1]),
+    (130, [1]),
+    (500, [0, 0, 0]),
+    (300, [0, 500, 7]),
+    (64, [3, 0, 5]),
+]
+
+
+@pytest.mark.parametrize("num_rows, sizes", WINDOW_CASES)
+def test_block_windows_tile_the_rows_and_hold_each_blocks_rows(num_rows, sizes):
+    """The 1 x 128 copy's windows cover every row of M exactly once, each within its block's 128 loaded rows, and the
+    blocks of the groups keep their rows (``_padded_token``: the same first rows and counts as the layout test's)."""
+    first_rows, row_counts, windows = map(np.asarray, token_blocks.block_table(jnp.asarray(sizes), num_rows, 128))
+    covered = np.zeros(num_rows, int)
+    for first, window in zip(first_rows, windows, strict=True):
+        assert 0 <= first < num_rows and 0 <= window <= 128
+        covered[first : first + window] += 1
+    np.testing.assert_array_equal(covered, 1)
+    token = _padded_token(np.asarray(sizes), num_rows, 128)
+    rows = np.flatnonzero(token >= 0)
+    np.testing.assert_array_equal(first_rows[token[rows] // 128] + token[rows] % 128, rows)
+    assert row_counts.sum() == len(rows)
+    used = row_counts > 0
+    np.testing.assert_array_equal(windows[used][:-1], row_counts[used][:-1])  # a group's rows, but the last block
+
+
+@pytest.mark.parametrize("pow2_scales", [False, True])
+def test_token_blocks_and_rows_are_both_quantizations(pow2_scales):
+    """``quantize_token_blocks_and_rows``: the token blocks as ``quantize_token_blocks`` gives them, and every row of
+    x in 1 x 128 blocks as ``quantize_blockwise`` does, bit for bit (XLA's path here; the kernel's in
+    tests/ops/test_quant_pallas.py)."""
+    recipe = reference_fp8.Recipe(block=128, weight_cols=128, pow2_scales=pow2_scales)
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(700, 192)) * 3, jnp.bfloat16)
+    group_sizes = jnp.asarray([1, 129, 257], jnp.int32)
+    blocks, rows = jax.jit(token_blocks.quantize_token_blocks_and_rows, static_argnums=2)(x, group_sizes, recipe)
+    expected_blocks = quantize_token_blocks(x, group_sizes, recipe)
+    expected_rows = quantize_blockwise(x, (1, 128), pow2_scales=pow2_scales, backend="xla")
+    for actual, expected in ((blocks.values_t, expected_blocks.values_t), (rows.values, expected_rows.values)):
+        np.testing.assert_array_equal(np.asarray(actual).view(np.uint8), np.asarray(expected).view(np.uint8))
+    np.testing.assert_array_equal(blocks.scales, expected_blocks.scales)
+    np.testing.assert_array_equal(rows.scales.astype(jnp.float32), expected_rows.scales.astype(jnp.float32))

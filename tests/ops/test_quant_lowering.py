@@ -88,11 +88,14 @@ def test_square_block_quantizer_lowers(shape, dtype, copies):
         ((4100, 64), jnp.float16),
     ],
 )
-def test_row_block_quantizer_lowers(shape, dtype):
+@pytest.mark.parametrize("with_rows", [False, True])
+def test_row_block_quantizer_lowers(shape, dtype, with_rows):
+    """Also with the 1 x 128 copy of the rows (``copy_rows``): a second FP8 ring of one-row tiles beside x^T's."""
     num_blocks = shape[0] // 128 + 128  # the wgrad's bound with 128 groups
 
     def quantize(x, first_rows, row_counts):
-        return quantize_row_blocks_transposed(x, first_rows, row_counts, backend="pallas")
+        copy_rows = row_counts if with_rows else None
+        return quantize_row_blocks_transposed(x, first_rows, row_counts, copy_rows=copy_rows, backend="pallas")
 
     table = jax.ShapeDtypeStruct((num_blocks,), jnp.int32)
     assert _lowered_args(quantize, jax.ShapeDtypeStruct(shape, dtype), table, table).count(MOSAIC_CALL) == 1

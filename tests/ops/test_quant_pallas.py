@@ -309,7 +309,7 @@ def test_row_block_kernel_takes_its_pass_band(monkeypatch, gathered):
     """``quantize_row_blocks_transposed`` launches the kernel with the band of its pass: sorted or gathered rows."""
     launched = []
 
-    def kernel(x, first_rows, row_counts, *, row_tokens, dtype, pow2_scales, config, num_sms, interpret):
+    def kernel(x, first_rows, row_counts, *, row_tokens, copy_rows, dtype, pow2_scales, config, num_sms, interpret):
         launched.append(config.block_band)
         blocks = first_rows.shape[0]
         return jnp.zeros((x.shape[1], TILE * blocks), dtype), jnp.zeros((blocks, x.shape[1]), jnp.float32)
@@ -341,3 +341,45 @@ def test_row_blocks_ring_wraps_around_on_one_sm(block_band):
     expected = _reference_row_blocks(x, first_rows, row_counts, E4M3, False)
     for a, e in zip(actual, expected, strict=True):
         np.testing.assert_array_equal(_bits(a), _bits(e))
+
+
+def test_row_blocks_with_rows_write_the_1x128_copy_in_their_windows():
+    """The row-block pass with ``copy_rows`` also writes x's 1 x 128 copy, each block the rows of its window: windows
+    that tile M = 300 with lengths that split into several prefix stores per consumer (100 = 64 + 32 + 4, 37, 35 for
+    a last block whose own rows end at 20), a full block, and an empty one. Bit for bit ``quantize_blockwise``'s, and
+    the transposed blocks unchanged; C = 192, a partial column tile; on one SM with two ring slots, so that slots and
+    output buffers are reused."""
+    x = np.array(_random(11, (300, 192), jnp.float32))
+    x[120, 7], x[250, 190] = np.inf, -np.inf
+    x = jnp.asarray(x, jnp.bfloat16)
+    first_rows = jnp.asarray([0, 100, 228, 265, 299], jnp.int32)
+    row_counts = jnp.asarray([100, 128, 37, 20, 0], jnp.int32)
+    copy_rows = jnp.asarray([100, 128, 37, 35, 0], jnp.int32)
+
+    def quantize(x, first_rows, row_counts, copy_rows):
+        return sm90_row_blocks.quantize_row_blocks_transposed(
+            x,
+            first_rows,
+            row_counts,
+            copy_rows=copy_rows,
+            dtype=E4M3,
+            pow2_scales=False,
+            config=Config(stages=2, block_band=2),
+            num_sms=1,
+            interpret=interpret_params(),
+        )
+
+    values_t, scales_t, values, scales = _interpreted(quantize, x, first_rows, row_counts, copy_rows)
+    expected_t = _reference_row_blocks(x, first_rows, row_counts, E4M3, False)
+    np.testing.assert_array_equal(_bits(values_t), _bits(expected_t[0]))
+    np.testing.assert_array_equal(_bits(scales_t), _bits(expected_t[1]))
+    expected = _reference(x, (1, 128), E4M3, False)
+    assert values.shape == (300, 192) and scales.shape == (300, 2)
+    np.testing.assert_array_equal(_bits(values), _bits(expected.values))
+    np.testing.assert_array_equal(_bits(scales), _bits(expected.scales))
+
+
+def test_row_slots_place_each_row_in_its_window():
+    """Row r of a window of block b has its scales at slot 128 b + r - first_rows[b]; a row in no window at 0."""
+    slots = sm90_row_blocks.row_slots(jnp.asarray([4, 0, 9], jnp.int32), jnp.asarray([5, 3, 0], jnp.int32), 10)
+    assert slots.tolist() == [128, 129, 130, 0, 0, 1, 2, 3, 4, 0]

@@ -474,11 +474,16 @@ def _fp8_glu_mlp_bwd(top_k, activation, gather, combine, residuals, d_y):
         out_dtype=x.dtype,
         row_tokens=d_y_tokens if gather else None,
     )
-    d_rows = grouped_matmul_api.fp8_dgrad(d_gate_up, w_gate_up_kn, group_sizes, recipe, False, x.dtype)
+    d_gate_up_rows = d_gate_up_blocks = d_gate_up
+    if not isinstance(w_gate_up, BlockScaled):
+        d_gate_up_rows, d_gate_up_blocks = grouped_matmul_api.fp8_backward_operands(
+            d_gate_up, x.shape[1], w_gate_up_kn, group_sizes, x.dtype, w_gate_up.dtype
+        )
+    d_rows = grouped_matmul_api.fp8_dgrad(d_gate_up_rows, w_gate_up_kn, group_sizes, recipe, False, x.dtype)
     wgrad = functools.partial(grouped_matmul_api.fp8_wgrad, quantization=FP8_KERNEL_QUANTIZATION, transpose_rhs=False)
     d_w_gate_up = d_w_down = None
     if not isinstance(w_gate_up, BlockScaled):
-        d_master = wgrad(x, group_sizes, d_gate_up, out_dtype=w_gate_up.dtype, row_tokens=row_tokens)
+        d_master = wgrad(x, group_sizes, d_gate_up_blocks, out_dtype=w_gate_up.dtype, row_tokens=row_tokens)
         d_w_gate_up = grouped_matmul_api.weight_gradient(w_gate_up, d_master)
     if not isinstance(w_down, BlockScaled):
         d_master = wgrad(hidden_scaled, group_sizes, d_y, out_dtype=w_down.dtype, d_pre_row_tokens=d_y_tokens)

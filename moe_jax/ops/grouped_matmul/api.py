@@ -23,7 +23,7 @@ from jax import lax
 
 from moe_jax._core import backend as dispatch
 from moe_jax._core import checks
-from moe_jax.ops.grouped_matmul import reference, reference_fp8
+from moe_jax.ops.grouped_matmul import reference, reference_fp8, token_blocks
 from moe_jax.ops.grouped_matmul.glu import ACTIVATIONS, glu
 from moe_jax.ops.grouped_matmul.launch import (
     BF16_KERNEL_GEMMS,
@@ -535,10 +535,25 @@ def _pallas_fp8_bwd(activation, out_dtype, transpose_rhs, quantization, residual
     return d_lhs, d_weights, None, d_row_scale
 
 
+def fp8_backward_operands(d_pre, lhs_cols: int, w_kn: BlockScaled, group_sizes, out_dtype, w_dtype) -> tuple:
+    """d_pre [M, N] as ``fp8_dgrad`` and ``fp8_wgrad`` (transpose_rhs=False, lhs [M, lhs_cols]) take it: where both
+    run their kernels, its 1 x 128 rows and its token blocks from one quantizer pass
+    (token_blocks.quantize_token_blocks_and_rows), which each GEMM would otherwise make on its own; else d_pre for
+    both."""
+    recipe = RECIPES[FP8_KERNEL_QUANTIZATION]
+    wgrad_refusal = fp8_wgrad_unsupported(FP8_KERNEL_QUANTIZATION, lhs_cols, d_pre.shape[1], w_dtype)
+    if not fp8_dgrad_runs(w_kn.shape[1], out_dtype) or wgrad_refusal is not None:
+        return d_pre, d_pre
+    blocks, rows = token_blocks.quantize_token_blocks_and_rows(d_pre, group_sizes, recipe)
+    return rows, blocks
+
+
 def fp8_dgrad(d_pre, w_kn: BlockScaled, group_sizes, recipe, transpose_rhs: bool, out_dtype) -> jax.Array:
     """d lhs [M, K] = dy . w[g]^T, dy = d_pre [M, N] quantized along N: the FP8 kernel with N as its contraction,
     reading the forward's quantized weights as [G, K, N] (``w_kn``: K-major for this GEMM), where it runs; else in
-    XLA."""
+    XLA. d_pre may come quantized already (``fp8_backward_operands``), where the kernel runs."""
+    if isinstance(d_pre, BlockScaled):
+        return run_fp8_forward_kernel(d_pre, w_kn, group_sizes, None, None, out_dtype, keep=False)
     if not fp8_dgrad_runs(w_kn.shape[1], out_dtype):
         stored = quant.swap_last_axes(w_kn) if transpose_rhs else w_kn  # the weights' own layout, as XLA's path takes
         return reference_fp8.quantized_dgrad(stored, group_sizes, d_pre, recipe, transpose_rhs, out_dtype)
@@ -559,8 +574,13 @@ def fp8_wgrad(
     """d rhs [G, K, N] (or [G, N, K]) = x_g^T . dy_g, lhs and d_pre [M, N] quantized in row blocks per group: the FP8
     wgrad kernel where it runs (``fp8_wgrad_unsupported``), else in XLA. With ``row_tokens`` [M] int32 lhs is
     [T, K] tokens and row r is ``lhs[row_tokens[r]]``; with ``d_pre_row_tokens`` likewise d_pre [T, N]: the kernel
-    path gathers the rows in the operand's quantizer."""
+    path gathers the rows in the operand's quantizer. d_pre may come as TokenBlocks already
+    (``fp8_backward_operands``), where the kernel runs."""
     recipe = RECIPES[quantization]
+    if isinstance(d_pre, token_blocks.TokenBlocks):
+        return run_fp8_wgrad_kernel(
+            reference_fp8.high_precision(lhs), d_pre, group_sizes, out_dtype=out_dtype, x_row_tokens=row_tokens
+        )
     if fp8_wgrad_unsupported(quantization, lhs.shape[1], d_pre.shape[1], out_dtype) is not None:
         rows = lhs if row_tokens is None else reference_fp8.high_precision(lhs)[row_tokens]
         d_rows = d_pre if d_pre_row_tokens is None else d_pre[d_pre_row_tokens]

@@ -501,16 +501,19 @@ def run_fp8_wgrad_kernel(
     token_blocks.py lays both out for the kernel (transposed, group-padded; in XLA); group_sizes [G] int32 stay on
     the device. ``config=None`` takes ``fp8_wgrad_config``'s. The op's d rhs [G, K, N] is (lhs, d out); [G, N, K] is
     (d out, lhs). With ``x_row_tokens`` [M] int32, x is [T, P] tokens and its row r is ``x[x_row_tokens[r]]``,
-    gathered by x's quantizer; ``y_row_tokens`` likewise for y.
+    gathered by x's quantizer; ``y_row_tokens`` likewise for y. y may come as ``token_blocks.TokenBlocks`` already
+    (``token_blocks.quantize_token_blocks_and_rows``).
     """
     recipe = RECIPES[FP8_KERNEL_QUANTIZATION]
-    m = y.shape[0] if y_row_tokens is None else y_row_tokens.shape[0]
-    p, q = x.shape[1], y.shape[1]
+    m = x.shape[0] if x_row_tokens is None else x_row_tokens.shape[0]
+    p, q = x.shape[1], token_blocks.num_cols(y)
     if config is None:
         itemsize = jnp.dtype(out_dtype).itemsize
         config = fp8_wgrad_config(m=m, p=p, q=q, g=group_sizes.shape[0], out_itemsize=itemsize)
     x_blocks = token_blocks.quantize_token_blocks(x, group_sizes, recipe, row_tokens=x_row_tokens)
-    y_blocks = token_blocks.quantize_token_blocks(y, group_sizes, recipe, row_tokens=y_row_tokens)
+    y_blocks = y
+    if not isinstance(y, token_blocks.TokenBlocks):
+        y_blocks = token_blocks.quantize_token_blocks(y, group_sizes, recipe, row_tokens=y_row_tokens)
     return sm90_fp8_wgrad.grouped_matmul_wgrad_fp8(
         x_blocks.values_t,
         x_blocks.scales,

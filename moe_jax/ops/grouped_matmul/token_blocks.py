@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from moe_jax.ops.grouped_matmul.reference_fp8 import DTYPE, Recipe
 from moe_jax.ops.grouped_matmul.schedule import _prefix_sums, group_bounds
-from moe_jax.ops.quant.api import quantize_row_blocks_transposed
+from moe_jax.ops.quant.api import BlockScaled, quantize_row_blocks_transposed
 
 GROUP_ID, GROUP_FIRST_BLOCK, GROUP_BLOCKS = range(3)  # rows of the [3, G] group table (``group_table``)
 
@@ -63,6 +63,34 @@ class TokenBlocks:
     scales: jax.Array
 
 
+def block_table(group_sizes: jax.Array, num_rows: int, block: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The quantizer's table of the ``max_token_blocks`` padded blocks, [B] int32 each: (first row, rows, window).
+
+    Block b holds rows [first, first + rows) of its group (rows = 0 for the blocks past every group's). The windows
+    [first, first + window) tile [0, M) for the rows' 1 x 128 copy that the quantizer can write beside
+    (``quantize_token_blocks_and_rows``): a block's own rows, the last group's last block up to 128 rows on, and
+    the blocks past every group's the rest of M in 128-row steps (first then names a window's start, clipped into
+    [0, M)). The bound leaves enough of those: it counts up to block - 1 padding rows for every group, and only
+    the last group's last block reaches past its rows.
+    """
+    starts, rows, first_blocks = group_blocks(group_sizes, num_rows, block)
+    capacity = max_token_blocks(num_rows, group_sizes.shape[0], block)
+    blocks = jnp.arange(capacity, dtype=jnp.int32)
+    group = jnp.searchsorted(first_blocks, blocks, side="right", method="compare_all") - 1
+    group = jnp.clip(group, 0, group_sizes.shape[0] - 1).astype(jnp.int32)
+    offset = (blocks - first_blocks[group]) * block
+    row_counts = jnp.clip(rows[group] - offset, 0, block).astype(jnp.int32)
+    used_blocks = first_blocks[-1] + (rows[-1] + block - 1) // block
+    used = blocks < used_blocks
+    group_rows = starts[group] + offset
+    used_end = jnp.where(used_blocks > 0, group_rows[jnp.maximum(used_blocks - 1, 0)] + block, 0)
+    window_starts = jnp.where(used, group_rows, used_end + (blocks - used_blocks) * block)
+    next_starts = jnp.concatenate([window_starts[1:], jnp.full((1,), num_rows, jnp.int32)])
+    windows = jnp.clip(jnp.minimum(next_starts, num_rows) - window_starts, 0, block).astype(jnp.int32)
+    first_rows = jnp.clip(window_starts, 0, max(num_rows - 1, 0)).astype(jnp.int32)
+    return first_rows, row_counts, windows
+
+
 def quantize_token_blocks(
     x: jax.Array, group_sizes: jax.Array, recipe: Recipe, *, row_tokens: jax.Array | None = None, backend: str = "auto"
 ) -> TokenBlocks:
@@ -71,27 +99,46 @@ def quantize_token_blocks(
     once). group_sizes: [G] int32. With ``row_tokens`` [M] int32, x is [T, C] tokens and row r is
     ``x[row_tokens[r]]`` (gathered by the quantizer's loads)."""
     num_rows = x.shape[0] if row_tokens is None else row_tokens.shape[0]
-    block, num_groups = recipe.block, group_sizes.shape[0]
-    starts, rows, first_blocks = group_blocks(group_sizes, num_rows, block)
-    capacity = max_token_blocks(num_rows, num_groups, block)
-
-    # Each padded block's group, and its rows of x (none for the blocks past every group's).
-    blocks = jnp.arange(capacity, dtype=jnp.int32)
-    group = jnp.searchsorted(first_blocks, blocks, side="right", method="compare_all") - 1
-    group = jnp.clip(group, 0, num_groups - 1).astype(jnp.int32)
-    offset = (blocks - first_blocks[group]) * block
-    row_counts = jnp.clip(rows[group] - offset, 0, block).astype(jnp.int32)
-    first_rows = jnp.where(row_counts > 0, starts[group] + offset, 0).astype(jnp.int32)
+    first_rows, row_counts, _ = block_table(group_sizes, num_rows, recipe.block)
     values_t, scales = quantize_row_blocks_transposed(
         x,
         first_rows,
         row_counts,
-        block,
+        recipe.block,
         row_tokens=row_tokens,
         dtype=DTYPE,
         pow2_scales=recipe.pow2_scales,
         backend=backend,
     )
+    return _token_blocks(values_t, scales)
+
+
+def quantize_token_blocks_and_rows(
+    x: jax.Array, group_sizes: jax.Array, recipe: Recipe, *, backend: str = "auto"
+) -> tuple[TokenBlocks, BlockScaled]:
+    """``quantize_token_blocks(x, ...)`` and x [M, C] in the recipe's 1 x 128 blocks along C (what the FP8 GEMMs
+    take as their lhs, ``quantize_blockwise``'s bit for bit) from the same read of x: the two operands of a
+    gradient that both an FP8 dgrad and an FP8 wgrad contract."""
+    first_rows, row_counts, windows = block_table(group_sizes, x.shape[0], recipe.block)
+    values_t, scales, rows = quantize_row_blocks_transposed(
+        x,
+        first_rows,
+        row_counts,
+        recipe.block,
+        copy_rows=windows,
+        dtype=DTYPE,
+        pow2_scales=recipe.pow2_scales,
+        backend=backend,
+    )
+    return _token_blocks(values_t, scales), rows
+
+
+def num_cols(x: "jax.Array | TokenBlocks") -> int:
+    """C of x [M, C], or of the x that ``TokenBlocks`` quantized."""
+    return x.values_t.shape[0] if isinstance(x, TokenBlocks) else x.shape[1]
+
+
+def _token_blocks(values_t: jax.Array, scales: jax.Array) -> TokenBlocks:
     # Power-of-two scales come as float8_e8m0fnu: f32 holds them exactly, as TokenBlocks does every scale.
     return TokenBlocks(values_t, scales.astype(jnp.float32))
 

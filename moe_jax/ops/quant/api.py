@@ -252,13 +252,15 @@ def quantize_row_blocks_transposed(
     block_size: int = config.TILE,
     *,
     row_tokens: jax.Array | None = None,
+    copy_rows: jax.Array | None = None,
     dtype=jnp.float8_e4m3fn,
     pow2_scales: bool = False,
     backend: str = "auto",
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple:
     """Blocks of up to ``block_size`` rows of x, each starting on any row, quantized along their rows per column and
     written transposed, each padded with zeros to ``block_size`` rows: the FP8 wgrad's operand layout
-    (grouped_matmul/token_blocks.py), from one read of x.
+    (grouped_matmul/token_blocks.py), from one read of x; with ``copy_rows``, also x's own 1 x 128 copy (the FP8
+    GEMMs' lhs) from the same read.
 
     Args:
       x: [M, C] float; or with ``row_tokens``, [T, C] tokens whose rows the blocks gather.
@@ -267,12 +269,16 @@ def quantize_row_blocks_transposed(
       block_size: the blocks' rows.
       row_tokens: optional [M] int32 in [0, T): row r of the blocks is ``x[row_tokens[r]]``, gathered as the rows
         are read (e.g. a routing's ``sort_indices // top_k``: the expert-sorted copies of the tokens, never written).
+      copy_rows: optional [B] int32 in [0, block_size], not with ``row_tokens``: block b also writes rows
+        [first_rows[b], first_rows[b] + copy_rows[b]) of x's 1 x 128 copy. The windows must not overlap; a row in
+        none of them is unspecified in that copy (the kernel does not write it).
       dtype, pow2_scales, backend: as in ``quantize_blockwise``; the kernel takes block_size 128, bf16/f16 x and C
         a multiple of 64.
 
     Returns:
       (values_t [C, block_size * B]: block b's rows in columns [block_size * b, block_size * b + row_counts[b]),
-      zeros after; scales [B, C]: block b's scale of column c at [b, c], f32 or float8_e8m0fnu).
+      zeros after; scales [B, C]: block b's scale of column c at [b, c], f32 or float8_e8m0fnu); with ``copy_rows``
+      also x's ``BlockScaled`` in 1 x 128 blocks, as ``quantize_blockwise(x, (1, 128))`` gives it in the windows.
     """
     _check_options(x, dtype, pow2_scales)
     checks.check_rank("x", x, 2, "[M, C]")
@@ -284,21 +290,31 @@ def quantize_row_blocks_transposed(
     if row_tokens is not None:
         checks.check_rank("row_tokens", row_tokens, 1, "[M]")
         checks.check_int32("row_tokens", row_tokens)
+    if copy_rows is not None:
+        if row_tokens is not None:
+            raise ValueError("copy_rows writes x's own rows: pass it without row_tokens")
+        checks.check_rank("copy_rows", copy_rows, 1, "[B]")
+        checks.check_int32("copy_rows", copy_rows)
+        checks.check_dim("copy_rows", copy_rows.shape[0], first_rows.shape[0], "length (B, first_rows.shape[0])")
     if _use_kernel("quantize_row_blocks_transposed", x, (block_size, 1), dtype, True, backend, row_blocks=True):
-        values_t, scales = sm90_row_blocks.quantize_row_blocks_transposed(
+        values_t, scales, *row_copy = sm90_row_blocks.quantize_row_blocks_transposed(
             x,
             first_rows,
             row_counts,
             row_tokens=row_tokens,
+            copy_rows=copy_rows,
             dtype=dtype,
             pow2_scales=pow2_scales,
             config=config.heuristic_config(
-                x.dtype, False, "row blocks" if row_tokens is None else "gathered row blocks"
+                x.dtype, copy_rows is not None, "row blocks" if row_tokens is None else "gathered row blocks"
             ),
             num_sms=num_sms(),
             interpret=interpret_params(),
         )
-        return values_t, _stored_scales(scales, pow2_scales)
-    return reference.quantize_row_blocks_transposed(
+        return values_t, _stored_scales(scales, pow2_scales), *_block_scaled(row_copy, (1, config.TILE), pow2_scales)
+    blocks = reference.quantize_row_blocks_transposed(
         x, first_rows, row_counts, block_size, dtype, pow2_scales, row_tokens
     )
+    if copy_rows is None:
+        return blocks
+    return *blocks, reference.quantize_blockwise(x, (1, config.TILE), dtype, pow2_scales)
