@@ -9,6 +9,8 @@ At each named shape (``SHAPES``, bf16 inputs), per variant (``variants``):
 - "mxfp8":   ``quantize_blockwise(x, (1, 32), pow2_scales=True)``: e8m0 scales;
 - "wgrad":   ``token_blocks.quantize_token_blocks``: the FP8 wgrad's operand, x in blocks of 128 rows from each group's
              first row, transposed and group-padded (``GROUPS`` uneven groups);
+- "wgrad+rows": ``token_blocks.quantize_token_blocks_and_rows``: also x's 1 x 128 copy from the same read (the GLU
+             backward's d_gate_up, which an FP8 dgrad and an FP8 wgrad both contract);
 - "128x128": ``quantize_blockwise(w [G, K, N], (1, 128, 128))``: weights, once per step;
 - "128x128 fwd": ``quantize_square_blocks(w, copies=("transposed",))``: the FP8 forward's copy [G, N, K] alone (what a
              call without gradients quantizes);
@@ -88,11 +90,15 @@ def variants(shape: QuantShape) -> dict[str, Callable]:
     def wgrad_blocks(x, backend):
         return token_blocks.quantize_token_blocks(x, jnp.asarray(sizes, jnp.int32), recipe, backend=backend)
 
+    def wgrad_blocks_and_rows(x, backend):
+        return token_blocks.quantize_token_blocks_and_rows(x, jnp.asarray(sizes, jnp.int32), recipe, backend=backend)
+
     return {
         "1x128": lambda x, backend: quantize_blockwise(x, (1, 128), backend=backend),
         "1x128+t": lambda x, backend: quantize_blockwise_with_transpose(x, 128, backend=backend),
         "mxfp8": lambda x, backend: quantize_blockwise(x, (1, 32), pow2_scales=True, backend=backend),
         "wgrad": wgrad_blocks,
+        "wgrad+rows": wgrad_blocks_and_rows,
     }
 
 

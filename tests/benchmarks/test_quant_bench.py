@@ -37,7 +37,7 @@ def test_the_peer_writes_the_fp8_copies_bytes_in_bf16():
     spec = jax.ShapeDtypeStruct(x.shape, x.dtype)
     variants = quant.variants(quant.SHAPES["ci/x"])
     copies = {name: quant.fp8_copies(lambda x, fn=fn: fn(x, "xla"), spec) for name, fn in variants.items()}
-    assert copies == {"1x128": 1, "1x128+t": 2, "mxfp8": 1, "wgrad": 1}
+    assert copies == {"1x128": 1, "1x128+t": 2, "mxfp8": 1, "wgrad": 1, "wgrad+rows": 2}
     w = jax.ShapeDtypeStruct((2, 256, 320), jnp.bfloat16)
     weight_variants = quant.variants(quant.SHAPES["ci/w"])
     assert quant.fp8_copies(lambda w: weight_variants["128x128+t"](w, "xla"), w) == 2
@@ -58,13 +58,14 @@ def test_tiny_run_times_both_backends_and_finds_them_equal():
     records = quant.run([quant.SHAPES["ci/x"], quant.SHAPES["ci/w"]], TINY, emit=lambda record: None)
     rows = [(r.shape, r.stage, r.impl) for r in records]
     impls = ["hbm-floor", quant.PEER, "moe_jax:xla", "moe_jax:pallas"]
-    expected = [("ci/x", variant, impl) for variant in ("1x128", "1x128+t", "mxfp8", "wgrad") for impl in impls]
+    x_variants = ("1x128", "1x128+t", "mxfp8", "wgrad", "wgrad+rows")
+    expected = [("ci/x", variant, impl) for variant in x_variants for impl in impls]
     expected += [("ci/w", variant, impl) for variant in ("128x128", "128x128 fwd", "128x128+t") for impl in impls]
     assert rows == expected
     assert all(r.status == "ok" and r.timing is not None for r in records)
-    assert [r.rel_err for r in records if r.impl == "moe_jax:pallas"] == [0.0] * 7  # no byte differs
+    assert [r.rel_err for r in records if r.impl == "moe_jax:pallas"] == [0.0] * 8  # no byte differs
     table = quant.markdown_table(records)
-    assert table.count("bit-exact") == 7 and "| ci/w | 128x128 |" in table and "| ci/w | 128x128+t |" in table
+    assert table.count("bit-exact") == 8 and "| ci/w | 128x128 |" in table and "| ci/w | 128x128+t |" in table
     assert f"| moe_jax:pallas / {quant.PEER} |" in table
 
 

@@ -25,10 +25,10 @@ With ``copy_rows`` the pass also writes x's own 1 x 128 copy (the FP8 GEMMs' lhs
 hold their 1 x 128 blocks of its column tile whole, so each consumer also loads its 64 rows of both column pieces,
 quantizes them as sm90.py does and TMA-stores the rows of its block's window [first_rows[b], + copy_rows[b]) alone
 (the windows tile the rows; a consumer's part of a window shorter than its 64 rows goes as one copy per set bit of
-that length, from an FP8 buffer of one-row tiles). Their scales go to a [C / 128, 128 B] array of 128 slots per block, gathered
-into row order after the kernel (``row_slots``): a store from registers writes all 64 rows, and the rows past a
-window are another block's. The d_gate_up of the GLU backward is such an operand: its dgrad and its wgrad then read
-one pass's copies.
+that length, from an FP8 buffer of one-row tiles). Their scales go to a [C / 128, 128 B] array of 128 slots per
+block, gathered into row order after the kernel (``row_slots``): a store from registers writes all 64 rows, and the
+rows past a window are another block's. The d_gate_up of the GLU backward is such an operand: its dgrad and its
+wgrad then read one pass's copies.
 
 With ``row_tokens`` the rows are gathered: row r is ``x[row_tokens[r]]`` of tokens x [T, C] (the wgrad of the
 gate_up projection contracts the expert-sorted copies of the tokens, which are then never written). Hopper's TMA has
